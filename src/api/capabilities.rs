@@ -1,0 +1,109 @@
+//! The capability traits. `DeviceAllocator` is required of every mechanism; `VirtualBacking`
+//! and `SharedMapping` are optional and reached through explicit queries that return `None`
+//! where the mechanism cannot do the job. Nothing here has a default body that pretends.
+
+use std::ops::Range;
+
+use super::allocation::{AllocationRequest, DeviceAllocation};
+use super::error::{FreeError, MemoryError};
+use super::ids::{ContextId, DeviceKey, MechanismId};
+use super::virtual_allocation::{
+    CommitResult, DecommitResult, MapAccess, PhysicalBlock, ReserveRequest, VirtualAllocation,
+};
+
+/// When an allocator takes physical memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitModel {
+    /// Every byte is taken at `allocate`: charge the full footprint before allocating.
+    Eager,
+    /// Bytes are taken as they are committed later.
+    OnDemand,
+}
+
+/// Ordinary allocate/free: the one capability every mechanism has.
+pub trait DeviceAllocator: Send + Sync {
+    /// The mechanism this allocator belongs to.
+    fn mechanism(&self) -> MechanismId;
+    /// The device it allocates on.
+    fn device(&self) -> DeviceKey;
+    /// The provider context its allocations belong to.
+    fn context(&self) -> ContextId;
+    /// When physical memory is taken.
+    fn commit_model(&self) -> CommitModel;
+    /// The physical bytes `request` would take: what a charge for it must cover.
+    fn footprint(&self, request: &AllocationRequest) -> Result<u64, MemoryError>;
+    /// Allocates; on success the footprint is physically taken (for an eager allocator).
+    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError>;
+    /// Frees an allocation this allocator made, returning the bytes freed. An allocation from
+    /// another mechanism or context is refused and handed back untouched.
+    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError>;
+    /// Physical bytes of `allocation` present now, as the OS or driver reports them.
+    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError>;
+}
+
+/// Address/backing separation: reserve a range once, then install and remove physical memory
+/// behind parts of it. The base address never moves.
+pub trait VirtualBacking: Send + Sync {
+    /// The mechanism this backing belongs to.
+    fn mechanism(&self) -> MechanismId;
+    /// The device it maps on.
+    fn device(&self) -> DeviceKey;
+    /// Minimum mapping unit in bytes, as the OS or driver reports it.
+    fn granularity(&self) -> u64;
+    /// Reserves address space with nothing behind it.
+    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError>;
+    /// Installs exclusively owned physical memory behind `range` (granule-aligned, all of it
+    /// reserved). On error nothing of `range` stays mapped.
+    fn commit_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        range: Range<u64>,
+    ) -> Result<CommitResult, MemoryError>;
+    /// Removes the backing of `range` (every granule backed; shared blocks whole), keeping the
+    /// addresses reserved so nothing else can take them.
+    fn decommit_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        range: Range<u64>,
+    ) -> Result<DecommitResult, MemoryError>;
+    /// Exclusively committed physical bytes of `allocation`, as the OS or driver reports them.
+    fn committed_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError>;
+}
+
+/// One physical block at several addresses: shared prompt prefixes.
+pub trait SharedMapping: Send + Sync {
+    /// The mechanism this capability belongs to.
+    fn mechanism(&self) -> MechanismId;
+    /// Creates a physically committed block of `bytes` (a whole number of granules).
+    fn create_block(&self, bytes: u64) -> Result<PhysicalBlock, MemoryError>;
+    /// Maps `block` into `allocation` at `offset` (granule-aligned, reserved) with `access`.
+    /// The mapping holds a reference to the block until it is decommitted or the reservation goes.
+    fn map_block(
+        &self,
+        allocation: &mut VirtualAllocation,
+        offset: u64,
+        block: &PhysicalBlock,
+        access: MapAccess,
+    ) -> Result<(), MemoryError>;
+    /// Physical bytes of `block` present now, as the OS or driver reports them.
+    fn block_resident_bytes(&self, block: &PhysicalBlock) -> Result<u64, MemoryError>;
+    /// Bytes privately copied on write inside `allocation` (not part of any block).
+    fn private_copy_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError>;
+}
+
+/// A mechanism: one device's allocator plus whatever optional capabilities it really has.
+///
+/// The queries borrow from the mechanism itself, so they always answer for its current state,
+/// never for a snapshot taken earlier.
+pub trait DeviceMemoryMechanism: Send + Sync {
+    /// Its identity; every handle it creates carries it.
+    fn id(&self) -> MechanismId;
+    /// The device it manages.
+    fn device(&self) -> DeviceKey;
+    /// Ordinary allocation (required).
+    fn allocator(&self) -> &dyn DeviceAllocator;
+    /// On-demand mapping, where supported.
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking>;
+    /// Shared physical blocks, where supported.
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping>;
+}

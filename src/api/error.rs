@@ -1,0 +1,142 @@
+//! The one error type of the mechanisms, each variant saying what the caller can do.
+
+use std::io;
+use std::ops::Range;
+
+use super::ids::MechanismId;
+
+/// Why a mechanism refused or failed an operation. A refused operation changed nothing.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// A size of zero was asked for; ask for at least one granule.
+    #[error("{what} is zero bytes; ask for at least one granule")]
+    ZeroSize {
+        /// Which argument was zero.
+        what: &'static str,
+    },
+    /// Arithmetic on the requested size overflowed; the request cannot be represented.
+    #[error("{what} overflows the address space")]
+    SizeOverflow {
+        /// Which computation overflowed.
+        what: &'static str,
+    },
+    /// A size or offset is not a whole number of granules; round it with the granularity.
+    #[error("{what} = {value} is not a multiple of the mapping granularity {granularity}")]
+    Misaligned {
+        /// Which argument was misaligned.
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The granularity it must be a multiple of.
+        granularity: u64,
+    },
+    /// An alignment that is not a power of two, or larger than the mechanism provides.
+    #[error("alignment {alignment} is not a power of two no larger than {max}")]
+    BadAlignment {
+        /// The alignment asked for.
+        alignment: u64,
+        /// The largest alignment this mechanism provides.
+        max: u64,
+    },
+    /// A range reaches past the reservation; reserve more up front.
+    #[error("range {:#x}..{:#x} lies outside the reservation of {reserved} bytes", range.start, range.end)]
+    OutOfReservation {
+        /// The offending range.
+        range: Range<u64>,
+        /// The reservation's length.
+        reserved: u64,
+    },
+    /// Part of the range is already backed; decommit it first or pick another range.
+    #[error("offset {offset:#x} is already committed")]
+    AlreadyCommitted {
+        /// The first committed offset found.
+        offset: u64,
+    },
+    /// Part of the range has no backing; there is nothing to decommit there.
+    #[error("offset {offset:#x} is not committed")]
+    NotCommitted {
+        /// The first uncommitted offset found.
+        offset: u64,
+    },
+    /// A shrink larger than what is committed.
+    #[error("cannot shrink by {by} bytes: only {len} are committed")]
+    ShrinkBelowZero {
+        /// How much the caller asked to remove.
+        by: u64,
+        /// How much is committed.
+        len: u64,
+    },
+    /// A range would split a shared block; shared blocks are mapped and unmapped whole.
+    #[error("range {:#x}..{:#x} splits the shared block mapped at {block:#x}; unmap whole blocks", range.start, range.end)]
+    PartialBlock {
+        /// The range asked for.
+        range: Range<u64>,
+        /// The offset at which the split block is mapped.
+        block: u64,
+    },
+    /// A handle was given to a mechanism that did not create it; release it through its creator.
+    #[error("handle was created by {owner}, not by {this}; release it through its creator")]
+    ForeignHandle {
+        /// The mechanism that created the handle.
+        owner: MechanismId,
+        /// The mechanism it was handed to.
+        this: MechanismId,
+    },
+    /// The capability does not exist here. Nothing happened; take the explicit fallback.
+    #[error("{capability} is not supported: {reason}")]
+    Unsupported {
+        /// The capability asked for.
+        capability: &'static str,
+        /// Why it is missing.
+        reason: &'static str,
+    },
+    /// The operating system or driver has no physical memory for this; free something first.
+    #[error("out of physical memory while {op} {bytes} bytes")]
+    OutOfMemory {
+        /// The operation that ran out.
+        op: &'static str,
+        /// How many bytes it wanted.
+        bytes: u64,
+    },
+    /// A system call failed for another reason.
+    #[error("{op} failed: {source}")]
+    Os {
+        /// The system call or step.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl MemoryError {
+    pub(crate) fn os(op: &'static str, source: impl Into<io::Error>) -> Self {
+        MemoryError::Os {
+            op,
+            source: source.into(),
+        }
+    }
+}
+
+/// An operation refused a handle, and gives it back so it is neither leaked nor freed by the wrong owner.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct Refused<T: std::fmt::Debug> {
+    /// Why it was refused.
+    #[source]
+    pub error: MemoryError,
+    /// The handle, untouched.
+    pub handle: T,
+}
+
+/// Why [`DeviceAllocator::free`](super::DeviceAllocator::free) did not free.
+#[derive(Debug, thiserror::Error)]
+pub enum FreeError {
+    /// The allocation belongs to another mechanism or context; it is handed back untouched.
+    #[error(transparent)]
+    Refused(Box<Refused<super::DeviceAllocation>>),
+    /// The creator tried and the system call failed; the handle is consumed.
+    #[error("the creating mechanism failed to free: {0}")]
+    Failed(#[source] MemoryError),
+}

@@ -1,0 +1,161 @@
+//! The eager host allocator: ordinary anonymous memory, every page taken at allocate time.
+
+use std::sync::{Arc, Mutex};
+
+use crate::api::{
+    AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
+    DeviceAllocator, DeviceKey, DeviceKind, FreeError, MechanismId, MemoryError, Refused,
+};
+use crate::virtual_memory::{granularity, smaps, sys};
+
+struct Origin {
+    drop_errors: Mutex<Vec<MemoryError>>,
+}
+
+impl AllocationOrigin for Origin {
+    fn release(&self, addr: u64, footprint: u64) -> Result<u64, MemoryError> {
+        // SAFETY: only `DeviceAllocation` calls this, once, for the range `allocate` mapped;
+        // the handle is being consumed, so no borrow of its bytes remains.
+        unsafe { sys::unmap(addr, footprint)? };
+        Ok(footprint)
+    }
+
+    fn record_drop_error(&self, error: MemoryError) {
+        self.drop_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(error);
+    }
+}
+
+/// Ordinary host memory: `mmap(MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE)`. It is
+/// [`CommitModel::Eager`]: the whole page-rounded footprint is physically taken at
+/// `allocate`, so a charge must cover all of it up front.
+pub struct HostAllocator {
+    mechanism: MechanismId,
+    context: ContextId,
+    page: u64,
+    origin: Arc<Origin>,
+}
+
+impl HostAllocator {
+    /// An allocator belonging to `mechanism` in `context`.
+    pub fn new(mechanism: MechanismId, context: ContextId) -> Self {
+        HostAllocator {
+            mechanism,
+            context,
+            page: granularity(),
+            origin: Arc::new(Origin {
+                drop_errors: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// Errors that happened while allocations were dropped.
+    pub fn take_drop_errors(&self) -> Vec<MemoryError> {
+        std::mem::take(&mut *self.origin.drop_errors.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn check_owner(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {
+        if allocation.mechanism() != self.mechanism {
+            return Err(MemoryError::ForeignHandle {
+                owner: allocation.mechanism(),
+                this: self.mechanism,
+            });
+        }
+        if allocation.context() != self.context {
+            return Err(MemoryError::Unsupported {
+                capability: "releasing through another context",
+                reason: "an allocation is released only by the context that created it",
+            });
+        }
+        Ok(())
+    }
+}
+
+impl DeviceAllocator for HostAllocator {
+    fn mechanism(&self) -> MechanismId {
+        self.mechanism
+    }
+
+    fn device(&self) -> DeviceKey {
+        DeviceKey::HOST
+    }
+
+    fn context(&self) -> ContextId {
+        self.context
+    }
+
+    fn commit_model(&self) -> CommitModel {
+        CommitModel::Eager
+    }
+
+    fn footprint(&self, request: &AllocationRequest) -> Result<u64, MemoryError> {
+        request.validate(self.page)?;
+        request
+            .bytes
+            .checked_next_multiple_of(self.page)
+            .filter(|b| *b <= isize::MAX as u64)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "allocation size rounded to pages",
+            })
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
+        let footprint = self.footprint(request)?;
+        let ptr = sys::map_anonymous_populated(footprint as usize)?;
+        let parts = AllocationParts {
+            addr: ptr.as_ptr() as usize as u64,
+            bytes: request.bytes,
+            footprint,
+            role: request.role,
+            device: DeviceKey::HOST,
+            context: self.context,
+            mechanism: self.mechanism,
+            charge: request.charge,
+        };
+        Ok(DeviceAllocation::new(parts, self.origin.clone()))
+    }
+
+    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError> {
+        if let Err(error) = self.check_owner(&allocation) {
+            return Err(FreeError::Refused(Box::new(Refused {
+                error,
+                handle: allocation,
+            })));
+        }
+        allocation.release_now().map_err(FreeError::Failed)
+    }
+
+    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError> {
+        self.check_owner(allocation)?;
+        let start = allocation.addr();
+        smaps::sum_field(start..start + allocation.footprint(), "Rss")
+    }
+}
+
+/// The bytes of a host allocation.
+pub fn host_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryError> {
+    require_host(allocation)?;
+    // SAFETY: a host allocation maps `addr..addr + bytes` read-write until it is released,
+    // which consumes the handle, so the borrow of `allocation` keeps the bytes mapped.
+    Ok(unsafe { sys::slice(allocation.addr(), allocation.bytes()) })
+}
+
+/// The bytes of a host allocation, writable.
+pub fn host_bytes_mut(allocation: &mut DeviceAllocation) -> Result<&mut [u8], MemoryError> {
+    require_host(allocation)?;
+    // SAFETY: as in `host_bytes`; `&mut` makes this the only reference.
+    Ok(unsafe { sys::slice_mut(allocation.addr(), allocation.bytes()) })
+}
+
+fn require_host(allocation: &DeviceAllocation) -> Result<(), MemoryError> {
+    if allocation.device().kind == DeviceKind::Host {
+        Ok(())
+    } else {
+        Err(MemoryError::Unsupported {
+            capability: "host access",
+            reason: "the allocation lives in device memory",
+        })
+    }
+}

@@ -1,0 +1,71 @@
+//! The host mechanism: eager allocator, virtual backing and shared mapping, one identity.
+
+use std::sync::Arc;
+
+use super::HostAllocator;
+use crate::api::{
+    ContextId, DeviceAllocator, DeviceKey, DeviceMemoryMechanism, MechanismId, MemoryError,
+    SharedMapping, VirtualBacking,
+};
+use crate::virtual_memory::HostBacking;
+
+/// Host memory as one mechanism: ordinary eager allocations, plus on-demand mapping and
+/// shared physical blocks from one memfd. Every handle it creates carries its identity and
+/// is refused by any other mechanism.
+pub struct HostMechanism {
+    id: MechanismId,
+    context: ContextId,
+    allocator: HostAllocator,
+    backing: Arc<HostBacking>,
+}
+
+impl HostMechanism {
+    /// A host mechanism with a fresh identity, in a fresh host context.
+    pub fn new() -> Result<Self, MemoryError> {
+        let id = MechanismId::fresh();
+        let context = ContextId::fresh();
+        Ok(HostMechanism {
+            id,
+            context,
+            allocator: HostAllocator::new(id, context),
+            backing: Arc::new(HostBacking::new(id)?),
+        })
+    }
+
+    /// The host context its allocations belong to.
+    pub fn context(&self) -> ContextId {
+        self.context
+    }
+
+    /// The virtual backing as a shareable handle, for [`VirtualBuffer`](crate::virtual_memory::VirtualBuffer).
+    pub fn backing(&self) -> Arc<HostBacking> {
+        Arc::clone(&self.backing)
+    }
+
+    /// The eager allocator, concretely typed.
+    pub fn host_allocator(&self) -> &HostAllocator {
+        &self.allocator
+    }
+}
+
+impl DeviceMemoryMechanism for HostMechanism {
+    fn id(&self) -> MechanismId {
+        self.id
+    }
+
+    fn device(&self) -> DeviceKey {
+        DeviceKey::HOST
+    }
+
+    fn allocator(&self) -> &dyn DeviceAllocator {
+        &self.allocator
+    }
+
+    fn virtual_backing(&self) -> Option<&dyn VirtualBacking> {
+        Some(self.backing.as_ref())
+    }
+
+    fn shared_mapping(&self) -> Option<&dyn SharedMapping> {
+        Some(self.backing.as_ref())
+    }
+}

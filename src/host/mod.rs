@@ -1,0 +1,8 @@
+//! The host mechanism (Linux): an eager allocator for ordinary allocations and the memfd
+//! backing for virtual buffers and shared blocks.
+
+mod allocator;
+mod mechanism;
+
+pub use allocator::{host_bytes, host_bytes_mut, HostAllocator};
+pub use mechanism::HostMechanism;

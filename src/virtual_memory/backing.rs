@@ -1,0 +1,285 @@
+//! Host backing: physical blocks from one memfd, mapped into reserved ranges with
+//! `MAP_SHARED | MAP_FIXED`, returned to the OS by punching holes.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::pool::MemfdPool;
+use super::range::VirtualRange;
+use super::{granularity, smaps, sys};
+use crate::api::{
+    CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
+    MemoryError, PhysicalBlock, ReserveRequest, SharedMapping, SharedView, VirtualAllocation,
+    VirtualBacking,
+};
+
+/// The memfd region behind one reservation: file offset = region start + virtual offset.
+struct HostReservation {
+    range: VirtualRange,
+    file_base: u64,
+    pool: Arc<MemfdPool>,
+}
+
+impl Drop for HostReservation {
+    fn drop(&mut self) {
+        self.pool.punch_on_drop(self.file_base, self.range.len());
+    }
+}
+
+/// A shared block's region of the memfd; its pages go back to the OS with the last reference.
+struct HostBlock {
+    file_offset: u64,
+    len: u64,
+    pool: Arc<MemfdPool>,
+}
+
+impl Drop for HostBlock {
+    fn drop(&mut self) {
+        self.pool.punch_on_drop(self.file_offset, self.len);
+    }
+}
+
+/// The host's [`VirtualBacking`] and [`SharedMapping`] (Linux).
+///
+/// Physical accounting is read from the kernel: the memfd's data extents
+/// (`SEEK_DATA`/`SEEK_HOLE`) per region, its `st_blocks` in total, and `/proc/self/smaps` for
+/// pages copied on write, which are anonymous memory outside the memfd.
+#[derive(Debug)]
+pub struct HostBacking {
+    id: MechanismId,
+    granularity: u64,
+    pool: Arc<MemfdPool>,
+}
+
+impl HostBacking {
+    /// A backing with its own memfd, belonging to mechanism `id`.
+    pub fn new(id: MechanismId) -> Result<Self, MemoryError> {
+        Ok(HostBacking {
+            id,
+            granularity: granularity(),
+            pool: Arc::new(MemfdPool::new("procmem-host")?),
+        })
+    }
+
+    /// Physical bytes held by this backing in all (reservations and shared blocks), as the
+    /// kernel counts the memfd's allocated blocks.
+    pub fn resident_bytes(&self) -> Result<u64, MemoryError> {
+        self.pool.resident_total()
+    }
+
+    /// Errors that happened while handles were dropped (they cannot be returned from `Drop`).
+    pub fn take_drop_errors(&self) -> Vec<MemoryError> {
+        self.pool.take_drop_errors()
+    }
+
+    fn reservation<'a>(&self, allocation: &'a VirtualAllocation) -> Result<&'a HostReservation, MemoryError> {
+        allocation.check_owner(self.id)?;
+        allocation.backend::<HostReservation>().ok_or(MemoryError::Unsupported {
+            capability: "host backing",
+            reason: "the reservation was not made by a host backing",
+        })
+    }
+
+    fn block<'a>(&self, block: &'a PhysicalBlock) -> Result<&'a HostBlock, MemoryError> {
+        if block.mechanism() != self.id {
+            return Err(MemoryError::ForeignHandle {
+                owner: block.mechanism(),
+                this: self.id,
+            });
+        }
+        block.inner::<HostBlock>().ok_or(MemoryError::Unsupported {
+            capability: "host shared mapping",
+            reason: "the block was not made by a host backing",
+        })
+    }
+}
+
+impl VirtualBacking for HostBacking {
+    fn mechanism(&self) -> MechanismId {
+        self.id
+    }
+
+    fn device(&self) -> DeviceKey {
+        DeviceKey::HOST
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError> {
+        GranuleMap::validate_len(request.bytes, self.granularity)?;
+        let range = VirtualRange::reserve(request.bytes)?;
+        let file_base = self.pool.carve(request.bytes)?;
+        let addr = range.addr();
+        let backend = HostReservation {
+            range,
+            file_base,
+            pool: Arc::clone(&self.pool),
+        };
+        Ok(VirtualAllocation::new(
+            addr,
+            GranuleMap::new(request.bytes, self.granularity),
+            request.role,
+            DeviceKey::HOST,
+            self.id,
+            Box::new(backend),
+        ))
+    }
+
+    fn commit_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        range: Range<u64>,
+    ) -> Result<CommitResult, MemoryError> {
+        let reservation = self.reservation(allocation)?;
+        let (addr, file_base) = (reservation.range.addr(), reservation.file_base);
+        let granules = allocation.granules.validate_range(&range)?;
+        allocation.granules.require_reserved(&granules)?;
+        let len = range.end - range.start;
+        let file_offset = file_base + range.start;
+        self.pool.allocate(file_offset, len)?;
+        // SAFETY: `range` was validated to lie inside this reservation, which the caller holds
+        // by `&mut`, and every granule in it is only reserved, so no reference points there.
+        let mapped = unsafe {
+            sys::map_fd_fixed(
+                addr + range.start,
+                len,
+                self.pool.fd(),
+                file_offset,
+                MapAccess::ReadWrite,
+            )
+        };
+        if let Err(e) = mapped {
+            // A failed MAP_FIXED may have removed the reservation there: put it back.
+            // SAFETY: same range as above, still owned and unreferenced.
+            let _ = unsafe { sys::reset_to_reserved(addr + range.start, len) };
+            let _ = self.pool.punch(file_offset, len);
+            return Err(e);
+        }
+        allocation.granules.set(granules, GranuleState::Committed);
+        Ok(CommitResult {
+            committed_bytes: len,
+        })
+    }
+
+    fn decommit_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        range: Range<u64>,
+    ) -> Result<DecommitResult, MemoryError> {
+        let reservation = self.reservation(allocation)?;
+        let (addr, file_base) = (reservation.range.addr(), reservation.file_base);
+        let granules = allocation.granules.validate_range(&range)?;
+        allocation.granules.require_backed(&granules)?;
+        let mut blocks_inside = Vec::new();
+        for (offset, view) in allocation.shared.range(..range.end) {
+            let block_end = offset + view.block.bytes();
+            if block_end <= range.start {
+                continue;
+            }
+            if *offset < range.start || block_end > range.end {
+                return Err(MemoryError::PartialBlock {
+                    range,
+                    block: *offset,
+                });
+            }
+            blocks_inside.push(*offset);
+        }
+        let len = range.end - range.start;
+        // SAFETY: `range` lies inside this reservation, held by `&mut`, so no reference into
+        // it is live; the reservation goes back over it so the addresses stay ours.
+        unsafe { sys::reset_to_reserved(addr + range.start, len)? };
+        let mut freed = 0;
+        let mut first_error = None;
+        for run in allocation.granules.runs(granules.clone(), GranuleState::Committed) {
+            match self.pool.punch(file_base + run.start, run.end - run.start) {
+                Ok(()) => freed += run.end - run.start,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        for offset in blocks_inside {
+            allocation.shared.remove(&offset);
+        }
+        allocation.granules.set(granules, GranuleState::Reserved);
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(DecommitResult {
+                unmapped_bytes: len,
+                freed_bytes: freed,
+            }),
+        }
+    }
+
+    fn committed_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError> {
+        let reservation = self.reservation(allocation)?;
+        self.pool
+            .resident_in(reservation.file_base, reservation.range.len())
+    }
+}
+
+impl SharedMapping for HostBacking {
+    fn mechanism(&self) -> MechanismId {
+        self.id
+    }
+
+    fn create_block(&self, bytes: u64) -> Result<PhysicalBlock, MemoryError> {
+        GranuleMap::validate_len(bytes, self.granularity)?;
+        let file_offset = self.pool.carve(bytes)?;
+        self.pool.allocate(file_offset, bytes)?;
+        let inner = HostBlock {
+            file_offset,
+            len: bytes,
+            pool: Arc::clone(&self.pool),
+        };
+        Ok(PhysicalBlock::new(bytes, self.id, Arc::new(inner)))
+    }
+
+    fn map_block(
+        &self,
+        allocation: &mut VirtualAllocation,
+        offset: u64,
+        block: &PhysicalBlock,
+        access: MapAccess,
+    ) -> Result<(), MemoryError> {
+        let addr = self.reservation(allocation)?.range.addr();
+        let file_offset = self.block(block)?.file_offset;
+        let end = offset.checked_add(block.bytes()).ok_or(MemoryError::SizeOverflow {
+            what: "block offset + length",
+        })?;
+        let granules = allocation.granules.validate_range(&(offset..end))?;
+        allocation.granules.require_reserved(&granules)?;
+        // SAFETY: the range was validated inside this reservation (held by `&mut`) and is only
+        // reserved, so nothing references it.
+        let mapped = unsafe {
+            sys::map_fd_fixed(addr + offset, block.bytes(), self.pool.fd(), file_offset, access)
+        };
+        if let Err(e) = mapped {
+            // SAFETY: same range, still owned and unreferenced.
+            let _ = unsafe { sys::reset_to_reserved(addr + offset, block.bytes()) };
+            return Err(e);
+        }
+        allocation.granules.set(granules, GranuleState::Shared);
+        allocation.shared.insert(
+            offset,
+            SharedView {
+                block: block.clone(),
+                access,
+            },
+        );
+        Ok(())
+    }
+
+    fn block_resident_bytes(&self, block: &PhysicalBlock) -> Result<u64, MemoryError> {
+        let inner = self.block(block)?;
+        self.pool.resident_in(inner.file_offset, inner.len)
+    }
+
+    fn private_copy_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError> {
+        let reservation = self.reservation(allocation)?;
+        let start = reservation.range.addr();
+        smaps::sum_field(start..start + reservation.range.len(), "Anonymous")
+    }
+}
