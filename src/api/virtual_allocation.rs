@@ -58,7 +58,11 @@ pub struct PhysicalBlock {
 }
 
 impl PhysicalBlock {
-    pub(crate) fn new(bytes: u64, mechanism: MechanismId, inner: Arc<dyn Any + Send + Sync>) -> Self {
+    pub(crate) fn new(
+        bytes: u64,
+        mechanism: MechanismId,
+        inner: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
         PhysicalBlock {
             id: BlockId::fresh(),
             bytes,

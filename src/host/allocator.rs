@@ -53,7 +53,13 @@ impl HostAllocator {
 
     /// Errors that happened while allocations were dropped.
     pub fn take_drop_errors(&self) -> Vec<MemoryError> {
-        std::mem::take(&mut *self.origin.drop_errors.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(
+            &mut *self
+                .origin
+                .drop_errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
     }
 
     fn check_owner(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {

@@ -72,12 +72,17 @@ impl HostBacking {
         self.pool.take_drop_errors()
     }
 
-    fn reservation<'a>(&self, allocation: &'a VirtualAllocation) -> Result<&'a HostReservation, MemoryError> {
+    fn reservation<'a>(
+        &self,
+        allocation: &'a VirtualAllocation,
+    ) -> Result<&'a HostReservation, MemoryError> {
         allocation.check_owner(self.id)?;
-        allocation.backend::<HostReservation>().ok_or(MemoryError::Unsupported {
-            capability: "host backing",
-            reason: "the reservation was not made by a host backing",
-        })
+        allocation
+            .backend::<HostReservation>()
+            .ok_or(MemoryError::Unsupported {
+                capability: "host backing",
+                reason: "the reservation was not made by a host backing",
+            })
     }
 
     fn block<'a>(&self, block: &'a PhysicalBlock) -> Result<&'a HostBlock, MemoryError> {
@@ -192,7 +197,10 @@ impl VirtualBacking for HostBacking {
         unsafe { sys::reset_to_reserved(addr + range.start, len)? };
         let mut freed = 0;
         let mut first_error = None;
-        for run in allocation.granules.runs(granules.clone(), GranuleState::Committed) {
+        for run in allocation
+            .granules
+            .runs(granules.clone(), GranuleState::Committed)
+        {
             match self.pool.punch(file_base + run.start, run.end - run.start) {
                 Ok(()) => freed += run.end - run.start,
                 Err(e) => {
@@ -246,15 +254,23 @@ impl SharedMapping for HostBacking {
     ) -> Result<(), MemoryError> {
         let addr = self.reservation(allocation)?.range.addr();
         let file_offset = self.block(block)?.file_offset;
-        let end = offset.checked_add(block.bytes()).ok_or(MemoryError::SizeOverflow {
-            what: "block offset + length",
-        })?;
+        let end = offset
+            .checked_add(block.bytes())
+            .ok_or(MemoryError::SizeOverflow {
+                what: "block offset + length",
+            })?;
         let granules = allocation.granules.validate_range(&(offset..end))?;
         allocation.granules.require_reserved(&granules)?;
         // SAFETY: the range was validated inside this reservation (held by `&mut`) and is only
         // reserved, so nothing references it.
         let mapped = unsafe {
-            sys::map_fd_fixed(addr + offset, block.bytes(), self.pool.fd(), file_offset, access)
+            sys::map_fd_fixed(
+                addr + offset,
+                block.bytes(),
+                self.pool.fd(),
+                file_offset,
+                access,
+            )
         };
         if let Err(e) = mapped {
             // SAFETY: same range, still owned and unreferenced.

@@ -65,9 +65,12 @@ impl VirtualBuffer {
 
     /// Maps `bytes` (a whole number of granules) more at the end.
     pub fn grow(&mut self, bytes: u64) -> Result<CommitResult, MemoryError> {
-        let end = self.len.checked_add(bytes).ok_or(MemoryError::SizeOverflow {
-            what: "buffer length + growth",
-        })?;
+        let end = self
+            .len
+            .checked_add(bytes)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "buffer length + growth",
+            })?;
         let result = self
             .backing
             .commit_range(&mut self.allocation, self.len..end)?;
@@ -79,7 +82,10 @@ impl VirtualBuffer {
     /// memory; the addresses stay reserved for a later grow.
     pub fn shrink(&mut self, bytes: u64) -> Result<DecommitResult, MemoryError> {
         if bytes > self.len {
-            return Err(MemoryError::ShrinkBelowZero { by: bytes, len: self.len });
+            return Err(MemoryError::ShrinkBelowZero {
+                by: bytes,
+                len: self.len,
+            });
         }
         let start = self.len - bytes;
         let result = self

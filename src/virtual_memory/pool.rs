@@ -4,7 +4,9 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Mutex;
 
-use rustix::fs::{fallocate, fstat, ftruncate, memfd_create, seek, FallocateFlags, MemfdFlags, SeekFrom};
+use rustix::fs::{
+    fallocate, fstat, ftruncate, memfd_create, seek, FallocateFlags, MemfdFlags, SeekFrom,
+};
 use rustix::io::Errno;
 
 use crate::api::MemoryError;

@@ -1,0 +1,31 @@
+//! Small timing helpers shared by the bench harnesses: medians over rounds, JSON reports.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Runs `f` `rounds` times and returns the median of what it reports (nanoseconds per unit).
+pub fn median_of<F: FnMut() -> f64>(rounds: usize, mut f: F) -> f64 {
+    let mut samples: Vec<f64> = (0..rounds).map(|_| f()).collect();
+    samples.sort_by(|a, b| a.total_cmp(b));
+    samples[samples.len() / 2]
+}
+
+/// Nanoseconds `f` takes per call of `units` units of work.
+pub fn ns_per<F: FnOnce()>(units: u64, f: F) -> f64 {
+    let start = Instant::now();
+    f();
+    start.elapsed().as_nanos() as f64 / units as f64
+}
+
+/// Writes `value` to `target/reports/<name>.json` and prints it.
+pub fn write_report(name: &str, value: &serde_json::Value) {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let dir = target.join("reports");
+    std::fs::create_dir_all(&dir).expect("create target/reports");
+    let path = dir.join(format!("{name}.json"));
+    let text = serde_json::to_string_pretty(value).expect("serialize report");
+    std::fs::write(&path, &text).expect("write report");
+    println!("{text}\nwritten to {}", path.display());
+}
