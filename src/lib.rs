@@ -36,6 +36,7 @@ pub mod api;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 pub mod host;
+pub mod ledger;
 #[allow(unsafe_code)]
 pub mod virtual_memory;
 

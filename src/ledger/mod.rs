@@ -1,0 +1,647 @@
+//! The Governor's books as a pure state machine: no I/O, no clock, no async.
+//!
+//! ```text
+//!              reserve                commit(actual)            release(bytes)
+//!   free ───────────────▶ provisional ───────────────▶ leased ────────────────▶ free
+//!              ◀───────────────────────
+//!                 cancel / dropped grant
+//! ```
+//!
+//! One [`Ledger`] keeps any number of authorities (one per physical pool; aliased tiers map
+//! to the same one). Per authority, `approved = provisional + leased`, and every approved byte
+//! belongs to exactly one grant or one lease. New approvals never take `approved` past
+//! `capacity`; lowering the capacity below what is approved takes nothing back (only holders
+//! free their own bytes, under pressure), it just stops approvals until releases bring
+//! `approved` under the new capacity.
+//!
+//! Grants and leases are bound to the holder they were issued to: another holder, a
+//! replay after consumption, or an identifier this ledger never issued is refused with a
+//! typed error, and a refused operation changes nothing.
+
+mod error;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use error::{Denial, HolderUsage, LedgerError};
+
+use crate::api::{DeviceKey, MemoryRole, MemoryTier};
+
+/// One physical pool's accounting identity within a ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AuthorityId(u64);
+
+/// A registered holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HolderId(u64);
+
+/// A provisional grant: approved bytes not yet backed by memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GrantId(u64);
+
+/// A lease: approved bytes the holder has committed to memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseId(u64);
+
+macro_rules! raw_accessor {
+    ($($name:ident),*) => {$(
+        impl $name {
+            /// The raw number, for logs and metric labels. Identifiers cannot be made from numbers.
+            pub const fn get(self) -> u64 {
+                self.0
+            }
+        }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}#{:x}", stringify!($name), self.0)
+            }
+        }
+    )*};
+}
+raw_accessor!(AuthorityId, HolderId, GrantId, LeaseId);
+
+/// How much a request or holder matters: higher is more important.
+pub type Priority = u32;
+
+/// Approved bytes and who they belong to: the content of a grant or a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    /// The holder the bytes are approved for.
+    pub holder: HolderId,
+    /// The pool they come from.
+    pub authority: AuthorityId,
+    /// What they are for.
+    pub role: MemoryRole,
+    /// How many.
+    pub bytes: u64,
+}
+
+/// A grant as issued: its identity and its charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// Its identity; present it to commit or cancel.
+    pub id: GrantId,
+    /// What it approves.
+    pub charge: Charge,
+}
+
+/// A lease as issued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// Its identity; present it to release.
+    pub id: LeaseId,
+    /// What it holds.
+    pub charge: Charge,
+}
+
+/// The books of one authority at one moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthoritySnapshot {
+    /// Which authority.
+    pub id: AuthorityId,
+    /// Its name.
+    pub name: String,
+    /// Bytes it may approve.
+    pub capacity: u64,
+    /// Approved but not yet committed.
+    pub provisional: u64,
+    /// Committed (leased).
+    pub leased: u64,
+    /// Holders with their provisional and leased bytes, largest first.
+    pub holders: Vec<HolderUsage>,
+}
+
+impl AuthoritySnapshot {
+    /// `provisional + leased`.
+    pub fn approved(&self) -> u64 {
+        self.provisional + self.leased
+    }
+
+    /// What can still be approved now (zero while over a lowered capacity).
+    pub fn free(&self) -> u64 {
+        self.capacity.saturating_sub(self.approved())
+    }
+}
+
+#[derive(Debug, Clone)]
+struct AuthorityBooks {
+    name: String,
+    capacity: u64,
+    provisional: u64,
+    leased: u64,
+}
+
+impl AuthorityBooks {
+    fn approved(&self) -> u64 {
+        self.provisional + self.leased
+    }
+}
+
+#[derive(Debug, Clone)]
+struct HolderBooks {
+    authority: AuthorityId,
+    name: String,
+    priority: Priority,
+    provisional: u64,
+    leased: u64,
+    retired: bool,
+}
+
+/// What retiring a holder did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retired {
+    /// Grants returned at once, with their bytes.
+    pub grants_returned: Vec<(GrantId, u64)>,
+    /// Leased bytes still outstanding: they come back as the memory is actually freed.
+    pub leased_outstanding: u64,
+}
+
+static LEDGER_SEQ: AtomicU64 = AtomicU64::new(1);
+
+/// The books. See the module documentation for the rules.
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    id_base: u64,
+    next_id: u64,
+    authorities: BTreeMap<AuthorityId, AuthorityBooks>,
+    tiers: BTreeMap<(DeviceKey, MemoryTier), AuthorityId>,
+    holders: BTreeMap<HolderId, HolderBooks>,
+    grants: BTreeMap<GrantId, Charge>,
+    leases: BTreeMap<LeaseId, Charge>,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Ledger {
+    /// Empty books. Identifiers issued by one ledger are unknown to every other.
+    pub fn new() -> Self {
+        Ledger {
+            id_base: LEDGER_SEQ.fetch_add(1, Ordering::Relaxed) << 40,
+            next_id: 1,
+            authorities: BTreeMap::new(),
+            tiers: BTreeMap::new(),
+            holders: BTreeMap::new(),
+            grants: BTreeMap::new(),
+            leases: BTreeMap::new(),
+        }
+    }
+
+    fn fresh(&mut self) -> u64 {
+        let id = self.id_base | self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Adds an authority (one physical pool) able to approve `capacity` bytes.
+    pub fn add_authority(&mut self, name: impl Into<String>, capacity: u64) -> AuthorityId {
+        let id = AuthorityId(self.fresh());
+        self.authorities.insert(
+            id,
+            AuthorityBooks {
+                name: name.into(),
+                capacity,
+                provisional: 0,
+                leased: 0,
+            },
+        );
+        id
+    }
+
+    /// Says that memory of `tier` on `device` is paid from `authority`. Tiers that alias the
+    /// same bytes (unified memory) are bound to one authority.
+    pub fn bind_tier(
+        &mut self,
+        device: DeviceKey,
+        tier: MemoryTier,
+        authority: AuthorityId,
+    ) -> Result<(), LedgerError> {
+        self.authority(authority)?;
+        match self.tiers.get(&(device, tier)) {
+            Some(existing) if *existing != authority => Err(LedgerError::TierAlreadyBound {
+                device,
+                tier,
+                authority: *existing,
+            }),
+            _ => {
+                self.tiers.insert((device, tier), authority);
+                Ok(())
+            }
+        }
+    }
+
+    /// The authority that pays for `tier` on `device`.
+    pub fn authority_for(&self, device: DeviceKey, tier: MemoryTier) -> Option<AuthorityId> {
+        self.tiers.get(&(device, tier)).copied()
+    }
+
+    /// Registers a holder of `authority`.
+    pub fn register_holder(
+        &mut self,
+        authority: AuthorityId,
+        name: impl Into<String>,
+        priority: Priority,
+    ) -> Result<HolderId, LedgerError> {
+        self.authority(authority)?;
+        let id = HolderId(self.fresh());
+        self.holders.insert(
+            id,
+            HolderBooks {
+                authority,
+                name: name.into(),
+                priority,
+                provisional: 0,
+                leased: 0,
+                retired: false,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Retires a holder (it unregistered or died): its grants return at once, it can reserve
+    /// no more, and its leases stay until released (as its memory is actually freed).
+    pub fn retire_holder(&mut self, holder: HolderId) -> Result<Retired, LedgerError> {
+        let books = self
+            .holders
+            .get(&holder)
+            .ok_or(LedgerError::UnknownHolder(holder))?;
+        if books.retired {
+            return Err(LedgerError::HolderRetired(holder));
+        }
+        let grants: Vec<GrantId> = self
+            .grants
+            .iter()
+            .filter(|(_, c)| c.holder == holder)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut returned = Vec::with_capacity(grants.len());
+        for id in grants {
+            returned.push((id, self.cancel(holder, id)?));
+        }
+        let books = self.holders.get_mut(&holder).expect("checked above");
+        books.retired = true;
+        let leased_outstanding = books.leased;
+        self.forget_if_done(holder);
+        Ok(Retired {
+            grants_returned: returned,
+            leased_outstanding,
+        })
+    }
+
+    fn forget_if_done(&mut self, holder: HolderId) {
+        if let Some(b) = self.holders.get(&holder) {
+            if b.retired && b.leased == 0 && b.provisional == 0 {
+                self.holders.remove(&holder);
+            }
+        }
+    }
+
+    fn authority(&self, id: AuthorityId) -> Result<&AuthorityBooks, LedgerError> {
+        self.authorities
+            .get(&id)
+            .ok_or(LedgerError::UnknownAuthority(id))
+    }
+
+    fn live_holder(&self, holder: HolderId) -> Result<&HolderBooks, LedgerError> {
+        let books = self
+            .holders
+            .get(&holder)
+            .ok_or(LedgerError::UnknownHolder(holder))?;
+        if books.retired {
+            return Err(LedgerError::HolderRetired(holder));
+        }
+        Ok(books)
+    }
+
+    /// The holder's registration: authority, name and priority.
+    pub fn holder(&self, holder: HolderId) -> Option<(AuthorityId, &str, Priority)> {
+        self.holders
+            .get(&holder)
+            .map(|b| (b.authority, b.name.as_str(), b.priority))
+    }
+
+    /// Live (not retired) holders of `authority`, with their priority and approved bytes.
+    pub fn holders_of(&self, authority: AuthorityId) -> Vec<(HolderId, Priority, u64)> {
+        self.holders
+            .iter()
+            .filter(|(_, b)| b.authority == authority && !b.retired)
+            .map(|(id, b)| (*id, b.priority, b.provisional + b.leased))
+            .collect()
+    }
+
+    /// Approves `bytes` for `holder` from `authority` as a provisional grant, or explains why not.
+    pub fn reserve(
+        &mut self,
+        holder: HolderId,
+        authority: AuthorityId,
+        role: MemoryRole,
+        bytes: u64,
+    ) -> Result<Grant, LedgerError> {
+        let books = self.live_holder(holder)?;
+        if books.authority != authority {
+            return Err(LedgerError::WrongAuthority {
+                holder,
+                registered: books.authority,
+                asked: authority,
+            });
+        }
+        if bytes == 0 {
+            return Err(LedgerError::ZeroBytes);
+        }
+        if !self.fits(authority, bytes)? {
+            return Err(LedgerError::Denied(Box::new(self.denial(authority, bytes))));
+        }
+        let id = GrantId(self.fresh());
+        let charge = Charge {
+            holder,
+            authority,
+            role,
+            bytes,
+        };
+        self.authorities
+            .get_mut(&authority)
+            .expect("checked")
+            .provisional += bytes;
+        self.holders.get_mut(&holder).expect("checked").provisional += bytes;
+        self.grants.insert(id, charge.clone());
+        Ok(Grant { id, charge })
+    }
+
+    /// Whether `bytes` more could be approved in `authority` right now.
+    pub fn fits(&self, authority: AuthorityId, bytes: u64) -> Result<bool, LedgerError> {
+        let a = self.authority(authority)?;
+        Ok(a.approved()
+            .checked_add(bytes)
+            .is_some_and(|total| total <= a.capacity))
+    }
+
+    /// Bytes that must be freed in `authority` before `bytes` more fit (zero if they fit).
+    pub fn shortfall(&self, authority: AuthorityId, bytes: u64) -> Result<u64, LedgerError> {
+        let a = self.authority(authority)?;
+        Ok(a.approved()
+            .saturating_add(bytes)
+            .saturating_sub(a.capacity))
+    }
+
+    fn owned_grant(&self, holder: HolderId, grant: GrantId) -> Result<&Charge, LedgerError> {
+        let charge = self
+            .grants
+            .get(&grant)
+            .ok_or(LedgerError::UnknownGrant(grant))?;
+        if charge.holder != holder {
+            return Err(LedgerError::NotYours {
+                owner: charge.holder,
+                caller: holder,
+            });
+        }
+        Ok(charge)
+    }
+
+    /// Turns a grant into a lease of `actual` bytes: the real footprint. Less than granted
+    /// refunds the difference; more tops up only if it fits, otherwise the commit is refused
+    /// and the grant stays as it was.
+    pub fn commit(
+        &mut self,
+        holder: HolderId,
+        grant: GrantId,
+        actual: u64,
+    ) -> Result<Lease, LedgerError> {
+        let charge = self.owned_grant(holder, grant)?.clone();
+        if actual == 0 {
+            return Err(LedgerError::ZeroBytes);
+        }
+        if actual > charge.bytes {
+            let extra = actual - charge.bytes;
+            if !self.fits(charge.authority, extra)? {
+                let mut denial = self.denial(charge.authority, extra);
+                denial.during_commit = true;
+                return Err(LedgerError::Denied(Box::new(denial)));
+            }
+        }
+        self.grants.remove(&grant);
+        let a = self
+            .authorities
+            .get_mut(&charge.authority)
+            .expect("grant's authority");
+        a.provisional -= charge.bytes;
+        a.leased += actual;
+        let h = self.holders.get_mut(&holder).expect("grant's holder");
+        h.provisional -= charge.bytes;
+        h.leased += actual;
+        let id = LeaseId(self.fresh());
+        let lease = Charge {
+            bytes: actual,
+            ..charge
+        };
+        self.leases.insert(id, lease.clone());
+        Ok(Lease { id, charge: lease })
+    }
+
+    /// Returns a grant unused; reports the bytes returned.
+    pub fn cancel(&mut self, holder: HolderId, grant: GrantId) -> Result<u64, LedgerError> {
+        let charge = self.owned_grant(holder, grant)?.clone();
+        self.grants.remove(&grant);
+        self.authorities
+            .get_mut(&charge.authority)
+            .expect("grant's authority")
+            .provisional -= charge.bytes;
+        self.holders
+            .get_mut(&holder)
+            .expect("grant's holder")
+            .provisional -= charge.bytes;
+        self.forget_if_done(holder);
+        Ok(charge.bytes)
+    }
+
+    /// Releases `bytes` of a lease (all or part) because that memory was actually freed.
+    /// Returns the bytes left on the lease; a lease at zero is gone.
+    pub fn release(
+        &mut self,
+        holder: HolderId,
+        lease: LeaseId,
+        bytes: u64,
+    ) -> Result<u64, LedgerError> {
+        let charge = self
+            .leases
+            .get(&lease)
+            .ok_or(LedgerError::UnknownLease(lease))?;
+        if charge.holder != holder {
+            return Err(LedgerError::NotYours {
+                owner: charge.holder,
+                caller: holder,
+            });
+        }
+        if bytes == 0 {
+            return Err(LedgerError::ZeroBytes);
+        }
+        if bytes > charge.bytes {
+            return Err(LedgerError::ReleaseExceedsLease {
+                lease,
+                leased: charge.bytes,
+                asked: bytes,
+            });
+        }
+        let authority = charge.authority;
+        let remaining = charge.bytes - bytes;
+        if remaining == 0 {
+            self.leases.remove(&lease);
+        } else {
+            self.leases.get_mut(&lease).expect("checked").bytes = remaining;
+        }
+        self.authorities
+            .get_mut(&authority)
+            .expect("lease's authority")
+            .leased -= bytes;
+        self.holders
+            .get_mut(&holder)
+            .expect("lease's holder")
+            .leased -= bytes;
+        self.forget_if_done(holder);
+        Ok(remaining)
+    }
+
+    /// The lease's current charge, if it exists.
+    pub fn lease(&self, lease: LeaseId) -> Option<&Charge> {
+        self.leases.get(&lease)
+    }
+
+    /// The grant's charge, if it is still provisional.
+    pub fn grant(&self, grant: GrantId) -> Option<&Charge> {
+        self.grants.get(&grant)
+    }
+
+    /// Sets what `authority` may approve. Lowering it below what is approved takes nothing
+    /// back; approvals stop until releases bring the books under it.
+    pub fn set_capacity(
+        &mut self,
+        authority: AuthorityId,
+        capacity: u64,
+    ) -> Result<(), LedgerError> {
+        self.authorities
+            .get_mut(&authority)
+            .ok_or(LedgerError::UnknownAuthority(authority))?
+            .capacity = capacity;
+        Ok(())
+    }
+
+    /// Holders of `authority` by approved bytes, largest first.
+    pub fn top_holders(&self, authority: AuthorityId, n: usize) -> Vec<HolderUsage> {
+        let mut usage: Vec<HolderUsage> = self
+            .holders
+            .iter()
+            .filter(|(_, b)| b.authority == authority)
+            .map(|(id, b)| HolderUsage {
+                holder: *id,
+                name: b.name.clone(),
+                provisional: b.provisional,
+                leased: b.leased,
+            })
+            .collect();
+        usage.sort_by(|a, b| b.total().cmp(&a.total()).then(a.holder.cmp(&b.holder)));
+        usage.truncate(n);
+        usage
+    }
+
+    /// Why `asked` bytes do not fit in `authority` now.
+    pub fn denial(&self, authority: AuthorityId, asked: u64) -> Denial {
+        let a = &self.authorities[&authority];
+        Denial {
+            authority,
+            authority_name: a.name.clone(),
+            asked,
+            capacity: a.capacity,
+            approved: a.approved(),
+            top_holders: self.top_holders(authority, 3),
+            during_commit: false,
+        }
+    }
+
+    /// The books of `authority`.
+    pub fn snapshot(&self, authority: AuthorityId) -> Result<AuthoritySnapshot, LedgerError> {
+        let a = self.authority(authority)?;
+        Ok(AuthoritySnapshot {
+            id: authority,
+            name: a.name.clone(),
+            capacity: a.capacity,
+            provisional: a.provisional,
+            leased: a.leased,
+            holders: self.top_holders(authority, usize::MAX),
+        })
+    }
+
+    /// Every authority's id.
+    pub fn authorities(&self) -> impl Iterator<Item = AuthorityId> + '_ {
+        self.authorities.keys().copied()
+    }
+
+    /// Checks the invariants from first principles: per authority and holder, provisional is
+    /// the sum of its grants and leased the sum of its leases (so every approved byte belongs
+    /// to exactly one grant or lease), and no live grant or lease is empty. Capacity is checked
+    /// by callers that know whether it was lowered: see [`Ledger::within_capacity`].
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut by_authority: BTreeMap<AuthorityId, (u64, u64)> = BTreeMap::new();
+        let mut by_holder: BTreeMap<HolderId, (u64, u64)> = BTreeMap::new();
+        for (id, c) in &self.grants {
+            if c.bytes == 0 {
+                return Err(format!("{id} is empty"));
+            }
+            by_authority.entry(c.authority).or_default().0 += c.bytes;
+            by_holder.entry(c.holder).or_default().0 += c.bytes;
+            let h = self
+                .holders
+                .get(&c.holder)
+                .ok_or(format!("{id} has no holder"))?;
+            if h.authority != c.authority {
+                return Err(format!("{id} charged to the wrong authority"));
+            }
+        }
+        for (id, c) in &self.leases {
+            if c.bytes == 0 {
+                return Err(format!("{id} is empty"));
+            }
+            by_authority.entry(c.authority).or_default().1 += c.bytes;
+            by_holder.entry(c.holder).or_default().1 += c.bytes;
+            let h = self
+                .holders
+                .get(&c.holder)
+                .ok_or(format!("{id} has no holder"))?;
+            if h.authority != c.authority {
+                return Err(format!("{id} charged to the wrong authority"));
+            }
+        }
+        for (id, a) in &self.authorities {
+            let (p, l) = by_authority.get(id).copied().unwrap_or_default();
+            if (a.provisional, a.leased) != (p, l) {
+                return Err(format!(
+                    "{id}: books say provisional {} leased {}, grants and leases sum to {p} and {l}",
+                    a.provisional, a.leased
+                ));
+            }
+        }
+        for (id, h) in &self.holders {
+            let (p, l) = by_holder.get(id).copied().unwrap_or_default();
+            if (h.provisional, h.leased) != (p, l) {
+                return Err(format!(
+                    "{id}: holder books disagree with its grants and leases"
+                ));
+            }
+            if h.retired && h.provisional != 0 {
+                return Err(format!("{id} is retired but holds grants"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `authority` has approved no more than its capacity.
+    pub fn within_capacity(&self, authority: AuthorityId) -> bool {
+        self.authorities
+            .get(&authority)
+            .is_some_and(|a| a.approved() <= a.capacity)
+    }
+}

@@ -1,0 +1,409 @@
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn setup(capacity: u64) -> (Ledger, AuthorityId, HolderId, HolderId) {
+    let mut l = Ledger::new();
+    let a = l.add_authority("gpu0", capacity);
+    let kv = l.register_holder(a, "kv", 1).unwrap();
+    let w = l.register_holder(a, "weights", 5).unwrap();
+    (l, a, kv, w)
+}
+
+#[test]
+fn reserve_commit_release_round_trip() {
+    let (mut l, a, kv, _) = setup(1000);
+    let g = l.reserve(kv, a, MemoryRole::KvCache, 400).unwrap();
+    assert_eq!(l.snapshot(a).unwrap().provisional, 400);
+    let lease = l.commit(kv, g.id, 300).unwrap();
+    let s = l.snapshot(a).unwrap();
+    assert_eq!(
+        (s.provisional, s.leased),
+        (0, 300),
+        "a smaller footprint refunds"
+    );
+    assert_eq!(l.release(kv, lease.id, 100).unwrap(), 200);
+    assert_eq!(l.release(kv, lease.id, 200).unwrap(), 0);
+    assert_eq!(l.snapshot(a).unwrap().approved(), 0);
+    assert_eq!(
+        l.release(kv, lease.id, 1),
+        Err(LedgerError::UnknownLease(lease.id))
+    );
+    l.check_invariants().unwrap();
+}
+
+#[test]
+fn commit_tops_up_only_if_there_is_room() {
+    let (mut l, a, kv, w) = setup(1000);
+    let g = l.reserve(kv, a, MemoryRole::KvCache, 400).unwrap();
+    let _other = l.reserve(w, a, MemoryRole::Weights, 500).unwrap();
+    let before = l.snapshot(a).unwrap();
+    match l.commit(kv, g.id, 600) {
+        Err(LedgerError::Denied(d)) => {
+            assert!(d.during_commit);
+            assert_eq!((d.asked, d.free()), (200, 100));
+        }
+        other => panic!("expected a denial, got {other:?}"),
+    }
+    assert_eq!(l.snapshot(a).unwrap(), before, "the grant stays as it was");
+    let lease = l.commit(kv, g.id, 500).unwrap();
+    assert_eq!(lease.charge.bytes, 500);
+    assert_eq!(l.snapshot(a).unwrap().approved(), 1000);
+    l.check_invariants().unwrap();
+}
+
+#[test]
+fn denial_names_what_is_free_and_the_largest_holders() {
+    let (mut l, a, kv, w) = setup(1000);
+    let g = l.reserve(w, a, MemoryRole::Weights, 700).unwrap();
+    l.commit(w, g.id, 700).unwrap();
+    l.reserve(kv, a, MemoryRole::KvCache, 200).unwrap();
+    let err = l.reserve(kv, a, MemoryRole::KvCache, 300).unwrap_err();
+    let LedgerError::Denied(d) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!((d.asked, d.free(), d.capacity), (300, 100, 1000));
+    let names: Vec<_> = d
+        .top_holders
+        .iter()
+        .map(|h| (h.name.as_str(), h.total()))
+        .collect();
+    assert_eq!(names, vec![("weights", 700), ("kv", 200)]);
+    let text = err.to_string();
+    assert!(
+        text.contains("asked 300 bytes")
+            && text.contains("100 free")
+            && text.contains("weights 700"),
+        "{text}"
+    );
+}
+
+#[test]
+fn grants_and_leases_cannot_be_forged_shared_or_replayed() {
+    let (mut l, a, kv, w) = setup(1000);
+    let (mut other, oa, oh, _) = setup(1000);
+    let foreign = other.reserve(oh, oa, MemoryRole::KvCache, 10).unwrap();
+    let g = l.reserve(kv, a, MemoryRole::KvCache, 100).unwrap();
+    let before = l.clone().snapshot(a).unwrap();
+    assert_eq!(
+        l.commit(kv, foreign.id, 10),
+        Err(LedgerError::UnknownGrant(foreign.id))
+    );
+    assert_eq!(
+        l.cancel(kv, foreign.id),
+        Err(LedgerError::UnknownGrant(foreign.id))
+    );
+    assert_eq!(
+        l.commit(w, g.id, 100),
+        Err(LedgerError::NotYours {
+            owner: kv,
+            caller: w
+        })
+    );
+    assert_eq!(
+        l.cancel(w, g.id),
+        Err(LedgerError::NotYours {
+            owner: kv,
+            caller: w
+        })
+    );
+    assert_eq!(l.snapshot(a).unwrap(), before);
+    let lease = l.commit(kv, g.id, 100).unwrap();
+    assert_eq!(
+        l.commit(kv, g.id, 100),
+        Err(LedgerError::UnknownGrant(g.id)),
+        "committed twice"
+    );
+    assert_eq!(l.cancel(kv, g.id), Err(LedgerError::UnknownGrant(g.id)));
+    assert_eq!(
+        l.release(w, lease.id, 100),
+        Err(LedgerError::NotYours {
+            owner: kv,
+            caller: w
+        })
+    );
+    assert!(matches!(
+        l.release(kv, lease.id, 101),
+        Err(LedgerError::ReleaseExceedsLease { .. })
+    ));
+    assert_eq!(l.release(kv, lease.id, 0), Err(LedgerError::ZeroBytes));
+    l.release(kv, lease.id, 100).unwrap();
+    assert_eq!(
+        l.release(kv, lease.id, 100),
+        Err(LedgerError::UnknownLease(lease.id)),
+        "released twice"
+    );
+    assert_eq!(
+        l.reserve(oh, a, MemoryRole::KvCache, 1),
+        Err(LedgerError::UnknownHolder(oh))
+    );
+    l.check_invariants().unwrap();
+}
+
+#[test]
+fn lowering_capacity_takes_nothing_back() {
+    let (mut l, a, kv, _) = setup(1000);
+    let g = l.reserve(kv, a, MemoryRole::KvCache, 800).unwrap();
+    let lease = l.commit(kv, g.id, 800).unwrap();
+    l.set_capacity(a, 500).unwrap();
+    let s = l.snapshot(a).unwrap();
+    assert_eq!((s.leased, s.free()), (800, 0));
+    assert!(matches!(
+        l.reserve(kv, a, MemoryRole::KvCache, 1),
+        Err(LedgerError::Denied(_))
+    ));
+    assert_eq!(l.shortfall(a, 100).unwrap(), 400);
+    l.release(kv, lease.id, 400).unwrap();
+    assert!(l.reserve(kv, a, MemoryRole::KvCache, 100).is_ok());
+    assert!(l.within_capacity(a));
+}
+
+#[test]
+fn retiring_returns_grants_at_once_and_keeps_leases_until_freed() {
+    let (mut l, a, kv, _) = setup(1000);
+    let g1 = l.reserve(kv, a, MemoryRole::KvCache, 100).unwrap();
+    let g2 = l.reserve(kv, a, MemoryRole::KvCache, 200).unwrap();
+    let lease = l.commit(kv, g1.id, 100).unwrap();
+    let retired = l.retire_holder(kv).unwrap();
+    assert_eq!(retired.grants_returned, vec![(g2.id, 200)]);
+    assert_eq!(retired.leased_outstanding, 100);
+    assert_eq!(l.snapshot(a).unwrap().approved(), 100);
+    assert_eq!(
+        l.reserve(kv, a, MemoryRole::KvCache, 1),
+        Err(LedgerError::HolderRetired(kv))
+    );
+    l.release(kv, lease.id, 100).unwrap();
+    assert_eq!(l.holder(kv), None, "forgotten once nothing is left");
+    l.check_invariants().unwrap();
+}
+
+#[test]
+fn aliased_tiers_share_one_authority() {
+    let mut l = Ledger::new();
+    let unified = l.add_authority("unified", 100);
+    l.bind_tier(DeviceKey::HOST, MemoryTier::Host, unified)
+        .unwrap();
+    l.bind_tier(DeviceKey::cuda(0), MemoryTier::Device, unified)
+        .unwrap();
+    assert_eq!(
+        l.authority_for(DeviceKey::cuda(0), MemoryTier::Device),
+        Some(unified)
+    );
+    assert_eq!(
+        l.authority_for(DeviceKey::HOST, MemoryTier::Host),
+        Some(unified)
+    );
+    let other = l.add_authority("other", 100);
+    assert!(matches!(
+        l.bind_tier(DeviceKey::HOST, MemoryTier::Host, other),
+        Err(LedgerError::TierAlreadyBound { .. })
+    ));
+    let h = l.register_holder(unified, "kv", 0).unwrap();
+    l.reserve(h, unified, MemoryRole::KvCache, 60).unwrap();
+    assert!(matches!(
+        l.reserve(h, unified, MemoryRole::Weights, 60),
+        Err(LedgerError::Denied(_))
+    ));
+}
+
+// ---- model-based property test ----
+
+const HOLDERS: usize = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve { h: usize, bytes: u64 },
+    Commit { g: usize, as_h: usize, actual: u64 },
+    Cancel { g: usize, as_h: usize },
+    Release { l: usize, as_h: usize, bytes: u64 },
+    SetCapacity { capacity: u64 },
+    Retire { h: usize },
+    Forged { bytes: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..HOLDERS, 0..400u64).prop_map(|(h, bytes)| Op::Reserve { h, bytes }),
+        3 => (0..16usize, 0..HOLDERS, 0..500u64).prop_map(|(g, as_h, actual)| Op::Commit { g, as_h, actual }),
+        1 => (0..16usize, 0..HOLDERS).prop_map(|(g, as_h)| Op::Cancel { g, as_h }),
+        3 => (0..16usize, 0..HOLDERS, 0..400u64).prop_map(|(l, as_h, bytes)| Op::Release { l, as_h, bytes }),
+        1 => (0..1500u64).prop_map(|capacity| Op::SetCapacity { capacity }),
+        1 => (0..HOLDERS).prop_map(|h| Op::Retire { h }),
+        1 => (1..100u64).prop_map(|bytes| Op::Forged { bytes }),
+    ]
+}
+
+/// The reference: the same rules written as plainly as possible.
+#[derive(Debug, Default)]
+struct Model {
+    capacity: u64,
+    grants: BTreeMap<usize, (usize, u64)>,
+    leases: BTreeMap<usize, (usize, u64)>,
+    retired: [bool; HOLDERS],
+}
+
+impl Model {
+    fn approved(&self) -> u64 {
+        self.grants
+            .values()
+            .chain(self.leases.values())
+            .map(|(_, b)| b)
+            .sum()
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Ok(u64),
+    Err(&'static str),
+}
+
+fn kind(e: &LedgerError) -> &'static str {
+    match e {
+        LedgerError::Denied(_) => "denied",
+        LedgerError::UnknownGrant(_) => "unknown grant",
+        LedgerError::UnknownLease(_) => "unknown lease",
+        LedgerError::NotYours { .. } => "not yours",
+        LedgerError::ZeroBytes => "zero",
+        LedgerError::ReleaseExceedsLease { .. } => "exceeds",
+        LedgerError::HolderRetired(_) => "retired",
+        LedgerError::UnknownHolder(_) => "unknown holder",
+        _ => "other",
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn ledger_matches_the_reference_model(ops in prop::collection::vec(op(), 1..40)) {
+        let mut l = Ledger::new();
+        let a = l.add_authority("pool", 1000);
+        let holders: Vec<HolderId> =
+            (0..HOLDERS).map(|i| l.register_holder(a, format!("h{i}"), i as u32).unwrap()).collect();
+        let (mut foreign_ledger, fa, fh, _) = setup(1000);
+        let mut m = Model { capacity: 1000, ..Model::default() };
+        // Every id ever issued stays here, so consumed ones get replayed.
+        let mut grant_ids: Vec<GrantId> = Vec::new();
+        let mut lease_ids: Vec<LeaseId> = Vec::new();
+
+        for op in &ops {
+            let approved_before = l.snapshot(a).unwrap().approved();
+            let (got, want) = match *op {
+                Op::Reserve { h, bytes } => {
+                    let want = if m.retired[h] { Outcome::Err("retired") }
+                        else if bytes == 0 { Outcome::Err("zero") }
+                        else if m.approved() + bytes > m.capacity { Outcome::Err("denied") }
+                        else { Outcome::Ok(bytes) };
+                    let got = match l.reserve(holders[h], a, MemoryRole::KvCache, bytes) {
+                        Ok(g) => {
+                            m.grants.insert(grant_ids.len(), (h, bytes));
+                            grant_ids.push(g.id);
+                            Outcome::Ok(g.charge.bytes)
+                        }
+                        // A retired holder with nothing left is forgotten entirely.
+                        Err(LedgerError::UnknownHolder(_)) if m.retired[h] => Outcome::Err("retired"),
+                        Err(e) => Outcome::Err(kind(&e)),
+                    };
+                    (got, want)
+                }
+                Op::Commit { g, as_h, actual } => {
+                    let Some(&id) = grant_ids.get(g) else { continue };
+                    let want = match m.grants.get(&g) {
+                        None => Outcome::Err("unknown grant"),
+                        Some((owner, _)) if *owner != as_h => Outcome::Err("not yours"),
+                        Some(_) if actual == 0 => Outcome::Err("zero"),
+                        Some((_, bytes)) if actual > *bytes && m.approved() + (actual - bytes) > m.capacity => Outcome::Err("denied"),
+                        Some(_) => Outcome::Ok(actual),
+                    };
+                    let got = match l.commit(holders[as_h], id, actual) {
+                        Ok(lease) => {
+                            let (owner, _) = m.grants.remove(&g).unwrap();
+                            m.leases.insert(lease_ids.len(), (owner, actual));
+                            lease_ids.push(lease.id);
+                            Outcome::Ok(lease.charge.bytes)
+                        }
+                        Err(e) => Outcome::Err(kind(&e)),
+                    };
+                    (got, want)
+                }
+                Op::Cancel { g, as_h } => {
+                    let Some(&id) = grant_ids.get(g) else { continue };
+                    let want = match m.grants.get(&g) {
+                        None => Outcome::Err("unknown grant"),
+                        Some((owner, _)) if *owner != as_h => Outcome::Err("not yours"),
+                        Some((_, bytes)) => Outcome::Ok(*bytes),
+                    };
+                    let got = match l.cancel(holders[as_h], id) {
+                        Ok(b) => { m.grants.remove(&g); Outcome::Ok(b) }
+                        Err(e) => Outcome::Err(kind(&e)),
+                    };
+                    (got, want)
+                }
+                Op::Release { l: li, as_h, bytes } => {
+                    let Some(&id) = lease_ids.get(li) else { continue };
+                    let want = match m.leases.get(&li) {
+                        None => Outcome::Err("unknown lease"),
+                        Some((owner, _)) if *owner != as_h => Outcome::Err("not yours"),
+                        Some(_) if bytes == 0 => Outcome::Err("zero"),
+                        Some((_, held)) if bytes > *held => Outcome::Err("exceeds"),
+                        Some((_, held)) => Outcome::Ok(held - bytes),
+                    };
+                    let got = match l.release(holders[as_h], id, bytes) {
+                        Ok(left) => {
+                            if left == 0 { m.leases.remove(&li); } else { m.leases.get_mut(&li).unwrap().1 = left; }
+                            Outcome::Ok(left)
+                        }
+                        Err(e) => Outcome::Err(kind(&e)),
+                    };
+                    (got, want)
+                }
+                Op::SetCapacity { capacity } => {
+                    l.set_capacity(a, capacity).unwrap();
+                    m.capacity = capacity;
+                    (Outcome::Ok(0), Outcome::Ok(0))
+                }
+                Op::Retire { h } => {
+                    let want = if m.retired[h] { Outcome::Err("retired") } else {
+                        Outcome::Ok(m.grants.values().filter(|(o, _)| *o == h).map(|(_, b)| b).sum())
+                    };
+                    let got = match l.retire_holder(holders[h]) {
+                        Ok(r) => {
+                            m.grants.retain(|_, (o, _)| *o != h);
+                            m.retired[h] = true;
+                            Outcome::Ok(r.grants_returned.iter().map(|(_, b)| b).sum())
+                        }
+                        // A retired holder with nothing left is forgotten entirely.
+                        Err(LedgerError::UnknownHolder(_)) if m.retired[h] => Outcome::Err("retired"),
+                        Err(e) => Outcome::Err(kind(&e)),
+                    };
+                    (got, want)
+                }
+                Op::Forged { bytes } => {
+                    let g = foreign_ledger.reserve(fh, fa, MemoryRole::KvCache, bytes).unwrap();
+                    let before = l.snapshot(a).unwrap();
+                    let got = match (l.commit(holders[0], g.id, bytes), l.cancel(holders[0], g.id)) {
+                        (Err(LedgerError::UnknownGrant(_)), Err(LedgerError::UnknownGrant(_))) => Outcome::Err("unknown grant"),
+                        other => panic!("a forged grant was accepted: {other:?}"),
+                    };
+                    prop_assert_eq!(l.snapshot(a).unwrap(), before);
+                    (got, Outcome::Err("unknown grant"))
+                }
+            };
+            prop_assert_eq!(&got, &want, "op {:?}", op);
+            if let Err(e) = l.check_invariants() {
+                return Err(TestCaseError::fail(e));
+            }
+            let s = l.snapshot(a).unwrap();
+            let model_provisional: u64 = m.grants.values().map(|(_, b)| b).sum();
+            let model_leased: u64 = m.leases.values().map(|(_, b)| b).sum();
+            prop_assert_eq!((s.provisional, s.leased), (model_provisional, model_leased), "op {:?}", op);
+            prop_assert_eq!(s.approved(), s.provisional + s.leased);
+            if s.approved() > approved_before {
+                prop_assert!(s.approved() <= s.capacity, "approved grew past capacity on {:?}", op);
+            }
+        }
+    }
+}
