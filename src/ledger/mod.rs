@@ -19,6 +19,7 @@
 //! typed error, and a refused operation changes nothing.
 
 mod error;
+mod pressure;
 #[cfg(test)]
 mod tests;
 
@@ -27,6 +28,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use error::{Denial, HolderUsage, LedgerError};
+pub use pressure::{PressureRound, WaitQueue};
 
 use crate::api::{DeviceKey, MemoryRole, MemoryTier};
 
@@ -343,17 +345,7 @@ impl Ledger {
         role: MemoryRole,
         bytes: u64,
     ) -> Result<Grant, LedgerError> {
-        let books = self.live_holder(holder)?;
-        if books.authority != authority {
-            return Err(LedgerError::WrongAuthority {
-                holder,
-                registered: books.authority,
-                asked: authority,
-            });
-        }
-        if bytes == 0 {
-            return Err(LedgerError::ZeroBytes);
-        }
+        self.check_reserve(holder, authority, bytes)?;
         if !self.fits(authority, bytes)? {
             return Err(LedgerError::Denied(Box::new(self.denial(authority, bytes))));
         }
@@ -371,6 +363,35 @@ impl Ledger {
         self.holders.get_mut(&holder).expect("checked").provisional += bytes;
         self.grants.insert(id, charge.clone());
         Ok(Grant { id, charge })
+    }
+
+    /// Every check of [`Ledger::reserve`] except room: a live holder of that authority asking
+    /// for at least one byte. A request that passes may wait for room.
+    pub fn check_reserve(
+        &self,
+        holder: HolderId,
+        authority: AuthorityId,
+        bytes: u64,
+    ) -> Result<(), LedgerError> {
+        let books = self.live_holder(holder)?;
+        if books.authority != authority {
+            return Err(LedgerError::WrongAuthority {
+                holder,
+                registered: books.authority,
+                asked: authority,
+            });
+        }
+        if bytes == 0 {
+            return Err(LedgerError::ZeroBytes);
+        }
+        Ok(())
+    }
+
+    /// `(capacity, provisional, leased)` of `authority`, without building a snapshot.
+    pub fn totals(&self, authority: AuthorityId) -> Option<(u64, u64, u64)> {
+        self.authorities
+            .get(&authority)
+            .map(|a| (a.capacity, a.provisional, a.leased))
     }
 
     /// Whether `bytes` more could be approved in `authority` right now.
