@@ -1,7 +1,7 @@
 //! Growing a `VirtualBuffer` one granule at a time against raw `mmap(MAP_FIXED)` of memfd
 //! blocks, and reading a grown buffer against reading a `Vec`, side by side in one run.
 //! Writes `target/reports/virtual_memory.json`.
-#![allow(unsafe_code)]
+#![allow(unsafe_code, dead_code)]
 
 mod common;
 

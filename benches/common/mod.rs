@@ -1,4 +1,5 @@
 //! Small timing helpers shared by the bench harnesses: medians over rounds, JSON reports.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 use std::time::Instant;

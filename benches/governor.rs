@@ -1,0 +1,170 @@
+//! reserve → commit → release through the Governor actor from a tokio task, against the same
+//! three calls on the ledger behind a `Mutex` (the floor), and 64 concurrent holders.
+//! Writes `target/reports/governor.json`.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use procmem_actors::core::ledger::Ledger;
+use procmem_actors::core::MemoryRole;
+use procmem_actors::{GovernorConfig, GovernorHandle, ReserveRequest};
+use serde_json::json;
+
+use common::write_report;
+
+const WARMUP: usize = 2_000;
+const SAMPLES: usize = 20_000;
+const CONCURRENT: usize = 64;
+const PER_TASK: usize = 500;
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+async fn round_trip(
+    g: &GovernorHandle,
+    holder: procmem_actors::core::ledger::HolderId,
+    await_release: bool,
+) {
+    let grant = g
+        .reserve(ReserveRequest {
+            holder,
+            role: MemoryRole::KvCache,
+            bytes: 4096,
+            priority: 0,
+            deadline: None,
+        })
+        .await
+        .unwrap();
+    let mut lease = grant.commit(4096).await.unwrap();
+    if await_release {
+        lease.release_all().await.unwrap();
+    } else {
+        // As a deferred-free actor does it: fire and forget, order kept by the mailbox.
+        lease.release(4096).unwrap();
+    }
+}
+
+/// Per-round-trip latencies (ns), sorted, on a runtime of `workers` threads (0 = current thread).
+fn actor_latencies(workers: usize, await_release: bool) -> Vec<u64> {
+    let rt = if workers == 0 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    rt.block_on(async {
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("bench", 1 << 40))
+            .await
+            .unwrap();
+        let holder = g.register_holder("bench", 0, None).await.unwrap();
+        // Measured from a spawned task, as a holder would call it.
+        tokio::spawn(async move {
+            for _ in 0..WARMUP {
+                round_trip(&g, holder, await_release).await;
+            }
+            let mut samples = Vec::with_capacity(SAMPLES);
+            for _ in 0..SAMPLES {
+                let start = Instant::now();
+                round_trip(&g, holder, await_release).await;
+                samples.push(start.elapsed().as_nanos() as u64);
+            }
+            samples.sort_unstable();
+            samples
+        })
+        .await
+        .unwrap()
+    })
+}
+
+fn mutex_round_trip_ns() -> f64 {
+    let mut ledger = Ledger::new();
+    let a = ledger.add_authority("bench", 1 << 40);
+    let h = ledger.register_holder(a, "bench", 0).unwrap();
+    let ledger = Arc::new(Mutex::new(ledger));
+    let iters = 200_000;
+    let start = Instant::now();
+    for _ in 0..iters {
+        let g = ledger
+            .lock()
+            .unwrap()
+            .reserve(h, a, MemoryRole::KvCache, 4096)
+            .unwrap();
+        let l = ledger.lock().unwrap().commit(h, g.id, 4096).unwrap();
+        ledger.lock().unwrap().release(h, l.id, 4096).unwrap();
+    }
+    start.elapsed().as_nanos() as f64 / iters as f64
+}
+
+fn concurrent_ops_per_s() -> (f64, Duration) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("bench64", 1 << 40))
+            .await
+            .unwrap();
+        let mut holders = Vec::new();
+        for i in 0..CONCURRENT {
+            holders.push(g.register_holder(format!("h{i}"), 0, None).await.unwrap());
+        }
+        let start = Instant::now();
+        let tasks: Vec<_> = holders
+            .into_iter()
+            .map(|h| {
+                let g = g.clone();
+                tokio::spawn(async move {
+                    for _ in 0..PER_TASK {
+                        round_trip(&g, h, true).await;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let elapsed = start.elapsed();
+        let snapshot = g.snapshot().await.unwrap();
+        assert_eq!(snapshot.books.approved(), 0, "every byte came back");
+        (
+            (CONCURRENT * PER_TASK) as f64 / elapsed.as_secs_f64(),
+            elapsed,
+        )
+    })
+}
+
+fn main() {
+    let multi = actor_latencies(2, true);
+    let single = actor_latencies(0, true);
+    let cast = actor_latencies(2, false);
+    let mutex_ns = mutex_round_trip_ns();
+    let (ops_per_s, elapsed) = concurrent_ops_per_s();
+    write_report(
+        "governor",
+        &json!({
+            "round_trip": "reserve -> commit -> release, each awaited",
+            "samples": SAMPLES,
+            "actor_round_trip_p50_ns": percentile(&multi, 0.50),
+            "actor_round_trip_p99_ns": percentile(&multi, 0.99),
+            "actor_round_trip_current_thread_p50_ns": percentile(&single, 0.50),
+            "actor_round_trip_current_thread_p99_ns": percentile(&single, 0.99),
+            "actor_reserve_commit_release_cast_p50_ns": percentile(&cast, 0.50),
+            "actor_reserve_commit_release_cast_p99_ns": percentile(&cast, 0.99),
+            "mutex_round_trip_ns": mutex_ns,
+            "actor_vs_mutex_p50_ratio": percentile(&multi, 0.50) as f64 / mutex_ns,
+            "concurrent_holders": CONCURRENT,
+            "concurrent_round_trips": CONCURRENT * PER_TASK,
+            "concurrent_elapsed_s": elapsed.as_secs_f64(),
+            "concurrent_64_ops_per_s": ops_per_s,
+        }),
+    );
+}
