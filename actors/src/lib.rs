@@ -5,14 +5,28 @@
 //!
 //! - [`governor`]: one actor per authority keeping the books, queuing requests that do not
 //!   fit and sending [`PressureTicket`]s to that authority's holders.
+//! - [`provider`]: the CPU execution provider: a context and streams that run work in order
+//!   on their own threads, each submission returning a fence.
+//! - [`deferred_free`]: one actor per stream; nothing is freed before every fence that used
+//!   it has completed, and the Governor is refunded only after the mechanism freed it.
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
 
+pub mod buffer;
+pub mod deferred_free;
 pub mod governor;
 pub mod pressure;
+pub mod provider;
+pub mod stream;
 
+pub use buffer::{BufferView, DeviceBuffer};
+pub use deferred_free::{
+    DeferredFree, DeferredFreeMsg, DeferredStats, DrainReport, StreamRegistry,
+};
 pub use governor::{
     CommitRefused, Governor, GovernorConfig, GovernorError, GovernorHandle, GovernorMsg,
     GovernorSnapshot, Grant, Lease, ReserveRequest,
 };
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem as core;
+pub use provider::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};
+pub use stream::{CpuStream, StreamError};

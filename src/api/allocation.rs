@@ -157,6 +157,13 @@ impl DeviceAllocation {
         self.charge
     }
 
+    /// Gives the memory back through the mechanism that created it (the only one that can),
+    /// returning the bytes actually freed. Callers that know the device may still be using it
+    /// go through a deferred-free queue instead.
+    pub fn release(self) -> Result<u64, MemoryError> {
+        self.release_now()
+    }
+
     /// Releases through the creator; called only after the caller checked identity.
     pub(crate) fn release_now(mut self) -> Result<u64, MemoryError> {
         match self.origin.take() {

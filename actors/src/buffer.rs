@@ -1,0 +1,207 @@
+//! Owning device buffers whose drop never frees: it hands the allocation, with the fences
+//! of every stream that used it, to a deferred-free actor.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use procmem::deferred::latest_per_stream;
+use procmem::fence::{Fence, Timeline};
+use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
+use ractor::ActorRef;
+
+use crate::deferred_free::{DeferredFreeMsg, DeferredRelease, PendingFree};
+use crate::governor::Lease;
+
+/// An allocation made through an execution provider, with the lease that pays for it.
+///
+/// Dropping it never blocks and never frees: it enqueues the allocation on its home
+/// stream's deferred-free actor with the last fence of every stream that used it. The
+/// mechanism frees it once those fences complete, then the Governor is refunded.
+pub struct DeviceBuffer {
+    allocation: Option<DeviceAllocation>,
+    lease: Option<Lease>,
+    uses: Mutex<Vec<(Fence, Arc<dyn Timeline>)>>,
+    home: ActorRef<DeferredFreeMsg>,
+    context: ContextId,
+    // Keeps the provider's context (its streams and mechanism) alive while this lives.
+    _keep_alive: Arc<dyn Send + Sync>,
+}
+
+/// A raw view of a buffer for kernels: an address and a length on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferView {
+    /// Start address (host pointer or device address).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The device the bytes are on.
+    pub device: DeviceKey,
+}
+
+impl BufferView {
+    /// The bytes, for a host kernel.
+    ///
+    /// # Safety
+    /// 1. The view's buffer was passed in `uses` when the kernel reading it was submitted,
+    ///    so it stays mapped until that kernel's fence completes.
+    /// 2. No kernel writes these bytes concurrently.
+    /// 3. The view is of host memory.
+    #[allow(unsafe_code)]
+    pub unsafe fn host_bytes<'a>(&self) -> &'a [u8] {
+        debug_assert_eq!(self.device.kind, DeviceKind::Host);
+        // SAFETY: preconditions 1 to 3.
+        unsafe { std::slice::from_raw_parts(self.addr as usize as *const u8, self.len as usize) }
+    }
+
+    /// The bytes, writable, for a host kernel.
+    ///
+    /// # Safety
+    /// As for [`BufferView::host_bytes`], and no other access to these bytes happens meanwhile.
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    pub unsafe fn host_bytes_mut<'a>(&self) -> &'a mut [u8] {
+        debug_assert_eq!(self.device.kind, DeviceKind::Host);
+        // SAFETY: preconditions of this function.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as usize as *mut u8, self.len as usize) }
+    }
+}
+
+impl DeviceBuffer {
+    pub(crate) fn new(
+        allocation: DeviceAllocation,
+        lease: Option<Lease>,
+        home: ActorRef<DeferredFreeMsg>,
+        keep_alive: Arc<dyn Send + Sync>,
+    ) -> Self {
+        DeviceBuffer {
+            context: allocation.context(),
+            allocation: Some(allocation),
+            lease,
+            uses: Mutex::new(Vec::new()),
+            home,
+            _keep_alive: keep_alive,
+        }
+    }
+
+    fn allocation(&self) -> &DeviceAllocation {
+        self.allocation.as_ref().expect("live until dropped")
+    }
+
+    /// A raw view for kernels.
+    pub fn view(&self) -> BufferView {
+        let a = self.allocation();
+        BufferView {
+            addr: a.addr(),
+            len: a.bytes(),
+            device: a.device(),
+        }
+    }
+
+    /// Usable bytes.
+    pub fn len(&self) -> u64 {
+        self.allocation().bytes()
+    }
+
+    /// True for a zero-length buffer (never: allocations are at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes the lease pays for.
+    pub fn charged_bytes(&self) -> u64 {
+        self.lease.as_ref().map_or(0, Lease::bytes)
+    }
+
+    /// The provider context that made it.
+    pub fn context(&self) -> ContextId {
+        self.context
+    }
+
+    /// The underlying allocation.
+    pub fn allocation_handle(&self) -> &DeviceAllocation {
+        self.allocation()
+    }
+
+    /// Fences of the streams that used it (the latest per stream).
+    pub fn fences(&self) -> Vec<Fence> {
+        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        latest_per_stream(uses.iter().map(|(f, _)| *f))
+    }
+
+    pub(crate) fn record_use(&self, fence: Fence, timeline: Arc<dyn Timeline>) {
+        let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        match uses.iter_mut().find(|(f, _)| f.stream == fence.stream) {
+            Some((f, _)) => f.value = f.value.max(fence.value),
+            None => uses.push((fence, timeline)),
+        }
+    }
+
+    /// Waits on the host until every stream that used the buffer is done with it.
+    pub fn host_wait_idle(&self) {
+        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
+        for (fence, timeline) in uses.iter() {
+            while !timeline.wait(fence.value, Duration::from_secs(1)) {}
+        }
+    }
+
+    /// The bytes on the host, after waiting for every stream that used them.
+    pub fn host_bytes(&self) -> Result<&[u8], MemoryError> {
+        self.host_wait_idle();
+        procmem::host::host_bytes(self.allocation())
+    }
+
+    /// The bytes on the host, writable, after waiting for every stream that used them.
+    pub fn host_bytes_mut(&mut self) -> Result<&mut [u8], MemoryError> {
+        self.host_wait_idle();
+        let allocation = self.allocation.as_mut().expect("live until dropped");
+        procmem::host::host_bytes_mut(allocation)
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let Some(allocation) = self.allocation.take() else {
+            return;
+        };
+        let uses = std::mem::take(&mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()));
+        let fences = latest_per_stream(uses.iter().map(|(f, _)| *f));
+        let pending = PendingFree::new(
+            Box::new(allocation),
+            self.lease.take(),
+            fences,
+            self.context,
+        );
+        if let Err(ractor::MessagingErr::SendErr(DeferredFreeMsg::Enqueue(pending))) =
+            self.home.cast(DeferredFreeMsg::Enqueue(pending))
+        {
+            // The queue is gone (shutdown): wait for the fences on a thread of its own,
+            // never on the dropping thread, and never free before they complete.
+            std::thread::spawn(move || {
+                for (fence, timeline) in &uses {
+                    while !timeline.wait(fence.value, Duration::from_secs(1)) {}
+                }
+                let PendingFree { item, lease, .. } = pending;
+                match DeferredRelease::release(item) {
+                    Ok(freed) => {
+                        if let Some(mut lease) = lease {
+                            let _ = lease.release(freed.min(lease.bytes()));
+                        }
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "mechanism failed to free after shutdown");
+                        std::mem::forget(lease);
+                    }
+                }
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("allocation", &self.allocation)
+            .field("lease", &self.lease)
+            .field("fences", &self.fences())
+            .finish()
+    }
+}

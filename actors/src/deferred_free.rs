@@ -1,0 +1,342 @@
+//! One deferred-free actor per device stream: allocations wait here until every fence that
+//! used them has completed; then the mechanism that created them frees them, and only then
+//! is the Governor refunded with the bytes actually freed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use procmem::deferred::{route, FenceQueue, Route};
+use procmem::fence::{Fence, StreamId, Timeline};
+use procmem::{ContextId, MemoryError};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use crate::governor::Lease;
+
+/// Something the device may still be using, freed by its own mechanism once it is not.
+pub trait DeferredRelease: Send {
+    /// Frees it through the mechanism that created it; returns the bytes actually freed.
+    fn release(self: Box<Self>) -> Result<u64, MemoryError>;
+}
+
+impl DeferredRelease for procmem::DeviceAllocation {
+    fn release(self: Box<Self>) -> Result<u64, MemoryError> {
+        procmem::DeviceAllocation::release(*self)
+    }
+}
+
+/// An allocation waiting for its fences, with the lease that pays for it.
+pub struct PendingFree {
+    pub(crate) item: Box<dyn DeferredRelease>,
+    pub(crate) lease: Option<Lease>,
+    pub(crate) fences: Vec<Fence>,
+    pub(crate) context: ContextId,
+}
+
+impl PendingFree {
+    /// `item` (created in `context`), paid for by `lease`, last used at `fences`.
+    pub fn new(
+        item: Box<dyn DeferredRelease>,
+        lease: Option<Lease>,
+        fences: Vec<Fence>,
+        context: ContextId,
+    ) -> Self {
+        PendingFree {
+            item,
+            lease,
+            fences,
+            context,
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingFree {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingFree")
+            .field("fences", &self.fences)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+/// Every stream's timeline and deferred-free queue, so an allocation used on several streams
+/// can be handed to whichever stream it still waits on.
+#[derive(Clone, Default)]
+pub struct StreamRegistry {
+    inner: Arc<RwLock<HashMap<StreamId, StreamEntry>>>,
+}
+
+type StreamEntry = (Arc<dyn Timeline>, ActorRef<DeferredFreeMsg>);
+
+impl std::fmt::Debug for StreamRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.inner.read().map(|m| m.len()).unwrap_or(0);
+        f.debug_struct("StreamRegistry")
+            .field("streams", &n)
+            .finish()
+    }
+}
+
+impl StreamRegistry {
+    /// Adds a stream.
+    pub fn register(&self, timeline: Arc<dyn Timeline>, queue: ActorRef<DeferredFreeMsg>) {
+        self.inner
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(timeline.stream(), (timeline, queue));
+    }
+
+    /// The completed value of `stream` (a stream never registered counts as complete: it
+    /// cannot have work pending).
+    pub fn completed(&self, stream: StreamId) -> u64 {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream)
+            .map_or(u64::MAX, |(t, _)| t.completed())
+    }
+
+    /// The timeline of `stream`.
+    pub fn timeline(&self, stream: StreamId) -> Option<Arc<dyn Timeline>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream)
+            .map(|(t, _)| Arc::clone(t))
+    }
+
+    fn queue(&self, stream: StreamId) -> Option<ActorRef<DeferredFreeMsg>> {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&stream)
+            .map(|(_, q)| q.clone())
+    }
+}
+
+/// The state of a stream's queue after a drain.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Allocations this queue freed over its life, the drain included.
+    pub freed: u64,
+    /// Bytes it freed over its life.
+    pub freed_bytes: u64,
+    /// Allocations the drain handed to another stream they still wait on.
+    pub forwarded: u64,
+    /// Allocations still waiting for a fence of this stream that never completed.
+    pub still_queued: u64,
+}
+
+/// Counters of one deferred-free actor.
+#[derive(Debug, Clone, Default)]
+pub struct DeferredStats {
+    /// Allocations waiting now.
+    pub queued: usize,
+    /// Allocations freed so far.
+    pub freed: u64,
+    /// Bytes freed so far.
+    pub freed_bytes: u64,
+    /// Frees the mechanism failed (their leases are kept: the books must not claim bytes
+    /// came back that may not have).
+    pub failures: u64,
+    /// Nanoseconds from fence completion to the refund reaching the Governor's mailbox, for
+    /// the most recent frees that waited on a fence.
+    pub fence_to_refund_ns: Vec<u64>,
+}
+
+/// The deferred-free actor's mailbox.
+#[derive(Debug)]
+pub enum DeferredFreeMsg {
+    /// An allocation whose last owner let go.
+    Enqueue(PendingFree),
+    /// The stream's timeline reached `value` at `at`.
+    FenceCompleted {
+        /// The completed value.
+        value: u64,
+        /// When the stream completed it.
+        at: Instant,
+    },
+    /// The stream has stopped and its last fence completed: free everything, in order.
+    Drain {
+        /// What was done.
+        reply: RpcReplyPort<DrainReport>,
+    },
+    /// Counters.
+    Stats {
+        /// The counters.
+        reply: RpcReplyPort<DeferredStats>,
+    },
+}
+
+/// The deferred-free actor of one stream.
+#[derive(Debug, Default)]
+pub struct DeferredFree;
+
+/// Its state.
+pub struct DeferredFreeState {
+    stream: StreamId,
+    context: ContextId,
+    registry: StreamRegistry,
+    queue: FenceQueue<PendingFree>,
+    stats: DeferredStats,
+    failed_leases: Vec<Lease>,
+    depth: Gauge,
+    freed_bytes: Counter,
+    latency: Histogram,
+}
+
+const LATENCY_SAMPLES: usize = 1 << 17;
+
+impl Actor for DeferredFree {
+    type Msg = DeferredFreeMsg;
+    type State = DeferredFreeState;
+    type Arguments = (StreamId, ContextId, StreamRegistry);
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<DeferredFreeMsg>,
+        (stream, context, registry): Self::Arguments,
+    ) -> Result<DeferredFreeState, ActorProcessingErr> {
+        let label = [("stream", stream.get().to_string())];
+        Ok(DeferredFreeState {
+            stream,
+            context,
+            registry,
+            queue: FenceQueue::default(),
+            stats: DeferredStats::default(),
+            failed_leases: Vec::new(),
+            depth: gauge!("procmem_deferred_free_queue_depth", &label),
+            freed_bytes: counter!("procmem_deferred_free_bytes_total", &label),
+            latency: histogram!("procmem_deferred_free_fence_to_refund_seconds", &label),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<DeferredFreeMsg>,
+        msg: DeferredFreeMsg,
+        state: &mut DeferredFreeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DeferredFreeMsg::Enqueue(pending) => {
+                state.dispatch(pending, None);
+            }
+            DeferredFreeMsg::FenceCompleted { value, at } => {
+                for pending in state.queue.pop_ready(value) {
+                    state.dispatch(pending, Some(at));
+                }
+            }
+            DeferredFreeMsg::Drain { reply } => {
+                let mut forwarded = 0;
+                let completed = state.registry.completed(state.stream);
+                let mut rest = state.queue.pop_ready(completed);
+                // Anything above the completed value was submitted but never ran: it can only
+                // be freed once that value completes, so it stays queued.
+                for pending in rest.drain(..) {
+                    if state.dispatch(pending, None) == Dispatched::Forwarded {
+                        forwarded += 1;
+                    }
+                }
+                let _ = reply.send(DrainReport {
+                    freed: state.stats.freed,
+                    freed_bytes: state.stats.freed_bytes,
+                    forwarded,
+                    still_queued: state.queue.len() as u64,
+                });
+            }
+            DeferredFreeMsg::Stats { reply } => {
+                let mut stats = state.stats.clone();
+                stats.queued = state.queue.len();
+                let _ = reply.send(stats);
+            }
+        }
+        state.depth.set(state.queue.len() as f64);
+        Ok(())
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Dispatched {
+    Freed,
+    Queued,
+    Forwarded,
+}
+
+impl DeferredFreeState {
+    fn dispatch(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) -> Dispatched {
+        debug_assert_eq!(
+            pending.context, self.context,
+            "queued on a stream of another context"
+        );
+        match route(&pending.fences, |s| self.registry.completed(s)) {
+            Route::FreeNow => {
+                self.free(pending, fence_done_at);
+                Dispatched::Freed
+            }
+            Route::WaitOn(fence) if fence.stream == self.stream => {
+                self.queue.push(fence.value, pending);
+                Dispatched::Queued
+            }
+            Route::WaitOn(fence) => match self.registry.queue(fence.stream) {
+                Some(other) => match other.cast(DeferredFreeMsg::Enqueue(pending)) {
+                    Ok(()) => Dispatched::Forwarded,
+                    Err(ractor::MessagingErr::SendErr(DeferredFreeMsg::Enqueue(pending))) => {
+                        self.wait_elsewhere(pending, fence)
+                    }
+                    Err(_) => unreachable!("cast hands back the message it could not send"),
+                },
+                None => self.wait_elsewhere(pending, fence),
+            },
+        }
+    }
+
+    /// The other stream's queue is gone: wait for its fence on a blocking thread instead,
+    /// never freeing early.
+    fn wait_elsewhere(&mut self, pending: PendingFree, fence: Fence) -> Dispatched {
+        let registry = self.registry.clone();
+        let me = self.registry.queue(self.stream);
+        std::thread::spawn(move || {
+            if let Some(t) = registry.timeline(fence.stream) {
+                while !t.wait(fence.value, std::time::Duration::from_secs(1)) {}
+            }
+            if let Some(me) = me {
+                let _ = me.cast(DeferredFreeMsg::Enqueue(pending));
+            }
+        });
+        Dispatched::Forwarded
+    }
+
+    fn free(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) {
+        let PendingFree { item, lease, .. } = pending;
+        match item.release() {
+            Ok(freed) => {
+                if let Some(mut lease) = lease {
+                    let refund = freed.min(lease.bytes());
+                    if refund > 0 && lease.release(refund).is_err() {
+                        tracing::warn!("governor gone; refund of {refund} bytes not delivered");
+                    }
+                    // Anything the lease held beyond the bytes freed goes back when it drops.
+                }
+                self.stats.freed += 1;
+                self.stats.freed_bytes += freed;
+                self.freed_bytes.increment(freed);
+                if let Some(at) = fence_done_at {
+                    let ns = at.elapsed().as_nanos() as u64;
+                    self.latency.record(ns as f64 * 1e-9);
+                    if self.stats.fence_to_refund_ns.len() < LATENCY_SAMPLES {
+                        self.stats.fence_to_refund_ns.push(ns);
+                    }
+                }
+                tracing::trace!(stream = %self.stream, freed, "deferred free");
+            }
+            Err(error) => {
+                self.stats.failures += 1;
+                tracing::error!(stream = %self.stream, %error, "mechanism failed to free; lease kept");
+                if let Some(lease) = lease {
+                    self.failed_leases.push(lease);
+                }
+            }
+        }
+    }
+}
