@@ -82,6 +82,66 @@ fn sum(bytes: &[u8]) -> u64 {
         .fold(0u64, u64::wrapping_add)
 }
 
+const CUDA_GRANULES: u64 = 256;
+
+/// The CUDA part: growing a VMM-backed buffer one granule at a time (handles from the pool)
+/// against raw `cuMemMap` + `cuMemSetAccess` of handles created up front. `None` with the
+/// reason where there is no driver or device.
+fn cuda_growth() -> serde_json::Value {
+    use procmem::cuda::{driver_present, CudaAccess, CudaDevice, CudaMechanism};
+    use procmem::VirtualBacking;
+    if !driver_present() {
+        return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});
+    }
+    if CudaDevice::count() == 0 {
+        return json!({"skipped": "a CUDA driver is present but reports no device"});
+    }
+    let m = CudaMechanism::new(0, CUDA_GRANULES as usize).unwrap();
+    let backing = m.backing();
+    let g = VirtualBacking::granularity(backing.as_ref());
+    let device = m.device().clone();
+    let mut ours = Vec::new();
+    let mut raw = Vec::new();
+    for _ in 0..9 {
+        let mut buf =
+            VirtualBuffer::new(backing.clone(), CUDA_GRANULES * g, MemoryRole::KvCache).unwrap();
+        ours.push(ns_per(CUDA_GRANULES, || {
+            for _ in 0..CUDA_GRANULES {
+                buf.grow(g).unwrap();
+            }
+        }));
+        drop(buf);
+        let range = device.reserve(CUDA_GRANULES * g, g).unwrap();
+        let handles: Vec<_> = (0..CUDA_GRANULES)
+            .map(|_| device.create_handle(g).unwrap())
+            .collect();
+        raw.push(ns_per(CUDA_GRANULES, || {
+            for (i, h) in handles.iter().enumerate() {
+                // SAFETY: granule i of a fresh reservation, nothing mapped there yet.
+                unsafe {
+                    device
+                        .map(range.ptr() + i as u64 * g, h, CudaAccess::ReadWrite)
+                        .unwrap()
+                };
+            }
+        }));
+        for i in 0..CUDA_GRANULES {
+            // SAFETY: mapped above, unused by any stream.
+            unsafe { device.unmap(range.ptr() + i * g, g).unwrap() };
+        }
+    }
+    ours.sort_by(|a, b| a.total_cmp(b));
+    raw.sort_by(|a, b| a.total_cmp(b));
+    let (o, r) = (ours[ours.len() / 2], raw[raw.len() / 2]);
+    json!({
+        "granule_bytes": g,
+        "granules_per_round": CUDA_GRANULES,
+        "grow_ns_per_granule": o,
+        "raw_map_ns_per_granule": r,
+        "grow_vs_raw_ratio": o / r,
+    })
+}
+
 fn main() {
     let host = HostMechanism::new().unwrap();
     let g = procmem::granularity();
@@ -143,6 +203,7 @@ fn main() {
             "read_ns_per_byte": read_ours_ns,
             "vec_read_ns_per_byte": read_vec_ns,
             "read_vs_vec_ratio": read_vec_ns / read_ours_ns,
+            "cuda": cuda_growth(),
         }),
     );
 }

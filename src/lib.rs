@@ -33,6 +33,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod api;
+#[allow(unsafe_code)]
+pub mod cuda;
 pub mod deferred;
 pub mod fence;
 #[cfg(target_os = "linux")]

@@ -128,6 +128,16 @@ pub struct DrainReport {
     pub still_queued: u64,
 }
 
+impl DrainReport {
+    /// Adds another stream's report to this one.
+    pub fn add(&mut self, other: DrainReport) {
+        self.freed += other.freed;
+        self.freed_bytes += other.freed_bytes;
+        self.forwarded += other.forwarded;
+        self.still_queued += other.still_queued;
+    }
+}
+
 /// Counters of one deferred-free actor.
 #[derive(Debug, Clone, Default)]
 pub struct DeferredStats {

@@ -7,11 +7,14 @@
 //!   fit and sending [`PressureTicket`]s to that authority's holders.
 //! - [`provider`]: the CPU execution provider: a context and streams that run work in order
 //!   on their own threads, each submission returning a fence.
+//! - [`cuda_provider`]: the CUDA execution provider (used where a driver is present):
+//!   CUDA streams fenced by recorded events, observed from the host.
 //! - [`deferred_free`]: one actor per stream; nothing is freed before every fence that used
 //!   it has completed, and the Governor is refunded only after the mechanism freed it.
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
 
 pub mod buffer;
+pub mod cuda_provider;
 pub mod deferred_free;
 pub mod governor;
 pub mod pressure;
@@ -19,6 +22,7 @@ pub mod provider;
 pub mod stream;
 
 pub use buffer::{BufferView, DeviceBuffer};
+pub use cuda_provider::{CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError};
 pub use deferred_free::{
     DeferredFree, DeferredFreeMsg, DeferredStats, DrainReport, StreamRegistry,
 };

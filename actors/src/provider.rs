@@ -6,13 +6,16 @@ use std::sync::Arc;
 use procmem::fence::{HostTimeline, StreamId};
 use procmem::host::HostMechanism;
 use procmem::ledger::{HolderId, Priority};
-use procmem::{AllocationRequest, ContextId, DeviceMemoryMechanism, MemoryError};
+use procmem::{
+    AllocationRequest, ContextId, DeviceAllocation, DeviceAllocator, DeviceMemoryMechanism,
+    MemoryError,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::time::Instant;
 
 use crate::buffer::DeviceBuffer;
 use crate::deferred_free::{DeferredFree, DeferredFreeMsg, DrainReport, StreamRegistry};
-use crate::governor::{GovernorError, GovernorHandle, ReserveRequest};
+use crate::governor::{GovernorError, GovernorHandle, Lease, ReserveRequest};
 use crate::stream::CpuStream;
 
 /// Why the provider could not do what was asked.
@@ -148,13 +151,7 @@ impl Actor for CpuExecutionProvider {
                 for stream in &context.streams {
                     let s = stream.clone();
                     tokio::task::spawn_blocking(move || s.stop_and_join()).await?;
-                    let report = ractor::call!(stream.deferred_free(), |r| {
-                        DeferredFreeMsg::Drain { reply: r }
-                    })?;
-                    total.freed += report.freed;
-                    total.freed_bytes += report.freed_bytes;
-                    total.forwarded += report.forwarded;
-                    total.still_queued += report.still_queued;
+                    total.add(drain(stream.deferred_free()).await?);
                 }
                 let _ = reply.send(total);
             }
@@ -244,26 +241,15 @@ impl CpuProvider {
         home: usize,
     ) -> Result<DeviceBuffer, ProviderError> {
         let stream = self.stream(home)?;
-        let allocator = self.context.mechanism.allocator();
-        let footprint = allocator.footprint(request)?;
-        let grant = governor
-            .reserve(ReserveRequest {
-                holder,
-                role: request.role,
-                bytes: footprint,
-                priority,
-                deadline,
-            })
-            .await?;
-        // On error the grant drops here and returns itself.
-        let allocation = allocator.allocate(request)?;
-        let actual = allocation.footprint();
-        // A refused commit hands the grant back; dropping it returns it, and the allocation,
-        // never used by any stream, is freed at once by its own mechanism.
-        let lease = grant
-            .commit(actual)
-            .await
-            .map_err(|refused| refused.error)?;
+        let (allocation, lease) = charged_allocation(
+            self.context.mechanism.allocator(),
+            governor,
+            holder,
+            request,
+            priority,
+            deadline,
+        )
+        .await?;
         Ok(DeviceBuffer::new(
             allocation,
             Some(lease),
@@ -275,15 +261,7 @@ impl CpuProvider {
     /// Frees a buffer through this provider: refused (and handed back) if another
     /// context made it; otherwise queued for deferred free like a drop.
     pub fn free(&self, buffer: DeviceBuffer) -> Result<(), Box<WrongContext>> {
-        if buffer.context() != self.context.id {
-            return Err(Box::new(WrongContext {
-                owner: buffer.context(),
-                this: self.context.id,
-                buffer,
-            }));
-        }
-        drop(buffer);
-        Ok(())
+        free_in_context(self.context.id, buffer)
     }
 
     /// Stops every stream after its submitted work and drains every deferred-free queue in
@@ -292,4 +270,61 @@ impl CpuProvider {
         ractor::call!(self.actor, |r| CpuProviderMsg::Shutdown { reply: r })
             .map_err(|_| ProviderError::Unavailable)
     }
+}
+
+/// Charges the full footprint of `request` to `holder`, allocates, and commits the charge at
+/// the real footprint. Any failure returns the grant (and frees an allocation no stream used).
+pub(crate) async fn charged_allocation(
+    allocator: &dyn DeviceAllocator,
+    governor: &GovernorHandle,
+    holder: HolderId,
+    request: &AllocationRequest,
+    priority: Priority,
+    deadline: Option<Instant>,
+) -> Result<(DeviceAllocation, Lease), ProviderError> {
+    let footprint = allocator.footprint(request)?;
+    let grant = governor
+        .reserve(ReserveRequest {
+            holder,
+            role: request.role,
+            bytes: footprint,
+            priority,
+            deadline,
+        })
+        .await?;
+    // On error the grant drops here and returns itself.
+    let allocation = allocator.allocate(request)?;
+    let actual = allocation.footprint();
+    // A refused commit hands the grant back; dropping it returns it, and the allocation,
+    // never used by any stream, is freed at once by its own mechanism.
+    let lease = grant
+        .commit(actual)
+        .await
+        .map_err(|refused| refused.error)?;
+    Ok((allocation, lease))
+}
+
+/// Drops `buffer` into its deferred-free path if `context` made it; hands it back otherwise.
+pub(crate) fn free_in_context(
+    context: ContextId,
+    buffer: DeviceBuffer,
+) -> Result<(), Box<WrongContext>> {
+    if buffer.context() != context {
+        return Err(Box::new(WrongContext {
+            owner: buffer.context(),
+            this: context,
+            buffer,
+        }));
+    }
+    drop(buffer);
+    Ok(())
+}
+
+/// Drains one stream's deferred-free queue.
+pub(crate) async fn drain(
+    queue: &ActorRef<DeferredFreeMsg>,
+) -> Result<DrainReport, ActorProcessingErr> {
+    Ok(ractor::call!(queue, |r| DeferredFreeMsg::Drain {
+        reply: r
+    })?)
 }

@@ -73,11 +73,7 @@ impl CpuStream {
                         if catch_unwind(AssertUnwindSafe(job.kernel)).is_err() {
                             panics.fetch_add(1, Ordering::Relaxed);
                         }
-                        timeline.complete(job.value);
-                        let _ = deferred.cast(DeferredFreeMsg::FenceCompleted {
-                            value: job.value,
-                            at: Instant::now(),
-                        });
+                        complete_fence(&timeline, &deferred, job.value);
                     }
                 })
                 .expect("spawn a stream thread")
@@ -165,4 +161,17 @@ impl CpuStream {
             let _ = worker.join();
         }
     }
+}
+
+/// Marks `value` complete on `timeline` and tells the stream's deferred-free actor.
+pub(crate) fn complete_fence(
+    timeline: &HostTimeline,
+    deferred: &ActorRef<DeferredFreeMsg>,
+    value: u64,
+) {
+    timeline.complete(value);
+    let _ = deferred.cast(DeferredFreeMsg::FenceCompleted {
+        value,
+        at: Instant::now(),
+    });
 }

@@ -91,6 +91,20 @@ pub enum MemoryError {
         /// Why it is missing.
         reason: &'static str,
     },
+    /// No CUDA driver library on this machine: CUDA mechanisms cannot be used here.
+    #[error("no CUDA driver: {api} needs libcuda, which is not present on this machine")]
+    NoCudaDriver {
+        /// The entry point that was called.
+        api: &'static str,
+    },
+    /// The CUDA driver refused a call.
+    #[error("CUDA {op} failed: {code}")]
+    Driver {
+        /// The driver call.
+        op: &'static str,
+        /// The driver's error code.
+        code: String,
+    },
     /// The operating system or driver has no physical memory for this; free something first.
     #[error("out of physical memory while {op} {bytes} bytes")]
     OutOfMemory {

@@ -209,6 +209,33 @@ impl VirtualAllocation {
     pub(crate) fn backend<T: Any>(&self) -> Option<&T> {
         self.backend.downcast_ref()
     }
+
+    pub(crate) fn backend_mut<T: Any>(&mut self) -> Option<&mut T> {
+        self.backend.downcast_mut()
+    }
+
+    /// Offsets of the shared blocks lying inside `range`; refuses a range that would split
+    /// one, since shared blocks are mapped and unmapped whole.
+    pub(crate) fn shared_blocks_within(
+        &self,
+        range: &std::ops::Range<u64>,
+    ) -> Result<Vec<u64>, MemoryError> {
+        let mut inside = Vec::new();
+        for (offset, view) in self.shared.range(..range.end) {
+            let block_end = offset + view.block.bytes();
+            if block_end <= range.start {
+                continue;
+            }
+            if *offset < range.start || block_end > range.end {
+                return Err(MemoryError::PartialBlock {
+                    range: range.clone(),
+                    block: *offset,
+                });
+            }
+            inside.push(*offset);
+        }
+        Ok(inside)
+    }
 }
 
 impl fmt::Debug for VirtualAllocation {

@@ -177,20 +177,7 @@ impl VirtualBacking for HostBacking {
         let (addr, file_base) = (reservation.range.addr(), reservation.file_base);
         let granules = allocation.granules.validate_range(&range)?;
         allocation.granules.require_backed(&granules)?;
-        let mut blocks_inside = Vec::new();
-        for (offset, view) in allocation.shared.range(..range.end) {
-            let block_end = offset + view.block.bytes();
-            if block_end <= range.start {
-                continue;
-            }
-            if *offset < range.start || block_end > range.end {
-                return Err(MemoryError::PartialBlock {
-                    range,
-                    block: *offset,
-                });
-            }
-            blocks_inside.push(*offset);
-        }
+        let blocks_inside = allocation.shared_blocks_within(&range)?;
         let len = range.end - range.start;
         // SAFETY: `range` lies inside this reservation, held by `&mut`, so no reference into
         // it is live; the reservation goes back over it so the addresses stay ours.

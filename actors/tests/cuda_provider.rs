@@ -1,0 +1,169 @@
+//! The CUDA execution provider: event fences observed from the host, deferred free after
+//! them. Skipped, saying so, where no CUDA driver or device exists.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use procmem_actors::core::cuda::{driver_present, CudaDevice};
+use procmem_actors::core::ledger::HolderId;
+use procmem_actors::core::{AllocationRequest, MemoryError, MemoryRole};
+use procmem_actors::{
+    CudaProvider, CudaProviderConfig, DeferredFreeMsg, GovernorConfig, GovernorHandle,
+    ProviderError,
+};
+
+fn skipped(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+fn have_gpu(test: &str) -> bool {
+    if !driver_present() {
+        skipped(
+            test,
+            "no CUDA driver (libcuda cannot be loaded on this machine)",
+        );
+        return false;
+    }
+    if CudaDevice::count() == 0 {
+        skipped(test, "a CUDA driver is present but reports no device");
+        return false;
+    }
+    true
+}
+
+async fn setup(streams: usize) -> (GovernorHandle, HolderId, CudaProvider) {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("cuda:0", 64 << 30))
+        .await
+        .unwrap();
+    let h = g.register_holder("test", 0, None).await.unwrap();
+    let config = CudaProviderConfig {
+        streams,
+        ..CudaProviderConfig::default()
+    };
+    (g, h, CudaProvider::spawn(config).await.unwrap())
+}
+
+async fn leased(g: &GovernorHandle) -> u64 {
+    g.snapshot().await.unwrap().books.leased
+}
+
+async fn freed(p: &CudaProvider, stream: usize) -> u64 {
+    ractor::call!(p.stream(stream).unwrap().deferred_free(), |r| {
+        DeferredFreeMsg::Stats { reply: r }
+    })
+    .unwrap()
+    .freed
+}
+
+#[tokio::test]
+async fn without_a_driver_the_provider_says_so() {
+    if driver_present() {
+        skipped(
+            "without_a_driver_the_provider_says_so",
+            "a CUDA driver is present",
+        );
+        return;
+    }
+    let err = CudaProvider::spawn(CudaProviderConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ProviderError::Memory(MemoryError::NoCudaDriver { .. })),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_memory_is_freed_only_after_its_event_then_refunded() {
+    if !have_gpu("cuda_memory_is_freed_only_after_its_event_then_refunded") {
+        return;
+    }
+    const BYTES: u64 = 8 << 20;
+    let (g, h, p) = setup(2).await;
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    let src = p.allocate(&g, h, &request, 0, None, 0).await.unwrap();
+    let dst = p.allocate(&g, h, &request, 0, None, 0).await.unwrap();
+    let footprint = src.charged_bytes();
+    let device = p.mechanism().device().clone();
+    let pattern = vec![0xC3u8; BYTES as usize];
+    // SAFETY: `src` is a live device allocation of BYTES bytes.
+    unsafe { device.copy_to_device(src.view().addr, &pattern).unwrap() };
+    let s0 = p.stream(0).unwrap();
+    // Hold stream 0 on a host gate, then copy src -> dst behind it.
+    let gate = s0.cuda().host_gate().unwrap();
+    let (s, d) = (src.view(), dst.view());
+    // SAFETY: both buffers are passed in `uses`, so they outlive the copy's fence.
+    let fence = s0
+        .submit(&[&src, &dst], |stream| unsafe {
+            stream.copy_async(d.addr, s.addr, BYTES)
+        })
+        .unwrap();
+    drop(src);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        freed(&p, 0).await,
+        0,
+        "freed while the copy is still queued"
+    );
+    assert_eq!(
+        leased(&g).await,
+        2 * footprint,
+        "refunded while the copy is still queued"
+    );
+    gate.open();
+    s0.host_wait(fence);
+    let start = Instant::now();
+    while leased(&g).await != footprint {
+        assert!(start.elapsed() < Duration::from_secs(30), "never refunded");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(freed(&p, 0).await, 1);
+    let mut back = vec![0u8; BYTES as usize];
+    // SAFETY: `dst` is alive and the copy's fence completed.
+    unsafe { device.copy_to_host(&mut back, dst.view().addr).unwrap() };
+    assert!(back == pattern, "the copy read the source intact");
+    drop(dst);
+    let report = p.shutdown().await.unwrap();
+    assert_eq!(report.still_queued, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_buffer_used_on_two_streams_waits_for_both() {
+    if !have_gpu("cuda_buffer_used_on_two_streams_waits_for_both") {
+        return;
+    }
+    let (g, h, p) = setup(2).await;
+    let request = AllocationRequest::new(4 << 20, MemoryRole::Workspace);
+    let buf = p.allocate(&g, h, &request, 0, None, 0).await.unwrap();
+    let view = buf.view();
+    let (s0, s1) = (p.stream(0).unwrap(), p.stream(1).unwrap());
+    let gate0 = s0.cuda().host_gate().unwrap();
+    let gate1 = s1.cuda().host_gate().unwrap();
+    // SAFETY: the buffer is in `uses` for both submissions.
+    let f0 = s0
+        .submit(&[&buf], |s| unsafe {
+            s.memset_async(view.addr, 1, view.len)
+        })
+        .unwrap();
+    let f1 = s1
+        .submit(&[&buf], |s| unsafe {
+            s.memset_async(view.addr, 2, view.len)
+        })
+        .unwrap();
+    drop(buf);
+    gate0.open();
+    s0.host_wait(f0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        freed(&p, 0).await + freed(&p, 1).await,
+        0,
+        "freed while stream 1 still uses it"
+    );
+    gate1.open();
+    s1.host_wait(f1);
+    let start = Instant::now();
+    while leased(&g).await != 0 {
+        assert!(start.elapsed() < Duration::from_secs(30), "never refunded");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}

@@ -1,0 +1,124 @@
+//! Drops per second through the deferred-free path, and latency from fence completion to
+//! the Governor refund (p50/p99). Writes `target/reports/deferred_free.json`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::bounded;
+use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::{
+    CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
+};
+use serde_json::json;
+
+use common::write_report;
+
+const BUFFERS: usize = 20_000;
+const BYTES: u64 = 4096;
+const LATENCY_SAMPLES: usize = 2_000;
+
+async fn make_buffers(g: &GovernorHandle, p: &CpuProvider, n: usize) -> Vec<DeviceBuffer> {
+    let h = g.register_holder("bench", 0, None).await.unwrap();
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(p.allocate(g, h, &request, 0, None, 0).await.unwrap());
+    }
+    out
+}
+
+async fn wait_refunded(g: &GovernorHandle) {
+    while g.snapshot().await.unwrap().books.leased != 0 {
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let report = rt.block_on(async {
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("bench", 1 << 40))
+            .await
+            .unwrap();
+        let p = CpuProvider::spawn(CpuProviderConfig {
+            streams: 1,
+            registry: None,
+        })
+        .await
+        .unwrap();
+        let stream = p.stream(0).unwrap().clone();
+
+        // Throughput: buffers whose last kernel already finished, dropped from one thread;
+        // timed until the last refund has reached the Governor.
+        let buffers = make_buffers(&g, &p, BUFFERS).await;
+        let mut last = None;
+        for b in &buffers {
+            last = Some(stream.submit(&[b], || {}).unwrap());
+        }
+        stream.host_wait(last.unwrap());
+        let start = Instant::now();
+        drop(buffers);
+        let drop_calls = start.elapsed();
+        wait_refunded(&g).await;
+        let end_to_end = start.elapsed();
+
+        // Latency, one at a time: a buffer is dropped while its kernel waits on a gate, the
+        // drop is known to be queued, the gate opens, and the fence completion is timed to
+        // the refund reaching the Governor's mailbox.
+        let stats = |s: &procmem_actors::CpuStream| {
+            let q = s.deferred_free().clone();
+            async move { ractor::call!(q, |r| DeferredFreeMsg::Stats { reply: r }).unwrap() }
+        };
+        let before = stats(&stream).await.fence_to_refund_ns.len();
+        for _ in 0..LATENCY_SAMPLES {
+            let b = make_buffers(&g, &p, 1).await.pop().unwrap();
+            let (open, wait) = bounded::<()>(0);
+            let fence = stream.submit(&[&b], move || wait.recv().unwrap()).unwrap();
+            drop(b);
+            stats(&stream).await;
+            open.send(()).unwrap();
+            stream.host_wait(fence);
+            wait_refunded(&g).await;
+        }
+        let mut latencies = stats(&stream).await.fence_to_refund_ns[before..].to_vec();
+        latencies.sort_unstable();
+
+        // Burst: many buffers waiting behind one gate, all fences completing at once; each
+        // waits for the frees queued ahead of it.
+        let buffers = make_buffers(&g, &p, BUFFERS / 4).await;
+        let (open, wait) = bounded::<()>(0);
+        let first = stream.submit(&[], move || wait.recv().unwrap()).unwrap();
+        for b in &buffers {
+            stream.submit(&[b], || {}).unwrap();
+        }
+        drop(buffers);
+        let before = stats(&stream).await.fence_to_refund_ns.len();
+        open.send(()).unwrap();
+        stream.host_wait(first);
+        wait_refunded(&g).await;
+        let all = stats(&stream).await;
+        let mut burst = all.fence_to_refund_ns[before..].to_vec();
+        burst.sort_unstable();
+        json!({
+            "buffers": BUFFERS,
+            "buffer_bytes": BYTES,
+            "drops_per_s": BUFFERS as f64 / end_to_end.as_secs_f64(),
+            "drop_calls_per_s": BUFFERS as f64 / drop_calls.as_secs_f64(),
+            "latency_samples": latencies.len(),
+            "fence_to_refund_p50_ns": percentile(&latencies, 0.50),
+            "fence_to_refund_p99_ns": percentile(&latencies, 0.99),
+            "burst_buffers": burst.len(),
+            "burst_fence_to_refund_p50_ns": percentile(&burst, 0.50),
+            "burst_fence_to_refund_p99_ns": percentile(&burst, 0.99),
+            "failures": all.failures,
+        })
+    });
+    write_report("deferred_free", &report);
+}

@@ -1,0 +1,131 @@
+//! The eager CUDA allocator: `cuMemAlloc`, every byte taken at allocate time.
+
+use std::sync::{Arc, Mutex};
+
+use super::driver::CudaDevice;
+use crate::api::{
+    AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
+    DeviceAllocator, DeviceKey, FreeError, MechanismId, MemoryError, Refused,
+};
+
+struct Origin {
+    device: Arc<CudaDevice>,
+    drop_errors: Mutex<Vec<MemoryError>>,
+}
+
+impl AllocationOrigin for Origin {
+    fn release(&self, addr: u64, footprint: u64) -> Result<u64, MemoryError> {
+        // SAFETY: only `DeviceAllocation` calls this, once, for an address `allocate` returned;
+        // device work is ordered before it by the deferred-free path.
+        unsafe { self.device.free(addr)? };
+        Ok(footprint)
+    }
+
+    fn record_drop_error(&self, error: MemoryError) {
+        self.drop_errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(error);
+    }
+}
+
+/// Ordinary device memory through `cuMemAlloc`. Eager: the footprint is charged in full; it
+/// is the request rounded up to the VMM granularity, since the driver's own pools carve
+/// allocations from pages of that size and report no finer footprint.
+pub struct CudaAllocator {
+    mechanism: MechanismId,
+    context: ContextId,
+    key: DeviceKey,
+    granularity: u64,
+    origin: Arc<Origin>,
+}
+
+impl CudaAllocator {
+    /// An allocator on `device` for mechanism `mechanism` in `context`.
+    pub fn new(
+        mechanism: MechanismId,
+        context: ContextId,
+        device: Arc<CudaDevice>,
+    ) -> Result<Self, MemoryError> {
+        Ok(CudaAllocator {
+            mechanism,
+            context,
+            key: DeviceKey::cuda(device.ordinal()),
+            granularity: device.granularity()?,
+            origin: Arc::new(Origin {
+                device,
+                drop_errors: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+}
+
+impl DeviceAllocator for CudaAllocator {
+    fn mechanism(&self) -> MechanismId {
+        self.mechanism
+    }
+
+    fn device(&self) -> DeviceKey {
+        self.key
+    }
+
+    fn context(&self) -> ContextId {
+        self.context
+    }
+
+    fn commit_model(&self) -> CommitModel {
+        CommitModel::Eager
+    }
+
+    fn footprint(&self, request: &AllocationRequest) -> Result<u64, MemoryError> {
+        request.validate(256)?;
+        request
+            .bytes
+            .checked_next_multiple_of(self.granularity)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "allocation size rounded to the granularity",
+            })
+    }
+
+    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
+        let footprint = self.footprint(request)?;
+        let addr = self.origin.device.alloc(request.bytes)?;
+        Ok(DeviceAllocation::new(
+            AllocationParts {
+                addr,
+                bytes: request.bytes,
+                footprint,
+                role: request.role,
+                device: self.key,
+                context: self.context,
+                mechanism: self.mechanism,
+                charge: request.charge,
+            },
+            self.origin.clone(),
+        ))
+    }
+
+    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError> {
+        if allocation.mechanism() != self.mechanism || allocation.context() != self.context {
+            return Err(FreeError::Refused(Box::new(Refused {
+                error: MemoryError::ForeignHandle {
+                    owner: allocation.mechanism(),
+                    this: self.mechanism,
+                },
+                handle: allocation,
+            })));
+        }
+        allocation.release().map_err(FreeError::Failed)
+    }
+
+    /// An eager CUDA allocation is resident in full for its whole life.
+    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError> {
+        if allocation.mechanism() != self.mechanism {
+            return Err(MemoryError::ForeignHandle {
+                owner: allocation.mechanism(),
+                this: self.mechanism,
+            });
+        }
+        Ok(allocation.footprint())
+    }
+}

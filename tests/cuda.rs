@@ -1,0 +1,191 @@
+//! CUDA mechanisms. Without a driver every entry point must say so with a typed error; with
+//! one (and a device), the VMM backing is checked against the driver.
+
+use std::sync::Arc;
+
+use procmem::cuda::{driver_present, CudaDevice, CudaMechanism};
+use procmem::{
+    DeviceMemoryMechanism, MapAccess, MemoryError, MemoryRole, ReserveRequest, VirtualBacking,
+    VirtualBuffer,
+};
+
+/// Says why a test is skipped, straight to stderr so the test harness does not swallow it.
+fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// The mechanism on device 0, or `None` after saying why the test is skipped.
+fn gpu(test: &str) -> Option<CudaMechanism> {
+    if !driver_present() {
+        skipped(
+            test,
+            "no CUDA driver (libcuda cannot be loaded on this machine)",
+        );
+        return None;
+    }
+    if CudaDevice::count() == 0 {
+        skipped(test, "a CUDA driver is present but reports no device");
+        return None;
+    }
+    Some(CudaMechanism::new(0, 8).expect("open CUDA device 0"))
+}
+
+#[test]
+fn without_a_driver_every_entry_point_says_so() {
+    if driver_present() {
+        skipped(
+            "without_a_driver_every_entry_point_says_so",
+            "a CUDA driver is present",
+        );
+        return;
+    }
+    assert!(matches!(
+        CudaDevice::open(0),
+        Err(MemoryError::NoCudaDriver { .. })
+    ));
+    assert!(matches!(
+        CudaMechanism::new(0, 4),
+        Err(MemoryError::NoCudaDriver { .. })
+    ));
+    assert_eq!(CudaDevice::count(), 0);
+    let message = CudaDevice::open(0).unwrap_err().to_string();
+    assert!(message.contains("no CUDA driver"), "{message}");
+}
+
+#[test]
+fn cuda_granularity_comes_from_the_driver() {
+    let Some(m) = gpu("cuda_granularity_comes_from_the_driver") else {
+        return;
+    };
+    let g = m.virtual_backing().unwrap().granularity();
+    assert!(g.is_power_of_two() && g >= 64 * 1024, "granularity {g}");
+    assert_eq!(g, m.device().granularity().unwrap());
+    eprintln!("CUDA VMM granularity: {g} bytes");
+}
+
+#[test]
+fn cuda_buffer_grows_without_moving_and_keeps_its_bytes() {
+    let Some(m) = gpu("cuda_buffer_grows_without_moving_and_keeps_its_bytes") else {
+        return;
+    };
+    let backing = m.backing();
+    let g = VirtualBacking::granularity(backing.as_ref());
+    let device = Arc::clone(m.device());
+    let (free_before, _) = device.mem_info().unwrap();
+    let mut buf = VirtualBuffer::new(backing.clone(), 64 * g, MemoryRole::KvCache).unwrap();
+    let base = buf.addr();
+    for i in 0..32u64 {
+        buf.grow(g).unwrap();
+        assert_eq!(buf.addr(), base);
+        let pattern = vec![(i % 251) as u8; g as usize];
+        // SAFETY: granule i was just mapped read-write.
+        unsafe { device.copy_to_device(base + i * g, &pattern).unwrap() };
+    }
+    for i in 0..32u64 {
+        let mut back = vec![0u8; g as usize];
+        // SAFETY: granule i is mapped.
+        unsafe { device.copy_to_host(&mut back, base + i * g).unwrap() };
+        assert!(
+            back.iter().all(|b| *b == (i % 251) as u8),
+            "granule {i} lost its bytes"
+        );
+    }
+    assert_eq!(buf.resident_bytes().unwrap(), 32 * g);
+    let (free_during, _) = device.mem_info().unwrap();
+    assert!(
+        free_before - free_during >= 24 * g,
+        "the driver sees the physical memory"
+    );
+    assert!(buf.as_slice().is_err(), "device memory has no host slice");
+    buf.shrink(16 * g).unwrap();
+    assert_eq!(buf.resident_bytes().unwrap(), 16 * g);
+}
+
+#[test]
+fn cuda_failed_growth_rolls_back_every_mapping() {
+    let Some(m) = gpu("cuda_failed_growth_rolls_back_every_mapping") else {
+        return;
+    };
+    let backing = m.backing();
+    let g = VirtualBacking::granularity(backing.as_ref());
+    let mut a = backing
+        .reserve(&ReserveRequest {
+            bytes: 16 * g,
+            role: MemoryRole::KvCache,
+        })
+        .unwrap();
+    backing.commit_range(&mut a, 0..2 * g).unwrap();
+    let pooled = (backing.pooled_bytes() / g) as usize;
+    let live = (backing.live_bytes() / g) as usize;
+    // The pool covers `pooled` granules and the cap lets one more handle be created: a growth
+    // of `pooled + 3` granules maps `pooled + 1` of them, then fails and must undo them all.
+    backing.set_handle_cap(Some(live + 1));
+    let want = (pooled + 3) as u64;
+    let err = backing
+        .commit_range(&mut a, 2 * g..(2 + want) * g)
+        .unwrap_err();
+    assert!(matches!(err, MemoryError::OutOfMemory { .. }), "{err}");
+    assert_eq!(
+        a.granules().committed_bytes(),
+        2 * g,
+        "the old length is intact"
+    );
+    assert_eq!(
+        backing.committed_bytes(&a).unwrap(),
+        2 * g,
+        "nothing stayed mapped"
+    );
+    assert_eq!(
+        backing.pooled_bytes(),
+        (pooled as u64 + 1) * g,
+        "every handle went back to the pool"
+    );
+    assert_eq!(backing.live_bytes(), (live as u64 + 1) * g);
+    backing.set_handle_cap(None);
+    backing.commit_range(&mut a, 2 * g..4 * g).unwrap();
+}
+
+#[test]
+fn cuda_shared_block_maps_at_two_addresses_read_only_where_asked() {
+    let Some(m) = gpu("cuda_shared_block_maps_at_two_addresses_read_only_where_asked") else {
+        return;
+    };
+    let backing = m.backing();
+    let shared = m.shared_mapping().unwrap();
+    let g = VirtualBacking::granularity(backing.as_ref());
+    let device = Arc::clone(m.device());
+    let block = shared.create_block(g).unwrap();
+    let mut writer = backing
+        .reserve(&ReserveRequest {
+            bytes: 2 * g,
+            role: MemoryRole::KvCache,
+        })
+        .unwrap();
+    let mut reader = backing
+        .reserve(&ReserveRequest {
+            bytes: 2 * g,
+            role: MemoryRole::KvCache,
+        })
+        .unwrap();
+    shared
+        .map_block(&mut writer, 0, &block, MapAccess::ReadWrite)
+        .unwrap();
+    shared
+        .map_block(&mut reader, g, &block, MapAccess::ReadOnly)
+        .unwrap();
+    assert!(matches!(
+        shared.map_block(&mut reader, 0, &block, MapAccess::CopyOnWrite),
+        Err(MemoryError::Unsupported { .. })
+    ));
+    let data = vec![42u8; g as usize];
+    // SAFETY: mapped read-write in `writer`.
+    unsafe { device.copy_to_device(writer.addr(), &data).unwrap() };
+    let mut back = vec![0u8; g as usize];
+    // SAFETY: mapped readable in `reader`.
+    unsafe { device.copy_to_host(&mut back, reader.addr() + g).unwrap() };
+    assert_eq!(back, data, "both addresses see one physical block");
+    assert_eq!(block.references(), 3);
+    backing.decommit_range(&mut writer, 0..g).unwrap();
+    assert_eq!(block.references(), 2);
+}
