@@ -40,6 +40,7 @@ pub mod fence;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 pub mod host;
+pub mod kv;
 pub mod ledger;
 #[allow(unsafe_code)]
 pub mod virtual_memory;

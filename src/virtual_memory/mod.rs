@@ -15,6 +15,8 @@ pub use buffer::{round_up, VirtualBuffer};
 #[cfg(target_os = "linux")]
 mod backing;
 #[cfg(target_os = "linux")]
+mod host_access;
+#[cfg(target_os = "linux")]
 mod pool;
 #[cfg(target_os = "linux")]
 mod range;
@@ -25,6 +27,8 @@ pub(crate) mod sys;
 
 #[cfg(target_os = "linux")]
 pub use backing::HostBacking;
+#[cfg(target_os = "linux")]
+pub use host_access::{host_bytes, host_bytes_mut};
 #[cfg(target_os = "linux")]
 pub use range::VirtualRange;
 

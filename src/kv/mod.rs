@@ -1,0 +1,14 @@
+//! KV cache policy and memory, without actors: geometry, the GQA decode operator, one
+//! sequence's virtually contiguous K/V buffers with two-phase growth, and victim choice.
+
+pub mod gqa;
+#[cfg(target_os = "linux")]
+pub mod sequence;
+pub mod shape;
+pub mod victims;
+
+pub use gqa::gqa_decode;
+#[cfg(target_os = "linux")]
+pub use sequence::{KvError, KvSequence, PendingGrowth};
+pub use shape::{KvShape, ShapeError};
+pub use victims::{choose_victims, PrefixCandidate, SequenceCandidate, Victim};

@@ -1,0 +1,196 @@
+//! KV geometry: how many bytes a token takes in one layer's K (or V) buffer, how buffers are
+//! sized and grown, and which token ranges form whole shareable blocks.
+
+use thiserror::Error;
+
+/// Bytes of one element (KV is kept as `f32`).
+pub const ELEM_BYTES: u64 = 4;
+
+/// Why a KV shape cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ShapeError {
+    /// A dimension is zero.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// Query heads must group evenly over KV heads.
+    #[error("{q_heads} query heads do not group evenly over {kv_heads} KV heads")]
+    Grouping {
+        /// Query heads.
+        q_heads: usize,
+        /// KV heads.
+        kv_heads: usize,
+    },
+    /// A token's bytes and the granularity must divide one another, so blocks hold whole tokens.
+    #[error("a token takes {token_bytes} bytes, which neither divides nor is a multiple of the granularity {granularity}")]
+    Unaligned {
+        /// Bytes per token.
+        token_bytes: u64,
+        /// Mapping granularity.
+        granularity: u64,
+    },
+    /// The sizes overflow.
+    #[error("the KV buffer size overflows")]
+    Overflow,
+}
+
+/// The attention geometry of a model, as far as KV is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    /// Transformer layers.
+    pub layers: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// KV heads (query heads are grouped over them).
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Longest sequence, in tokens: the address space each buffer reserves.
+    pub max_tokens: usize,
+}
+
+impl KvShape {
+    /// Checks the shape against a mapping granularity.
+    pub fn validate(&self, granularity: u64) -> Result<(), ShapeError> {
+        for (name, v) in [
+            ("layers", self.layers),
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_tokens", self.max_tokens),
+        ] {
+            if v == 0 {
+                return Err(ShapeError::Zero(name));
+            }
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return Err(ShapeError::Grouping {
+                q_heads: self.q_heads,
+                kv_heads: self.kv_heads,
+            });
+        }
+        let token_bytes = self.token_bytes();
+        if granularity % token_bytes != 0 && token_bytes % granularity != 0 {
+            return Err(ShapeError::Unaligned {
+                token_bytes,
+                granularity,
+            });
+        }
+        (self.max_tokens as u64)
+            .checked_mul(token_bytes)
+            .and_then(|b| b.checked_next_multiple_of(granularity))
+            .ok_or(ShapeError::Overflow)?;
+        Ok(())
+    }
+
+    /// Floats per token in one K (or V) buffer.
+    pub fn token_floats(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Bytes per token in one K (or V) buffer.
+    pub fn token_bytes(&self) -> u64 {
+        self.token_floats() as u64 * ELEM_BYTES
+    }
+
+    /// Buffers per sequence: a K and a V per layer.
+    pub fn buffers(&self) -> usize {
+        2 * self.layers
+    }
+
+    /// Address space one buffer reserves: `max_tokens` rounded up to the granularity.
+    pub fn buffer_bytes(&self, granularity: u64) -> u64 {
+        (self.max_tokens as u64 * self.token_bytes()).next_multiple_of(granularity)
+    }
+
+    /// Tokens in one shareable block: the smallest whole number of tokens filling whole granules.
+    pub fn block_tokens(&self, granularity: u64) -> usize {
+        (granularity / self.token_bytes()).max(1) as usize
+    }
+
+    /// Bytes of one shareable block in one buffer.
+    pub fn block_bytes(&self, granularity: u64) -> u64 {
+        self.block_tokens(granularity) as u64 * self.token_bytes()
+    }
+}
+
+/// Bytes of a buffer that must be mapped to hold `tokens`, growing in `chunk`-byte steps
+/// and never past `capacity`.
+pub fn mapped_bytes_for(tokens: usize, token_bytes: u64, chunk: u64, capacity: u64) -> u64 {
+    (tokens as u64 * token_bytes)
+        .next_multiple_of(chunk)
+        .min(capacity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> KvShape {
+        KvShape {
+            layers: 2,
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 16,
+            max_tokens: 1000,
+        }
+    }
+
+    #[test]
+    fn geometry_follows_the_shape() {
+        let s = shape();
+        assert_eq!(s.token_bytes(), 128);
+        assert_eq!(s.buffer_bytes(4096), 128_000u64.next_multiple_of(4096));
+        assert_eq!(s.block_tokens(4096), 32);
+        assert_eq!(s.block_bytes(4096), 4096);
+        let wide = KvShape {
+            kv_heads: 8,
+            head_dim: 256,
+            ..s
+        };
+        assert_eq!(
+            wide.block_tokens(4096),
+            1,
+            "a token larger than a granule is its own block"
+        );
+        assert_eq!(mapped_bytes_for(33, 128, 16384, 1 << 20), 16384);
+        assert_eq!(mapped_bytes_for(129, 128, 16384, 1 << 20), 32768);
+        assert_eq!(mapped_bytes_for(129, 128, 16384, 20000), 20000);
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        assert_eq!(
+            KvShape {
+                layers: 0,
+                ..shape()
+            }
+            .validate(4096),
+            Err(ShapeError::Zero("layers"))
+        );
+        assert!(matches!(
+            KvShape {
+                q_heads: 7,
+                ..shape()
+            }
+            .validate(4096),
+            Err(ShapeError::Grouping { .. })
+        ));
+        assert!(matches!(
+            KvShape {
+                head_dim: 24,
+                ..shape()
+            }
+            .validate(4096),
+            Err(ShapeError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            KvShape {
+                max_tokens: usize::MAX,
+                ..shape()
+            }
+            .validate(4096),
+            Err(ShapeError::Overflow)
+        ));
+        assert!(shape().validate(4096).is_ok());
+    }
+}
