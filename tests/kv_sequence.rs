@@ -116,7 +116,7 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
             reference[layer].0.extend_from_slice(k);
             reference[layer].1.extend_from_slice(v);
         }
-        for layer in 0..SHAPE.layers {
+        for (layer, (rk, rv)) in reference.iter().enumerate() {
             let q = rng.vec(SHAPE.q_heads * SHAPE.head_dim);
             let mut ours = vec![0f32; q.len()];
             let mut theirs = vec![0f32; q.len()];
@@ -130,7 +130,6 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
                 SHAPE.head_dim,
                 &mut ours,
             );
-            let (rk, rv) = &reference[layer];
             gqa_decode(
                 &q,
                 rk,
