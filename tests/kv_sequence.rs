@@ -239,7 +239,13 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
         .collect();
     let mut writer = KvSequence::reserve(backing.as_ref(), SHAPE, 1).unwrap();
     writer
-        .attach_prefix(backing.as_ref(), mapping, &blocks, MapAccess::ReadWrite, 0)
+        .attach_prefix(
+            backing.as_ref(),
+            mapping,
+            &blocks,
+            &[MapAccess::ReadWrite; 3],
+            0,
+        )
         .unwrap();
     for (pos, kv) in prefix_kv.iter().enumerate() {
         for (layer, (k, v)) in kv.iter().enumerate() {
@@ -258,7 +264,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
                 backing.as_ref(),
                 mapping,
                 &blocks,
-                MapAccess::ReadOnly,
+                &[MapAccess::ReadOnly; 3],
                 prefix_tokens,
             )
             .unwrap();

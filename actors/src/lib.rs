@@ -9,6 +9,8 @@
 //!   on their own threads, each submission returning a fence.
 //! - [`cuda_provider`]: the CUDA execution provider (used where a driver is present):
 //!   CUDA streams fenced by recorded events, observed from the host.
+//! - [`kv_store`]: the KV page store, a holder: virtually contiguous K/V per sequence and
+//!   layer, one grant per step, shared prompt blocks, whole-unit victims under pressure.
 //! - [`deferred_free`]: one actor per stream; nothing is freed before every fence that used
 //!   it has completed, and the Governor is refunded only after the mechanism freed it.
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
@@ -17,6 +19,8 @@ pub mod buffer;
 pub mod cuda_provider;
 pub mod deferred_free;
 pub mod governor;
+pub mod kv_store;
+pub mod lease_pool;
 pub mod pressure;
 pub mod provider;
 pub mod stream;
@@ -30,6 +34,11 @@ pub use governor::{
     CommitRefused, Governor, GovernorConfig, GovernorError, GovernorHandle, GovernorMsg,
     GovernorSnapshot, Grant, Lease, ReserveRequest,
 };
+pub use kv_store::{
+    AttendItem, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened, PreemptMode,
+    Restored, SeqId,
+};
+pub use lease_pool::LeasePool;
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem as core;
 pub use provider::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};

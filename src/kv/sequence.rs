@@ -194,29 +194,30 @@ impl KvSequence {
     }
 
     /// Maps shared prefix blocks at the start of an empty sequence: `blocks[i * buffers + b]`
-    /// is block `i` of buffer `b`. The sequence then holds `tokens` tokens (at most what the
-    /// blocks cover). If any mapping fails, the ones made by this call are undone.
+    /// is block `i` of buffer `b`, mapped with `access[i]`. The sequence then holds `tokens`
+    /// tokens (at most what the blocks cover). If any mapping fails, the ones made by this call
+    /// are undone.
     pub fn attach_prefix(
         &mut self,
         backing: &dyn VirtualBacking,
         mapping: &dyn SharedMapping,
         blocks: &[PhysicalBlock],
-        access: MapAccess,
+        access: &[MapAccess],
         tokens: usize,
     ) -> Result<(), KvError> {
         let n = self.buffers.len();
-        if self.mapped != 0 || blocks.is_empty() || blocks.len() % n != 0 {
+        if self.mapped != 0 || blocks.is_empty() || blocks.len() != access.len() * n {
             return Err(KvError::BadPrefix);
         }
         let block_bytes = blocks[0].bytes();
-        let covered = (blocks.len() / n) as u64 * block_bytes;
+        let covered = access.len() as u64 * block_bytes;
         if tokens as u64 * self.shape.token_bytes() > covered {
             return Err(KvError::BadPrefix);
         }
         let place = |i: usize| (i % n, (i / n) as u64 * block_bytes);
         for (i, block) in blocks.iter().enumerate() {
             let (b, offset) = place(i);
-            if let Err(e) = mapping.map_block(&mut self.buffers[b], offset, block, access) {
+            if let Err(e) = mapping.map_block(&mut self.buffers[b], offset, block, access[i / n]) {
                 for j in 0..i {
                     let (b, offset) = place(j);
                     backing.decommit_range(&mut self.buffers[b], offset..offset + block_bytes)?;
@@ -280,26 +281,43 @@ impl KvSequence {
         Ok(())
     }
 
-    fn floats(&self, buffer: usize) -> Result<&[f32], KvError> {
-        let len = self.tokens as u64 * self.shape.token_bytes();
+    fn floats(&self, buffer: usize, tokens: usize) -> Result<&[f32], KvError> {
+        let len = tokens as u64 * self.shape.token_bytes();
         let bytes = host_bytes(&self.buffers[buffer], 0..len)?;
         Ok(bytemuck::cast_slice(bytes))
     }
 
-    /// Layer `layer`'s past keys: `tokens × kv_heads × head_dim` floats, one flat slice.
-    pub fn keys(&self, layer: usize) -> Result<&[f32], KvError> {
+    /// Layer `layer`'s keys for the first `tokens` positions (which must be mapped): lets a
+    /// step read the token it is writing before [`KvSequence::advance`] counts it.
+    pub fn keys_upto(&self, layer: usize, tokens: usize) -> Result<&[f32], KvError> {
+        self.check_upto(layer, tokens)?;
+        self.floats(2 * layer, tokens)
+    }
+
+    /// Layer `layer`'s values for the first `tokens` positions.
+    pub fn values_upto(&self, layer: usize, tokens: usize) -> Result<&[f32], KvError> {
+        self.check_upto(layer, tokens)?;
+        self.floats(2 * layer + 1, tokens)
+    }
+
+    fn check_upto(&self, layer: usize, tokens: usize) -> Result<(), KvError> {
         if layer >= self.shape.layers {
             return Err(KvError::NoSuchLayer(layer));
         }
-        self.floats(2 * layer)
+        if tokens > self.mapped_tokens() {
+            return Err(KvError::NotMapped(tokens.saturating_sub(1)));
+        }
+        Ok(())
+    }
+
+    /// Layer `layer`'s past keys: `tokens × kv_heads × head_dim` floats, one flat slice.
+    pub fn keys(&self, layer: usize) -> Result<&[f32], KvError> {
+        self.keys_upto(layer, self.tokens)
     }
 
     /// Layer `layer`'s past values, laid out as the keys.
     pub fn values(&self, layer: usize) -> Result<&[f32], KvError> {
-        if layer >= self.shape.layers {
-            return Err(KvError::NoSuchLayer(layer));
-        }
-        self.floats(2 * layer + 1)
+        self.values_upto(layer, self.tokens)
     }
 
     /// Replaces the shared block holding position `pos` (in every buffer) with a private

@@ -1,0 +1,417 @@
+//! The KV page store as a holder actor: decoding identical to a plain `Vec`, one grant per
+//! step, rollback on denial, prefix sharing against the kernel's page count, pressure
+//! answered with whole units, preemption and resumption, and a crash that frees nothing early.
+#![allow(clippy::needless_range_loop)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use procmem_actors::core::kv::{gqa_decode, KvShape};
+use procmem_actors::core::ledger::HolderId;
+use procmem_actors::core::MemoryRole;
+use procmem_actors::{
+    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
+    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,
+};
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 512,
+};
+const PAGE: u64 = 4096;
+
+/// Deterministic floats for (sequence, position, layer, which): replaying a sequence gives
+/// the very same K/V, as a real model would.
+fn floats(seed: u64, pos: usize, layer: usize, which: u64, n: usize) -> Vec<f32> {
+    let mut x = seed
+        ^ ((pos as u64) << 20)
+        ^ ((layer as u64) << 40)
+        ^ (which << 56)
+        ^ 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn item(seq: u64, pos: usize, layer: usize) -> AttendItem {
+    let tf = SHAPE.token_floats();
+    AttendItem {
+        seq,
+        q: floats(seq, pos, layer, 0, SHAPE.q_heads * SHAPE.head_dim),
+        k: floats(seq, pos, layer, 1, tf),
+        v: floats(seq, pos, layer, 2, tf),
+    }
+}
+
+/// The same decode over plain vectors.
+#[derive(Default)]
+struct Reference {
+    kv: HashMap<(u64, usize), (Vec<f32>, Vec<f32>)>,
+}
+
+impl Reference {
+    fn step(&mut self, it: &AttendItem, layer: usize) -> Vec<f32> {
+        let e = self.kv.entry((it.seq, layer)).or_default();
+        e.0.extend_from_slice(&it.k);
+        e.1.extend_from_slice(&it.v);
+        let n = e.0.len() / SHAPE.token_floats();
+        let mut out = vec![0f32; it.q.len()];
+        gqa_decode(
+            &it.q,
+            &e.0,
+            &e.1,
+            n,
+            SHAPE.q_heads,
+            SHAPE.kv_heads,
+            SHAPE.head_dim,
+            &mut out,
+        );
+        out
+    }
+}
+
+fn config(preempt: PreemptMode) -> KvStoreConfig {
+    KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: SHAPE,
+        chunk_granules: 2,
+        preempt,
+        wait: Duration::from_millis(300),
+    }
+}
+
+async fn setup(
+    capacity: u64,
+    preempt: PreemptMode,
+) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", capacity))
+        .await
+        .unwrap();
+    let p = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let (kv, _) = KvStoreHandle::spawn(config(preempt), g.clone(), p.clone())
+        .await
+        .unwrap();
+    (g, p, kv)
+}
+
+/// One decode step for `seqs` at positions `pos[i]`: prepare, then every layer.
+async fn step(
+    kv: &KvStoreHandle,
+    seqs: &[(u64, usize)],
+) -> Result<Vec<Vec<Vec<f32>>>, KvStoreError> {
+    kv.prepare(seqs.iter().map(|(s, _)| *s).collect()).await?;
+    let mut out = Vec::new();
+    for layer in 0..SHAPE.layers {
+        let items = seqs.iter().map(|(s, p)| item(*s, *p, layer)).collect();
+        out.push(kv.attend(layer, items).await?);
+    }
+    Ok(out)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+async fn leased(g: &GovernorHandle) -> u64 {
+    g.snapshot().await.unwrap().books.leased
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decoding_through_the_store_matches_a_plain_vec_bit_for_bit() {
+    let (g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let mut reference = Reference::default();
+    for s in [1, 2] {
+        kv.open(s, vec![], 0).await.unwrap();
+    }
+    for pos in 0..300 {
+        let out = step(&kv, &[(1, pos), (2, pos)]).await.unwrap();
+        for (layer, per_seq) in out.iter().enumerate() {
+            for (i, s) in [1u64, 2].iter().enumerate() {
+                let expect = reference.step(&item(*s, pos, layer), layer);
+                assert!(
+                    same_bits(&per_seq[i], &expect),
+                    "seq {s} pos {pos} layer {layer}"
+                );
+            }
+        }
+    }
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(stats.tokens, 600);
+    assert_eq!(
+        stats.leased_bytes, stats.exclusive_bytes,
+        "the store leases what it holds"
+    );
+    assert_eq!(
+        stats.os_resident_bytes, stats.exclusive_bytes,
+        "and the kernel agrees"
+    );
+    assert_eq!(
+        leased(&g).await,
+        stats.leased_bytes,
+        "and so does the Governor"
+    );
+    let chunk = 2 * PAGE;
+    let per_seq_tokens = 300 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    assert!(stats.exclusive_bytes <= 2 * (per_seq_tokens + chunk * SHAPE.buffers() as u64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_step_leaves_the_old_view_and_the_books_unchanged() {
+    let per_chunk = 2 * PAGE * SHAPE.buffers() as u64;
+    let (g, _p, kv) = setup(per_chunk, PreemptMode::Swap).await;
+    kv.open(1, vec![], 5).await.unwrap();
+    let mut reference = Reference::default();
+    let tokens_per_chunk = (2 * PAGE / SHAPE.token_bytes()) as usize;
+    for pos in 0..tokens_per_chunk {
+        let out = step(&kv, &[(1, pos)]).await.unwrap();
+        for layer in 0..SHAPE.layers {
+            reference.step(&item(1, pos, layer), layer);
+            let _ = &out;
+        }
+    }
+    let before = (kv.stats().await.unwrap(), g.snapshot().await.unwrap().books);
+    // The next token needs another chunk; the only holder is the store itself and its
+    // one sequence is the requester, which is busy, so nothing can be freed: denied.
+    let err = step(&kv, &[(1, tokens_per_chunk)]).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KvStoreError::Governor(GovernorError::DeadlineExpired(_))
+        ),
+        "{err}"
+    );
+    let after = (kv.stats().await.unwrap(), g.snapshot().await.unwrap().books);
+    assert_eq!(before.0.exclusive_bytes, after.0.exclusive_bytes);
+    assert_eq!(before.0.tokens, after.0.tokens);
+    assert_eq!(
+        (before.1.leased, before.1.provisional),
+        (after.1.leased, after.1.provisional)
+    );
+    // Room appears: the same step now succeeds and matches the reference.
+    g.set_capacity(4 * per_chunk).await.unwrap();
+    let out = step(&kv, &[(1, tokens_per_chunk)]).await.unwrap();
+    for (layer, o) in out.iter().enumerate() {
+        let expect = reference.step(&item(1, tokens_per_chunk, layer), layer);
+        assert!(same_bits(&o[0], &expect), "layer {layer} after the denial");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prompts_cost_only_their_unshared_part() {
+    let (g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(3 * bt + 5) as u32).collect();
+    let first = kv.open(1, prompt.clone(), 0).await.unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    for pos in 0..prompt.len() {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    let after_first = kv.stats().await.unwrap();
+    let block_bytes = 3 * SHAPE.buffers() as u64 * SHAPE.block_bytes(PAGE);
+    assert_eq!(after_first.prefix_bytes, block_bytes);
+    assert_eq!(
+        after_first.os_resident_bytes,
+        block_bytes + after_first.exclusive_bytes
+    );
+    // The second sequence with the same prompt maps the three whole blocks: only its tail
+    // (5 prompt tokens and what follows) takes new memory.
+    let second = kv.open(2, prompt.clone(), 0).await.unwrap();
+    assert_eq!(second.cached_tokens, 3 * bt);
+    for pos in second.cached_tokens..prompt.len() {
+        step(&kv, &[(2, pos)]).await.unwrap();
+    }
+    let after_second = kv.stats().await.unwrap();
+    assert_eq!(
+        after_second.prefix_bytes, block_bytes,
+        "no new prefix memory"
+    );
+    assert_eq!(
+        after_second.os_resident_bytes,
+        block_bytes + after_second.exclusive_bytes
+    );
+    assert_eq!(
+        after_second.exclusive_bytes,
+        2 * after_first.exclusive_bytes,
+        "the unshared tails only"
+    );
+    assert_eq!(leased(&g).await, after_second.leased_bytes);
+    assert_eq!(after_second.prefix_hit_tokens, 3 * bt as u64);
+    // The shared view is the same KV the first sequence computed: decoding continues alike.
+    let a = step(&kv, &[(1, prompt.len())]).await.unwrap();
+    let mut reference = Reference::default();
+    for pos in 0..=prompt.len() {
+        for layer in 0..SHAPE.layers {
+            let out = reference.step(&item(1, pos, layer), layer);
+            if pos == prompt.len() {
+                assert!(same_bits(&a[layer][0], &out));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_identically() {
+    for mode in [PreemptMode::Swap, PreemptMode::Recompute] {
+        let (g, p, kv) = setup(1 << 30, mode).await;
+        let mut reference = Reference::default();
+        let mut outputs: HashMap<(u64, usize, usize), Vec<f32>> = HashMap::new();
+        for (s, prio) in [(1u64, 0), (2, 5), (3, 0)] {
+            kv.open(s, vec![], prio).await.unwrap();
+        }
+        for pos in 0..40 {
+            step(&kv, &[(1, pos), (2, pos), (3, pos)]).await.unwrap();
+        }
+        let held = kv.stats().await.unwrap().exclusive_bytes;
+        // Hold sequence 3 in flight: its next attention queues behind a gated kernel.
+        let (open, wait) = crossbeam_channel::bounded::<()>(0);
+        p.stream(0)
+            .unwrap()
+            .submit(&[], move || wait.recv().unwrap())
+            .unwrap();
+        kv.prepare(vec![3]).await.unwrap();
+        let in_flight = {
+            let kv = kv.clone();
+            tokio::spawn(async move { kv.attend(0, vec![item(3, 40, 0)]).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Another holder needs almost everything: the Governor asks the store.
+        g.set_capacity(held + held / 3).await.unwrap();
+        let other = g.register_holder("other", 9, None).await.unwrap();
+        let grant = g
+            .reserve(ReserveRequest {
+                holder: other,
+                role: MemoryRole::Workspace,
+                bytes: held / 2,
+                priority: 9,
+                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+            })
+            .await
+            .unwrap();
+        let stats = kv.stats().await.unwrap();
+        assert!(
+            stats.preempted >= 1,
+            "{mode:?}: a whole sequence was preempted"
+        );
+        assert!(
+            stats.freed_by_pressure >= held / 6,
+            "{mode:?}: whole units were freed"
+        );
+        open.send(()).unwrap();
+        in_flight.await.unwrap().unwrap();
+        kv.attend(1, vec![item(3, 40, 1)]).await.unwrap();
+        let st = kv.stats().await.unwrap();
+        assert_eq!(
+            st.preempted, stats.preempted,
+            "the in-flight sequence 3 was never chosen"
+        );
+        // Sequence 1 (lowest priority, largest equal) goes first; bring it back and decode on.
+        drop(grant);
+        g.set_capacity(1 << 30).await.unwrap();
+        for s in [1u64, 2] {
+            match kv.restore(s).await.unwrap() {
+                Restored::Swapped { tokens } => assert_eq!(tokens, 40),
+                Restored::Recompute { tokens } => {
+                    assert_eq!(tokens, 40);
+                    for pos in 0..tokens {
+                        step(&kv, &[(s, pos)]).await.unwrap();
+                    }
+                }
+            }
+        }
+        for s in [1u64, 2] {
+            for pos in 0..=40 {
+                for layer in 0..SHAPE.layers {
+                    let out = reference.step(&item(s, pos, layer), layer);
+                    outputs.insert((s, pos, layer), out);
+                }
+            }
+            let got = step(&kv, &[(s, 40)]).await.unwrap();
+            for layer in 0..SHAPE.layers {
+                assert!(
+                    same_bits(&got[layer][0], &outputs[&(s, 40, layer)]),
+                    "{mode:?}: seq {s} resumed differently"
+                );
+            }
+        }
+        let end = kv.stats().await.unwrap();
+        assert_eq!(end.leased_bytes, leased(&g).await, "{mode:?}");
+        assert_eq!(
+            end.os_resident_bytes,
+            end.exclusive_bytes + end.prefix_bytes,
+            "{mode:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_store_frees_its_memory_after_its_fences_and_the_books_follow() {
+    let (g, p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let other: HolderId = g.register_holder("survivor", 0, None).await.unwrap();
+    let survivor = g
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Weights,
+            bytes: 12345,
+            priority: 0,
+            deadline: None,
+        })
+        .await
+        .unwrap()
+        .commit(12345)
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    for pos in 0..50 {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    // Keep its last kernel in flight behind a gate, then crash the store.
+    let (open, wait) = crossbeam_channel::bounded::<()>(0);
+    p.stream(0)
+        .unwrap()
+        .submit(&[], move || wait.recv().unwrap())
+        .unwrap();
+    kv.prepare(vec![1]).await.unwrap();
+    let pending = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.attend(0, vec![item(1, 50, 0)]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let held = leased(&g).await - 12345;
+    assert!(held > 0);
+    kv.actor()
+        .cast(procmem_actors::kv_store::KvStoreMsg::Crash)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        leased(&g).await,
+        12345 + held,
+        "nothing refunded while its kernel is in flight"
+    );
+    open.send(()).unwrap();
+    let _ = pending.await;
+    let start = std::time::Instant::now();
+    while leased(&g).await != 12345 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the crashed store's bytes never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(
+        p.mechanism().backing().resident_bytes().unwrap(),
+        0,
+        "its pages are gone"
+    );
+    drop(survivor);
+}
