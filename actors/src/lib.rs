@@ -11,6 +11,8 @@
 //!   CUDA streams fenced by recorded events, observed from the host.
 //! - [`kv_store`]: the KV page store, a holder: virtually contiguous K/V per sequence and
 //!   layer, one grant per step, shared prompt blocks, whole-unit victims under pressure.
+//! - [`residency`]: model-weight residency, a holder: layers in device memory, cold
+//!   unpinned ones offloaded to the host tier under pressure and reloaded before use.
 //! - [`deferred_free`]: one actor per stream; nothing is freed before every fence that used
 //!   it has completed, and the Governor is refunded only after the mechanism freed it.
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
@@ -23,6 +25,7 @@ pub mod kv_store;
 pub mod lease_pool;
 pub mod pressure;
 pub mod provider;
+pub mod residency;
 pub mod stream;
 
 pub use buffer::{BufferView, DeviceBuffer};
@@ -42,4 +45,7 @@ pub use lease_pool::LeasePool;
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem as core;
 pub use provider::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};
+pub use residency::{
+    Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,
+};
 pub use stream::{CpuStream, StreamError};

@@ -1,0 +1,501 @@
+//! Model-weight residency: a holder actor keeping each layer's weights in device memory and
+//! offloading cold, unpinned layers to the host tier under pressure. The copy out runs on the
+//! execution provider's stream and the device copy is freed only after that copy's fence;
+//! a layer is reloaded before it is used again.
+
+use std::sync::{Arc, Mutex};
+
+use procmem::ledger::{HolderId, Priority};
+use procmem::{AllocationRequest, MemoryRole};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::time::{Duration, Instant};
+
+use crate::buffer::DeviceBuffer;
+use crate::governor::{GovernorHandle, Lease, ReserveRequest};
+use crate::pressure::PressureTicket;
+use crate::provider::{CpuProvider, ProviderError};
+
+/// How to start model residency.
+#[derive(Debug, Clone)]
+pub struct ResidencyConfig {
+    /// Holder name.
+    pub name: String,
+    /// Holder priority (weights usually matter more than caches).
+    pub priority: Priority,
+    /// How long a reload may wait for room.
+    pub wait: Duration,
+}
+
+/// Why residency refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ResidencyError {
+    /// Allocating or charging device memory failed.
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    /// No such layer.
+    #[error("layer {0} is not loaded")]
+    NoSuchLayer(usize),
+    /// The holder is not running.
+    #[error("model residency is not running")]
+    Unavailable,
+}
+
+/// Where a layer's weights are now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// In device memory.
+    Device,
+    /// Offloaded to the host tier.
+    Host,
+}
+
+/// Residency at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResidencyStats {
+    /// Layers in device memory.
+    pub resident_layers: usize,
+    /// Layers offloaded.
+    pub offloaded_layers: usize,
+    /// Device bytes charged.
+    pub device_bytes: u64,
+    /// Host-tier bytes held.
+    pub host_bytes: u64,
+    /// Offloads so far.
+    pub offloads: u64,
+    /// Reloads so far.
+    pub reloads: u64,
+}
+
+type WeightsFn = Box<dyn FnOnce(&[u8]) + Send + 'static>;
+
+/// The residency mailbox.
+pub enum ResidencyMsg {
+    /// A Governor's pressure ticket.
+    Ticket(PressureTicket),
+    /// Loads a layer's weights into device memory.
+    Load {
+        /// The layer.
+        layer: usize,
+        /// Its weights.
+        weights: Vec<u8>,
+        /// Pinned layers are never offloaded.
+        pinned: bool,
+        /// Done.
+        reply: RpcReplyPort<Result<(), ResidencyError>>,
+    },
+    /// Runs `f` over a layer's weights on the stream, reloading them first if offloaded.
+    Use {
+        /// The layer.
+        layer: usize,
+        /// The kernel body.
+        f: WeightsFn,
+        /// Done once queued (the kernel signals its own completion).
+        reply: RpcReplyPort<Result<(), ResidencyError>>,
+    },
+    /// Where a layer is.
+    Placement {
+        /// The layer.
+        layer: usize,
+        /// Its placement.
+        reply: RpcReplyPort<Option<Placement>>,
+    },
+    /// Counters.
+    Stats {
+        /// The counters.
+        reply: RpcReplyPort<ResidencyStats>,
+    },
+}
+
+impl From<PressureTicket> for ResidencyMsg {
+    fn from(t: PressureTicket) -> Self {
+        ResidencyMsg::Ticket(t)
+    }
+}
+
+impl TryFrom<ResidencyMsg> for PressureTicket {
+    type Error = ();
+    fn try_from(m: ResidencyMsg) -> Result<Self, ()> {
+        match m {
+            ResidencyMsg::Ticket(t) => Ok(t),
+            _ => Err(()),
+        }
+    }
+}
+
+enum Slot {
+    Device(DeviceBuffer),
+    /// The host copy, filled by the copy kernel; its host-tier lease (if one was charged)
+    /// is released when the copy goes.
+    Host {
+        copy: Arc<Mutex<Vec<u8>>>,
+        _lease: Option<Lease>,
+    },
+}
+
+struct Layer {
+    slot: Slot,
+    pinned: bool,
+    last_used: u64,
+}
+
+/// Residency's state.
+pub struct ResidencyState {
+    config: ResidencyConfig,
+    provider: CpuProvider,
+    device: GovernorHandle,
+    host: Option<GovernorHandle>,
+    holder: HolderId,
+    host_holder: Option<HolderId>,
+    layers: Vec<Option<Layer>>,
+    clock: u64,
+    stats: ResidencyStats,
+}
+
+/// The residency actor.
+#[derive(Debug, Default)]
+pub struct ModelResidency;
+
+/// What residency needs to start.
+pub struct ResidencyArgs {
+    /// Configuration.
+    pub config: ResidencyConfig,
+    /// The device tier's Governor.
+    pub device: GovernorHandle,
+    /// The host tier's Governor, if offloaded copies are to be charged.
+    pub host: Option<GovernorHandle>,
+    /// The execution provider that holds device memory and runs copies.
+    pub provider: CpuProvider,
+}
+
+impl Actor for ModelResidency {
+    type Msg = ResidencyMsg;
+    type State = ResidencyState;
+    type Arguments = ResidencyArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ResidencyMsg>,
+        args: ResidencyArgs,
+    ) -> Result<ResidencyState, ActorProcessingErr> {
+        let ResidencyArgs {
+            config,
+            device,
+            host,
+            provider,
+        } = args;
+        let holder = device
+            .register_holder(
+                config.name.clone(),
+                config.priority,
+                Some(myself.get_derived()),
+            )
+            .await?;
+        let host_holder = match &host {
+            Some(h) => Some(
+                h.register_holder(format!("{}-offload", config.name), config.priority, None)
+                    .await?,
+            ),
+            None => None,
+        };
+        Ok(ResidencyState {
+            config,
+            provider,
+            device,
+            host,
+            holder,
+            host_holder,
+            layers: Vec::new(),
+            clock: 0,
+            stats: ResidencyStats::default(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<ResidencyMsg>,
+        msg: ResidencyMsg,
+        state: &mut ResidencyState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.clock += 1;
+        match msg {
+            ResidencyMsg::Ticket(ticket) => state.answer(ticket).await,
+            ResidencyMsg::Load {
+                layer,
+                weights,
+                pinned,
+                reply,
+            } => {
+                let result = state.load(layer, &weights, pinned).await;
+                let _ = reply.send(result);
+            }
+            ResidencyMsg::Use { layer, f, reply } => {
+                let result = state.use_layer(layer, f).await;
+                let _ = reply.send(result);
+            }
+            ResidencyMsg::Placement { layer, reply } => {
+                let placement =
+                    state
+                        .layers
+                        .get(layer)
+                        .and_then(Option::as_ref)
+                        .map(|l| match l.slot {
+                            Slot::Device(_) => Placement::Device,
+                            Slot::Host { .. } => Placement::Host,
+                        });
+                let _ = reply.send(placement);
+            }
+            ResidencyMsg::Stats { reply } => {
+                let _ = reply.send(state.stats());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ResidencyState {
+    async fn device_buffer(&self, bytes: &[u8]) -> Result<DeviceBuffer, ResidencyError> {
+        let request = AllocationRequest::new(bytes.len() as u64, MemoryRole::Weights);
+        let deadline = Some(Instant::now() + self.config.wait);
+        let mut buffer = self
+            .provider
+            .allocate(
+                &self.device,
+                self.holder,
+                &request,
+                self.config.priority,
+                deadline,
+                0,
+            )
+            .await?;
+        // The host provider's device memory is host-visible: the load is a plain copy.
+        buffer
+            .host_bytes_mut()
+            .map_err(ProviderError::from)?
+            .copy_from_slice(bytes);
+        Ok(buffer)
+    }
+
+    async fn load(
+        &mut self,
+        layer: usize,
+        weights: &[u8],
+        pinned: bool,
+    ) -> Result<(), ResidencyError> {
+        let buffer = self.device_buffer(weights).await?;
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
+        }
+        self.layers[layer] = Some(Layer {
+            slot: Slot::Device(buffer),
+            pinned,
+            last_used: self.clock,
+        });
+        Ok(())
+    }
+
+    async fn use_layer(&mut self, layer: usize, f: WeightsFn) -> Result<(), ResidencyError> {
+        let clock = self.clock;
+        let reload = match self.layers.get(layer).and_then(Option::as_ref) {
+            None => return Err(ResidencyError::NoSuchLayer(layer)),
+            Some(Layer {
+                slot: Slot::Host { copy, .. },
+                ..
+            }) => Some(copy.lock().unwrap_or_else(|p| p.into_inner()).clone()),
+            Some(_) => None,
+        };
+        if let Some(bytes) = reload {
+            let buffer = self.device_buffer(&bytes).await?;
+            let entry = self.layers[layer].as_mut().expect("checked");
+            // The host copy and its lease go once the device copy exists.
+            entry.slot = Slot::Device(buffer);
+            self.stats.reloads += 1;
+        }
+        let entry = self.layers[layer].as_mut().expect("checked");
+        entry.last_used = clock;
+        let Slot::Device(buffer) = &entry.slot else {
+            unreachable!("reloaded above")
+        };
+        let view = buffer.view();
+        let stream = self.provider.stream(0)?;
+        stream
+            .submit(&[buffer], move || {
+                // SAFETY: the buffer is in `uses`, so it stays mapped until this kernel's fence;
+                // weights are only written before they are published to kernels.
+                #[allow(unsafe_code)]
+                let bytes = unsafe { view.host_bytes() };
+                f(bytes);
+            })
+            .map_err(|_| ProviderError::Unavailable)?;
+        Ok(())
+    }
+
+    /// Offloads cold, unpinned layers (least recently used first) until the wanted bytes are
+    /// covered. Each copy out runs on the stream; the device buffer is dropped right after
+    /// queuing it, so its memory is freed (and refunded) once the copy's fence completes.
+    async fn answer(&mut self, ticket: PressureTicket) {
+        let mut candidates: Vec<(u64, usize, u64)> = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match l {
+                Some(Layer {
+                    slot: Slot::Device(b),
+                    pinned: false,
+                    last_used,
+                }) => Some((*last_used, i, b.charged_bytes())),
+                _ => None,
+            })
+            .collect();
+        candidates.sort();
+        let mut pending = 0;
+        for (_, layer, bytes) in candidates {
+            if pending >= ticket.bytes_wanted {
+                break;
+            }
+            let host_lease = match (&self.host, self.host_holder) {
+                (Some(host), Some(holder)) => {
+                    let request = ReserveRequest {
+                        holder,
+                        role: MemoryRole::Weights,
+                        bytes,
+                        priority: self.config.priority,
+                        deadline: None,
+                    };
+                    match host.reserve(request).await {
+                        Ok(grant) => grant.commit(bytes).await.ok(),
+                        // No room in the host tier: this layer stays where it is.
+                        Err(_) => continue,
+                    }
+                }
+                _ => None,
+            };
+            let entry = self.layers[layer].as_mut().expect("candidate exists");
+            let Slot::Device(buffer) = &entry.slot else {
+                continue;
+            };
+            let copy = Arc::new(Mutex::new(Vec::new()));
+            let view = buffer.view();
+            let sink = Arc::clone(&copy);
+            let queued = self.provider.stream(0).map(|s| {
+                s.submit(&[buffer], move || {
+                    // SAFETY: the buffer is in `uses`: it stays mapped until this copy's fence.
+                    #[allow(unsafe_code)]
+                    let bytes = unsafe { view.host_bytes() };
+                    sink.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .extend_from_slice(bytes);
+                })
+            });
+            if !matches!(queued, Ok(Ok(_))) {
+                continue;
+            }
+            // Dropping the device buffer queues it for free after the copy's fence.
+            entry.slot = Slot::Host {
+                copy,
+                _lease: host_lease,
+            };
+            pending += bytes;
+            self.stats.offloads += 1;
+        }
+        ticket.report(0, pending);
+    }
+
+    fn stats(&self) -> ResidencyStats {
+        let mut s = self.stats.clone();
+        for l in self.layers.iter().flatten() {
+            match &l.slot {
+                Slot::Device(b) => {
+                    s.resident_layers += 1;
+                    s.device_bytes += b.charged_bytes();
+                }
+                Slot::Host { copy, .. } => {
+                    s.offloaded_layers += 1;
+                    s.host_bytes += copy.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+                }
+            }
+        }
+        s
+    }
+}
+
+/// A cheap, cloneable handle to model residency.
+#[derive(Debug, Clone)]
+pub struct ResidencyHandle {
+    actor: ActorRef<ResidencyMsg>,
+}
+
+impl ResidencyHandle {
+    /// Starts residency as a holder of `args.device`.
+    pub async fn spawn(
+        args: ResidencyArgs,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
+        let (actor, join) = Actor::spawn(None, ModelResidency, args)
+            .await
+            .map_err(|_| ResidencyError::Unavailable)?;
+        Ok((ResidencyHandle { actor }, join))
+    }
+
+    /// The actor.
+    pub fn actor(&self) -> &ActorRef<ResidencyMsg> {
+        &self.actor
+    }
+
+    async fn ask(
+        &self,
+        build: impl FnOnce(RpcReplyPort<Result<(), ResidencyError>>) -> ResidencyMsg,
+    ) -> Result<(), ResidencyError> {
+        match self.actor.call(build, None).await {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => Err(ResidencyError::Unavailable),
+        }
+    }
+
+    /// Loads a layer's weights into device memory.
+    pub async fn load(
+        &self,
+        layer: usize,
+        weights: Vec<u8>,
+        pinned: bool,
+    ) -> Result<(), ResidencyError> {
+        self.ask(|reply| ResidencyMsg::Load {
+            layer,
+            weights,
+            pinned,
+            reply,
+        })
+        .await
+    }
+
+    /// Runs `f` over a layer's weights on the stream (reloading them first if offloaded) and
+    /// returns its result once the kernel has run.
+    pub async fn with_weights<T: Send + 'static>(
+        &self,
+        layer: usize,
+        f: impl FnOnce(&[u8]) -> T + Send + 'static,
+    ) -> Result<T, ResidencyError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let body: WeightsFn = Box::new(move |w| {
+            let _ = tx.send(f(w));
+        });
+        self.ask(|reply| ResidencyMsg::Use {
+            layer,
+            f: body,
+            reply,
+        })
+        .await?;
+        rx.await.map_err(|_| ResidencyError::Unavailable)
+    }
+
+    /// Where a layer is.
+    pub async fn placement(&self, layer: usize) -> Result<Option<Placement>, ResidencyError> {
+        ractor::call!(self.actor, |r| ResidencyMsg::Placement { layer, reply: r })
+            .map_err(|_| ResidencyError::Unavailable)
+    }
+
+    /// Counters.
+    pub async fn stats(&self) -> Result<ResidencyStats, ResidencyError> {
+        ractor::call!(self.actor, |r| ResidencyMsg::Stats { reply: r })
+            .map_err(|_| ResidencyError::Unavailable)
+    }
+}

@@ -1,0 +1,109 @@
+//! Model residency under pressure: cold, unpinned layers go to the host tier through a copy
+//! on the stream, their device memory is freed after that copy's fence, and they come back
+//! intact before use.
+
+use std::time::Duration;
+
+use procmem_actors::core::MemoryRole;
+use procmem_actors::{
+    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, Placement, ReserveRequest,
+    ResidencyArgs, ResidencyConfig, ResidencyHandle,
+};
+
+const LAYER: usize = 64 * 1024;
+
+fn weights(layer: usize) -> Vec<u8> {
+    (0..LAYER).map(|i| (i * 7 + layer * 31) as u8).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_layers_offload_under_pressure_and_reload_intact() {
+    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 5 * LAYER as u64))
+        .await
+        .unwrap();
+    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host-tier", 1 << 30))
+        .await
+        .unwrap();
+    let provider = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let config = ResidencyConfig {
+        name: "weights".into(),
+        priority: 1,
+        wait: Duration::from_secs(1),
+    };
+    let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
+        config,
+        device: device.clone(),
+        host: Some(host.clone()),
+        provider,
+    })
+    .await
+    .unwrap();
+    for layer in 0..4 {
+        res.load(layer, weights(layer), layer == 0).await.unwrap();
+    }
+    // Layer 3 is used last, so layers 1 and 2 are the coldest unpinned ones.
+    for layer in [0, 1, 2, 3] {
+        let sum = res
+            .with_weights(layer, |w| w.iter().map(|b| *b as u64).sum::<u64>())
+            .await
+            .unwrap();
+        assert_eq!(sum, weights(layer).iter().map(|b| *b as u64).sum::<u64>());
+    }
+    assert_eq!(
+        device.snapshot().await.unwrap().books.leased,
+        4 * LAYER as u64
+    );
+
+    let other = device.register_holder("kv", 0, None).await.unwrap();
+    let grant = device
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::KvCache,
+            bytes: 2 * LAYER as u64,
+            priority: 5,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+        })
+        .await
+        .expect("residency made room");
+    let placements: Vec<_> = futures_placements(&res).await;
+    assert_eq!(placements[0], Some(Placement::Device), "pinned layers stay");
+    assert_eq!(
+        placements[1],
+        Some(Placement::Host),
+        "the coldest layer went first"
+    );
+    assert_eq!(
+        placements[3],
+        Some(Placement::Device),
+        "the most recent layer stayed"
+    );
+    let stats = res.stats().await.unwrap();
+    assert!(stats.offloads >= 1);
+    assert_eq!(
+        host.snapshot().await.unwrap().books.leased,
+        stats.host_bytes,
+        "host copies are charged to the host tier"
+    );
+    let books = device.snapshot().await.unwrap().books;
+    assert_eq!(
+        books.leased, stats.device_bytes,
+        "device bytes were refunded after the copy fences"
+    );
+
+    // Room again: the offloaded layer reloads before use, byte for byte.
+    drop(grant);
+    let back = res.with_weights(1, |w| w.to_vec()).await.unwrap();
+    assert!(back == weights(1), "layer 1 came back intact");
+    assert_eq!(res.placement(1).await.unwrap(), Some(Placement::Device));
+    assert!(res.stats().await.unwrap().reloads >= 1);
+}
+
+async fn futures_placements(res: &ResidencyHandle) -> Vec<Option<Placement>> {
+    let mut out = Vec::new();
+    for layer in 0..4 {
+        out.push(res.placement(layer).await.unwrap());
+    }
+    out
+}
