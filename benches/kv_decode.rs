@@ -1,0 +1,356 @@
+//! The side-by-side that justifies the design: a GQA decode loop of an 8B-like head shape
+//! (32 query heads, 8 KV heads, head dimension 128) at contexts 512, 4,096 and 16,384, with
+//! four KV strategies in one run:
+//!
+//! - `virtual`: this project, one flat virtually contiguous buffer per layer grown in chunks;
+//! - `preallocated`: a flat buffer of the maximum length (the speed limit, the memory worst case);
+//! - `staging_copy`: fixed-size pages gathered into a contiguous staging buffer every step;
+//! - `vec_doubling`: a contiguous `Vec` reallocated and copied when full.
+//!
+//! For each context the KV is first filled to `context - WINDOW` tokens, then `WINDOW` decode
+//! steps (append this token's K/V, attend over everything) are timed. Bytes copied are
+//! counted over the whole build-up and divided by the number of steps; peak resident bytes are
+//! what each strategy holds at its worst (for `virtual`, as the kernel counts the memfd).
+//! Writes `target/reports/kv_decode.json`.
+
+mod common;
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use procmem::host::HostMechanism;
+use procmem::kv::{gqa_decode, KvSequence, KvShape};
+use procmem::VirtualBacking;
+use serde_json::json;
+
+use common::write_report;
+
+const LAYERS: usize = 2;
+const Q_HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const CONTEXTS: [usize; 3] = [512, 4096, 16384];
+const WINDOW: usize = 48;
+const STEPS_PER_ROUND: usize = 4;
+const PAGE_TOKENS: usize = 16;
+const CHUNK_GRANULES: u64 = 64;
+const TF: usize = KV_HEADS * HEAD_DIM;
+const TOKEN_BYTES: u64 = (TF * 4) as u64;
+
+trait Strategy {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]);
+    /// Finishes the token after every layer's append.
+    fn advance(&mut self);
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]);
+    /// Bytes copied to make room (reallocations).
+    fn growth_copied(&self) -> u64;
+    /// Bytes copied to present a contiguous view to the operator.
+    fn gather_copied(&self) -> u64;
+    fn peak_resident(&self) -> u64;
+}
+
+struct Virtual {
+    host: HostMechanism,
+    seq: KvSequence,
+    tokens: usize,
+}
+
+impl Strategy for Virtual {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        if layer == 0 {
+            let per = self.seq.growth_for(1);
+            if per > 0 {
+                let backing = self.host.backing();
+                let g = self.seq.map_growth(backing.as_ref(), per).unwrap();
+                self.seq.publish(g);
+            }
+        }
+        self.seq.write(layer, self.tokens, k, v).unwrap();
+    }
+    fn advance(&mut self) {
+        self.seq.advance().unwrap();
+        self.tokens += 1;
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
+        let (k, v) = (
+            self.seq.keys(layer).unwrap(),
+            self.seq.values(layer).unwrap(),
+        );
+        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+    }
+    fn growth_copied(&self) -> u64 {
+        0
+    }
+    fn gather_copied(&self) -> u64 {
+        0
+    }
+    fn peak_resident(&self) -> u64 {
+        self.host.backing().resident_bytes().unwrap()
+    }
+}
+
+struct Preallocated {
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
+    tokens: usize,
+}
+
+impl Strategy for Preallocated {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let at = self.tokens * TF;
+        self.kv[layer].0[at..at + TF].copy_from_slice(k);
+        self.kv[layer].1[at..at + TF].copy_from_slice(v);
+    }
+    fn advance(&mut self) {
+        self.tokens += 1;
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
+        let (k, v) = &self.kv[layer];
+        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+    }
+    fn growth_copied(&self) -> u64 {
+        0
+    }
+    fn gather_copied(&self) -> u64 {
+        0
+    }
+    fn peak_resident(&self) -> u64 {
+        self.kv
+            .iter()
+            .map(|(k, v)| (k.len() + v.len()) as u64 * 4)
+            .sum()
+    }
+}
+
+struct VecDoubling {
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
+    tokens: usize,
+    growth_copied: u64,
+    peak: u64,
+}
+
+impl Strategy for VecDoubling {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let (kb, vb) = &mut self.kv[layer];
+        for (buf, x) in [(kb, k), (vb, v)] {
+            if buf.len() + x.len() > buf.capacity() {
+                // Reallocate at double the size and copy everything held so far; old and new
+                // coexist meanwhile. (Done by hand: the system allocator may move large blocks
+                // with mremap instead of copying, which is not the strategy measured here.)
+                let mut bigger = Vec::with_capacity((buf.capacity() * 2).max(x.len() * 16));
+                bigger.extend_from_slice(buf);
+                self.growth_copied += buf.len() as u64 * 4;
+                self.peak = self
+                    .peak
+                    .max((buf.capacity() + bigger.capacity()) as u64 * 4);
+                *buf = bigger;
+            }
+            buf.extend_from_slice(x);
+        }
+    }
+    fn advance(&mut self) {
+        self.tokens += 1;
+        let total: u64 = self
+            .kv
+            .iter()
+            .map(|(k, v)| (k.capacity() + v.capacity()) as u64 * 4)
+            .sum();
+        self.peak = self.peak.max(total);
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
+        let (k, v) = &self.kv[layer];
+        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+    }
+    fn growth_copied(&self) -> u64 {
+        self.growth_copied
+    }
+    fn gather_copied(&self) -> u64 {
+        0
+    }
+    fn peak_resident(&self) -> u64 {
+        self.peak
+    }
+}
+
+/// One buffer's fixed-size pages.
+type Pages = Vec<Vec<f32>>;
+
+struct StagingCopy {
+    pages: Vec<(Pages, Pages)>,
+    staging: (Vec<f32>, Vec<f32>),
+    tokens: usize,
+    copied: u64,
+}
+
+impl Strategy for StagingCopy {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let tokens = self.tokens;
+        let (kp, vp) = &mut self.pages[layer];
+        for (pages, x) in [(kp, k), (vp, v)] {
+            if tokens % PAGE_TOKENS == 0 {
+                pages.push(Vec::with_capacity(PAGE_TOKENS * TF));
+            }
+            pages.last_mut().unwrap().extend_from_slice(x);
+        }
+    }
+    fn advance(&mut self) {
+        self.tokens += 1;
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
+        // Gather the pages into the contiguous staging buffer the operator needs.
+        let (kp, vp) = &self.pages[layer];
+        for (pages, staging) in [(kp, &mut self.staging.0), (vp, &mut self.staging.1)] {
+            let mut at = 0;
+            for page in pages {
+                staging[at..at + page.len()].copy_from_slice(page);
+                at += page.len();
+            }
+            self.copied += at as u64 * 4;
+        }
+        gqa_decode(
+            q,
+            &self.staging.0,
+            &self.staging.1,
+            self.tokens,
+            Q_HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            out,
+        );
+    }
+    fn growth_copied(&self) -> u64 {
+        0
+    }
+    fn gather_copied(&self) -> u64 {
+        self.copied
+    }
+    fn peak_resident(&self) -> u64 {
+        let pages: u64 = self
+            .pages
+            .iter()
+            .map(|(k, v)| (k.len() + v.len()) as u64 * (PAGE_TOKENS * TF * 4) as u64)
+            .sum();
+        pages + (self.staging.0.len() + self.staging.1.len()) as u64 * 4
+    }
+}
+
+fn data(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 2654435761 + seed * 40503) % 2001) as f32 / 1000.0) - 1.0)
+        .collect()
+}
+
+fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
+    let shape = KvShape {
+        layers: LAYERS,
+        q_heads: Q_HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        max_tokens,
+    };
+    let filled = |n: usize| vec![0.5f32; n];
+    match name {
+        "virtual" => {
+            let host = HostMechanism::new().unwrap();
+            let seq = KvSequence::reserve(
+                host.backing().as_ref() as &dyn VirtualBacking,
+                shape,
+                CHUNK_GRANULES,
+            )
+            .unwrap();
+            Box::new(Virtual {
+                host,
+                seq,
+                tokens: 0,
+            })
+        }
+        "preallocated" => Box::new(Preallocated {
+            kv: (0..LAYERS)
+                .map(|_| (filled(max_tokens * TF), filled(max_tokens * TF)))
+                .collect(),
+            tokens: 0,
+        }),
+        "vec_doubling" => Box::new(VecDoubling {
+            kv: (0..LAYERS).map(|_| (Vec::new(), Vec::new())).collect(),
+            tokens: 0,
+            growth_copied: 0,
+            peak: 0,
+        }),
+        _ => Box::new(StagingCopy {
+            pages: (0..LAYERS).map(|_| (Vec::new(), Vec::new())).collect(),
+            staging: (filled(max_tokens * TF), filled(max_tokens * TF)),
+            tokens: 0,
+            copied: 0,
+        }),
+    }
+}
+
+fn main() {
+    let names = ["virtual", "preallocated", "staging_copy", "vec_doubling"];
+    let k = data(TF, 1);
+    let v = data(TF, 2);
+    let q = data(Q_HEADS * HEAD_DIM, 3);
+    let mut out = vec![0f32; Q_HEADS * HEAD_DIM];
+    let mut rows = Vec::new();
+    for &context in &CONTEXTS {
+        let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
+        // Build every strategy up to the window (the attention before it costs the same for
+        // all; growth and its copies are counted all along).
+        for (_, s) in &mut strategies {
+            for _ in 0..context - WINDOW {
+                for layer in 0..LAYERS {
+                    s.append(layer, &k, &v);
+                }
+                s.advance();
+            }
+        }
+        let before: Vec<_> = strategies
+            .iter()
+            .map(|(_, s)| (s.growth_copied(), s.gather_copied()))
+            .collect();
+        // Interleave the strategies a few steps at a time so drift on a shared machine hits
+        // them alike; each keeps the median of its rounds.
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); strategies.len()];
+        for _ in 0..WINDOW / STEPS_PER_ROUND {
+            for (i, (_, s)) in strategies.iter_mut().enumerate() {
+                let start = Instant::now();
+                for _ in 0..STEPS_PER_ROUND {
+                    for layer in 0..LAYERS {
+                        s.append(layer, &k, &v);
+                        s.attend(layer, &q, &mut out);
+                        black_box(&out);
+                    }
+                    s.advance();
+                }
+                rates[i].push(STEPS_PER_ROUND as f64 / start.elapsed().as_secs_f64());
+            }
+        }
+        let mut per_strategy = Vec::new();
+        for (i, (name, s)) in strategies.iter().enumerate() {
+            rates[i].sort_by(|a, b| a.total_cmp(b));
+            let tokens_per_s = rates[i][rates[i].len() / 2];
+            let (growth_before, gather_before) = before[i];
+            let row = json!({
+                "strategy": name,
+                "context": context,
+                "tokens_per_s": tokens_per_s,
+                // Gathers happen every step; growth copies are amortised over every step.
+                "bytes_copied_per_step": (s.gather_copied() - gather_before) / WINDOW as u64
+                    + s.growth_copied() / context as u64,
+                "growth_copies_in_window_bytes": s.growth_copied() - growth_before,
+                "peak_resident_bytes": s.peak_resident(),
+                "kv_bytes": context as u64 * TOKEN_BYTES * 2 * LAYERS as u64,
+            });
+            eprintln!("{row}");
+            per_strategy.push((*name, tokens_per_s));
+            rows.push(row);
+        }
+        let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
+        eprintln!(
+            "context {context}: virtual/preallocated {:.3}, virtual/staging_copy {:.2}, virtual/vec_doubling {:.3}",
+            get("virtual") / get("preallocated"),
+            get("virtual") / get("staging_copy"),
+            get("virtual") / get("vec_doubling"),
+        );
+    }
+    write_report("kv_decode", &json!(rows));
+}
