@@ -77,6 +77,14 @@ pub struct GovernorSnapshot {
     pub waiting_bytes: u64,
     /// Pressure tickets sent so far.
     pub tickets_sent: u64,
+    /// Grants issued so far.
+    pub grants: u64,
+    /// Requests denied so far (at once or at their deadline, and refused top-ups).
+    pub denials: u64,
+    /// Requests that had to wait for room.
+    pub waits: u64,
+    /// Bytes holders reported freed in answer to tickets.
+    pub freed_by_pressure: u64,
 }
 
 /// The Governor's mailbox.
@@ -207,7 +215,16 @@ pub struct GovernorState {
     outstanding: Option<TicketId>,
     next_ticket: u64,
     tickets_sent: u64,
+    counts: Counts,
     metrics: GovernorMetrics,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    grants: u64,
+    denials: u64,
+    waits: u64,
+    freed_by_pressure: u64,
 }
 
 impl Actor for Governor {
@@ -230,6 +247,7 @@ impl Actor for Governor {
             outstanding: None,
             next_ticket: 1,
             tickets_sent: 0,
+            counts: Counts::default(),
             metrics: GovernorMetrics::new(&config.name),
         };
         state.publish();
@@ -283,6 +301,7 @@ impl Actor for Governor {
                 Err(e) => {
                     if matches!(e, LedgerError::Denied(_)) {
                         state.metrics.denials.increment(1);
+                        state.counts.denials += 1;
                     }
                     let _ = reply.send(Err(e));
                 }
@@ -332,11 +351,16 @@ impl Actor for Governor {
                     waiting: state.waiters.len(),
                     waiting_bytes: state.waiters.bytes(),
                     tickets_sent: state.tickets_sent,
+                    grants: state.counts.grants,
+                    denials: state.counts.denials,
+                    waits: state.counts.waits,
+                    freed_by_pressure: state.counts.freed_by_pressure,
                 });
             }
             GovernorMsg::PressureReport(report) => {
                 let freed = report.freed_now.saturating_add(report.freed_pending_fence);
                 state.metrics.freed_by_pressure.increment(freed);
+                state.counts.freed_by_pressure += freed;
                 // Bytes freed now were released before the report (same sender, same
                 // mailbox order); only those pending a fence are still to come.
                 if let Some(round) = &mut state.round {
@@ -355,6 +379,7 @@ impl Actor for Governor {
             GovernorMsg::WaiterDeadline { seq } => {
                 if let Some(waiter) = state.waiters.remove(seq) {
                     state.metrics.denials.increment(1);
+                    state.counts.denials += 1;
                     let denial = state.ledger.denial(state.authority, waiter.request.bytes);
                     let _ = waiter
                         .reply
@@ -451,6 +476,7 @@ impl GovernorState {
         let waitable = request.bytes <= capacity && request.deadline.is_some_and(|d| d > now);
         if !waitable {
             self.metrics.denials.increment(1);
+            self.counts.denials += 1;
             let denial = self.ledger.denial(self.authority, request.bytes);
             let _ = reply.send(Err(LedgerError::Denied(Box::new(denial)).into()));
             return;
@@ -460,6 +486,7 @@ impl GovernorState {
             .waiters
             .push(request.priority, request.bytes, Waiter { request, reply });
         self.metrics.waits.increment(1);
+        self.counts.waits += 1;
         // A new waiter starts a fresh round: holders asked before may have more to give now.
         self.round = None;
         myself.send_after(deadline - now, move || GovernorMsg::WaiterDeadline { seq });
@@ -478,6 +505,7 @@ impl GovernorState {
         {
             Ok(grant) => {
                 self.metrics.grants.increment(1);
+                self.counts.grants += 1;
                 let grant = Grant::new(myself.clone(), grant);
                 if let Err(MessagingErr::SendErr(Ok(grant))) = reply.send(Ok(grant)) {
                     let grant = grant.defuse();

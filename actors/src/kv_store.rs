@@ -1235,6 +1235,24 @@ impl KvStoreHandle {
         Ok((KvStoreHandle { actor }, join))
     }
 
+    /// Starts a store supervised by `supervisor` (its failure is reported there, not fatal).
+    pub async fn spawn_supervised(
+        config: KvStoreConfig,
+        governor: GovernorHandle,
+        provider: CpuProvider,
+        supervisor: ractor::ActorCell,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        let args = KvStoreArgs {
+            config,
+            governor,
+            provider,
+        };
+        let (actor, join) = Actor::spawn_linked(None, KvStore, args, supervisor)
+            .await
+            .map_err(|_| KvStoreError::Unavailable)?;
+        Ok((KvStoreHandle { actor }, join))
+    }
+
     /// The actor.
     pub fn actor(&self) -> &ActorRef<KvStoreMsg> {
         &self.actor

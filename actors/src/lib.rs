@@ -1,8 +1,11 @@
 //! The actor runtime of `procmem`, on ractor + tokio.
 //!
 //! An embedding server depends on this crate alone: it re-exports the contract, the
-//! mechanisms and the pure policy of the root crate as [`core`].
+//! mechanisms and the pure policy of the root crate as [`core`]. Start at
+//! [`MemoryManager::builder`].
 //!
+//! - [`manager`]: the ProcessMemoryManager: authorities, providers, supervised holders,
+//!   bindings, Prometheus metrics, graceful shutdown.
 //! - [`governor`]: one actor per authority keeping the books, queuing requests that do not
 //!   fit and sending [`PressureTicket`]s to that authority's holders.
 //! - [`provider`]: the CPU execution provider: a context and streams that run work in order
@@ -23,6 +26,7 @@ pub mod deferred_free;
 pub mod governor;
 pub mod kv_store;
 pub mod lease_pool;
+pub mod manager;
 pub mod pressure;
 pub mod provider;
 pub mod residency;
@@ -42,6 +46,10 @@ pub use kv_store::{
     Restored, SeqId,
 };
 pub use lease_pool::LeasePool;
+pub use manager::{
+    machine_memory_bytes, Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding,
+    MemoryManager, MemoryManagerBuilder, ShutdownReport,
+};
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem as core;
 pub use provider::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};

@@ -436,6 +436,17 @@ impl ResidencyHandle {
         Ok((ResidencyHandle { actor }, join))
     }
 
+    /// Starts residency supervised by `supervisor` (its failure is reported there, not fatal).
+    pub async fn spawn_supervised(
+        args: ResidencyArgs,
+        supervisor: ractor::ActorCell,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
+        let (actor, join) = Actor::spawn_linked(None, ModelResidency, args, supervisor)
+            .await
+            .map_err(|_| ResidencyError::Unavailable)?;
+        Ok((ResidencyHandle { actor }, join))
+    }
+
     /// The actor.
     pub fn actor(&self) -> &ActorRef<ResidencyMsg> {
         &self.actor

@@ -109,6 +109,21 @@ impl CudaDevice {
         self.ordinal
     }
 
+    /// Whether the device is integrated: its memory is the host's (unified memory), so host
+    /// and device tiers must share one authority.
+    pub fn is_integrated(&self) -> Result<bool, MemoryError> {
+        let mut value = 0;
+        // SAFETY: the device handle is valid and the out-pointer is valid.
+        check("cuDeviceGetAttribute", 0, unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut value,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED,
+                self.device,
+            )
+        })?;
+        Ok(value != 0)
+    }
+
     /// Makes the context current on the calling thread.
     pub fn bind(&self) -> Result<(), MemoryError> {
         // SAFETY: the context is retained for as long as `self` lives.

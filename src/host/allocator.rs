@@ -1,5 +1,6 @@
 //! The eager host allocator: ordinary anonymous memory, every page taken at allocate time.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::api::{
@@ -10,6 +11,7 @@ use crate::virtual_memory::{granularity, smaps, sys};
 
 struct Origin {
     drop_errors: Mutex<Vec<MemoryError>>,
+    live: Mutex<BTreeMap<u64, u64>>,
 }
 
 impl AllocationOrigin for Origin {
@@ -17,6 +19,10 @@ impl AllocationOrigin for Origin {
         // SAFETY: only `DeviceAllocation` calls this, once, for the range `allocate` mapped;
         // the handle is being consumed, so no borrow of its bytes remains.
         unsafe { sys::unmap(addr, footprint)? };
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
         Ok(footprint)
     }
 
@@ -47,8 +53,23 @@ impl HostAllocator {
             page: granularity(),
             origin: Arc::new(Origin {
                 drop_errors: Mutex::new(Vec::new()),
+                live: Mutex::new(BTreeMap::new()),
             }),
         }
+    }
+
+    /// Physical bytes of every live allocation, as the kernel reports them (`Rss` in
+    /// `/proc/self/smaps` over their ranges).
+    pub fn resident_total(&self) -> Result<u64, MemoryError> {
+        let ranges: Vec<_> = self
+            .origin
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(a, l)| *a..a + l)
+            .collect();
+        smaps::sum_field_ranges(&ranges, "Rss")
     }
 
     /// Errors that happened while allocations were dropped.
@@ -110,6 +131,11 @@ impl DeviceAllocator for HostAllocator {
     fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
         let footprint = self.footprint(request)?;
         let ptr = sys::map_anonymous_populated(footprint as usize)?;
+        self.origin
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ptr.as_ptr() as usize as u64, footprint);
         let parts = AllocationParts {
             addr: ptr.as_ptr() as usize as u64,
             bytes: request.bytes,

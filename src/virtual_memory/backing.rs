@@ -143,6 +143,7 @@ impl VirtualBacking for HostBacking {
         allocation.granules.require_reserved(&granules)?;
         let len = range.end - range.start;
         let file_offset = file_base + range.start;
+        let started = std::time::Instant::now();
         self.pool.allocate(file_offset, len)?;
         // SAFETY: `range` was validated to lie inside this reservation, which the caller holds
         // by `&mut`, and every granule in it is only reserved, so no reference points there.
@@ -163,6 +164,9 @@ impl VirtualBacking for HostBacking {
             return Err(e);
         }
         allocation.granules.set(granules, GranuleState::Committed);
+        metrics::counter!("procmem_backing_map_calls_total", "backing" => "host").increment(1);
+        metrics::histogram!("procmem_backing_map_seconds", "backing" => "host")
+            .record(started.elapsed().as_secs_f64());
         Ok(CommitResult {
             committed_bytes: len,
         })
@@ -179,6 +183,7 @@ impl VirtualBacking for HostBacking {
         allocation.granules.require_backed(&granules)?;
         let blocks_inside = allocation.shared_blocks_within(&range)?;
         let len = range.end - range.start;
+        let started = std::time::Instant::now();
         // SAFETY: `range` lies inside this reservation, held by `&mut`, so no reference into
         // it is live; the reservation goes back over it so the addresses stay ours.
         unsafe { sys::reset_to_reserved(addr + range.start, len)? };
@@ -199,6 +204,9 @@ impl VirtualBacking for HostBacking {
             allocation.shared.remove(&offset);
         }
         allocation.granules.set(granules, GranuleState::Reserved);
+        metrics::counter!("procmem_backing_unmap_calls_total", "backing" => "host").increment(1);
+        metrics::histogram!("procmem_backing_unmap_seconds", "backing" => "host")
+            .record(started.elapsed().as_secs_f64());
         match first_error {
             Some(e) => Err(e),
             None => Ok(DecommitResult {

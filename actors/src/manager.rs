@@ -1,0 +1,791 @@
+//! The ProcessMemoryManager: the one entry point an inference server uses.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), procmem_actors::ManagerError> {
+//! use procmem_actors::MemoryManager;
+//!
+//! let memory = MemoryManager::builder()
+//!     .host_budget(8 << 30)
+//!     .metrics_addr("127.0.0.1:9464".parse().unwrap())
+//!     .build()
+//!     .await?;
+//! let kv = memory.kv_store(procmem_actors::KvStoreConfig {
+//!     name: "kv".into(),
+//!     priority: 0,
+//!     shape: procmem_actors::core::kv::KvShape {
+//!         layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
+//!     },
+//!     chunk_granules: 16,
+//!     preempt: procmem_actors::PreemptMode::Swap,
+//!     wait: std::time::Duration::from_secs(1),
+//! }).await?;
+//! // ... serve requests through `kv` ...
+//! let report = memory.shutdown().await?;
+//! assert!(report.is_zero());
+//! # Ok(()) }
+//! ```
+//!
+//! It starts a Governor per authority (one per physical pool; host and device tiers that are
+//! the same memory share one), an execution provider per device with a deferred-free actor per
+//! stream, and supervises the holders it starts: a crashed holder is reported, never fatal.
+//! It hands out [`MemoryBinding`]s, never a raw allocator, so every allocation made through it
+//! is charged first.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metrics::gauge;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use procmem::ledger::{AuthorityId, HolderId, Priority};
+use procmem::{
+    AllocationRequest, CommitModel, DeviceKey, DeviceKind, DeviceMemoryMechanism, MemoryTier,
+};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::buffer::DeviceBuffer;
+use crate::cuda_provider::{CudaProvider, CudaProviderConfig};
+use crate::governor::{GovernorConfig, GovernorHandle, GovernorSnapshot};
+use crate::kv_store::{KvStoreConfig, KvStoreError, KvStoreHandle};
+use crate::provider::{CpuProvider, CpuProviderConfig, ProviderError};
+use crate::residency::{ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle};
+
+/// Why the manager could not start, bind or shut down cleanly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ManagerError {
+    /// A budget that cannot work: zero, or more memory than the machine has.
+    #[error("invalid budget for {what}: {bytes} bytes ({why})")]
+    InvalidBudget {
+        /// Which budget.
+        what: &'static str,
+        /// The value given.
+        bytes: u64,
+        /// Why it was refused.
+        why: String,
+    },
+    /// A device this build or machine does not have.
+    #[error("unknown device {0}: this manager has host{1}")]
+    UnknownDevice(DeviceKey, &'static str),
+    /// The metrics endpoint could not be started (address in use, not local, ...).
+    #[error("cannot serve metrics on {addr}: {why}")]
+    Metrics {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why not.
+        why: String,
+    },
+    /// An execution provider failed to start or stop.
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    /// A KV store failed to start.
+    #[error(transparent)]
+    KvStore(#[from] KvStoreError),
+    /// Model residency failed to start.
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
+    /// The manager is shutting down and admits nothing new.
+    #[error("the memory manager is shutting down")]
+    ShuttingDown,
+    /// After shutdown some authority still has bytes on its books.
+    #[error("books not at zero after shutdown: {0}")]
+    BooksNotZero(ShutdownReport),
+    /// A Governor failed to start.
+    #[error("a governor failed to start: {0}")]
+    Spawn(String),
+}
+
+/// One authority's books at shutdown.
+#[derive(Debug, Clone)]
+pub struct AuthorityReport {
+    /// The authority's name.
+    pub name: String,
+    /// Bytes still provisional.
+    pub provisional: u64,
+    /// Bytes still leased.
+    pub leased: u64,
+}
+
+/// The books after shutdown.
+#[derive(Debug, Clone, Default)]
+pub struct ShutdownReport {
+    /// Per authority.
+    pub authorities: Vec<AuthorityReport>,
+    /// Allocations the deferred-free queues freed over their life.
+    pub deferred_frees: u64,
+}
+
+impl ShutdownReport {
+    /// Every authority at zero.
+    pub fn is_zero(&self) -> bool {
+        self.authorities
+            .iter()
+            .all(|a| a.provisional == 0 && a.leased == 0)
+    }
+}
+
+impl std::fmt::Display for ShutdownReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for a in &self.authorities {
+            write!(
+                f,
+                "{}: {} provisional, {} leased; ",
+                a.name, a.provisional, a.leased
+            )?;
+        }
+        write!(f, "{} deferred frees", self.deferred_frees)
+    }
+}
+
+/// What a device's mechanism can do, as negotiated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Address/backing separation (growth by mapping).
+    pub virtual_backing: bool,
+    /// One physical block at several addresses.
+    pub shared_mapping: bool,
+    /// When ordinary allocations take memory.
+    pub commit_model: CommitModel,
+}
+
+/// One authority: a Governor and the tiers it pays for.
+#[derive(Debug, Clone)]
+pub struct Authority {
+    /// Its name.
+    pub name: String,
+    /// Its Governor.
+    pub governor: GovernorHandle,
+    /// The (device, tier) pairs it pays for.
+    pub tiers: Vec<(DeviceKey, MemoryTier)>,
+}
+
+/// Ties a device, its mechanism, its provider context and its authority together.
+#[derive(Debug, Clone)]
+pub struct MemoryBinding {
+    device: DeviceKey,
+    tier: MemoryTier,
+    governor: GovernorHandle,
+    provider: Provider,
+    capabilities: Capabilities,
+    admitting: Arc<AtomicBool>,
+}
+
+impl MemoryBinding {
+    /// The device.
+    pub fn device(&self) -> DeviceKey {
+        self.device
+    }
+
+    /// The tier.
+    pub fn tier(&self) -> MemoryTier {
+        self.tier
+    }
+
+    /// The authority that pays.
+    pub fn authority(&self) -> AuthorityId {
+        self.governor.authority()
+    }
+
+    /// The Governor that pays.
+    pub fn governor(&self) -> &GovernorHandle {
+        &self.governor
+    }
+
+    /// What the mechanism can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.capabilities
+    }
+
+    /// Allocates for `holder`, charged before anything is taken.
+    pub async fn allocate(
+        &self,
+        holder: HolderId,
+        request: &AllocationRequest,
+        priority: Priority,
+        deadline: Option<Instant>,
+    ) -> Result<DeviceBuffer, ManagerError> {
+        if !self.admitting.load(Ordering::Acquire) {
+            return Err(ManagerError::ShuttingDown);
+        }
+        Ok(match &self.provider {
+            Provider::Cpu(p) => {
+                p.allocate(&self.governor, holder, request, priority, deadline, 0)
+                    .await?
+            }
+            Provider::Cuda(p) => {
+                p.allocate(&self.governor, holder, request, priority, deadline, 0)
+                    .await?
+            }
+        })
+    }
+}
+
+/// The execution provider behind a binding.
+#[derive(Debug, Clone)]
+enum Provider {
+    Cpu(CpuProvider),
+    Cuda(CudaProvider),
+}
+
+/// Builds a [`MemoryManager`].
+#[derive(Debug, Clone, Default)]
+pub struct MemoryManagerBuilder {
+    host_budget: Option<u64>,
+    cuda: Option<(u32, u64)>,
+    unified: Option<bool>,
+    metrics_addr: Option<SocketAddr>,
+    streams: usize,
+}
+
+/// Physical memory of this machine, from `/proc/meminfo`.
+pub fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+impl MemoryManagerBuilder {
+    /// The host authority's budget in bytes.
+    pub fn host_budget(mut self, bytes: u64) -> Self {
+        self.host_budget = Some(bytes);
+        self
+    }
+
+    /// Adds CUDA device `ordinal` with a device budget (used where a driver is present).
+    pub fn cuda_device(mut self, ordinal: u32, budget: u64) -> Self {
+        self.cuda = Some((ordinal, budget));
+        self
+    }
+
+    /// Whether host and device memory are one pool (overrides detection).
+    pub fn unified(mut self, unified: bool) -> Self {
+        self.unified = Some(unified);
+        self
+    }
+
+    /// Serves Prometheus metrics on `addr` (off unless set).
+    pub fn metrics_addr(mut self, addr: SocketAddr) -> Self {
+        self.metrics_addr = Some(addr);
+        self
+    }
+
+    /// CPU streams (at least one).
+    pub fn streams(mut self, n: usize) -> Self {
+        self.streams = n;
+        self
+    }
+
+    /// Starts everything on the current tokio runtime.
+    pub async fn build(self) -> Result<MemoryManager, ManagerError> {
+        let machine = machine_memory_bytes().unwrap_or(u64::MAX);
+        let host_budget = self.host_budget.unwrap_or(machine / 2);
+        if host_budget == 0 || host_budget > machine {
+            return Err(ManagerError::InvalidBudget {
+                what: "host",
+                bytes: host_budget,
+                why: if host_budget == 0 {
+                    "a budget of zero admits nothing".into()
+                } else {
+                    format!("the machine has {machine} bytes")
+                },
+            });
+        }
+        // CUDA where asked: without a driver this is a typed error, never a silent fallback.
+        let cuda = match self.cuda {
+            Some((ordinal, budget)) => {
+                if budget == 0 {
+                    return Err(ManagerError::InvalidBudget {
+                        what: "cuda",
+                        bytes: 0,
+                        why: "a budget of zero admits nothing".into(),
+                    });
+                }
+                let provider = CudaProvider::spawn(CudaProviderConfig {
+                    ordinal,
+                    ..CudaProviderConfig::default()
+                })
+                .await?;
+                let detected = provider
+                    .mechanism()
+                    .device()
+                    .is_integrated()
+                    .unwrap_or(false);
+                Some((ordinal, budget, provider, self.unified.unwrap_or(detected)))
+            }
+            None => None,
+        };
+        let metrics = match self.metrics_addr {
+            Some(addr) => Some(install_metrics(addr)?),
+            None => None,
+        };
+        let (host_governor, _) = GovernorHandle::spawn(GovernorConfig::new("host", host_budget))
+            .await
+            .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+        let host = CpuProvider::spawn(CpuProviderConfig {
+            streams: self.streams.max(1),
+            registry: None,
+        })
+        .await?;
+        let (supervisor, _) = Actor::spawn(None, HolderSupervisor, ())
+            .await
+            .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+        let mut authorities = vec![Authority {
+            name: "host".into(),
+            governor: host_governor,
+            tiers: vec![(DeviceKey::HOST, MemoryTier::Host)],
+        }];
+        let cuda_provider = match cuda {
+            Some((ordinal, _, provider, true)) => {
+                // Unified memory: the device tier is the host's bytes, one authority for both.
+                authorities[0]
+                    .tiers
+                    .push((DeviceKey::cuda(ordinal), MemoryTier::Device));
+                Some(provider)
+            }
+            Some((ordinal, budget, provider, false)) => {
+                let name = DeviceKey::cuda(ordinal).to_string();
+                let (governor, _) =
+                    GovernorHandle::spawn(GovernorConfig::new(name.clone(), budget))
+                        .await
+                        .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+                authorities.push(Authority {
+                    name,
+                    governor,
+                    tiers: vec![(DeviceKey::cuda(ordinal), MemoryTier::Device)],
+                });
+                Some(provider)
+            }
+            None => None,
+        };
+        let inner = Arc::new(Inner {
+            authorities,
+            host,
+            cuda: cuda_provider,
+            admitting: Arc::new(AtomicBool::new(true)),
+            supervisor,
+            metrics,
+            holders: Mutex::new(Vec::new()),
+            sampler: Mutex::new(None),
+        });
+        let sampler = tokio::spawn(sample(Arc::downgrade(&inner)));
+        *inner.sampler.lock().unwrap_or_else(|p| p.into_inner()) = Some(sampler);
+        Ok(MemoryManager { inner })
+    }
+}
+
+/// Help text for every metric this crate and the core crate emit.
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    let gauges = [
+        (
+            "procmem_governor_capacity_bytes",
+            "Bytes the authority may approve.",
+        ),
+        (
+            "procmem_governor_approved_bytes",
+            "Bytes approved: provisional plus committed.",
+        ),
+        (
+            "procmem_governor_provisional_bytes",
+            "Bytes granted but not yet committed.",
+        ),
+        (
+            "procmem_governor_committed_bytes",
+            "Bytes committed to leases.",
+        ),
+        (
+            "procmem_authority_os_resident_bytes",
+            "Physical bytes behind the authority, as the OS reports them.",
+        ),
+        (
+            "procmem_authority_drift_bytes",
+            "Committed bytes in the ledger minus physical bytes the OS reports.",
+        ),
+    ];
+    for (name, help) in gauges {
+        describe_gauge!(name, Unit::Bytes, help);
+    }
+    describe_gauge!(
+        "procmem_governor_waiting_requests",
+        Unit::Count,
+        "Requests waiting for room."
+    );
+    describe_gauge!(
+        "procmem_deferred_free_queue_depth",
+        Unit::Count,
+        "Allocations waiting for their fences, per stream."
+    );
+    let counters = [
+        ("procmem_governor_grants_total", "Grants issued."),
+        (
+            "procmem_governor_denials_total",
+            "Requests denied, at once or at their deadline.",
+        ),
+        (
+            "procmem_governor_waits_total",
+            "Requests that waited for room.",
+        ),
+        (
+            "procmem_governor_pressure_tickets_total",
+            "Pressure tickets sent to holders.",
+        ),
+        (
+            "procmem_backing_map_calls_total",
+            "Commit (map) calls on a virtual backing.",
+        ),
+        (
+            "procmem_backing_unmap_calls_total",
+            "Decommit (unmap) calls on a virtual backing.",
+        ),
+        (
+            "procmem_holder_failures_total",
+            "Holder actors that crashed.",
+        ),
+    ];
+    for (name, help) in counters {
+        describe_counter!(name, Unit::Count, help);
+    }
+    describe_counter!(
+        "procmem_governor_pressure_freed_bytes_total",
+        Unit::Bytes,
+        "Bytes holders reported freed for pressure tickets."
+    );
+    describe_counter!(
+        "procmem_deferred_free_bytes_total",
+        Unit::Bytes,
+        "Bytes freed after their fences, per stream."
+    );
+    let histograms = [
+        (
+            "procmem_backing_map_seconds",
+            "Latency of commit (map) calls.",
+        ),
+        (
+            "procmem_backing_unmap_seconds",
+            "Latency of decommit (unmap) calls.",
+        ),
+        (
+            "procmem_deferred_free_fence_to_refund_seconds",
+            "From fence completion to the Governor refund.",
+        ),
+    ];
+    for (name, help) in histograms {
+        describe_histogram!(name, Unit::Seconds, help);
+    }
+}
+
+fn install_metrics(addr: SocketAddr) -> Result<PrometheusHandle, ManagerError> {
+    let metrics_error = |why: String| ManagerError::Metrics { addr, why };
+    let (recorder, exporter) = PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .build()
+        .map_err(|e| metrics_error(e.to_string()))?;
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
+    describe_metrics();
+    tokio::spawn(exporter);
+    Ok(handle)
+}
+
+struct Inner {
+    authorities: Vec<Authority>,
+    host: CpuProvider,
+    cuda: Option<CudaProvider>,
+    admitting: Arc<AtomicBool>,
+    supervisor: ActorRef<()>,
+    metrics: Option<PrometheusHandle>,
+    holders: Mutex<Vec<ActorCell>>,
+    sampler: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Publishes what only the OS can tell: physical bytes per authority and their drift from the
+/// ledger, and the host mechanism's resident bytes.
+async fn sample(inner: std::sync::Weak<Inner>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Some(inner) = inner.upgrade() else { return };
+        for a in &inner.authorities {
+            let (Ok(snapshot), Some(os)) = (a.governor.snapshot().await, inner.os_bytes(a)) else {
+                continue;
+            };
+            let label = [("authority", a.name.clone())];
+            gauge!("procmem_authority_os_resident_bytes", &label).set(os as f64);
+            gauge!("procmem_authority_drift_bytes", &label)
+                .set(snapshot.books.leased as f64 - os as f64);
+        }
+    }
+}
+
+impl Inner {
+    /// Physical bytes behind an authority, read from the OS: the host mechanism's memfd pages
+    /// and the resident pages of its eager allocations.
+    fn os_bytes(&self, authority: &Authority) -> Option<u64> {
+        if authority
+            .tiers
+            .iter()
+            .any(|(d, _)| d.kind == DeviceKind::Host)
+        {
+            let m = self.host.mechanism();
+            Some(m.backing().resident_bytes().ok()? + m.host_allocator().resident_total().ok()?)
+        } else {
+            None
+        }
+    }
+}
+
+/// The process memory manager; cheap to clone.
+#[derive(Clone)]
+pub struct MemoryManager {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MemoryManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryManager")
+            .field(
+                "authorities",
+                &self
+                    .inner
+                    .authorities
+                    .iter()
+                    .map(|a| &a.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl MemoryManager {
+    /// A builder.
+    pub fn builder() -> MemoryManagerBuilder {
+        MemoryManagerBuilder::default()
+    }
+
+    /// The authorities.
+    pub fn authorities(&self) -> &[Authority] {
+        &self.inner.authorities
+    }
+
+    /// The Governor paying for `tier` on `device`.
+    pub fn governor(&self, device: DeviceKey, tier: MemoryTier) -> Option<&GovernorHandle> {
+        self.inner
+            .authorities
+            .iter()
+            .find(|a| a.tiers.contains(&(device, tier)))
+            .map(|a| &a.governor)
+    }
+
+    /// The host execution provider.
+    pub fn host_provider(&self) -> &CpuProvider {
+        &self.inner.host
+    }
+
+    /// What `device`'s mechanism can do, asked of the mechanism now.
+    pub fn capabilities(&self, device: DeviceKey) -> Result<Capabilities, ManagerError> {
+        let of = |m: &dyn DeviceMemoryMechanism| Capabilities {
+            virtual_backing: m.virtual_backing().is_some(),
+            shared_mapping: m.shared_mapping().is_some(),
+            commit_model: m.allocator().commit_model(),
+        };
+        match device.kind {
+            DeviceKind::Host => Ok(of(self.inner.host.mechanism())),
+            DeviceKind::Cuda => match &self.inner.cuda {
+                Some(p) if DeviceMemoryMechanism::device(p.mechanism()) == device => {
+                    Ok(of(p.mechanism()))
+                }
+                _ => Err(ManagerError::UnknownDevice(device, self.device_list())),
+            },
+        }
+    }
+
+    fn device_list(&self) -> &'static str {
+        if self.inner.cuda.is_some() {
+            " and one CUDA device"
+        } else {
+            " only"
+        }
+    }
+
+    /// A binding for `tier` on `device`.
+    pub fn binding(
+        &self,
+        device: DeviceKey,
+        tier: MemoryTier,
+    ) -> Result<MemoryBinding, ManagerError> {
+        let governor = self
+            .governor(device, tier)
+            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
+            .clone();
+        let provider = match device.kind {
+            DeviceKind::Host => Provider::Cpu(self.inner.host.clone()),
+            DeviceKind::Cuda => Provider::Cuda(
+                self.inner
+                    .cuda
+                    .clone()
+                    .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?,
+            ),
+        };
+        Ok(MemoryBinding {
+            device,
+            tier,
+            governor,
+            provider,
+            capabilities: self.capabilities(device)?,
+            admitting: Arc::clone(&self.inner.admitting),
+        })
+    }
+
+    fn admit(&self) -> Result<(), ManagerError> {
+        if self.inner.admitting.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(ManagerError::ShuttingDown)
+        }
+    }
+
+    /// Starts a KV store on the host authority, supervised by the manager.
+    pub async fn kv_store(&self, config: KvStoreConfig) -> Result<KvStoreHandle, ManagerError> {
+        self.admit()?;
+        let governor = self
+            .governor(DeviceKey::HOST, MemoryTier::Host)
+            .expect("the host authority always exists")
+            .clone();
+        let (kv, _) = KvStoreHandle::spawn_supervised(
+            config,
+            governor,
+            self.inner.host.clone(),
+            self.inner.supervisor.get_cell(),
+        )
+        .await?;
+        self.inner
+            .holders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(kv.actor().get_cell());
+        Ok(kv)
+    }
+
+    /// Starts model residency on the host authority, supervised by the manager.
+    pub async fn residency(
+        &self,
+        config: ResidencyConfig,
+    ) -> Result<ResidencyHandle, ManagerError> {
+        self.admit()?;
+        let device = self
+            .governor(DeviceKey::HOST, MemoryTier::Host)
+            .expect("the host authority always exists")
+            .clone();
+        let args = ResidencyArgs {
+            config,
+            device,
+            host: None,
+            provider: self.inner.host.clone(),
+        };
+        let (r, _) =
+            ResidencyHandle::spawn_supervised(args, self.inner.supervisor.get_cell()).await?;
+        self.inner
+            .holders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(r.actor().get_cell());
+        Ok(r)
+    }
+
+    /// Each authority's books.
+    pub async fn books(&self) -> Vec<(String, GovernorSnapshot, Option<u64>)> {
+        let mut out = Vec::new();
+        for a in &self.inner.authorities {
+            if let Ok(s) = a.governor.snapshot().await {
+                out.push((a.name.clone(), s, self.inner.os_bytes(a)));
+            }
+        }
+        out
+    }
+
+    /// The Prometheus text the endpoint serves, when metrics are on.
+    pub fn metrics_text(&self) -> Option<String> {
+        self.inner.metrics.as_ref().map(PrometheusHandle::render)
+    }
+
+    /// Stops admitting, stops the holders (their memory goes through the deferred-free
+    /// queues), drains every queue, and reports the books: an error if any are not at zero.
+    pub async fn shutdown(&self) -> Result<ShutdownReport, ManagerError> {
+        self.inner.admitting.store(false, Ordering::Release);
+        let holders =
+            std::mem::take(&mut *self.inner.holders.lock().unwrap_or_else(|p| p.into_inner()));
+        for cell in holders {
+            let _ = cell
+                .stop_and_wait(None, Some(Duration::from_secs(10)))
+                .await;
+        }
+        let mut drained = self.inner.host.shutdown().await?;
+        if let Some(cuda) = &self.inner.cuda {
+            drained.add(cuda.shutdown().await?);
+        }
+        // Refunds travel as messages: give them a moment to land.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let report = loop {
+            let mut report = ShutdownReport {
+                authorities: Vec::new(),
+                deferred_frees: drained.freed,
+            };
+            for a in &self.inner.authorities {
+                if let Ok(s) = a.governor.snapshot().await {
+                    report.authorities.push(AuthorityReport {
+                        name: a.name.clone(),
+                        provisional: s.books.provisional,
+                        leased: s.books.leased,
+                    });
+                }
+            }
+            if report.is_zero() || Instant::now() > deadline {
+                break report;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        if let Some(s) = self
+            .inner
+            .sampler
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            s.abort();
+        }
+        if report.is_zero() {
+            Ok(report)
+        } else {
+            Err(ManagerError::BooksNotZero(report))
+        }
+    }
+}
+
+/// Supervises holders: a crash is logged and counted; the system goes on.
+struct HolderSupervisor;
+
+impl Actor for HolderSupervisor {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _: ActorRef<()>, _: ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<()>,
+        event: SupervisionEvent,
+        _: &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        if let SupervisionEvent::ActorFailed(who, reason) = event {
+            tracing::error!(actor = ?who.get_id(), %reason, "holder crashed; its memory is freed after its fences");
+            metrics::counter!("procmem_holder_failures_total").increment(1);
+        }
+        Ok(())
+    }
+}

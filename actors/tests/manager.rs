@@ -1,0 +1,192 @@
+//! The ProcessMemoryManager: a few lines to start, bindings that always charge, holders that
+//! may crash without taking the system down, shutdown that reports the books at zero, and
+//! bad input refused with a clear error.
+
+use std::time::Duration;
+
+use procmem_actors::core::kv::KvShape;
+use procmem_actors::core::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
+use procmem_actors::{
+    AttendItem, KvStoreConfig, ManagerError, MemoryManager, PreemptMode, ProviderError,
+};
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 256,
+};
+
+fn kv_config() -> KvStoreConfig {
+    KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: SHAPE,
+        chunk_granules: 1,
+        preempt: PreemptMode::Swap,
+        wait: Duration::from_millis(200),
+    }
+}
+
+fn item(seq: u64) -> AttendItem {
+    let tf = SHAPE.token_floats();
+    AttendItem {
+        seq,
+        q: vec![0.5; SHAPE.q_heads * SHAPE.head_dim],
+        k: vec![0.25; tf],
+        v: vec![1.0; tf],
+    }
+}
+
+async fn decode(kv: &procmem_actors::KvStoreHandle, seq: u64, steps: usize) {
+    for _ in 0..steps {
+        kv.prepare(vec![seq]).await.unwrap();
+        for layer in 0..SHAPE.layers {
+            kv.attend(layer, vec![item(seq)]).await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_use_and_shut_down_with_the_books_at_zero() {
+    let memory = MemoryManager::builder()
+        .host_budget(256 << 20)
+        .build()
+        .await
+        .unwrap();
+    let caps = memory.capabilities(DeviceKey::HOST).unwrap();
+    assert!(caps.virtual_backing && caps.shared_mapping);
+    let kv = memory.kv_store(kv_config()).await.unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    decode(&kv, 1, 40).await;
+    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
+    let holder = binding
+        .governor()
+        .register_holder("scratch", 0, None)
+        .await
+        .unwrap();
+    let buffer = binding
+        .allocate(
+            holder,
+            &AllocationRequest::new(1 << 20, MemoryRole::Workspace),
+            0,
+            None,
+        )
+        .await
+        .unwrap();
+    let books = memory.books().await;
+    let (_, host, os) = &books[0];
+    assert!(host.books.leased >= (1 << 20) + kv.stats().await.unwrap().exclusive_bytes);
+    assert_eq!(
+        Some(host.books.leased),
+        *os,
+        "the ledger equals what the OS reports"
+    );
+    drop(buffer);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report}");
+    assert!(report.deferred_frees >= 1);
+    // After shutdown nothing new is admitted.
+    assert!(matches!(
+        memory.kv_store(kv_config()).await,
+        Err(ManagerError::ShuttingDown)
+    ));
+    let late = binding
+        .allocate(
+            holder,
+            &AllocationRequest::new(4096, MemoryRole::Workspace),
+            0,
+            None,
+        )
+        .await;
+    assert!(matches!(late, Err(ManagerError::ShuttingDown)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_holder_does_not_take_the_system_down() {
+    let memory = MemoryManager::builder()
+        .host_budget(256 << 20)
+        .build()
+        .await
+        .unwrap();
+    let kv = memory.kv_store(kv_config()).await.unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    decode(&kv, 1, 20).await;
+    kv.actor()
+        .cast(procmem_actors::kv_store::KvStoreMsg::Crash)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(kv.stats().await.is_err(), "the crashed store is gone");
+    // The rest goes on: a new store works, and the crashed one's bytes came back.
+    let again = memory.kv_store(kv_config()).await.unwrap();
+    again.open(7, vec![], 0).await.unwrap();
+    decode(&again, 7, 10).await;
+    let leased = memory.books().await[0].1.books.leased;
+    assert_eq!(
+        leased,
+        again.stats().await.unwrap().leased_bytes,
+        "only the live store holds bytes"
+    );
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_is_refused_with_a_clear_error() {
+    let zero = MemoryManager::builder()
+        .host_budget(0)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(zero, ManagerError::InvalidBudget { .. }), "{zero}");
+    assert!(zero.to_string().contains("zero"), "{zero}");
+    let huge = MemoryManager::builder()
+        .host_budget(u64::MAX / 2)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(huge, ManagerError::InvalidBudget { .. }), "{huge}");
+    assert!(huge.to_string().contains("machine has"), "{huge}");
+    if !procmem_actors::core::cuda::driver_present() {
+        let cuda = MemoryManager::builder()
+            .host_budget(1 << 20)
+            .cuda_device(0, 1 << 30)
+            .build()
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                cuda,
+                ManagerError::Provider(ProviderError::Memory(MemoryError::NoCudaDriver { .. }))
+            ),
+            "{cuda}"
+        );
+    }
+    let memory = MemoryManager::builder()
+        .host_budget(1 << 20)
+        .build()
+        .await
+        .unwrap();
+    let unknown = memory
+        .binding(DeviceKey::cuda(3), MemoryTier::Device)
+        .unwrap_err();
+    assert!(
+        matches!(unknown, ManagerError::UnknownDevice(..)),
+        "{unknown}"
+    );
+    assert!(matches!(
+        memory.capabilities(DeviceKey::cuda(3)),
+        Err(ManagerError::UnknownDevice(..))
+    ));
+    let in_use = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = in_use.local_addr().unwrap();
+    let taken = MemoryManager::builder()
+        .host_budget(1 << 20)
+        .metrics_addr(addr)
+        .build()
+        .await
+        .unwrap_err();
+    assert!(matches!(taken, ManagerError::Metrics { .. }), "{taken}");
+    memory.shutdown().await.unwrap();
+}
