@@ -318,6 +318,7 @@ impl DeferredFreeState {
     }
 
     fn free(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) {
+        let _span = tracing::debug_span!("deferred_free", stream = %self.stream, fences = pending.fences.len()).entered();
         let PendingFree { item, lease, .. } = pending;
         match item.release() {
             Ok(freed) => {

@@ -451,6 +451,13 @@ impl GovernorState {
         request: ReserveRequest,
         reply: RpcReplyPort<Result<Grant, GovernorError>>,
     ) {
+        let _span = tracing::debug_span!(
+            "reserve",
+            holder = %request.holder,
+            bytes = request.bytes,
+            priority = request.priority
+        )
+        .entered();
         if let Err(e) = self
             .ledger
             .check_reserve(request.holder, self.authority, request.bytes)
@@ -565,6 +572,7 @@ impl GovernorState {
         let deadline = waiter_deadline.map_or(now + self.ticket_timeout, |d| {
             d.min(now + self.ticket_timeout)
         });
+        let _span = tracing::debug_span!("pressure", wanted, priority).entered();
         while let Some(holder) = round.next_holder(&holders) {
             round.asked(holder);
             let id = TicketId(self.next_ticket);

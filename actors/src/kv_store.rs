@@ -288,7 +288,10 @@ struct SeqEntry {
     /// Blocks this sequence is filling for the cache: (key, token count that completes it).
     filling: Vec<(u64, usize)>,
     last_fence: Option<Fence>,
+    /// A grant for this sequence's next token is being obtained.
     busy: bool,
+    /// Between a successful prepare and the last layer's attention: the engine is using it.
+    stepping: bool,
 }
 
 enum Pending {
@@ -451,6 +454,7 @@ impl Drop for KvStoreState {
 impl KvStoreState {
     fn in_flight(&self, entry: &SeqEntry) -> bool {
         entry.busy
+            || entry.stepping
             || entry
                 .last_fence
                 .is_some_and(|f| self.stream.timeline().completed() < f.value)
@@ -615,6 +619,7 @@ impl KvStoreState {
             filling: Vec::new(),
             last_fence: None,
             busy: false,
+            stepping: false,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
         let pending = Pending::Open {
@@ -766,6 +771,9 @@ impl KvStoreState {
             plan.push((*seq, per));
         }
         if bytes == 0 {
+            for (seq, _) in &plan {
+                self.seqs.get_mut(seq).expect("checked").stepping = true;
+            }
             let _ = reply.send(Ok(()));
             return;
         }
@@ -835,9 +843,11 @@ impl KvStoreState {
                 }
             }
         }
+        let ok = failure.is_none();
         for (seq, _) in &seqs {
             if let Some(e) = self.seqs.get_mut(seq) {
                 e.busy = false;
+                e.stepping = ok;
             }
         }
         let _ = reply.send(match failure {
@@ -944,6 +954,7 @@ impl KvStoreState {
             let entry = self.seqs.get_mut(&item.seq).expect("validated");
             entry.last_fence = Some(fence);
             if last_layer {
+                entry.stepping = false;
                 if let SeqState::Active(memory) = &mut entry.state {
                     let _ = memory.advance();
                     let tokens = memory.tokens();
@@ -1096,6 +1107,12 @@ impl KvStoreState {
     /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
     /// in use by the device), so the report has nothing pending a fence.
     fn answer(&mut self, ticket: PressureTicket) {
+        let _span = tracing::debug_span!(
+            "pressure_ticket",
+            ticket = ticket.id.get(),
+            wanted = ticket.bytes_wanted
+        )
+        .entered();
         let prefixes: Vec<PrefixCandidate<u64>> = self
             .prefixes
             .iter()
@@ -1143,6 +1160,8 @@ impl KvStoreState {
     /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
     /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed.
     fn preempt(&mut self, id: SeqId) -> u64 {
+        let _span =
+            tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
         let mode = self.config.preempt;
         let Some(entry) = self.seqs.get_mut(&id) else {
             return 0;

@@ -334,6 +334,11 @@ impl ResidencyState {
     /// covered. Each copy out runs on the stream; the device buffer is dropped right after
     /// queuing it, so its memory is freed (and refunded) once the copy's fence completes.
     async fn answer(&mut self, ticket: PressureTicket) {
+        tracing::debug!(
+            ticket = ticket.id.get(),
+            wanted = ticket.bytes_wanted,
+            "residency answering a pressure ticket"
+        );
         let mut candidates: Vec<(u64, usize, u64)> = self
             .layers
             .iter()

@@ -7,7 +7,7 @@ use crate::api::{
     AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
     DeviceAllocator, DeviceKey, DeviceKind, FreeError, MechanismId, MemoryError, Refused,
 };
-use crate::virtual_memory::{granularity, smaps, sys};
+use crate::virtual_memory::{granularity, sys};
 
 struct Origin {
     drop_errors: Mutex<Vec<MemoryError>>,
@@ -58,18 +58,17 @@ impl HostAllocator {
         }
     }
 
-    /// Physical bytes of every live allocation, as the kernel reports them (`Rss` in
-    /// `/proc/self/smaps` over their ranges).
+    /// Physical bytes of every live allocation, as the kernel reports them (`mincore` over
+    /// each range: adjacent anonymous mappings may share one smaps entry, pages do not).
     pub fn resident_total(&self) -> Result<u64, MemoryError> {
-        let ranges: Vec<_> = self
-            .origin
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(a, l)| *a..a + l)
-            .collect();
-        smaps::sum_field_ranges(&ranges, "Rss")
+        let live = self.origin.live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut total = 0;
+        for (addr, len) in live.iter() {
+            // SAFETY: the range is a live allocation of this allocator; the lock keeps it
+            // from being released meanwhile.
+            total += unsafe { sys::resident_bytes(*addr, *len, self.page)? };
+        }
+        Ok(total)
     }
 
     /// Errors that happened while allocations were dropped.
@@ -161,8 +160,8 @@ impl DeviceAllocator for HostAllocator {
 
     fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError> {
         self.check_owner(allocation)?;
-        let start = allocation.addr();
-        smaps::sum_field(start..start + allocation.footprint(), "Rss")
+        // SAFETY: the allocation is alive (borrowed) and was mapped by this allocator.
+        unsafe { sys::resident_bytes(allocation.addr(), allocation.footprint(), self.page) }
     }
 }
 

@@ -11,35 +11,6 @@ pub(crate) fn sum_field(range: Range<u64>, field: &str) -> Result<u64, MemoryErr
     Ok(sum_field_in(&text, range, field))
 }
 
-/// Sums a `kB` field over every mapping that lies inside any of `ranges` (sorted by start).
-pub(crate) fn sum_field_ranges(ranges: &[Range<u64>], field: &str) -> Result<u64, MemoryError> {
-    if ranges.is_empty() {
-        return Ok(0);
-    }
-    let text = std::fs::read_to_string("/proc/self/smaps")
-        .map_err(|e| MemoryError::os("read /proc/self/smaps", e))?;
-    let mut inside = false;
-    let mut total_kb = 0u64;
-    for line in text.lines() {
-        if let Some(vma) = parse_header(line) {
-            let i = ranges.partition_point(|r| r.start <= vma.start);
-            inside = i > 0 && vma.end <= ranges[i - 1].end;
-            continue;
-        }
-        if inside {
-            if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
-                total_kb += rest
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .unwrap_or(0);
-            }
-        }
-    }
-    Ok(total_kb * 1024)
-}
-
 fn parse_header(line: &str) -> Option<Range<u64>> {
     let span = line.split_whitespace().next()?;
     let (start, end) = span.split_once('-')?;

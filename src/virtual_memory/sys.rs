@@ -148,3 +148,18 @@ pub(crate) unsafe fn slice_mut<'a>(addr: u64, len: u64) -> &'a mut [u8] {
     // SAFETY: preconditions 1 and 2.
     unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, len as usize) }
 }
+
+/// Bytes of `addr..addr + len` whose pages are resident, as `mincore` reports them.
+///
+/// # Safety
+/// 1. The range is mapped by the caller (mincore only reads page-table state).
+pub(crate) unsafe fn resident_bytes(addr: u64, len: u64, page: u64) -> Result<u64, MemoryError> {
+    let pages = len.div_ceil(page) as usize;
+    let mut vec = vec![0u8; pages];
+    // SAFETY: precondition 1; `vec` has one byte per page of the range.
+    let rc = unsafe { libc::mincore(as_ptr(addr), len as usize, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(MemoryError::os("mincore", std::io::Error::last_os_error()));
+    }
+    Ok(vec.iter().filter(|b| **b & 1 == 1).count() as u64 * page)
+}

@@ -1,0 +1,620 @@
+//! An inference server in miniature, on the host backend: a small synthetic transformer
+//! whose weights live under model residency, many concurrent requests (some sharing a prompt
+//! prefix) decoded with the real GQA operator over virtually contiguous KV, all under a
+//! memory budget smaller than peak demand, so pressure tickets, evictions and preemptions
+//! really happen. Ends with a summary of throughput and the books, ledger against OS.
+//!
+//! `cargo run --release --example inference_server -- --help`
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use procmem_actors::core::kv::KvShape;
+use procmem_actors::core::DeviceKey;
+use procmem_actors::{
+    AttendItem, GovernorError, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager,
+    PreemptMode, ResidencyConfig, ResidencyHandle, Restored,
+};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Device {
+    Host,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModelSize {
+    /// 4 layers, 8 query heads over 2 KV heads, head dimension 32.
+    Small,
+    /// 8 layers, 16 query heads over 4 KV heads, head dimension 64.
+    Medium,
+}
+
+/// A small inference server over procmem: budgeted KV and weights, real pressure.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Requests to serve.
+    #[arg(long, default_value_t = 48)]
+    requests: usize,
+    /// Requests decoded at once.
+    #[arg(long, default_value_t = 12)]
+    concurrency: usize,
+    /// Memory budget of the host authority (bytes, or with KiB/MiB/GiB); `auto` is the
+    /// weights plus half of the peak KV demand.
+    #[arg(long, default_value = "auto")]
+    budget: String,
+    /// Model size.
+    #[arg(long, value_enum, default_value_t = ModelSize::Small)]
+    model_size: ModelSize,
+    /// Prompt length in tokens (half the requests share its first three quarters).
+    #[arg(long, default_value_t = 64)]
+    prompt_len: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 48)]
+    max_new_tokens: usize,
+    /// Seed of the synthetic weights and prompts.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464); off unless given.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+    /// Keep serving metrics this many seconds after the workload.
+    #[arg(long, default_value_t = 0)]
+    linger: u64,
+    /// Execution device.
+    #[arg(long, value_enum, default_value_t = Device::Host)]
+    device: Device,
+}
+
+struct Model {
+    shape: KvShape,
+    hidden: usize,
+    kv_dim: usize,
+    vocab: u32,
+}
+
+impl Model {
+    fn new(size: ModelSize, max_tokens: usize) -> Self {
+        let (layers, q_heads, kv_heads, head_dim) = match size {
+            ModelSize::Small => (4, 8, 2, 32),
+            ModelSize::Medium => (8, 16, 4, 64),
+        };
+        let shape = KvShape {
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            max_tokens,
+        };
+        Model {
+            shape,
+            hidden: q_heads * head_dim,
+            kv_dim: kv_heads * head_dim,
+            vocab: 512,
+        }
+    }
+
+    /// Wq (h×h), Wk (kv×h), Wv (kv×h), Wo (h×h), row-major f32.
+    fn layer_floats(&self) -> usize {
+        2 * self.hidden * self.hidden + 2 * self.kv_dim * self.hidden
+    }
+
+    fn weights(&self, layer: usize, seed: u64) -> Vec<u8> {
+        let n = self.layer_floats();
+        let scale = 1.0 / (self.hidden as f32).sqrt();
+        let mut x = seed ^ (layer as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let floats: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
+            })
+            .collect();
+        floats.iter().flat_map(|f| f.to_le_bytes()).collect()
+    }
+
+    fn embed(&self, token: u32) -> Vec<f32> {
+        (0..self.hidden)
+            .map(|i| ((token as f32 + 1.0) * 0.37 + i as f32 * 0.11).sin())
+            .collect()
+    }
+
+    fn next_token(&self, x: &[f32]) -> u32 {
+        (0..self.vocab)
+            .map(|t| {
+                (
+                    t,
+                    self.embed(t).iter().zip(x).map(|(a, b)| a * b).sum::<f32>(),
+                )
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(t, _)| t)
+            .unwrap_or(0)
+    }
+}
+
+fn matvec(w: &[f32], rows: usize, x: &[f32]) -> Vec<f32> {
+    let cols = x.len();
+    (0..rows)
+        .map(|r| {
+            w[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(x)
+                .map(|(a, b)| a * b)
+                .sum()
+        })
+        .collect()
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = [
+        ("TiB", 1u64 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("B", 1),
+    ]
+    .iter()
+    .find_map(|(suffix, m)| s.strip_suffix(suffix).map(|n| (n.trim(), *m)))
+    .unwrap_or((s, 1));
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a byte count (try 64MiB)"))?;
+    if !(n.is_finite() && n >= 0.0) {
+        return Err(format!("'{s}' is not a byte count"));
+    }
+    Ok((n * mult as f64) as u64)
+}
+
+struct Request {
+    id: u64,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    /// Tokens whose KV the store holds.
+    pos: usize,
+    x: Vec<f32>,
+    priority: u32,
+}
+
+impl Request {
+    fn token_at(&self, p: usize) -> u32 {
+        if p < self.prompt.len() {
+            self.prompt[p]
+        } else {
+            self.generated[p - self.prompt.len()]
+        }
+    }
+    fn known(&self) -> usize {
+        self.prompt.len() + self.generated.len()
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    generated: u64,
+    finished: u64,
+    shed: u64,
+    restores: u64,
+    peak_ledger: u64,
+    peak_os: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn serve(args: Args) -> Result<(), String> {
+    if args.requests == 0
+        || args.concurrency == 0
+        || args.max_new_tokens == 0
+        || args.prompt_len == 0
+    {
+        return Err(
+            "--requests, --concurrency, --prompt-len and --max-new-tokens must be at least 1"
+                .into(),
+        );
+    }
+    if let Device::Cuda = args.device {
+        if !procmem_actors::core::cuda::driver_present() {
+            return Err(
+                "--device cuda: no CUDA driver on this machine (libcuda cannot be loaded)".into(),
+            );
+        }
+        return Err("--device cuda: this example's KV store and weights run on the host provider only so far".into());
+    }
+    let max_tokens = args.prompt_len + args.max_new_tokens;
+    let model = Model::new(args.model_size, max_tokens);
+    let page = procmem_actors::core::granularity();
+    let weights_bytes =
+        model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(page);
+    let per_seq = model.shape.buffers() as u64
+        * (max_tokens as u64 * model.shape.token_bytes()).next_multiple_of(page);
+    let peak_kv = per_seq * args.concurrency as u64;
+    let budget = if args.budget == "auto" {
+        weights_bytes + peak_kv / 2
+    } else {
+        parse_bytes(&args.budget)?
+    };
+    if budget > 0 && weights_bytes + per_seq > budget {
+        return Err(format!(
+            "the model needs {weights_bytes} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
+        ));
+    }
+    let mut builder = MemoryManager::builder().host_budget(budget);
+    if let Some(addr) = args.metrics_addr {
+        builder = builder.metrics_addr(addr);
+    }
+    let memory = builder.build().await.map_err(|e| e.to_string())?;
+    println!(
+        "procmem inference server: {:?} model ({} layers, {} q heads / {} kv heads, head dim {}), {} requests x {} at once",
+        args.model_size, model.shape.layers, model.shape.q_heads, model.shape.kv_heads, model.shape.head_dim,
+        args.requests, args.concurrency
+    );
+    println!(
+        "budget {} bytes: weights {} + peak KV demand {} ({}% of peak)",
+        budget,
+        weights_bytes,
+        peak_kv,
+        (100 * budget / (weights_bytes + peak_kv).max(1))
+    );
+    if let Some(addr) = args.metrics_addr {
+        println!("metrics on http://{addr}/metrics");
+    }
+
+    let weights = memory
+        .residency(ResidencyConfig {
+            name: "weights".into(),
+            priority: 10,
+            wait: Duration::from_secs(2),
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    // Every layer is used on every step, so the weights are pinned: under pressure the KV
+    // store gives back cached prefixes and preempts sequences instead of thrashing weights.
+    for layer in 0..model.shape.layers {
+        weights
+            .load(layer, model.weights(layer, args.seed), true)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let kv = memory
+        .kv_store(KvStoreConfig {
+            name: "kv".into(),
+            priority: 0,
+            shape: model.shape,
+            chunk_granules: 1,
+            preempt: PreemptMode::Swap,
+            wait: Duration::from_millis(250),
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let shared: Vec<u32> = (0..args.prompt_len as u32)
+        .map(|i| (i * 7 + args.seed as u32) % model.vocab)
+        .collect();
+    let mut queue: VecDeque<Request> = (0..args.requests as u64)
+        .map(|id| {
+            let mut prompt = shared.clone();
+            // Every other request keeps the shared first three quarters; the rest differ.
+            let own_from = if id % 2 == 0 {
+                args.prompt_len * 3 / 4
+            } else {
+                0
+            };
+            for (i, t) in prompt.iter_mut().enumerate().skip(own_from) {
+                *t = ((id as u32 + 3) * 31 + i as u32 * 13) % model.vocab;
+            }
+            Request {
+                id,
+                prompt,
+                generated: Vec::new(),
+                pos: 0,
+                x: Vec::new(),
+                priority: (id % 3) as u32,
+            }
+        })
+        .collect();
+    let mut active: Vec<Request> = Vec::new();
+    let mut c = Counters::default();
+    let start = Instant::now();
+    let mut last_report = Instant::now();
+    let mut lonely_denials = 0;
+    let host = memory
+        .governor(DeviceKey::HOST, procmem_actors::core::MemoryTier::Host)
+        .expect("the host authority")
+        .clone();
+    while !queue.is_empty() || !active.is_empty() {
+        // Admit while there is room for another whole sequence, or while fewer than half the
+        // slots run (then the open itself makes room: cached prefixes nobody uses are evicted).
+        while active.len() < args.concurrency {
+            let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
+            if active.len() >= args.concurrency / 2 && free < per_seq {
+                break;
+            }
+            let Some(mut r) = queue.pop_front() else {
+                break;
+            };
+            match kv.open(r.id, r.prompt.clone(), r.priority).await {
+                Ok(opened) => {
+                    r.pos = opened.cached_tokens;
+                    active.push(r);
+                }
+                Err(e) => {
+                    tracing::warn!(%e, "open refused; retrying later");
+                    queue.push_front(r);
+                    break;
+                }
+            }
+        }
+        match step(&model, &kv, &weights, &mut active, &mut c, &mut queue).await? {
+            Stepped::Ok => lonely_denials = 0,
+            Stepped::Shed if active.is_empty() => {
+                lonely_denials += 1;
+                if lonely_denials >= 3 {
+                    return Err(format!(
+                        "the budget of {budget} bytes cannot hold even one sequence beside the weights"
+                    ));
+                }
+            }
+            Stepped::Shed | Stepped::Restored => {}
+        }
+        active.retain(|r| {
+            let done = r.generated.len() >= args.max_new_tokens;
+            if done {
+                kv.close(r.id);
+                c.finished += 1;
+            }
+            !done
+        });
+        let books = memory.books().await;
+        let (_, s, os) = &books[0];
+        c.peak_ledger = c.peak_ledger.max(s.books.leased);
+        c.peak_os = c.peak_os.max(os.unwrap_or(0));
+        if last_report.elapsed() >= Duration::from_secs(1) {
+            last_report = Instant::now();
+            println!(
+                "[{:5.1}s] {:7.1} tok/s  active {:2}  finished {:3}/{}  preempted {:3}  committed {:>9} B  os {:>9} B  tickets {}",
+                start.elapsed().as_secs_f64(),
+                c.generated as f64 / start.elapsed().as_secs_f64(),
+                active.len(),
+                c.finished,
+                args.requests,
+                c.shed,
+                s.books.leased,
+                os.unwrap_or(0),
+                s.tickets_sent
+            );
+        }
+    }
+    let elapsed = start.elapsed();
+    let kv_stats = kv.stats().await.map_err(|e| e.to_string())?;
+    let w_stats = weights.stats().await.map_err(|e| e.to_string())?;
+    let books = memory.books().await;
+    if args.linger > 0 {
+        println!("lingering {} s to keep serving metrics", args.linger);
+        tokio::time::sleep(Duration::from_secs(args.linger)).await;
+    }
+    let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+
+    println!();
+    println!("summary");
+    println!(
+        "  {:<34} {:>14.1}",
+        "tokens/s (generated)",
+        c.generated as f64 / elapsed.as_secs_f64()
+    );
+    println!("  {:<34} {:>14}", "tokens generated", c.generated);
+    println!("  {:<34} {:>14}", "requests finished", c.finished);
+    println!("  {:<34} {:>14}", "requests preempted (shed)", c.shed);
+    println!(
+        "  {:<34} {:>14}",
+        "sequences preempted by pressure", kv_stats.preemptions
+    );
+    println!("  {:<34} {:>14}", "sequences restored", c.restores);
+    println!(
+        "  {:<34} {:>14}",
+        "prompt tokens from shared blocks", kv_stats.prefix_hit_tokens
+    );
+    println!(
+        "  {:<34} {:>14}",
+        "weight offloads / reloads",
+        format!("{} / {}", w_stats.offloads, w_stats.reloads)
+    );
+    for (name, s, os) in &books {
+        println!("  authority {name}");
+        println!("    {:<32} {:>14}", "capacity bytes", s.books.capacity);
+        println!(
+            "    {:<32} {:>14}",
+            "peak bytes (ledger)",
+            c.peak_ledger.max(s.books.leased)
+        );
+        println!(
+            "    {:<32} {:>14}",
+            "peak bytes (OS)",
+            c.peak_os.max(os.unwrap_or(0))
+        );
+        println!("    {:<32} {:>14}", "final bytes (ledger)", s.books.leased);
+        println!(
+            "    {:<32} {:>14}",
+            "final bytes (OS)",
+            os.map_or("n/a".to_string(), |b| b.to_string())
+        );
+        println!("    {:<32} {:>14}", "grants", s.grants);
+        println!("    {:<32} {:>14}", "denials", s.denials);
+        println!("    {:<32} {:>14}", "pressure tickets", s.tickets_sent);
+        println!(
+            "    {:<32} {:>14}",
+            "bytes freed by pressure", s.freed_by_pressure
+        );
+    }
+    println!("  {:<34} {:>14}", "deferred frees", report.deferred_frees);
+    println!(
+        "  {:<34} {:>14}",
+        "books after shutdown",
+        if report.is_zero() { "zero" } else { "NOT ZERO" }
+    );
+    println!("  {:<34} {:>14.1}", "wall seconds", elapsed.as_secs_f64());
+    Ok(())
+}
+
+enum Stepped {
+    Ok,
+    Shed,
+    Restored,
+}
+
+/// One decode step for every active request: room for the next token (one grant for the
+/// whole batch), then every layer: projections under residency, attention in the KV store,
+/// output projection. A batch that does not fit sheds its least important request.
+async fn step(
+    model: &Model,
+    kv: &KvStoreHandle,
+    weights: &ResidencyHandle,
+    active: &mut Vec<Request>,
+    c: &mut Counters,
+    queue: &mut VecDeque<Request>,
+) -> Result<Stepped, String> {
+    if active.is_empty() {
+        return Ok(Stepped::Ok);
+    }
+    let group: Vec<usize> = (0..active.len()).collect();
+    let ids: Vec<u64> = active.iter().map(|r| r.id).collect();
+    match kv.prepare(ids).await {
+        Ok(()) => {}
+        Err(KvStoreError::Preempted(seq, _)) => {
+            let idx = active.iter().position(|r| r.id == seq).expect("active");
+            match kv.restore(seq).await {
+                Ok(Restored::Swapped { tokens }) => active[idx].pos = tokens,
+                Ok(Restored::Recompute { .. }) => active[idx].pos = 0,
+                Err(e) => {
+                    tracing::debug!(%e, seq, "no room to restore; shedding it");
+                    let mut r = active.remove(idx);
+                    kv.close(r.id);
+                    r.generated.clear();
+                    r.pos = 0;
+                    queue.push_back(r);
+                    c.shed += 1;
+                }
+            }
+            c.restores += 1;
+            return Ok(Stepped::Restored);
+        }
+        Err(KvStoreError::Governor(
+            GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
+        )) => {
+            // The batch does not fit: shed its least important request; it starts over later.
+            let victim = (0..active.len())
+                .min_by_key(|&i| (active[i].priority, std::cmp::Reverse(active[i].id)))
+                .expect("non-empty batch");
+            let mut r = active.remove(victim);
+            kv.close(r.id);
+            r.generated.clear();
+            r.pos = 0;
+            queue.push_back(r);
+            c.shed += 1;
+            return Ok(Stepped::Shed);
+        }
+        Err(e) => return Err(e.to_string()),
+    }
+    let group = &group[..];
+    let h = model.hidden;
+    let kvd = model.kv_dim;
+    for &i in group {
+        let r = &mut active[i];
+        r.x = model.embed(r.token_at(r.pos));
+    }
+    for layer in 0..model.shape.layers {
+        let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
+        let qkv = weights
+            .with_weights(layer, move |w| {
+                let w: Vec<f32> = w
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let (wq, rest) = w.split_at(h * h);
+                let (wk, rest) = rest.split_at(kvd * h);
+                let (wv, _) = rest.split_at(kvd * h);
+                xs.iter()
+                    .map(|x| (matvec(wq, h, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        let items: Vec<AttendItem> = group
+            .iter()
+            .zip(qkv)
+            .map(|(&i, (q, k, v))| AttendItem {
+                seq: active[i].id,
+                q,
+                k,
+                v,
+            })
+            .collect();
+        let attended = kv.attend(layer, items).await.map_err(|e| e.to_string())?;
+        let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
+        let next = weights
+            .with_weights(layer, move |w| {
+                let w: Vec<f32> = w
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let wo = &w[h * h + 2 * kvd * h..];
+                xs.iter()
+                    .zip(&attended)
+                    .map(|(x, a)| {
+                        let o = matvec(wo, h, a);
+                        let y: Vec<f32> = x.iter().zip(&o).map(|(x, o)| x + o).collect();
+                        let norm = (y.iter().map(|v| v * v).sum::<f32>() / h as f32)
+                            .sqrt()
+                            .max(1e-6);
+                        y.iter().map(|v| v / norm).collect::<Vec<f32>>()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        for (&i, x) in group.iter().zip(next) {
+            active[i].x = x;
+        }
+    }
+    for &i in group {
+        let r = &mut active[i];
+        if r.pos + 1 >= r.known() {
+            let t = model.next_token(&r.x);
+            r.generated.push(t);
+            c.generated += 1;
+        }
+        r.pos += 1;
+    }
+    Ok(Stepped::Ok)
+}
