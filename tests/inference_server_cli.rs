@@ -1,0 +1,113 @@
+//! The main job from the outside: a small run succeeds with the books at zero, and every bad
+//! input ends with a clear message and exit code 2, never a panic or a hang.
+#![cfg(target_os = "linux")]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn binary() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    target
+        .join(profile)
+        .join("examples")
+        .join("inference_server")
+}
+
+fn run(args: &[&str]) -> Output {
+    let bin = binary();
+    assert!(
+        bin.exists(),
+        "{} not built (cargo test builds examples)",
+        bin.display()
+    );
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("inference_server {args:?} hung");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_small_run_serves_every_request_and_ends_with_the_books_at_zero() {
+    let out = run(&[
+        "--requests",
+        "6",
+        "--concurrency",
+        "3",
+        "--prompt-len",
+        "40",
+        "--max-new-tokens",
+        "6",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let field = |name: &str| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .map(str::to_string)
+    };
+    assert_eq!(field("requests finished").as_deref(), Some("6"), "{stdout}");
+    assert_eq!(
+        field("books after shutdown").as_deref(),
+        Some("zero"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("prompt tokens from shared blocks"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--budget", "0"], "budget of zero"),
+        (&["--budget", "1TiB"], "the machine has"),
+        (&["--budget", "1MiB"], "more than the budget"),
+        (&["--budget", "lots"], "not a byte count"),
+        (&["--device", "cuda"], "--device cuda"),
+        (&["--device", "tpu"], "invalid value 'tpu'"),
+        (&["--metrics-addr", "8.8.8.8:1"], "cannot serve metrics"),
+        (&["--metrics-addr", "nowhere"], "invalid value 'nowhere'"),
+        (&["--requests", "0"], "must be at least 1"),
+        (&["--concurrency", "0"], "must be at least 1"),
+        (&["--model-size", "huge"], "invalid value 'huge'"),
+        (&["--linger", "-3"], "unexpected argument"),
+    ];
+    for (args, message) in cases {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(message),
+            "{args:?}: expected {message:?} in {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    }
+}
