@@ -36,6 +36,7 @@ pub mod api;
 #[allow(unsafe_code)]
 pub mod cuda;
 pub mod deferred;
+pub mod fault;
 pub mod fence;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]

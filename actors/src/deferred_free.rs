@@ -319,6 +319,12 @@ impl DeferredFreeState {
 
     fn free(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) {
         let _span = tracing::debug_span!("deferred_free", stream = %self.stream, fences = pending.fences.len()).entered();
+        if procmem::fault::hit("deferred.release").is_err() {
+            // Not freed this time: back in the queue, retried at the next completion or drain.
+            let completed = self.registry.completed(self.stream).min(u64::MAX - 1);
+            self.queue.push(completed, pending);
+            return;
+        }
         let PendingFree { item, lease, .. } = pending;
         match item.release() {
             Ok(freed) => {

@@ -821,13 +821,27 @@ impl KvStoreState {
             }
         }
         let actual: u64 = mapped.iter().map(|(_, g)| g.bytes()).sum();
+        let mut committed = 0;
         if failure.is_none() && actual > 0 {
-            match grant.commit(actual).await {
-                Ok(lease) => self.pool.add(lease),
-                Err(refused) => failure = Some(refused.error.into()),
+            if let Err(e) = procmem::fault::hit("kv.grow.commit") {
+                failure = Some(e.into());
+                drop(grant);
+            } else {
+                match grant.commit(actual).await {
+                    Ok(lease) => {
+                        self.pool.add(lease);
+                        committed = actual;
+                    }
+                    Err(refused) => failure = Some(refused.error.into()),
+                }
             }
         } else {
             drop(grant);
+        }
+        if failure.is_none() {
+            if let Err(e) = procmem::fault::hit("kv.grow.publish") {
+                failure = Some(e.into());
+            }
         }
         let _ = bytes;
         for (seq, growth) in mapped {
@@ -842,6 +856,10 @@ impl KvStoreState {
                     memory.publish(growth);
                 }
             }
+        }
+        if failure.is_some() && committed > 0 {
+            // Unmapped above; only now does the charge go back.
+            self.pool.release(committed);
         }
         let ok = failure.is_none();
         for (seq, _) in &seqs {
@@ -1137,9 +1155,17 @@ impl KvStoreState {
             })
             .collect();
         let mut freed = 0;
-        for victim in choose_victims(ticket.bytes_wanted, &prefixes, &sequences) {
+        // Every eligible unit in the policy's order; stop once enough is really freed (a unit
+        // whose free fails frees nothing and the next one is taken).
+        for victim in choose_victims(u64::MAX, &prefixes, &sequences) {
+            if freed >= ticket.bytes_wanted {
+                break;
+            }
             match victim {
                 Victim::Prefix(key) => {
+                    if procmem::fault::hit("kv.evict").is_err() {
+                        continue;
+                    }
                     if let Some(p) = self.prefixes.remove(&key) {
                         freed += p.prefix.bytes;
                     }
@@ -1160,6 +1186,9 @@ impl KvStoreState {
     /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
     /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed.
     fn preempt(&mut self, id: SeqId) -> u64 {
+        if procmem::fault::hit("kv.evict").is_err() {
+            return 0;
+        }
         let _span =
             tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
         let mode = self.config.preempt;

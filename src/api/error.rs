@@ -113,6 +113,12 @@ pub enum MemoryError {
         /// How many bytes it wanted.
         bytes: u64,
     },
+    /// A fault injected by a reliability test at the named point.
+    #[error("injected fault at {point}")]
+    Injected {
+        /// The fault point.
+        point: &'static str,
+    },
     /// A system call failed for another reason.
     #[error("{op} failed: {source}")]
     Os {

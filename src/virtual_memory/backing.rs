@@ -144,7 +144,12 @@ impl VirtualBacking for HostBacking {
         let len = range.end - range.start;
         let file_offset = file_base + range.start;
         let started = std::time::Instant::now();
+        crate::fault::hit("host.commit.allocate")?;
         self.pool.allocate(file_offset, len)?;
+        if let Err(e) = crate::fault::hit("host.commit.map") {
+            self.pool.punch(file_offset, len)?;
+            return Err(e);
+        }
         // SAFETY: `range` was validated to lie inside this reservation, which the caller holds
         // by `&mut`, and every granule in it is only reserved, so no reference points there.
         let mapped = unsafe {
@@ -184,6 +189,7 @@ impl VirtualBacking for HostBacking {
         let blocks_inside = allocation.shared_blocks_within(&range)?;
         let len = range.end - range.start;
         let started = std::time::Instant::now();
+        crate::fault::hit("host.decommit")?;
         // SAFETY: `range` lies inside this reservation, held by `&mut`, so no reference into
         // it is live; the reservation goes back over it so the addresses stay ours.
         unsafe { sys::reset_to_reserved(addr + range.start, len)? };
