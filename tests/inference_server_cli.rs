@@ -110,4 +110,10 @@ fn bad_input_exits_2_with_a_clear_message() {
         );
         assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
     }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "FIGURE bad_input_cli {0}/{0}",
+        cases.len()
+    );
 }

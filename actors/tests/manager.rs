@@ -189,4 +189,6 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
         .unwrap_err();
     assert!(matches!(taken, ManagerError::Metrics { .. }), "{taken}");
     memory.shutdown().await.unwrap();
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "FIGURE bad_input_manager 6/6");
 }
