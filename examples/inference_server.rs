@@ -487,6 +487,22 @@ async fn serve(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Preempts request `idx`: its KV is dropped and it starts over later.
+fn shed(
+    kv: &KvStoreHandle,
+    active: &mut Vec<Request>,
+    idx: usize,
+    queue: &mut VecDeque<Request>,
+    c: &mut Counters,
+) {
+    let mut r = active.remove(idx);
+    kv.close(r.id);
+    r.generated.clear();
+    r.pos = 0;
+    queue.push_back(r);
+    c.shed += 1;
+}
+
 enum Stepped {
     Ok,
     Shed,
@@ -518,12 +534,7 @@ async fn step(
                 Ok(Restored::Recompute { .. }) => active[idx].pos = 0,
                 Err(e) => {
                     tracing::debug!(%e, seq, "no room to restore; shedding it");
-                    let mut r = active.remove(idx);
-                    kv.close(r.id);
-                    r.generated.clear();
-                    r.pos = 0;
-                    queue.push_back(r);
-                    c.shed += 1;
+                    shed(kv, active, idx, queue, c);
                 }
             }
             c.restores += 1;
@@ -536,12 +547,7 @@ async fn step(
             let victim = (0..active.len())
                 .min_by_key(|&i| (active[i].priority, std::cmp::Reverse(active[i].id)))
                 .expect("non-empty batch");
-            let mut r = active.remove(victim);
-            kv.close(r.id);
-            r.generated.clear();
-            r.pos = 0;
-            queue.push_back(r);
-            c.shed += 1;
+            shed(kv, active, victim, queue, c);
             return Ok(Stepped::Shed);
         }
         Err(e) => return Err(e.to_string()),

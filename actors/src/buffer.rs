@@ -2,7 +2,6 @@
 //! of every stream that used it, to a deferred-free actor.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use procmem::deferred::latest_per_stream;
 use procmem::fence::{Fence, Timeline};
@@ -139,7 +138,7 @@ impl DeviceBuffer {
     pub fn host_wait_idle(&self) {
         let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
         for (fence, timeline) in uses.iter() {
-            while !timeline.wait(fence.value, Duration::from_secs(1)) {}
+            crate::stream::wait_for(timeline.as_ref(), *fence);
         }
     }
 
@@ -177,7 +176,7 @@ impl Drop for DeviceBuffer {
             // never on the dropping thread, and never free before they complete.
             std::thread::spawn(move || {
                 for (fence, timeline) in &uses {
-                    while !timeline.wait(fence.value, Duration::from_secs(1)) {}
+                    crate::stream::wait_for(timeline.as_ref(), *fence);
                 }
                 let PendingFree { item, lease, .. } = pending;
                 match DeferredRelease::release(item) {

@@ -16,8 +16,10 @@ use tokio::time::Instant;
 use crate::buffer::DeviceBuffer;
 use crate::deferred_free::{DeferredFree, DeferredFreeMsg, DrainReport, StreamRegistry};
 use crate::governor::GovernorHandle;
-use crate::provider::{charged_allocation, drain, free_in_context, ProviderError, WrongContext};
-use crate::stream::{complete_fence, StreamError};
+use crate::provider::{
+    charged_allocation, drain, free_in_context, stop_if_a_queue_failed, ProviderError, WrongContext,
+};
+use crate::stream::{complete_fence, wait_for, StreamError};
 
 struct StreamInner {
     id: StreamId,
@@ -119,11 +121,7 @@ impl CudaStreamHandle {
 
     /// Blocks until `fence` completes.
     pub fn host_wait(&self, fence: Fence) {
-        while !self
-            .inner
-            .timeline
-            .wait(fence.value, std::time::Duration::from_secs(1))
-        {}
+        wait_for(self.inner.timeline.as_ref(), fence);
     }
 
     /// The raw stream, for queuing work outside `submit` (it is then not fenced).
@@ -275,10 +273,7 @@ impl Actor for CudaExecutionProvider {
         event: SupervisionEvent,
         _: &mut Arc<CudaContext>,
     ) -> Result<(), ActorProcessingErr> {
-        if let SupervisionEvent::ActorFailed(who, reason) = event {
-            tracing::error!(actor = ?who.get_id(), %reason, "deferred-free actor failed");
-            myself.stop(Some(format!("deferred-free actor failed: {reason}")));
-        }
+        stop_if_a_queue_failed(&myself.get_cell(), event);
         Ok(())
     }
 }

@@ -308,7 +308,7 @@ impl DeferredFreeState {
         let me = self.registry.queue(self.stream);
         std::thread::spawn(move || {
             if let Some(t) = registry.timeline(fence.stream) {
-                while !t.wait(fence.value, std::time::Duration::from_secs(1)) {}
+                crate::stream::wait_for(t.as_ref(), fence);
             }
             if let Some(me) = me {
                 let _ = me.cast(DeferredFreeMsg::Enqueue(pending));

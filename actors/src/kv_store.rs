@@ -489,7 +489,7 @@ impl KvStoreState {
         {
             // The queue is gone, so the stream has stopped after running all its work.
             if let Some(f) = pending.fences.first() {
-                while !self.stream.timeline().wait(f.value, Duration::from_secs(1)) {}
+                crate::stream::wait_for(self.stream.timeline().as_ref(), *f);
             }
             let _ = pending.item.release();
         }

@@ -165,12 +165,7 @@ impl Actor for CpuExecutionProvider {
         event: SupervisionEvent,
         _: &mut Arc<CpuContext>,
     ) -> Result<(), ActorProcessingErr> {
-        // A deferred-free actor that fails would strand memory: stop the provider loudly
-        // rather than run on with a stream whose frees go nowhere.
-        if let SupervisionEvent::ActorFailed(who, reason) = event {
-            tracing::error!(actor = ?who.get_id(), %reason, "deferred-free actor failed");
-            myself.stop(Some(format!("deferred-free actor failed: {reason}")));
-        }
+        stop_if_a_queue_failed(&myself.get_cell(), event);
         Ok(())
     }
 }
@@ -327,4 +322,13 @@ pub(crate) async fn drain(
     Ok(ractor::call!(queue, |r| DeferredFreeMsg::Drain {
         reply: r
     })?)
+}
+
+/// A deferred-free actor that fails would strand memory: the provider stops loudly rather
+/// than run on with a stream whose frees go nowhere.
+pub(crate) fn stop_if_a_queue_failed(provider: &ractor::ActorCell, event: SupervisionEvent) {
+    if let SupervisionEvent::ActorFailed(who, reason) = event {
+        tracing::error!(actor = ?who.get_id(), %reason, "deferred-free actor failed");
+        provider.stop(Some(format!("deferred-free actor failed: {reason}")));
+    }
 }

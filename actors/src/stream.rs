@@ -137,11 +137,7 @@ impl CpuStream {
 
     /// Blocks until `fence` completes (a host wait).
     pub fn host_wait(&self, fence: Fence) {
-        while !self
-            .inner
-            .timeline
-            .wait(fence.value, std::time::Duration::from_secs(1))
-        {}
+        wait_for(self.inner.timeline.as_ref(), fence);
     }
 
     /// Stops accepting work and joins the thread once everything submitted has run.
@@ -174,4 +170,9 @@ pub(crate) fn complete_fence(
         value,
         at: Instant::now(),
     });
+}
+
+/// Blocks the calling thread until `fence` completes on `timeline`.
+pub(crate) fn wait_for(timeline: &dyn Timeline, fence: Fence) {
+    while !timeline.wait(fence.value, std::time::Duration::from_secs(1)) {}
 }

@@ -16,13 +16,12 @@ struct Origin {
 
 impl AllocationOrigin for Origin {
     fn release(&self, addr: u64, footprint: u64) -> Result<u64, MemoryError> {
+        // Held across the unmap so `resident_total` never asks about a range mid-release.
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: only `DeviceAllocation` calls this, once, for the range `allocate` mapped;
         // the handle is being consumed, so no borrow of its bytes remains.
         unsafe { sys::unmap(addr, footprint)? };
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&addr);
+        live.remove(&addr);
         Ok(footprint)
     }
 

@@ -606,28 +606,20 @@ impl Ledger {
     /// to exactly one grant or lease), and no live grant or lease is empty. Capacity is checked
     /// by callers that know whether it was lowered: see [`Ledger::within_capacity`].
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut by_authority: BTreeMap<AuthorityId, (u64, u64)> = BTreeMap::new();
-        let mut by_holder: BTreeMap<HolderId, (u64, u64)> = BTreeMap::new();
-        for (id, c) in &self.grants {
+        let mut by_authority: BTreeMap<AuthorityId, [u64; 2]> = BTreeMap::new();
+        let mut by_holder: BTreeMap<HolderId, [u64; 2]> = BTreeMap::new();
+        // Slot 0 sums grants (provisional), slot 1 leases.
+        let charges = self
+            .grants
+            .iter()
+            .map(|(id, c)| (id.to_string(), c, 0))
+            .chain(self.leases.iter().map(|(id, c)| (id.to_string(), c, 1)));
+        for (id, c, slot) in charges {
             if c.bytes == 0 {
                 return Err(format!("{id} is empty"));
             }
-            by_authority.entry(c.authority).or_default().0 += c.bytes;
-            by_holder.entry(c.holder).or_default().0 += c.bytes;
-            let h = self
-                .holders
-                .get(&c.holder)
-                .ok_or(format!("{id} has no holder"))?;
-            if h.authority != c.authority {
-                return Err(format!("{id} charged to the wrong authority"));
-            }
-        }
-        for (id, c) in &self.leases {
-            if c.bytes == 0 {
-                return Err(format!("{id} is empty"));
-            }
-            by_authority.entry(c.authority).or_default().1 += c.bytes;
-            by_holder.entry(c.holder).or_default().1 += c.bytes;
+            by_authority.entry(c.authority).or_default()[slot] += c.bytes;
+            by_holder.entry(c.holder).or_default()[slot] += c.bytes;
             let h = self
                 .holders
                 .get(&c.holder)
@@ -637,7 +629,7 @@ impl Ledger {
             }
         }
         for (id, a) in &self.authorities {
-            let (p, l) = by_authority.get(id).copied().unwrap_or_default();
+            let [p, l] = by_authority.get(id).copied().unwrap_or_default();
             if (a.provisional, a.leased) != (p, l) {
                 return Err(format!(
                     "{id}: books say provisional {} leased {}, grants and leases sum to {p} and {l}",
@@ -646,7 +638,7 @@ impl Ledger {
             }
         }
         for (id, h) in &self.holders {
-            let (p, l) = by_holder.get(id).copied().unwrap_or_default();
+            let [p, l] = by_holder.get(id).copied().unwrap_or_default();
             if (h.provisional, h.leased) != (p, l) {
                 return Err(format!(
                     "{id}: holder books disagree with its grants and leases"
