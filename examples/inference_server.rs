@@ -349,6 +349,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let start = Instant::now();
     let mut last_report = Instant::now();
     let mut lonely_denials = 0;
+    let mut stalls = 0usize;
     let host = memory
         .governor(DeviceKey::HOST, procmem_actors::core::MemoryTier::Host)
         .expect("the host authority")
@@ -376,7 +377,22 @@ async fn serve(args: Args) -> Result<(), String> {
                 }
             }
         }
-        match step(&model, &kv, &weights, &mut active, &mut c, &mut queue).await? {
+        let outcome = step(&model, &kv, &weights, &mut active, &mut c, &mut queue).await?;
+        // Restores can chase each other (restoring one preempts another idle one); if the
+        // batch keeps failing to step, shed a request so the rest make progress.
+        stalls = if matches!(outcome, Stepped::Ok) {
+            0
+        } else {
+            stalls + 1
+        };
+        if stalls > 2 * active.len().max(1) && active.len() > 1 {
+            let victim = (0..active.len())
+                .min_by_key(|&i| (active[i].priority, std::cmp::Reverse(active[i].id)))
+                .expect("non-empty batch");
+            shed(&kv, &mut active, victim, &mut queue, &mut c);
+            stalls = 0;
+        }
+        match outcome {
             Stepped::Ok => lonely_denials = 0,
             Stepped::Shed if active.is_empty() => {
                 lonely_denials += 1;

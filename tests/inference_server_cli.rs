@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn binary() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
@@ -28,22 +28,24 @@ fn run(args: &[&str]) -> Output {
         "{} not built (cargo test builds examples)",
         bin.display()
     );
-    let mut child = Command::new(bin)
+    let child = Command::new(bin)
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
+    let pid = child.id();
+    // Drain both pipes on another thread, so a chatty child can never block on a full pipe.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
             panic!("inference_server {args:?} hung");
         }
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
