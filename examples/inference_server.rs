@@ -370,6 +370,7 @@ async fn serve(args: Args) -> Result<(), String> {
                     r.pos = opened.cached_tokens;
                     active.push(r);
                 }
+                Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
                 Err(e) => {
                     tracing::warn!(%e, "open refused; retrying later");
                     queue.push_front(r);

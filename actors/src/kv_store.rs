@@ -298,7 +298,8 @@ enum Pending {
     Open {
         seq: SeqId,
         entry: SeqEntry,
-        hit_keys: Vec<u64>,
+        /// The cached blocks found at open, held so no ticket evicts them meanwhile.
+        hits: Vec<(u64, Arc<SharedPrefix>)>,
         new_keys: Vec<u64>,
         bytes: u64,
         reply: RpcReplyPort<Result<Opened, KvStoreError>>,
@@ -622,10 +623,14 @@ impl KvStoreState {
             stepping: false,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
+        let hits: Vec<(u64, Arc<SharedPrefix>)> = keys[..hits]
+            .iter()
+            .map(|k| (*k, Arc::clone(&self.prefixes[k].prefix)))
+            .collect();
         let pending = Pending::Open {
             seq,
             entry,
-            hit_keys: keys[..hits].to_vec(),
+            hits,
             new_keys,
             bytes,
             reply,
@@ -641,7 +646,7 @@ impl KvStoreState {
         let Pending::Open {
             seq,
             mut entry,
-            hit_keys,
+            hits,
             new_keys,
             bytes,
             reply,
@@ -683,14 +688,14 @@ impl KvStoreState {
                 }
             }
         }
-        let mut used: Vec<Arc<SharedPrefix>> = hit_keys
-            .iter()
-            .map(|k| {
-                let p = self.prefixes.get_mut(k).expect("hit keys are cached");
+        let hit_count = hits.len();
+        let mut used: Vec<Arc<SharedPrefix>> = Vec::with_capacity(hit_count + fresh.len());
+        for (key, prefix) in hits {
+            if let Some(p) = self.prefixes.get_mut(&key) {
                 p.last_used = self.clock;
-                Arc::clone(&p.prefix)
-            })
-            .collect();
+            }
+            used.push(prefix);
+        }
         let access: Vec<MapAccess> = std::iter::repeat_n(MapAccess::ReadOnly, used.len())
             .chain(std::iter::repeat_n(MapAccess::ReadWrite, fresh.len()))
             .collect();
@@ -706,7 +711,7 @@ impl KvStoreState {
                 mapping,
                 &blocks,
                 &access,
-                hit_keys.len() * bt,
+                hit_count * bt,
             );
             if let Err(e) = attached {
                 drop(blocks);
@@ -725,10 +730,10 @@ impl KvStoreState {
                     last_used: self.clock,
                 },
             );
-            entry.filling.push((*key, (hit_keys.len() + i + 1) * bt));
+            entry.filling.push((*key, (hit_count + i + 1) * bt));
         }
         entry.prefixes = used;
-        let cached = hit_keys.len() * bt;
+        let cached = hit_count * bt;
         self.stats.prefix_hit_tokens += cached as u64;
         self.seqs.insert(seq, entry);
         let _ = reply.send(Ok(Opened {
