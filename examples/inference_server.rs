@@ -350,6 +350,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let mut last_report = Instant::now();
     let mut lonely_denials = 0;
     let mut stalls = 0usize;
+    let mut idle_refusals = 0;
     let host = memory
         .governor(DeviceKey::HOST, procmem_actors::core::MemoryTier::Host)
         .expect("the host authority")
@@ -369,11 +370,20 @@ async fn serve(args: Args) -> Result<(), String> {
                 Ok(opened) => {
                     r.pos = opened.cached_tokens;
                     active.push(r);
+                    idle_refusals = 0;
                 }
                 Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
                 Err(e) => {
                     tracing::warn!(%e, "open refused; retrying later");
                     queue.push_front(r);
+                    if active.is_empty() {
+                        idle_refusals += 1;
+                        if idle_refusals >= 20 {
+                            return Err(format!(
+                                "no request can be admitted with nothing running: {e}"
+                            ));
+                        }
+                    }
                     break;
                 }
             }
@@ -580,10 +590,8 @@ async fn step(
         let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
         let qkv = weights
             .with_weights(layer, move |w| {
-                let w: Vec<f32> = w
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                // Weights are page-aligned f32s: read them in place.
+                let w: &[f32] = bytemuck::cast_slice(w);
                 let (wq, rest) = w.split_at(h * h);
                 let (wk, rest) = rest.split_at(kvd * h);
                 let (wv, _) = rest.split_at(kvd * h);
@@ -607,10 +615,8 @@ async fn step(
         let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
         let next = weights
             .with_weights(layer, move |w| {
-                let w: Vec<f32> = w
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                // Weights are page-aligned f32s: read them in place.
+                let w: &[f32] = bytemuck::cast_slice(w);
                 let wo = &w[h * h + 2 * kvd * h..];
                 xs.iter()
                     .zip(&attended)

@@ -427,7 +427,8 @@ impl Actor for KvStore {
             } => state.attend(layer, items, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq } => {
-                if let Some(entry) = state.seqs.remove(&seq) {
+                if let Some(mut entry) = state.seqs.remove(&seq) {
+                    state.abandon_filling(std::mem::take(&mut entry.filling));
                     state.retire(entry);
                 }
             }
@@ -453,6 +454,16 @@ impl Drop for KvStoreState {
 }
 
 impl KvStoreState {
+    /// Blocks a sequence was filling for the cache will never be complete once it is gone:
+    /// they leave the cache (their memory goes with the last mapping).
+    fn abandon_filling(&mut self, filling: Vec<(u64, usize)>) {
+        for (key, _) in filling {
+            if self.prefixes.get(&key).is_some_and(|p| !p.complete) {
+                self.prefixes.remove(&key);
+            }
+        }
+    }
+
     fn in_flight(&self, entry: &SeqEntry) -> bool {
         entry.busy
             || entry.stepping
@@ -1143,7 +1154,8 @@ impl KvStoreState {
                 key: *key,
                 bytes: p.prefix.bytes,
                 last_used: p.last_used,
-                referenced: !p.complete || Arc::strong_count(&p.prefix) > 1,
+                // Only the cache holds it: nobody maps it (an incomplete one lost its writer).
+                referenced: Arc::strong_count(&p.prefix) > 1,
             })
             .collect();
         let sequences: Vec<SequenceCandidate<SeqId>> = self
@@ -1226,7 +1238,7 @@ impl KvStoreState {
             },
         );
         let prefixes = std::mem::take(&mut entry.prefixes);
-        entry.filling.clear();
+        let filling = std::mem::take(&mut entry.filling);
         let SeqState::Active(memory) = old else {
             unreachable!("checked above")
         };
@@ -1237,6 +1249,7 @@ impl KvStoreState {
             prefixes,
             pool: self.pool.clone(),
         }));
+        self.abandon_filling(filling);
         self.stats.preemptions += 1;
         freed
     }

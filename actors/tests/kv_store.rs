@@ -415,3 +415,35 @@ async fn a_crashed_store_frees_its_memory_after_its_fences_and_the_books_follow(
     );
     drop(survivor);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_left_unfilled_by_a_closed_sequence_leave_the_cache() {
+    let (g, p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(3 * bt) as u32).collect();
+    kv.open(1, prompt.clone(), 0).await.unwrap();
+    // Fill one block and part of the next, then give up on the sequence.
+    for pos in 0..bt + 2 {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    assert_eq!(kv.stats().await.unwrap().prefix_entries, 3);
+    kv.close(1);
+    let start = std::time::Instant::now();
+    loop {
+        let s = kv.stats().await.unwrap();
+        let os = p.mechanism().backing().resident_bytes().unwrap();
+        // The complete block stays cached (unreferenced, evictable); the two it never
+        // finished are gone with their memory.
+        if s.prefix_entries == 1 && os == s.prefix_bytes && leased(&g).await == os {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "unfinished blocks leaked: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A later prompt with the same start reuses only the complete block.
+    let again = kv.open(2, prompt, 0).await.unwrap();
+    assert_eq!(again.cached_tokens, bt);
+}
