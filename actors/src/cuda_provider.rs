@@ -19,7 +19,7 @@ use crate::governor::GovernorHandle;
 use crate::provider::{
     charged_allocation, drain, free_in_context, stop_if_a_queue_failed, ProviderError, WrongContext,
 };
-use crate::stream::{complete_fence, wait_for, StreamError};
+use crate::stream::{close_and_join, complete_fence, wait_for, StreamError};
 
 struct StreamInner {
     id: StreamId,
@@ -130,20 +130,7 @@ impl CudaStreamHandle {
     }
 
     fn stop_and_join(&self) {
-        self.inner
-            .submit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let poller = self
-            .inner
-            .poller
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(p) = poller {
-            let _ = p.join();
-        }
+        close_and_join(&self.inner.submit, &self.inner.poller);
     }
 }
 

@@ -142,20 +142,7 @@ impl CpuStream {
 
     /// Stops accepting work and joins the thread once everything submitted has run.
     pub(crate) fn stop_and_join(&self) {
-        self.inner
-            .sender
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let worker = self
-            .inner
-            .worker
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(worker) = worker {
-            let _ = worker.join();
-        }
+        close_and_join(&self.inner.sender, &self.inner.worker);
     }
 }
 
@@ -175,4 +162,13 @@ pub(crate) fn complete_fence(
 /// Blocks the calling thread until `fence` completes on `timeline`.
 pub(crate) fn wait_for(timeline: &dyn Timeline, fence: Fence) {
     while !timeline.wait(fence.value, std::time::Duration::from_secs(1)) {}
+}
+
+/// Closes a stream's hand-off (its thread then finishes what was queued) and joins the thread.
+pub(crate) fn close_and_join<T>(sender: &Mutex<Option<T>>, thread: &Mutex<Option<JoinHandle<()>>>) {
+    sender.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let thread = thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(thread) = thread {
+        let _ = thread.join();
+    }
 }

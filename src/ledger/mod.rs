@@ -161,6 +161,18 @@ pub struct Retired {
     pub leased_outstanding: u64,
 }
 
+/// `charge`, if `holder` is the one it was issued to.
+fn presented_by(charge: &Charge, holder: HolderId) -> Result<&Charge, LedgerError> {
+    if charge.holder == holder {
+        Ok(charge)
+    } else {
+        Err(LedgerError::NotYours {
+            owner: charge.holder,
+            caller: holder,
+        })
+    }
+}
+
 static LEDGER_SEQ: AtomicU64 = AtomicU64::new(1);
 
 /// The books. See the module documentation for the rules.
@@ -415,13 +427,7 @@ impl Ledger {
             .grants
             .get(&grant)
             .ok_or(LedgerError::UnknownGrant(grant))?;
-        if charge.holder != holder {
-            return Err(LedgerError::NotYours {
-                owner: charge.holder,
-                caller: holder,
-            });
-        }
-        Ok(charge)
+        presented_by(charge, holder)
     }
 
     /// Turns a grant into a lease of `actual` bytes: the real footprint. Less than granted
@@ -492,12 +498,7 @@ impl Ledger {
             .leases
             .get(&lease)
             .ok_or(LedgerError::UnknownLease(lease))?;
-        if charge.holder != holder {
-            return Err(LedgerError::NotYours {
-                owner: charge.holder,
-                caller: holder,
-            });
-        }
+        let charge = presented_by(charge, holder)?;
         if bytes == 0 {
             return Err(LedgerError::ZeroBytes);
         }
