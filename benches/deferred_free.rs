@@ -38,6 +38,76 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+const CUDA_BUFFERS: usize = 2_000;
+const CUDA_BYTES: u64 = 1 << 20;
+
+/// The same two figures on a CUDA provider: each buffer is filled by an asynchronous memset,
+/// its fence is an event the provider's poller thread synchronises on. Skipped, saying why,
+/// without a driver or device.
+async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
+    use procmem_actors::core::cuda::{driver_present, CudaDevice};
+    use procmem_actors::{CudaProvider, CudaProviderConfig};
+    if !driver_present() {
+        return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});
+    }
+    if CudaDevice::count() == 0 {
+        return json!({"skipped": "a CUDA driver is present but reports no device"});
+    }
+    let p = CudaProvider::spawn(CudaProviderConfig::default())
+        .await
+        .unwrap();
+    let stream = p.stream(0).unwrap().clone();
+    let h = g.register_holder("bench-cuda", 0, None).await.unwrap();
+    let request = AllocationRequest::new(CUDA_BYTES, MemoryRole::Workspace);
+    let fill = |b: &DeviceBuffer| {
+        let v = b.view();
+        // SAFETY: the buffer is passed in `uses`, so it outlives the fill's fence.
+        stream
+            .submit(&[b], |s| unsafe { s.memset_async(v.addr, 1, v.len) })
+            .unwrap()
+    };
+    let mut buffers = Vec::with_capacity(CUDA_BUFFERS);
+    for _ in 0..CUDA_BUFFERS {
+        buffers.push(p.allocate(g, h, &request, 0, None, 0).await.unwrap());
+    }
+    let last = buffers.iter().map(fill).last().unwrap();
+    stream.host_wait(last);
+    let start = Instant::now();
+    drop(buffers);
+    wait_refunded(g).await;
+    let end_to_end = start.elapsed();
+
+    let stats = || {
+        let q = stream.deferred_free().clone();
+        async move { ractor::call!(q, |r| DeferredFreeMsg::Stats { reply: r }).unwrap() }
+    };
+    let before = stats().await.fence_to_refund_ns.len();
+    for _ in 0..LATENCY_SAMPLES / 4 {
+        let b = p.allocate(g, h, &request, 0, None, 0).await.unwrap();
+        let gate = stream.cuda().host_gate().unwrap();
+        let fence = fill(&b);
+        drop(b);
+        stats().await;
+        gate.open();
+        stream.host_wait(fence);
+        wait_refunded(g).await;
+    }
+    let all = stats().await;
+    let mut latencies = all.fence_to_refund_ns[before..].to_vec();
+    latencies.sort_unstable();
+    let drained = p.shutdown().await.unwrap();
+    json!({
+        "buffers": CUDA_BUFFERS,
+        "buffer_bytes": CUDA_BYTES,
+        "drops_per_s": CUDA_BUFFERS as f64 / end_to_end.as_secs_f64(),
+        "latency_samples": latencies.len(),
+        "fence_to_refund_p50_ns": percentile(&latencies, 0.50),
+        "fence_to_refund_p99_ns": percentile(&latencies, 0.99),
+        "failures": all.failures,
+        "still_queued_at_shutdown": drained.still_queued,
+    })
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -118,6 +188,7 @@ fn main() {
             "burst_fence_to_refund_p50_ns": percentile(&burst, 0.50),
             "burst_fence_to_refund_p99_ns": percentile(&burst, 0.99),
             "failures": all.failures,
+            "cuda": cuda_section(&g).await,
         })
     });
     write_report("deferred_free", &report);

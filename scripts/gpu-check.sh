@@ -1,15 +1,38 @@
 #!/usr/bin/env bash
-# Builds and runs every CUDA test and the CUDA part of the benchmarks, in one go, on a machine
-# with an NVIDIA driver. Prints the driver's view first so the log says what it ran on.
+# Runs every CUDA test and the CUDA parts of the benchmarks, in one go, on a machine with an
+# NVIDIA driver. Prints the driver's view first so the log says what it ran on.
+#
+#   scripts/gpu-check.sh                 build here with cargo, then run
+#   scripts/gpu-check.sh --prebuilt DIR  run binaries packed by scripts/gpu-pack.sh (for a
+#                                        GPU machine without a Rust toolchain)
+#
+# Reports (JSON) go to $REPORTS (default target/reports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"
 export CARGO_TERM_COLOR=never
-cargo build --release --workspace --all-targets
-echo "== CUDA tests (mechanisms) =="
-cargo test --release --test cuda -- --nocapture --test-threads=1
-echo "== CUDA tests (execution provider) =="
-cargo test --release -p procmem-actors --test cuda_provider -- --nocapture --test-threads=1
-echo "== virtual_memory bench (its \"cuda\" section is the CUDA part) =="
-cargo bench --bench virtual_memory
-echo "== gpu-check done =="
+if [[ "${1:-}" == "--prebuilt" ]]; then
+    bin="$(cd "$2" && pwd)"
+else
+    scripts/gpu-pack.sh target/gpu-bin
+    bin="$(pwd)/target/gpu-bin"
+fi
+reports="${REPORTS:-$(pwd)/target/reports}"
+mkdir -p "$reports"
+# The benches write $CARGO_TARGET_DIR/reports/NAME.json.
+export CARGO_TARGET_DIR="$(dirname "$reports")"
+status=0
+run() {
+    local name="$1"; shift
+    echo "== $name =="
+    local start=$SECONDS
+    if "$@"; then echo "== $name: ok ($((SECONDS - start)) s) =="
+    else echo "== $name: FAILED ($((SECONDS - start)) s) =="; status=1; fi
+}
+run "CUDA tests (mechanisms)" "$bin/cuda" --nocapture --test-threads=1
+run "CUDA tests (execution provider)" "$bin/cuda_provider" --nocapture --test-threads=1
+run "virtual_memory bench (host part, then the cuda section)" "$bin/virtual_memory" --bench
+run "deferred_free bench (CPU provider, then the cuda section)" "$bin/deferred_free" --bench
+grep -h -A8 '"cuda"' "$reports"/virtual_memory.json "$reports"/deferred_free.json || true
+echo "== gpu-check done: $([[ $status == 0 ]] && echo all passed || echo FAILURES) =="
+exit $status

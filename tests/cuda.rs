@@ -189,3 +189,87 @@ fn cuda_shared_block_maps_at_two_addresses_read_only_where_asked() {
     backing.decommit_range(&mut writer, 0..g).unwrap();
     assert_eq!(block.references(), 2);
 }
+
+const CHILD_ENV: &str = "PROCMEM_CUDA_READ_ONLY_CHILD";
+
+/// In a child process (a faulting write can leave the CUDA context unusable): maps one block
+/// read-write at one address and read-only at another, writes through the read-only one with
+/// `how` ("copy": a host-to-device copy; "memset": an asynchronous fill on a stream), and
+/// prints what the driver said and what the block holds afterwards.
+fn read_only_child(how: &str) {
+    use procmem::cuda::CudaStream;
+    let m = CudaMechanism::new(0, 0).expect("open CUDA device 0");
+    let backing = m.backing();
+    let shared = m.shared_mapping().unwrap();
+    let g = VirtualBacking::granularity(backing.as_ref());
+    let device = Arc::clone(m.device());
+    let block = shared.create_block(g).unwrap();
+    let request = ReserveRequest {
+        bytes: g,
+        role: MemoryRole::KvCache,
+    };
+    let mut writer = backing.reserve(&request).unwrap();
+    let mut reader = backing.reserve(&request).unwrap();
+    shared
+        .map_block(&mut writer, 0, &block, MapAccess::ReadWrite)
+        .unwrap();
+    shared
+        .map_block(&mut reader, 0, &block, MapAccess::ReadOnly)
+        .unwrap();
+    // SAFETY: mapped read-write in `writer`.
+    unsafe { device.copy_to_device(writer.addr(), &vec![42u8; g as usize]) }.unwrap();
+    eprintln!("child: writing through the read-only view with {how}");
+    let result = match how {
+        // SAFETY: deliberately violates `copy_to_device`'s precondition (the range is mapped
+        // read-only); this is the property under test, in a process of its own.
+        "copy" => unsafe { device.copy_to_device(reader.addr(), &[7u8; 4096]) },
+        _ => CudaStream::new(Arc::clone(&device)).and_then(|stream| {
+            // SAFETY: as above, deliberately, for `memset_async`.
+            unsafe { stream.memset_async(reader.addr(), 7, 4096) }?;
+            stream.synchronize()
+        }),
+    };
+    eprintln!("child: write result {result:?}");
+    let mut back = vec![0u8; 4096];
+    // SAFETY: mapped read-write in `writer`.
+    match unsafe { device.copy_to_host(&mut back, writer.addr()) } {
+        Ok(()) => eprintln!("child: first byte after {}", back[0]),
+        Err(e) => eprintln!("child: block unreadable after the write: {e}"),
+    }
+}
+
+/// A sharer mapped read-only cannot change a shared block: the driver refuses or faults the
+/// write (the context may then be unusable, hence the child process), or the bytes stay.
+#[test]
+fn cuda_read_only_sharer_cannot_write() {
+    const TEST: &str = "cuda_read_only_sharer_cannot_write";
+    if let Some(how) = std::env::var_os(CHILD_ENV) {
+        read_only_child(how.to_str().unwrap());
+        return;
+    }
+    if gpu(TEST).is_none() {
+        return;
+    }
+    for how in ["copy", "memset"] {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, how)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        eprintln!("{how}: child exited {:?}\n{stderr}", output.status);
+        assert!(
+            stderr.contains("child: write result"),
+            "{how}: the child never tried the write\n{stderr}"
+        );
+        let refused = stderr.contains("child: write result Err");
+        let unchanged = stderr.contains("child: first byte after 42");
+        let unreadable = stderr.contains("child: block unreadable");
+        // Readable afterwards: the bytes must be intact, whatever the driver said. Unreadable
+        // (the fault poisoned the context): the write itself must have been refused.
+        assert!(
+            unchanged || (refused && unreadable),
+            "{how}: a read-only sharer changed the shared block\n{stderr}"
+        );
+    }
+}
