@@ -12,15 +12,18 @@ mod armed {
     use std::sync::Mutex;
 
     pub(super) static ANY: AtomicBool = AtomicBool::new(false);
+    pub(super) static COUNTING: AtomicBool = AtomicBool::new(false);
     pub(super) static PLAN: Mutex<Option<(&'static str, u64)>> = Mutex::new(None);
     pub(super) static SEEN: Mutex<BTreeMap<&'static str, u64>> = Mutex::new(BTreeMap::new());
 
     pub(super) fn record(point: &'static str) -> bool {
-        *SEEN
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(point)
-            .or_default() += 1;
+        if COUNTING.load(Ordering::Relaxed) {
+            *SEEN
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(point)
+                .or_default() += 1;
+        }
         if !ANY.load(Ordering::Acquire) {
             return false;
         }
@@ -52,6 +55,15 @@ pub fn hit(point: &'static str) -> Result<(), MemoryError> {
     Ok(())
 }
 
+/// Panics if a test armed `point`: placed at the top of an actor's message handler, it kills
+/// the actor mid-message, the way a bug would.
+#[inline(always)]
+pub fn panic_point(point: &'static str) {
+    if hit(point).is_err() {
+        panic!("injected panic at {point}");
+    }
+}
+
 /// Arms `point` to fail on its hit number `after` (0 = the next one). One point at a time.
 #[cfg(feature = "fault-injection")]
 pub fn arm(point: &'static str, after: u64) {
@@ -70,9 +82,21 @@ pub fn disarm() -> bool {
         .is_some()
 }
 
-/// Every point passed through so far, with its hit count (and clears the record).
+/// Starts counting the hits of every point (from zero); see [`take_seen`].
+#[cfg(feature = "fault-injection")]
+pub fn start_counting() {
+    armed::SEEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
+    armed::COUNTING.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Stops counting and returns every point passed through since [`start_counting`], with its
+/// hit count.
 #[cfg(feature = "fault-injection")]
 pub fn take_seen() -> Vec<(&'static str, u64)> {
+    armed::COUNTING.store(false, std::sync::atomic::Ordering::Relaxed);
     std::mem::take(&mut *armed::SEEN.lock().unwrap_or_else(|p| p.into_inner()))
         .into_iter()
         .collect()

@@ -8,7 +8,7 @@ use procmem::fence::{Fence, Timeline};
 use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
 use ractor::ActorRef;
 
-use crate::deferred_free::{DeferredFreeMsg, DeferredRelease, PendingFree};
+use crate::deferred_free::{DeferredFreeMsg, PendingFree};
 use crate::governor::Lease;
 
 /// An allocation made through an execution provider, with the lease that pays for it.
@@ -162,36 +162,11 @@ impl Drop for DeviceBuffer {
             return;
         };
         let uses = std::mem::take(&mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()));
-        let fences = latest_per_stream(uses.iter().map(|(f, _)| *f));
-        let pending = PendingFree::new(
-            Box::new(allocation),
-            self.lease.take(),
-            fences,
-            self.context,
-        );
-        if let Err(ractor::MessagingErr::SendErr(DeferredFreeMsg::Enqueue(pending))) =
-            self.home.cast(DeferredFreeMsg::Enqueue(pending))
-        {
-            // The queue is gone (shutdown): wait for the fences on a thread of its own,
-            // never on the dropping thread, and never free before they complete.
-            std::thread::spawn(move || {
-                for (fence, timeline) in &uses {
-                    crate::stream::wait_for(timeline.as_ref(), *fence);
-                }
-                let PendingFree { item, lease, .. } = pending;
-                match DeferredRelease::release(item) {
-                    Ok(freed) => {
-                        if let Some(mut lease) = lease {
-                            let _ = lease.release(freed.min(lease.bytes()));
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(%error, "mechanism failed to free after shutdown");
-                        std::mem::forget(lease);
-                    }
-                }
-            });
-        }
+        let pending = PendingFree::new(Box::new(allocation), self.lease.take(), uses, self.context);
+        // If the queue is gone (shutdown, or its actor died) the message comes back and is
+        // dropped here: a `PendingFree` dropped unfreed waits for its fences on a thread of
+        // its own, never on the dropping thread, and never frees before they complete.
+        let _ = self.home.cast(DeferredFreeMsg::Enqueue(pending));
     }
 }
 

@@ -237,6 +237,7 @@ impl Actor for CudaExecutionProvider {
         msg: CudaProviderMsg,
         context: &mut Arc<CudaContext>,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("provider.handle");
         match msg {
             CudaProviderMsg::Context { reply } => {
                 let _ = reply.send(context.clone());
@@ -246,7 +247,7 @@ impl Actor for CudaExecutionProvider {
                 for stream in &context.streams {
                     let s = stream.clone();
                     tokio::task::spawn_blocking(move || s.stop_and_join()).await?;
-                    total.add(drain(stream.deferred_free()).await?);
+                    total.add(drain(stream.deferred_free()).await);
                 }
                 let _ = reply.send(total);
             }
@@ -292,6 +293,11 @@ impl CudaProvider {
         let context = ractor::call!(actor, |r| CudaProviderMsg::Context { reply: r })
             .map_err(|_| ProviderError::Unavailable)?;
         Ok(CudaProvider { actor, context })
+    }
+
+    /// The provider actor (for supervision and tests).
+    pub fn actor(&self) -> &ActorRef<CudaProviderMsg> {
+        &self.actor
     }
 
     /// Its context.

@@ -27,26 +27,62 @@ impl DeferredRelease for procmem::DeviceAllocation {
 }
 
 /// An allocation waiting for its fences, with the lease that pays for it.
+///
+/// A `PendingFree` that is dropped before a deferred-free actor freed it (its actor died
+/// with it queued, or the message carrying it was never handled) does not free on the spot:
+/// a thread of its own waits for every fence, then frees it and refunds the lease.
 pub struct PendingFree {
-    pub(crate) item: Box<dyn DeferredRelease>,
-    pub(crate) lease: Option<Lease>,
-    pub(crate) fences: Vec<Fence>,
+    item: Option<Box<dyn DeferredRelease>>,
+    lease: Option<Lease>,
+    uses: Vec<(Fence, Arc<dyn Timeline>)>,
     pub(crate) context: ContextId,
 }
 
 impl PendingFree {
-    /// `item` (created in `context`), paid for by `lease`, last used at `fences`.
+    /// `item` (created in `context`), paid for by `lease`, last used at each fence of `uses`
+    /// (one per stream, with that stream's timeline).
     pub fn new(
         item: Box<dyn DeferredRelease>,
         lease: Option<Lease>,
-        fences: Vec<Fence>,
+        uses: Vec<(Fence, Arc<dyn Timeline>)>,
         context: ContextId,
     ) -> Self {
         PendingFree {
-            item,
+            item: Some(item),
             lease,
-            fences,
+            uses,
             context,
+        }
+    }
+
+    /// The fences it waits for.
+    pub fn fences(&self) -> Vec<Fence> {
+        self.uses.iter().map(|(f, _)| *f).collect()
+    }
+
+    /// Frees the item now and refunds what was freed; the caller has checked every fence.
+    fn release_now(&mut self) -> Result<u64, MemoryError> {
+        let Some(item) = self.item.take() else {
+            return Ok(0);
+        };
+        match item.release() {
+            Ok(freed) => {
+                if let Some(mut lease) = self.lease.take() {
+                    let refund = freed.min(lease.bytes());
+                    if refund > 0 && lease.release(refund).is_err() {
+                        tracing::warn!("governor gone; refund of {refund} bytes not delivered");
+                    }
+                    // Anything the lease held beyond the bytes freed goes back as it drops.
+                }
+                Ok(freed)
+            }
+            Err(error) => {
+                // The books must not claim bytes came back that may not have: keep the charge.
+                if let Some(lease) = self.lease.take() {
+                    std::mem::forget(lease);
+                }
+                Err(error)
+            }
         }
     }
 }
@@ -54,9 +90,40 @@ impl PendingFree {
 impl std::fmt::Debug for PendingFree {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PendingFree")
-            .field("fences", &self.fences)
+            .field("fences", &self.fences())
             .field("lease", &self.lease)
             .finish()
+    }
+}
+
+impl Drop for PendingFree {
+    fn drop(&mut self) {
+        if self.item.is_none() {
+            return;
+        }
+        counter!("procmem_deferred_free_orphans_total").increment(1);
+        // If no thread can be started the closure is dropped unrun: `ManuallyDrop` then leaks
+        // the allocation, still charged, rather than freeing it before its fences.
+        let orphan = std::mem::ManuallyDrop::new(PendingFree {
+            item: self.item.take(),
+            lease: self.lease.take(),
+            uses: std::mem::take(&mut self.uses),
+            context: self.context,
+        });
+        let spawned = std::thread::Builder::new()
+            .name("procmem-orphan-free".into())
+            .spawn(move || {
+                let mut orphan = std::mem::ManuallyDrop::into_inner(orphan);
+                for (fence, timeline) in &orphan.uses {
+                    crate::stream::wait_for(timeline.as_ref(), *fence);
+                }
+                if let Err(error) = orphan.release_now() {
+                    tracing::error!(%error, "mechanism failed to free an orphaned allocation");
+                }
+            });
+        if let Err(error) = spawned {
+            tracing::error!(%error, "no thread to free an orphaned allocation; leaked, still charged");
+        }
     }
 }
 
@@ -126,6 +193,9 @@ pub struct DrainReport {
     pub forwarded: u64,
     /// Allocations still waiting for a fence of this stream that never completed.
     pub still_queued: u64,
+    /// Queues whose actor had died before the drain: what they held is freed after its
+    /// fences by threads of its own, not counted above.
+    pub lost_queues: u64,
 }
 
 impl DrainReport {
@@ -135,6 +205,7 @@ impl DrainReport {
         self.freed_bytes += other.freed_bytes;
         self.forwarded += other.forwarded;
         self.still_queued += other.still_queued;
+        self.lost_queues += other.lost_queues;
     }
 }
 
@@ -190,7 +261,6 @@ pub struct DeferredFreeState {
     registry: StreamRegistry,
     queue: FenceQueue<PendingFree>,
     stats: DeferredStats,
-    failed_leases: Vec<Lease>,
     depth: Gauge,
     freed_bytes: Counter,
     latency: Histogram,
@@ -215,7 +285,6 @@ impl Actor for DeferredFree {
             registry,
             queue: FenceQueue::default(),
             stats: DeferredStats::default(),
-            failed_leases: Vec::new(),
             depth: gauge!("procmem_deferred_free_queue_depth", &label),
             freed_bytes: counter!("procmem_deferred_free_bytes_total", &label),
             latency: histogram!("procmem_deferred_free_fence_to_refund_seconds", &label),
@@ -228,6 +297,7 @@ impl Actor for DeferredFree {
         msg: DeferredFreeMsg,
         state: &mut DeferredFreeState,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("deferred.handle");
         match msg {
             DeferredFreeMsg::Enqueue(pending) => {
                 state.dispatch(pending, None);
@@ -253,6 +323,7 @@ impl Actor for DeferredFree {
                     freed_bytes: state.stats.freed_bytes,
                     forwarded,
                     still_queued: state.queue.len() as u64,
+                    lost_queues: 0,
                 });
             }
             DeferredFreeMsg::Stats { reply } => {
@@ -279,7 +350,7 @@ impl DeferredFreeState {
             pending.context, self.context,
             "queued on a stream of another context"
         );
-        match route(&pending.fences, |s| self.registry.completed(s)) {
+        match route(&pending.fences(), |s| self.registry.completed(s)) {
             Route::FreeNow => {
                 self.free(pending, fence_done_at);
                 Dispatched::Freed
@@ -318,23 +389,16 @@ impl DeferredFreeState {
     }
 
     fn free(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) {
-        let _span = tracing::debug_span!("deferred_free", stream = %self.stream, fences = pending.fences.len()).entered();
+        let _span = tracing::debug_span!("deferred_free", stream = %self.stream, fences = pending.uses.len()).entered();
         if procmem::fault::hit("deferred.release").is_err() {
             // Not freed this time: back in the queue, retried at the next completion or drain.
             let completed = self.registry.completed(self.stream).min(u64::MAX - 1);
             self.queue.push(completed, pending);
             return;
         }
-        let PendingFree { item, lease, .. } = pending;
-        match item.release() {
+        let mut pending = pending;
+        match pending.release_now() {
             Ok(freed) => {
-                if let Some(mut lease) = lease {
-                    let refund = freed.min(lease.bytes());
-                    if refund > 0 && lease.release(refund).is_err() {
-                        tracing::warn!("governor gone; refund of {refund} bytes not delivered");
-                    }
-                    // Anything the lease held beyond the bytes freed goes back when it drops.
-                }
                 self.stats.freed += 1;
                 self.stats.freed_bytes += freed;
                 self.freed_bytes.increment(freed);
@@ -350,9 +414,6 @@ impl DeferredFreeState {
             Err(error) => {
                 self.stats.failures += 1;
                 tracing::error!(stream = %self.stream, %error, "mechanism failed to free; lease kept");
-                if let Some(lease) = lease {
-                    self.failed_leases.push(lease);
-                }
             }
         }
     }

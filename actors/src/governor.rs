@@ -260,6 +260,7 @@ impl Actor for Governor {
         message: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("governor.handle");
         match message {
             GovernorMsg::RegisterHolder {
                 name,

@@ -488,23 +488,19 @@ impl KvStoreState {
             prefixes,
             pool: self.pool.clone(),
         };
+        let timeline = self.stream.timeline();
         let pending = PendingFree::new(
             Box::new(memory),
             None,
-            last_fence.into_iter().collect(),
+            last_fence.map(|f| (f, timeline)).into_iter().collect(),
             self.context,
         );
-        if let Err(ractor::MessagingErr::SendErr(DeferredFreeMsg::Enqueue(pending))) = self
+        // If the queue is gone the message is dropped, and a dropped `PendingFree` frees after
+        // its fence on a thread of its own.
+        let _ = self
             .stream
             .deferred_free()
-            .cast(DeferredFreeMsg::Enqueue(pending))
-        {
-            // The queue is gone, so the stream has stopped after running all its work.
-            if let Some(f) = pending.fences.first() {
-                crate::stream::wait_for(self.stream.timeline().as_ref(), *f);
-            }
-            let _ = pending.item.release();
-        }
+            .cast(DeferredFreeMsg::Enqueue(pending));
     }
 
     fn begin(

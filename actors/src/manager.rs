@@ -116,14 +116,21 @@ pub struct ShutdownReport {
     pub authorities: Vec<AuthorityReport>,
     /// Allocations the deferred-free queues freed over their life.
     pub deferred_frees: u64,
+    /// Authorities whose Governor had died: their books are lost, so they cannot be zero.
+    pub lost_authorities: Vec<String>,
+    /// Deferred-free queues whose actor had died; what they held was freed after its fences
+    /// by threads of its own.
+    pub lost_queues: u64,
 }
 
 impl ShutdownReport {
-    /// Every authority at zero.
+    /// Every authority reachable and at zero.
     pub fn is_zero(&self) -> bool {
-        self.authorities
-            .iter()
-            .all(|a| a.provisional == 0 && a.leased == 0)
+        self.lost_authorities.is_empty()
+            && self
+                .authorities
+                .iter()
+                .all(|a| a.provisional == 0 && a.leased == 0)
     }
 }
 
@@ -135,6 +142,12 @@ impl std::fmt::Display for ShutdownReport {
                 "{}: {} provisional, {} leased; ",
                 a.name, a.provisional, a.leased
             )?;
+        }
+        for name in &self.lost_authorities {
+            write!(f, "{name}: governor gone, books lost; ")?;
+        }
+        if self.lost_queues > 0 {
+            write!(f, "{} deferred-free queues lost; ", self.lost_queues)?;
         }
         write!(f, "{} deferred frees", self.deferred_frees)
     }
@@ -445,6 +458,10 @@ fn describe_metrics() {
             "procmem_holder_failures_total",
             "Holder actors that crashed.",
         ),
+        (
+            "procmem_deferred_free_orphans_total",
+            "Allocations whose deferred-free queue was gone, freed after their fences by a thread.",
+        ),
     ];
     for (name, help) in counters {
         describe_counter!(name, Unit::Count, help);
@@ -730,17 +747,22 @@ impl MemoryManager {
         let deadline = Instant::now() + Duration::from_secs(5);
         let report = loop {
             let mut report = ShutdownReport {
-                authorities: Vec::new(),
                 deferred_frees: drained.freed,
+                lost_queues: drained.lost_queues,
+                ..ShutdownReport::default()
             };
             for a in &self.inner.authorities {
-                if let Ok(s) = a.governor.snapshot().await {
-                    report.authorities.push(AuthorityReport {
+                match a.governor.snapshot().await {
+                    Ok(s) => report.authorities.push(AuthorityReport {
                         name: a.name.clone(),
                         provisional: s.books.provisional,
                         leased: s.books.leased,
-                    });
+                    }),
+                    Err(_) => report.lost_authorities.push(a.name.clone()),
                 }
+            }
+            if !report.lost_authorities.is_empty() {
+                break report;
             }
             if report.is_zero() || Instant::now() > deadline {
                 break report;

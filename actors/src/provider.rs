@@ -142,6 +142,7 @@ impl Actor for CpuExecutionProvider {
         msg: CpuProviderMsg,
         context: &mut Arc<CpuContext>,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("provider.handle");
         match msg {
             CpuProviderMsg::Context { reply } => {
                 let _ = reply.send(context.clone());
@@ -151,7 +152,7 @@ impl Actor for CpuExecutionProvider {
                 for stream in &context.streams {
                     let s = stream.clone();
                     tokio::task::spawn_blocking(move || s.stop_and_join()).await?;
-                    total.add(drain(stream.deferred_free()).await?);
+                    total.add(drain(stream.deferred_free()).await);
                 }
                 let _ = reply.send(total);
             }
@@ -195,6 +196,11 @@ impl CpuProvider {
         let context = ractor::call!(actor, |r| CpuProviderMsg::Context { reply: r })
             .map_err(|_| ProviderError::Unavailable)?;
         Ok(CpuProvider { actor, context })
+    }
+
+    /// The provider actor (for supervision and tests).
+    pub fn actor(&self) -> &ActorRef<CpuProviderMsg> {
+        &self.actor
     }
 
     /// Its context.
@@ -315,13 +321,20 @@ pub(crate) fn free_in_context(
     Ok(())
 }
 
-/// Drains one stream's deferred-free queue.
-pub(crate) async fn drain(
-    queue: &ActorRef<DeferredFreeMsg>,
-) -> Result<DrainReport, ActorProcessingErr> {
-    Ok(ractor::call!(queue, |r| DeferredFreeMsg::Drain {
-        reply: r
-    })?)
+/// Drains one stream's deferred-free queue. A queue whose actor died is counted in
+/// `lost_queues`: what it held frees after its fences on threads of its own (see
+/// [`PendingFree`](crate::deferred_free::PendingFree)).
+pub(crate) async fn drain(queue: &ActorRef<DeferredFreeMsg>) -> DrainReport {
+    match ractor::call!(queue, |r| DeferredFreeMsg::Drain { reply: r }) {
+        Ok(report) => report,
+        Err(error) => {
+            tracing::warn!(%error, "deferred-free queue gone at shutdown");
+            DrainReport {
+                lost_queues: 1,
+                ..DrainReport::default()
+            }
+        }
+    }
 }
 
 /// A deferred-free actor that fails would strand memory: the provider stops loudly rather

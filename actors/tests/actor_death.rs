@@ -1,0 +1,345 @@
+//! Actor death at every message for the actors that are not holders: the Governor, the CPU
+//! execution provider and each stream's deferred-free actor, each killed before every step of
+//! a scripted scenario and made to panic at every message it handles in that scenario.
+//!
+//! After each death the scenario goes on as far as it can; then, for every run: nothing was
+//! freed before its fence (the buffers that gated kernels use are still resident before the
+//! gates open, and the kernels find their patterns intact after), and the memory settles
+//! back to zero in the kernel's view and, where the Governor lives, in its books. Needs the
+//! `fault-injection` feature (panic points), on for the workspace's tests.
+#![cfg(feature = "fault-injection")]
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Sender};
+use procmem_actors::core::fault;
+use procmem_actors::core::fence::Fence;
+use procmem_actors::core::ledger::HolderId;
+use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::{
+    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle, ReserveRequest,
+};
+
+/// Fault points are process-global: one scenario at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const BYTES: u64 = 64 << 10;
+const STEPS: usize = 8;
+
+fn figure(name: &str, passed: usize, total: usize) {
+    let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Governor,
+    Provider,
+    DeferredFree(usize),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Death {
+    None,
+    /// Killed before scripted step `n` (`STEPS` = after the last).
+    KillBefore(Target, usize),
+    /// Panics at its `n`-th message (fault point `point`).
+    PanicAt(&'static str, u64),
+}
+
+struct Outcome {
+    /// Gated buffers still resident before their kernels were let go.
+    kept_until_fence: bool,
+    /// Pattern mismatches the kernels found.
+    corrupt: u64,
+    /// Kernel's view (and the books, if the Governor lives) back at zero.
+    settled: bool,
+    /// The armed panic point fired.
+    fired: bool,
+}
+
+impl Outcome {
+    fn ok(&self) -> bool {
+        self.kept_until_fence && self.corrupt == 0 && self.settled && self.fired
+    }
+}
+
+fn kill(target: Target, g: &GovernorHandle, p: &CpuProvider) {
+    match target {
+        Target::Governor => g.actor().kill(),
+        Target::Provider => p.actor().kill(),
+        Target::DeferredFree(i) => p.stream(i).unwrap().deferred_free().kill(),
+    }
+}
+
+fn fill(buffer: &mut DeviceBuffer, value: u8) {
+    buffer.host_bytes_mut().unwrap().fill(value);
+}
+
+/// A kernel that waits for its gate, then checks that `views` still hold their patterns.
+fn checker(
+    gate: Option<crossbeam_channel::Receiver<()>>,
+    views: Vec<(procmem_actors::BufferView, u8)>,
+    corrupt: Arc<AtomicU64>,
+) -> impl FnOnce() + Send + 'static {
+    move || {
+        if let Some(gate) = gate {
+            let _ = gate.recv();
+        }
+        for (view, value) in views {
+            // SAFETY: every view's buffer was passed in `uses`, so it stays mapped until this
+            // kernel's fence; nothing writes it meanwhile.
+            #[allow(unsafe_code)]
+            let bytes = unsafe { view.host_bytes() };
+            if bytes.iter().any(|b| *b != value) {
+                corrupt.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+async fn os_bytes(p: &CpuProvider) -> u64 {
+    p.mechanism().host_allocator().resident_total().unwrap()
+        + p.mechanism().backing().resident_bytes().unwrap()
+}
+
+/// The scenario, with `death` applied; returns what was observed.
+async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static str, u64)>) {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    if count_messages {
+        fault::start_counting();
+    }
+    let mut fired = true;
+    if let Death::PanicAt(point, n) = death {
+        fault::arm(point, n);
+    }
+    let p = CpuProvider::spawn(CpuProviderConfig {
+        streams: 2,
+        registry: None,
+    })
+    .await;
+    let Ok(p) = p else {
+        // The provider died starting (its first message): nothing was allocated.
+        if let Death::PanicAt(..) = death {
+            fired = !fault::disarm();
+        }
+        let seen = if count_messages {
+            fault::take_seen()
+        } else {
+            vec![]
+        };
+        let outcome = Outcome {
+            kept_until_fence: true,
+            corrupt: 0,
+            settled: true,
+            fired,
+        };
+        return (outcome, seen);
+    };
+    let corrupt = Arc::new(AtomicU64::new(0));
+    let mut gated: Vec<(Sender<()>, usize, Fence)> = Vec::new();
+    let mut fences = Vec::new();
+    let mut gated_bytes = 0;
+    let mut holder: Option<HolderId> = None;
+    let (mut a, mut b): (Option<DeviceBuffer>, Option<DeviceBuffer>) = (None, None);
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    for step in 0..STEPS {
+        if let Death::KillBefore(target, n) = death {
+            if n == step {
+                kill(target, &g, &p);
+            }
+        }
+        match step {
+            0 => holder = g.register_holder("death", 0, None).await.ok(),
+            1 | 2 => {
+                let Some(h) = holder else { continue };
+                let home = step - 1;
+                if let Ok(mut buf) = p.allocate(&g, h, &request, 0, None, home).await {
+                    fill(&mut buf, 0xA0 + step as u8);
+                    if step == 1 {
+                        a = Some(buf);
+                    } else {
+                        b = Some(buf);
+                    }
+                }
+            }
+            3 | 4 => {
+                // Stream 0 reads A and B, stream 1 reads B, each behind a gate.
+                let stream = step - 3;
+                let uses: Vec<(&DeviceBuffer, u8)> = if stream == 0 {
+                    [(a.as_ref(), 0xA1), (b.as_ref(), 0xA2)]
+                        .into_iter()
+                        .filter_map(|(x, v)| x.map(|x| (x, v)))
+                        .collect()
+                } else {
+                    b.as_ref().map(|x| (x, 0xA2)).into_iter().collect()
+                };
+                if uses.is_empty() {
+                    continue;
+                }
+                let (open, gate) = bounded::<()>(1);
+                let views = uses.iter().map(|(x, v)| (x.view(), *v)).collect();
+                let buffers: Vec<&DeviceBuffer> = uses.iter().map(|(x, _)| *x).collect();
+                let kernel = checker(Some(gate), views, corrupt.clone());
+                if let Ok(f) = p.stream(stream).unwrap().submit(&buffers, kernel) {
+                    gated.push((open, stream, f));
+                }
+            }
+            5 => gated_bytes += a.take().map_or(0, |x| x.charged_bytes()),
+            6 => gated_bytes += b.take().map_or(0, |x| x.charged_bytes()),
+            7 => {
+                let Some(h) = holder else { continue };
+                if let Ok(mut c) = p.allocate(&g, h, &request, 0, None, 0).await {
+                    fill(&mut c, 0xC3);
+                    let kernel = checker(None, vec![(c.view(), 0xC3)], corrupt.clone());
+                    if let Ok(f) = p.stream(0).unwrap().submit(&[&c], kernel) {
+                        fences.push((0, f));
+                    }
+                }
+                let grant = g
+                    .reserve(ReserveRequest {
+                        holder: h,
+                        role: MemoryRole::Workspace,
+                        bytes: BYTES,
+                        priority: 0,
+                        deadline: None,
+                    })
+                    .await;
+                if let Ok(grant) = grant {
+                    drop(grant.commit(BYTES).await);
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    if let Death::KillBefore(target, STEPS) = death {
+        kill(target, &g, &p);
+    }
+    // Nothing that a gated kernel uses may be gone before its gate opens.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let kept_until_fence = p.mechanism().host_allocator().resident_total().unwrap() >= gated_bytes;
+    // Stream 1's gate first, so that B (used on both streams) is freed when stream 0's
+    // fence completes and every run handles the same messages.
+    let wait = |stream: usize, fence: Fence| {
+        let s = p.stream(stream).unwrap().clone();
+        tokio::task::spawn_blocking(move || s.host_wait(fence))
+    };
+    for (open, stream, fence) in gated.into_iter().rev() {
+        drop(open);
+        wait(stream, fence).await.unwrap();
+    }
+    for (stream, fence) in fences {
+        wait(stream, fence).await.unwrap();
+    }
+    // Let the last completions and refunds land before the count is taken.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    if let Death::PanicAt(..) = death {
+        fired = !fault::disarm();
+    }
+    let seen = if count_messages {
+        fault::take_seen()
+    } else {
+        vec![]
+    };
+    let start = Instant::now();
+    let mut settled = false;
+    while start.elapsed() < Duration::from_secs(10) {
+        let os = os_bytes(&p).await;
+        let books = match g.snapshot().await {
+            Ok(s) => s.books.provisional == 0 && s.books.leased == 0,
+            Err(_) => true, // the Governor is dead: its books went with it
+        };
+        if os == 0 && books {
+            settled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = p.shutdown().await;
+    let outcome = Outcome {
+        kept_until_fence,
+        corrupt: corrupt.load(Ordering::Relaxed),
+        settled,
+        fired,
+    };
+    (outcome, seen)
+}
+
+fn report(what: String, outcome: &Outcome) {
+    if !outcome.ok() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "{what}: kept until fence {}, corrupt {}, settled {}, fired {}",
+            outcome.kept_until_fence,
+            outcome.corrupt,
+            outcome.settled,
+            outcome.fired
+        );
+    }
+}
+
+/// Killed before every step, then panicking at every message it handled in a clean run.
+async fn every_death_of(name: &str, target: Target, point: &'static str) {
+    let _serial = SERIAL.lock().await;
+    let (clean, seen) = scenario(Death::None, true).await;
+    assert!(clean.ok(), "the clean scenario itself fails");
+    let messages = seen
+        .iter()
+        .find(|(p, _)| *p == point)
+        .map_or(0, |(_, n)| *n);
+    assert!(messages > 0, "{point} never handled a message");
+    let mut passed = 0;
+    let mut total = 0;
+    for step in 0..=STEPS {
+        let (outcome, _) = scenario(Death::KillBefore(target, step), false).await;
+        report(format!("{name} killed before step {step}"), &outcome);
+        passed += outcome.ok() as usize;
+        total += 1;
+    }
+    // A panic point is shared by every actor of a kind: for the deferred-free actors this
+    // covers the messages of both streams' actors, in the order they were handled.
+    if target == Target::DeferredFree(0) || !matches!(target, Target::DeferredFree(_)) {
+        for n in 0..messages {
+            let (outcome, _) = scenario(Death::PanicAt(point, n), false).await;
+            report(format!("{name} panicking at message {n}"), &outcome);
+            passed += outcome.ok() as usize;
+            total += 1;
+        }
+    }
+    figure(&format!("actor_death_{name}"), passed, total);
+    assert_eq!(passed, total);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_governor_killed_or_panicking_at_every_message() {
+    every_death_of("governor", Target::Governor, "governor.handle").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cpu_provider_killed_or_panicking_at_every_message() {
+    every_death_of("cpu_provider", Target::Provider, "provider.handle").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_free_actor_killed_or_panicking_at_every_message() {
+    every_death_of(
+        "deferred_free_0",
+        Target::DeferredFree(0),
+        "deferred.handle",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_other_deferred_free_actor_killed_at_every_step() {
+    every_death_of(
+        "deferred_free_1",
+        Target::DeferredFree(1),
+        "deferred.handle",
+    )
+    .await;
+}
