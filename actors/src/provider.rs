@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use crate::buffer::DeviceBuffer;
 use crate::deferred_free::{DeferredFree, DeferredFreeMsg, DrainReport, StreamRegistry};
-use crate::governor::{GovernorError, GovernorHandle, Lease, ReserveRequest};
+use crate::governor::{CommitRefused, GovernorError, GovernorHandle, Lease, ReserveRequest};
 use crate::stream::CpuStream;
 
 /// Why the provider could not do what was asked.
@@ -296,13 +296,17 @@ pub(crate) async fn charged_allocation(
     // On error the grant drops here and returns itself.
     let allocation = allocator.allocate(request)?;
     let actual = allocation.footprint();
-    // A refused commit hands the grant back; dropping it returns it, and the allocation,
-    // never used by any stream, is freed at once by its own mechanism.
-    let lease = grant
-        .commit(actual)
-        .await
-        .map_err(|refused| refused.error)?;
-    Ok((allocation, lease))
+    // A refused commit hands the grant back. The allocation, never used by any stream, is
+    // freed at once by its own mechanism, and only then does the grant return: memory is
+    // never mapped without being charged, not even for a moment.
+    match grant.commit(actual).await {
+        Ok(lease) => Ok((allocation, lease)),
+        Err(CommitRefused { error, grant }) => {
+            drop(allocation);
+            drop(grant);
+            Err(error.into())
+        }
+    }
 }
 
 /// Drops `buffer` into its deferred-free path if `context` made it; hands it back otherwise.
