@@ -29,5 +29,6 @@ run accounting_model
 run kv_sequence
 run no_leaks
 run deferred_free
+run actor_death
 echo "sanitize: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -5,9 +5,20 @@
 //! can read the completed value at any time and wait for a value to complete.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+// Under `--cfg procmem_loom` the timeline's synchronisation is loom's, so its model tests
+// explore every interleaving of completers and waiters.
+#[cfg(procmem_loom)]
+use loom::sync::{
+    atomic::{AtomicU64, Ordering},
+    Condvar, Mutex,
+};
+#[cfg(not(procmem_loom))]
+use std::sync::{
+    atomic::{AtomicU64, Ordering},
+    Condvar, Mutex,
+};
 
 /// Identity of one device stream (a CPU worker thread, a CUDA stream).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -16,8 +27,8 @@ pub struct StreamId(u64);
 impl StreamId {
     /// A process-unique fresh identity.
     pub fn fresh() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        StreamId(NEXT.fetch_add(1, Ordering::Relaxed))
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        StreamId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
     }
 
     /// The raw number, for logs and metric labels.
@@ -107,16 +118,26 @@ impl Timeline for HostTimeline {
     }
 
     fn wait(&self, value: u64, timeout: Duration) -> bool {
-        let guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let (_guard, _) = self
-            .changed
-            .wait_timeout_while(guard, timeout, |_| self.completed() < value)
-            .unwrap_or_else(|p| p.into_inner());
-        self.completed() >= value
+        let deadline = Instant::now().checked_add(timeout);
+        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        // `complete` raises the value and notifies under the lock held here between the
+        // check and the wait, so no completion can slip between them.
+        while self.completed() < value {
+            let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
+            if left.is_zero() {
+                return false;
+            }
+            guard = self
+                .changed
+                .wait_timeout(guard, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(procmem_loom)))]
 mod tests {
     use super::*;
     use std::sync::Arc;
@@ -142,5 +163,73 @@ mod tests {
         worker.join().unwrap();
         t.complete(1);
         assert_eq!(t.completed(), 2, "completion never goes backwards");
+    }
+}
+
+/// Every interleaving of completers and waiters, explored by loom: no wake-up is lost, values
+/// never go backwards, and concurrent submissions get distinct values.
+#[cfg(all(test, procmem_loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    const FOREVER: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn loom_a_waiter_always_wakes_for_its_value() {
+        loom::model(|| {
+            let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+            let (f1, f2) = (t.signal_next(), t.signal_next());
+            let worker = {
+                let t = Arc::clone(&t);
+                thread::spawn(move || {
+                    t.complete(f1.value);
+                    t.complete(f2.value);
+                })
+            };
+            assert!(t.wait(f2.value, FOREVER));
+            assert!(t.completed() >= f2.value);
+            worker.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn loom_two_waiters_wake_when_a_later_value_completes_first() {
+        loom::model(|| {
+            let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+            let (f1, f2) = (t.signal_next(), t.signal_next());
+            let waiter = {
+                let t = Arc::clone(&t);
+                thread::spawn(move || assert!(t.wait(f1.value, FOREVER)))
+            };
+            let completer = {
+                let t = Arc::clone(&t);
+                thread::spawn(move || {
+                    t.complete(f2.value);
+                    t.complete(f1.value);
+                })
+            };
+            assert!(t.wait(f2.value, FOREVER));
+            waiter.join().unwrap();
+            completer.join().unwrap();
+            assert_eq!(t.completed(), f2.value, "a lower completion never lowers it");
+        });
+    }
+
+    #[test]
+    fn loom_concurrent_submissions_get_distinct_values() {
+        loom::model(|| {
+            let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+            let other = {
+                let t = Arc::clone(&t);
+                thread::spawn(move || t.signal_next().value)
+            };
+            let mine = t.signal_next().value;
+            let theirs = other.join().unwrap();
+            assert_ne!(mine, theirs);
+            assert_eq!(mine.max(theirs), 2);
+            assert_eq!(t.signalled(), 2);
+        });
     }
 }

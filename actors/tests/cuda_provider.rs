@@ -167,3 +167,51 @@ async fn cuda_buffer_used_on_two_streams_waits_for_both() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
+
+/// A buffer queued behind a pending copy survives its deferred-free actor's death: the
+/// orphaned allocation is freed by a thread of its own once the event fence completes, never
+/// before, and the refund still reaches the Governor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event() {
+    if !have_gpu("cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event") {
+        return;
+    }
+    const BYTES: u64 = 8 << 20;
+    let (g, h, p) = setup(1).await;
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    let buf = p.allocate(&g, h, &request, 0, None, 0).await.unwrap();
+    let footprint = buf.charged_bytes();
+    let s0 = p.stream(0).unwrap();
+    let gate = s0.cuda().host_gate().unwrap();
+    let view = buf.view();
+    // SAFETY: the buffer is in `uses`, so it outlives the fill's fence.
+    let fence = s0
+        .submit(&[&buf], |s| unsafe {
+            s.memset_async(view.addr, 7, view.len)
+        })
+        .unwrap();
+    drop(buf);
+    let queued = ractor::call!(s0.deferred_free(), |r| DeferredFreeMsg::Stats { reply: r })
+        .unwrap()
+        .queued;
+    assert_eq!(queued, 1, "the buffer waits in the queue");
+    s0.deferred_free().kill();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        leased(&g).await,
+        footprint,
+        "freed (and refunded) while the fill is still queued"
+    );
+    gate.open();
+    s0.host_wait(fence);
+    let start = Instant::now();
+    while leased(&g).await != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the orphaned allocation was never freed"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let report = p.shutdown().await.unwrap();
+    assert_eq!(report.lost_queues, 1);
+}
