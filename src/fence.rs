@@ -123,7 +123,9 @@ impl Timeline for HostTimeline {
         // `complete` raises the value and notifies under the lock held here between the
         // check and the wait, so no completion can slip between them.
         while self.completed() < value {
-            let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now()));
+            let left = deadline.map_or(Duration::MAX, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
             if left.is_zero() {
                 return false;
             }
@@ -213,7 +215,11 @@ mod loom_tests {
             assert!(t.wait(f2.value, FOREVER));
             waiter.join().unwrap();
             completer.join().unwrap();
-            assert_eq!(t.completed(), f2.value, "a lower completion never lowers it");
+            assert_eq!(
+                t.completed(),
+                f2.value,
+                "a lower completion never lowers it"
+            );
         });
     }
 
