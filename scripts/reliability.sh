@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input) =="
-cargo test --workspace -- --test-threads=2 2>&1 | tee "$log" | grep -E "^FIGURE|^interleavings:|^stress:|test result: FAILED" || true
+cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" | grep -E "^FIGURE|^interleavings:|^stress:|test result: FAILED" || true
 echo "== loom (fence timeline) =="
 loom=$(scripts/loom.sh 2>&1 | tee -a "$log" | grep -E "^test result")
 echo "$loom"

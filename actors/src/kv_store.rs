@@ -151,6 +151,10 @@ pub struct KvStoreStats {
     pub freed_by_pressure: u64,
 }
 
+/// How soon a pressure ticket is looked at again when sequences it could take are only
+/// waiting for a kernel to finish.
+const TICKET_RECHECK: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The store's mailbox.
 pub enum KvStoreMsg {
     /// A Governor's pressure ticket.
@@ -410,9 +414,10 @@ impl Actor for KvStore {
         msg: KvStoreMsg,
         state: &mut KvStoreState,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("kv.handle");
         state.clock += 1;
         match msg {
-            KvStoreMsg::Ticket(ticket) => state.answer(ticket),
+            KvStoreMsg::Ticket(ticket) => state.answer(&myself, ticket),
             KvStoreMsg::Open {
                 seq,
                 prompt,
@@ -1136,7 +1141,18 @@ impl KvStoreState {
     /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
     /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
     /// in use by the device), so the report has nothing pending a fence.
-    fn answer(&mut self, ticket: PressureTicket) {
+    /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
+    /// free to go as soon as that kernel's fence completes.
+    fn waits_only_for_its_fence(&self, entry: &SeqEntry) -> bool {
+        !entry.busy
+            && !entry.stepping
+            && matches!(entry.state, SeqState::Active(_))
+            && entry
+                .last_fence
+                .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    }
+
+    fn answer(&mut self, myself: &ActorRef<KvStoreMsg>, ticket: PressureTicket) {
         let _span = tracing::debug_span!(
             "pressure_ticket",
             ticket = ticket.id.get(),
@@ -1167,6 +1183,23 @@ impl KvStoreState {
                 SeqState::Preempted { .. } => None,
             })
             .collect();
+        let available: u64 = prefixes
+            .iter()
+            .filter(|p| !p.referenced)
+            .map(|p| p.bytes)
+            .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
+            .sum();
+        let soon_free = self.seqs.values().any(|e| self.waits_only_for_its_fence(e));
+        if available < ticket.bytes_wanted
+            && soon_free
+            && tokio::time::Instant::now() + TICKET_RECHECK < ticket.deadline
+        {
+            // Sequences a kernel is still reading can go once its fence completes, in well
+            // under a millisecond: look again then, rather than answer "nothing" now and not be
+            // asked again in this pressure round.
+            myself.send_after(TICKET_RECHECK, move || KvStoreMsg::Ticket(ticket));
+            return;
+        }
         let mut freed = 0;
         // Every eligible unit in the policy's order; stop once enough is really freed (a unit
         // whose free fails frees nothing and the next one is taken).

@@ -217,6 +217,7 @@ impl Actor for ModelResidency {
         msg: ResidencyMsg,
         state: &mut ResidencyState,
     ) -> Result<(), ActorProcessingErr> {
+        procmem::fault::panic_point("residency.handle");
         state.clock += 1;
         match msg {
             ResidencyMsg::Ticket(ticket) => state.answer(ticket).await,

@@ -12,26 +12,28 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use procmem_actors::core::fault;
 use procmem_actors::core::fence::Fence;
+use procmem_actors::core::kv::KvShape;
 use procmem_actors::core::ledger::HolderId;
 use procmem_actors::core::{AllocationRequest, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle, ReserveRequest,
+    AttendItem, CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
+    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, ResidencyArgs, ResidencyConfig,
+    ResidencyHandle,
 };
+
+mod common;
+use common::{figure, settles_to_zero};
 
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const BYTES: u64 = 64 << 10;
 const STEPS: usize = 8;
-
-fn figure(name: &str, passed: usize, total: usize) {
-    let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Target {
@@ -98,11 +100,6 @@ fn checker(
             }
         }
     }
-}
-
-async fn os_bytes(p: &CpuProvider) -> u64 {
-    p.mechanism().host_allocator().resident_total().unwrap()
-        + p.mechanism().backing().resident_bytes().unwrap()
 }
 
 /// The scenario, with `death` applied; returns what was observed.
@@ -245,20 +242,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
     } else {
         vec![]
     };
-    let start = Instant::now();
-    let mut settled = false;
-    while start.elapsed() < Duration::from_secs(10) {
-        let os = os_bytes(&p).await;
-        let books = match g.snapshot().await {
-            Ok(s) => s.books.provisional == 0 && s.books.leased == 0,
-            Err(_) => true, // the Governor is dead: its books went with it
-        };
-        if os == 0 && books {
-            settled = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let settled = settles_to_zero(&g, &p).await;
     let _ = p.shutdown().await;
     let outcome = Outcome {
         kept_until_fence,
@@ -342,4 +326,214 @@ async fn the_other_deferred_free_actor_killed_at_every_step() {
         "deferred.handle",
     )
     .await;
+}
+
+// Holders: the KV store and model residency, killed before every message of a scripted
+// scenario and made to panic at every message they handle in it (their own messages, such as
+// a grant arriving for a pending growth, included).
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 128,
+};
+
+enum Msg {
+    Open(u64),
+    Prepare(Vec<u64>),
+    Attend(usize, Vec<u64>),
+    Close(u64),
+}
+
+fn script() -> Vec<Msg> {
+    let mut s = vec![Msg::Open(1), Msg::Open(2)];
+    for _ in 0..4 {
+        s.push(Msg::Prepare(vec![1, 2]));
+        s.push(Msg::Attend(0, vec![1, 2]));
+        s.push(Msg::Attend(1, vec![1, 2]));
+    }
+    s.push(Msg::Close(1));
+    s
+}
+
+#[derive(Debug, Clone, Copy)]
+enum HolderDeath {
+    None,
+    KillBefore(usize),
+    PanicAt(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    KvStore,
+    Residency,
+}
+
+impl Holder {
+    fn point(self) -> &'static str {
+        match self {
+            Holder::KvStore => "kv.handle",
+            Holder::Residency => "residency.handle",
+        }
+    }
+
+    fn steps(self) -> usize {
+        match self {
+            Holder::KvStore => script().len(),
+            Holder::Residency => 6,
+        }
+    }
+}
+
+/// Runs `holder`'s scenario with `death` applied; returns (settled, fired, messages handled).
+async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    let p = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let kv = match holder {
+        Holder::KvStore => {
+            let config = KvStoreConfig {
+                name: "kv".into(),
+                priority: 0,
+                shape: SHAPE,
+                chunk_granules: 1,
+                preempt: PreemptMode::Recompute,
+                wait: Duration::from_millis(100),
+            };
+            Some(
+                KvStoreHandle::spawn(config, g.clone(), p.clone())
+                    .await
+                    .unwrap()
+                    .0,
+            )
+        }
+        Holder::Residency => None,
+    };
+    let residency = match holder {
+        Holder::Residency => {
+            let args = ResidencyArgs {
+                config: ResidencyConfig {
+                    name: "w".into(),
+                    priority: 1,
+                    wait: Duration::from_millis(100),
+                },
+                device: g.clone(),
+                host: None,
+                provider: p.clone(),
+            };
+            Some(ResidencyHandle::spawn(args).await.unwrap().0)
+        }
+        Holder::KvStore => None,
+    };
+    let kill = || {
+        if let Some(kv) = &kv {
+            kv.actor().kill();
+        }
+        if let Some(r) = &residency {
+            r.actor().kill();
+        }
+    };
+    fault::start_counting();
+    if let HolderDeath::PanicAt(n) = death {
+        fault::arm(holder.point(), n);
+    }
+    let tf = SHAPE.token_floats();
+    let item = |s: u64| AttendItem {
+        seq: s,
+        q: vec![0.1; 64],
+        k: vec![0.2; tf],
+        v: vec![0.3; tf],
+    };
+    let mut kv_script = script().into_iter();
+    for i in 0..holder.steps() {
+        if let HolderDeath::KillBefore(k) = death {
+            if k == i {
+                kill();
+                break;
+            }
+        }
+        if let Some(kv) = &kv {
+            let _ = match kv_script.next().unwrap() {
+                Msg::Open(s) => kv.open(s, vec![], 0).await.map(drop),
+                Msg::Prepare(s) => kv.prepare(s).await,
+                Msg::Attend(l, s) => kv
+                    .attend(l, s.into_iter().map(item).collect())
+                    .await
+                    .map(drop),
+                Msg::Close(s) => {
+                    kv.close(s);
+                    Ok(())
+                }
+            };
+        }
+        if let Some(r) = &residency {
+            if i < 3 {
+                let _ = r.load(i, vec![i as u8; 8192], false).await;
+            } else {
+                let _ = r.with_weights(i - 3, |w| w.len()).await;
+            }
+        }
+    }
+    // Let messages the holder sends itself (closes, grants) land before counting.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let fired = match death {
+        HolderDeath::PanicAt(_) => !fault::disarm(),
+        _ => true,
+    };
+    let messages = fault::take_seen()
+        .into_iter()
+        .find(|(p, _)| *p == holder.point())
+        .map_or(0, |(_, n)| n);
+    // Whatever happened above, the holder goes now: everything it held must come back.
+    kill();
+    let settled = settles_to_zero(&g, &p).await;
+    let _ = p.shutdown().await;
+    (settled, fired, messages)
+}
+
+async fn every_death_of_a_holder(name: &str, holder: Holder) {
+    let _serial = SERIAL.lock().await;
+    let (clean, _, messages) = holder_run(holder, HolderDeath::None).await;
+    assert!(clean, "the clean scenario itself does not settle");
+    assert!(messages > 0, "{name} never handled a message");
+    let (mut passed, mut total) = (0, 0);
+    for k in 0..=holder.steps() {
+        let (settled, _, _) = holder_run(holder, HolderDeath::KillBefore(k)).await;
+        if !settled {
+            let _ = writeln!(
+                std::io::stderr(),
+                "{name} killed before message {k}: did not settle"
+            );
+        }
+        passed += settled as usize;
+        total += 1;
+    }
+    for n in 0..messages {
+        let (settled, fired, _) = holder_run(holder, HolderDeath::PanicAt(n)).await;
+        if !(settled && fired) {
+            let _ = writeln!(
+                std::io::stderr(),
+                "{name} panicking at message {n}: settled {settled}, fired {fired}"
+            );
+        }
+        passed += (settled && fired) as usize;
+        total += 1;
+    }
+    figure(&format!("actor_death_{name}"), passed, total);
+    assert_eq!(passed, total);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_store_killed_or_panicking_at_every_message_frees_everything_after_its_fences() {
+    every_death_of_a_holder("kv_store", Holder::KvStore).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn residency_killed_or_panicking_at_every_message_frees_everything_after_its_fences() {
+    every_death_of_a_holder("residency", Holder::Residency).await;
 }

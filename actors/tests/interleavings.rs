@@ -23,6 +23,9 @@ use procmem_actors::{
 };
 use tokio::sync::mpsc;
 
+mod common;
+use common::{figure, os_bytes};
+
 const HOLDERS: usize = 6;
 const OPS: usize = 60;
 const CAPACITY: u64 = 1 << 20;
@@ -86,11 +89,6 @@ impl Live {
 struct Held {
     buffer: DeviceBuffer,
     pattern: u8,
-}
-
-fn os_bytes(p: &CpuProvider) -> u64 {
-    p.mechanism().host_allocator().resident_total().unwrap()
-        + p.mechanism().backing().resident_bytes().unwrap()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -360,10 +358,7 @@ async fn seeded_interleavings_keep_every_invariant() {
         "interleavings: {seeds} seeds, {allocations} allocations ({denied} denied), \
          {kernels} kernels checked, {handed} hand-overs, {samples} samples ({exact} exact)"
     );
-    let _ = writeln!(
-        std::io::stderr(),
-        "FIGURE seeded_interleavings {passed}/{seeds}"
-    );
+    figure("seeded_interleavings", passed as usize, seeds as usize);
     assert_eq!(passed, seeds);
     assert!(
         allocations > 0 && kernels > 0 && exact > 0,

@@ -1,0 +1,36 @@
+//! Helpers shared by the reliability tests.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use procmem_actors::{CpuProvider, GovernorHandle};
+
+/// Prints a figure line that `scripts/reliability.sh` collects into its table.
+pub fn figure(name: &str, passed: usize, total: usize) {
+    let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");
+}
+
+/// Bytes the kernel reports for the provider's mechanism: eager allocations and virtual
+/// buffers.
+pub fn os_bytes(p: &CpuProvider) -> u64 {
+    p.mechanism().host_allocator().resident_total().unwrap()
+        + p.mechanism().backing().resident_bytes().unwrap()
+}
+
+/// Waits (up to 10 s) for the kernel, and the Governor's books where it still lives, to come
+/// back to zero. A dead Governor's books went with it: then only the kernel is asked.
+pub async fn settles_to_zero(g: &GovernorHandle, p: &CpuProvider) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let books = match g.snapshot().await {
+            Ok(s) => s.books.approved() == 0,
+            Err(_) => true,
+        };
+        if books && os_bytes(p) == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
