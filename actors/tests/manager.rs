@@ -192,3 +192,57 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "FIGURE bad_input_manager 6/6");
 }
+
+/// A Governor or a deferred-free queue that died is not hidden by shutdown: the report names
+/// the authority whose books were lost and counts the queues lost, and shutdown is an error.
+/// The memory still comes back to the kernel (a queue's allocations after their fences).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
+    let memory = MemoryManager::builder()
+        .host_budget(64 << 20)
+        .streams(2)
+        .build()
+        .await
+        .unwrap();
+    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
+    let holder = binding
+        .governor()
+        .register_holder("scratch", 0, None)
+        .await
+        .unwrap();
+    let request = AllocationRequest::new(1 << 20, MemoryRole::Workspace);
+    let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
+    let stream = memory.host_provider().stream(0).unwrap().clone();
+    let (open, gate) = crossbeam_channel::bounded::<()>(1);
+    let fence = stream
+        .submit(&[&buffer], move || {
+            let _ = gate.recv();
+        })
+        .unwrap();
+    stream.deferred_free().kill();
+    binding.governor().actor().kill();
+    drop(buffer);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let os = |m: &MemoryManager| {
+        let mech = m.host_provider().mechanism();
+        mech.host_allocator().resident_total().unwrap() + mech.backing().resident_bytes().unwrap()
+    };
+    assert!(os(&memory) >= 1 << 20, "freed while its kernel waits");
+    drop(open);
+    stream.host_wait(fence);
+    let err = memory.shutdown().await.unwrap_err();
+    let ManagerError::BooksNotZero(report) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(report.lost_authorities, vec!["host".to_string()], "{err}");
+    assert_eq!(report.lost_queues, 1, "{err}");
+    assert!(err.to_string().contains("governor gone"), "{err}");
+    let start = std::time::Instant::now();
+    while os(&memory) != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "memory never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
