@@ -27,7 +27,7 @@ use procmem_actors::{
 };
 
 mod common;
-use common::{figure, settles_to_zero};
+use common::{figure, settles_to_zero, system};
 
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -389,12 +389,7 @@ impl Holder {
 
 /// Runs `holder`'s scenario with `death` applied; returns (settled, fired, messages handled).
 async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig::default())
-        .await
-        .unwrap();
+    let (g, p) = system(1 << 30, 1).await;
     let kv = match holder {
         Holder::KvStore => {
             let config = KvStoreConfig {

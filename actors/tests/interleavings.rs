@@ -18,13 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use procmem_actors::core::{AllocationRequest, MemoryRole};
-use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
-};
+use procmem_actors::{CpuProvider, DeviceBuffer, GovernorHandle};
 use tokio::sync::mpsc;
 
 mod common;
-use common::{figure, os_bytes};
+use common::{figure, os_bytes, system};
 
 const HOLDERS: usize = 6;
 const OPS: usize = 60;
@@ -245,15 +243,7 @@ async fn checker(
 }
 
 async fn run_seed(seed: u64) -> (bool, Arc<Findings>) {
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", CAPACITY))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig {
-        streams: 2,
-        registry: None,
-    })
-    .await
-    .unwrap();
+    let (g, p) = system(CAPACITY, 2).await;
     let findings = Arc::new(Findings::default());
     let live = Arc::new(Live::default());
     let stop = Arc::new(AtomicBool::new(false));

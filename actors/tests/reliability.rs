@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procmem_actors::core::{AllocationRequest, MemoryRole};
-use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
 
 mod common;
-use common::{figure, settles_to_zero};
+use common::{figure, settles_to_zero, system};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_holders_twice_oversubscribed_lose_nothing() {
@@ -20,15 +19,7 @@ async fn sixty_four_holders_twice_oversubscribed_lose_nothing() {
     const BYTES: u64 = 64 * 1024;
     // Each holder keeps two buffers at once: demand is twice the budget.
     let budget = HOLDERS as u64 * BYTES;
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", budget))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig {
-        streams: 2,
-        registry: None,
-    })
-    .await
-    .unwrap();
+    let (g, p) = system(budget, 2).await;
     let checked = Arc::new(AtomicU64::new(0));
     let corrupt = Arc::new(AtomicU64::new(0));
     let denied = Arc::new(AtomicU64::new(0));

@@ -4,7 +4,21 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use procmem_actors::{CpuProvider, GovernorHandle};
+use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
+
+/// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
+pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvider) {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", capacity))
+        .await
+        .unwrap();
+    let p = CpuProvider::spawn(CpuProviderConfig {
+        streams,
+        registry: None,
+    })
+    .await
+    .unwrap();
+    (g, p)
+}
 
 /// Prints a figure line that `scripts/reliability.sh` collects into its table.
 pub fn figure(name: &str, passed: usize, total: usize) {
