@@ -8,16 +8,14 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{unbounded, Sender};
 use procmem::cuda::{CudaEvent, CudaMechanism, CudaStream};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline};
-use procmem::ledger::{HolderId, Priority};
-use procmem::{AllocationRequest, ContextId, DeviceMemoryMechanism, MemoryError};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
-use tokio::time::Instant;
+use procmem::MemoryError;
+use ractor::ActorRef;
 
 use crate::buffer::DeviceBuffer;
-use crate::deferred_free::{DeferredFree, DeferredFreeMsg, DrainReport, StreamRegistry};
-use crate::governor::GovernorHandle;
+use crate::deferred_free::{DeferredFreeMsg, StreamRegistry};
 use crate::provider::{
-    charged_allocation, drain, free_in_context, stop_if_a_queue_failed, ProviderError, WrongContext,
+    ExecutionProvider, Opened, Provider, ProviderContext, ProviderKind, ProviderMsg,
+    ProviderStream, StreamControl,
 };
 use crate::stream::{close_and_join, complete_fence, wait_for, StreamError};
 
@@ -128,10 +126,6 @@ impl CudaStreamHandle {
     pub fn cuda(&self) -> &CudaStream {
         &self.inner.stream
     }
-
-    fn stop_and_join(&self) {
-        close_and_join(&self.inner.submit, &self.inner.poller);
-    }
 }
 
 /// Why CUDA work could not be submitted.
@@ -143,14 +137,6 @@ pub enum CudaSubmitError {
     /// Queuing the work or recording its event failed; nothing was fenced.
     #[error(transparent)]
     Work(MemoryError),
-}
-
-/// The CUDA provider's context: device, mechanism and streams.
-pub struct CudaContext {
-    id: ContextId,
-    mechanism: CudaMechanism,
-    streams: Vec<CudaStreamHandle>,
-    registry: StreamRegistry,
 }
 
 /// How to start a CUDA provider.
@@ -177,191 +163,58 @@ impl Default for CudaProviderConfig {
     }
 }
 
-/// The CUDA provider actor's mailbox.
-pub enum CudaProviderMsg {
-    /// The context.
-    Context {
-        /// The context.
-        reply: RpcReplyPort<Arc<CudaContext>>,
-    },
-    /// Stop streams after their queued work; drain every deferred-free queue.
-    Shutdown {
-        /// What the drains freed.
-        reply: RpcReplyPort<DrainReport>,
-    },
-}
+/// The CUDA kind: a device's mechanism (eager and VMM), CUDA streams fenced by events.
+#[derive(Debug)]
+pub struct Cuda;
 
-/// The CUDA execution provider actor.
-#[derive(Debug, Default)]
-pub struct CudaExecutionProvider;
+impl ProviderKind for Cuda {
+    type Config = CudaProviderConfig;
+    type Mechanism = CudaMechanism;
+    type Stream = CudaStreamHandle;
+    const NAME: &'static str = "CudaProvider";
 
-impl Actor for CudaExecutionProvider {
-    type Msg = CudaProviderMsg;
-    type State = Arc<CudaContext>;
-    type Arguments = CudaProviderConfig;
-
-    async fn pre_start(
-        &self,
-        myself: ActorRef<CudaProviderMsg>,
-        config: CudaProviderConfig,
-    ) -> Result<Arc<CudaContext>, ActorProcessingErr> {
+    /// Without a CUDA driver this is `MemoryError::NoCudaDriver` and nothing starts.
+    fn open(config: CudaProviderConfig) -> Result<Opened<Self>, MemoryError> {
         let mechanism = CudaMechanism::new(config.ordinal, config.prefill_handles)?;
-        let id = mechanism.context();
-        let registry = config.registry.unwrap_or_default();
-        let mut streams = Vec::new();
-        for _ in 0..config.streams.max(1) {
-            let cuda = CudaStream::new(Arc::clone(mechanism.device()))?;
-            let stream_id = StreamId::fresh();
-            let (deferred, _) = Actor::spawn_linked(
-                None,
-                DeferredFree,
-                (stream_id, id, registry.clone()),
-                myself.get_cell(),
-            )
-            .await?;
-            let handle = CudaStreamHandle::start(stream_id, cuda, deferred.clone());
-            registry.register(handle.timeline(), deferred);
-            streams.push(handle);
-        }
-        Ok(Arc::new(CudaContext {
-            id,
+        Ok(Opened {
+            context: mechanism.context(),
             mechanism,
-            streams,
-            registry,
-        }))
+            streams: config.streams,
+            registry: config.registry,
+        })
     }
 
-    async fn handle(
-        &self,
-        _: ActorRef<CudaProviderMsg>,
-        msg: CudaProviderMsg,
-        context: &mut Arc<CudaContext>,
-    ) -> Result<(), ActorProcessingErr> {
-        procmem::fault::panic_point("provider.handle");
-        match msg {
-            CudaProviderMsg::Context { reply } => {
-                let _ = reply.send(context.clone());
-            }
-            CudaProviderMsg::Shutdown { reply } => {
-                let mut total = DrainReport::default();
-                for stream in &context.streams {
-                    let s = stream.clone();
-                    tokio::task::spawn_blocking(move || s.stop_and_join()).await?;
-                    total.add(drain(stream.deferred_free()).await);
-                }
-                let _ = reply.send(total);
-            }
-        }
-        Ok(())
-    }
-
-    async fn handle_supervisor_evt(
-        &self,
-        myself: ActorRef<CudaProviderMsg>,
-        event: SupervisionEvent,
-        _: &mut Arc<CudaContext>,
-    ) -> Result<(), ActorProcessingErr> {
-        stop_if_a_queue_failed(&myself.get_cell(), event);
-        Ok(())
+    fn start_stream(
+        mechanism: &CudaMechanism,
+        id: StreamId,
+        deferred: ActorRef<DeferredFreeMsg>,
+    ) -> Result<CudaStreamHandle, MemoryError> {
+        let cuda = CudaStream::new(Arc::clone(mechanism.device()))?;
+        Ok(CudaStreamHandle::start(id, cuda, deferred))
     }
 }
 
-/// A handle to a CUDA execution provider; cheap to clone.
-#[derive(Clone)]
-pub struct CudaProvider {
-    actor: ActorRef<CudaProviderMsg>,
-    context: Arc<CudaContext>,
-}
-
-impl std::fmt::Debug for CudaProvider {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaProvider")
-            .field("context", &self.context.id)
-            .field("streams", &self.context.streams)
-            .finish()
+impl StreamControl for CudaStreamHandle {
+    fn stop_and_join(&self) {
+        close_and_join(&self.inner.submit, &self.inner.poller);
     }
 }
 
-impl CudaProvider {
-    /// Starts a provider on device `config.ordinal`. Without a CUDA driver this returns
-    /// `ProviderError::Memory(MemoryError::NoCudaDriver { .. })` and starts nothing.
-    pub async fn spawn(config: CudaProviderConfig) -> Result<Self, ProviderError> {
-        procmem::cuda::CudaDevice::open(config.ordinal)?;
-        let (actor, _) = Actor::spawn(None, CudaExecutionProvider, config)
-            .await
-            .map_err(|_| ProviderError::Unavailable)?;
-        let context = ractor::call!(actor, |r| CudaProviderMsg::Context { reply: r })
-            .map_err(|_| ProviderError::Unavailable)?;
-        Ok(CudaProvider { actor, context })
+impl ProviderStream for CudaStreamHandle {
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        CudaStreamHandle::timeline(self)
     }
 
-    /// The provider actor (for supervision and tests).
-    pub fn actor(&self) -> &ActorRef<CudaProviderMsg> {
-        &self.actor
-    }
-
-    /// Its context.
-    pub fn context(&self) -> ContextId {
-        self.context.id
-    }
-
-    /// The CUDA mechanism.
-    pub fn mechanism(&self) -> &CudaMechanism {
-        &self.context.mechanism
-    }
-
-    /// The registry of its streams.
-    pub fn registry(&self) -> &StreamRegistry {
-        &self.context.registry
-    }
-
-    /// Stream `index`.
-    pub fn stream(&self, index: usize) -> Result<&CudaStreamHandle, ProviderError> {
-        self.context
-            .streams
-            .get(index)
-            .ok_or(ProviderError::NoSuchStream(
-                index,
-                self.context.streams.len(),
-            ))
-    }
-
-    /// Allocates device memory for `holder`, charged in full before allocating.
-    pub async fn allocate(
-        &self,
-        governor: &GovernorHandle,
-        holder: HolderId,
-        request: &AllocationRequest,
-        priority: Priority,
-        deadline: Option<Instant>,
-        home: usize,
-    ) -> Result<DeviceBuffer, ProviderError> {
-        let stream = self.stream(home)?;
-        let (allocation, lease) = charged_allocation(
-            self.context.mechanism.allocator(),
-            governor,
-            holder,
-            request,
-            priority,
-            deadline,
-        )
-        .await?;
-        Ok(DeviceBuffer::new(
-            allocation,
-            Some(lease),
-            stream.deferred_free().clone(),
-            self.context.clone(),
-        ))
-    }
-
-    /// Frees through this provider; a buffer of another context is refused and handed back.
-    pub fn free(&self, buffer: DeviceBuffer) -> Result<(), Box<WrongContext>> {
-        free_in_context(self.context.id, buffer)
-    }
-
-    /// Stops every stream after its queued work and drains every deferred-free queue.
-    pub async fn shutdown(&self) -> Result<DrainReport, ProviderError> {
-        ractor::call!(self.actor, |r| CudaProviderMsg::Shutdown { reply: r })
-            .map_err(|_| ProviderError::Unavailable)
+    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+        CudaStreamHandle::deferred_free(self)
     }
 }
+
+/// The CUDA execution provider: a device's mechanism and CUDA streams.
+pub type CudaProvider = Provider<Cuda>;
+/// The CUDA provider actor's mailbox.
+pub type CudaProviderMsg = ProviderMsg<Cuda>;
+/// The CUDA provider actor.
+pub type CudaExecutionProvider = ExecutionProvider<Cuda>;
+/// The CUDA provider's device context.
+pub type CudaContext = ProviderContext<Cuda>;

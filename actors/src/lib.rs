@@ -33,7 +33,9 @@ pub mod residency;
 pub mod stream;
 
 pub use buffer::{BufferView, DeviceBuffer};
-pub use cuda_provider::{CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError};
+pub use cuda_provider::{
+    Cuda, CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError,
+};
 pub use deferred_free::{
     DeferredFree, DeferredFreeMsg, DeferredStats, DrainReport, StreamRegistry,
 };
@@ -52,7 +54,10 @@ pub use manager::{
 };
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem as core;
-pub use provider::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};
+pub use provider::{
+    Cpu, CpuProvider, CpuProviderConfig, Provider, ProviderError, ProviderKind, ProviderStream,
+    WrongContext,
+};
 pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,
 };

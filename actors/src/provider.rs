@@ -1,9 +1,13 @@
-//! The CPU execution provider: a device context (the host mechanism) and its streams, each
-//! with its own deferred-free actor, supervised by the provider actor.
+//! Execution providers: a device context (a memory mechanism) and its streams, each with its
+//! own deferred-free actor, supervised by the provider actor. One generic actor and handle,
+//! [`Provider`], serves every kind; a [`ProviderKind`] says what differs: the mechanism and
+//! how a stream starts. The CPU kind is here ([`CpuProvider`]); the CUDA kind is in
+//! [`cuda_provider`](crate::cuda_provider).
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
-use procmem::fence::{HostTimeline, StreamId};
+use procmem::fence::{HostTimeline, StreamId, Timeline};
 use procmem::host::HostMechanism;
 use procmem::ledger::{HolderId, Priority};
 use procmem::{
@@ -48,38 +52,75 @@ pub struct WrongContext {
     pub buffer: DeviceBuffer,
 }
 
-/// The provider's device context: it lives as long as any buffer made through it.
-pub struct CpuContext {
-    id: ContextId,
-    mechanism: HostMechanism,
-    streams: Vec<CpuStream>,
-    registry: StreamRegistry,
+/// What differs between kinds of execution provider.
+pub trait ProviderKind: Send + Sync + Sized + 'static {
+    /// What starting one takes.
+    type Config: Send + 'static;
+    /// The memory mechanism of its device.
+    type Mechanism: DeviceMemoryMechanism + Send + Sync + 'static;
+    /// One of its streams.
+    type Stream: ProviderStream;
+    /// Its name, for logs.
+    const NAME: &'static str;
+
+    /// Opens the device's mechanism (before any actor starts, so the error is typed).
+    fn open(config: Self::Config) -> Result<Opened<Self>, MemoryError>;
+
+    /// Starts stream `id`, whose completions go to `deferred`.
+    fn start_stream(
+        mechanism: &Self::Mechanism,
+        id: StreamId,
+        deferred: ActorRef<DeferredFreeMsg>,
+    ) -> Result<Self::Stream, MemoryError>;
 }
 
-/// What [`CpuProvider`] needs to start.
-#[derive(Debug, Clone)]
-pub struct CpuProviderConfig {
-    /// How many streams (worker threads).
+/// An opened device, ready for its provider actor.
+pub struct Opened<K: ProviderKind> {
+    /// The mechanism.
+    pub mechanism: K::Mechanism,
+    /// The context its allocations belong to.
+    pub context: ContextId,
+    /// How many streams to start (at least one).
     pub streams: usize,
-    /// Registry to join, so buffers can be used across providers; a fresh one if `None`.
+    /// Registry to join; a fresh one if `None`.
     pub registry: Option<StreamRegistry>,
 }
 
-impl Default for CpuProviderConfig {
-    fn default() -> Self {
-        CpuProviderConfig {
-            streams: 1,
-            registry: None,
-        }
+mod sealed {
+    /// Stopping a stream is the provider's shutdown alone.
+    #[allow(unreachable_pub)]
+    pub trait StreamControl {
+        /// Closes the stream to new work and joins its thread after its queued work.
+        fn stop_and_join(&self);
     }
 }
 
-/// The provider actor's mailbox.
-pub enum CpuProviderMsg {
+pub(crate) use sealed::StreamControl;
+
+/// A stream of some provider: a timeline and the deferred-free actor its completions go to.
+pub trait ProviderStream:
+    sealed::StreamControl + Clone + Send + Sync + std::fmt::Debug + 'static
+{
+    /// Its timeline.
+    fn timeline(&self) -> Arc<dyn Timeline>;
+    /// Its deferred-free actor.
+    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg>;
+}
+
+/// A provider's device context: it lives as long as any buffer made through it.
+pub struct ProviderContext<K: ProviderKind> {
+    id: ContextId,
+    mechanism: K::Mechanism,
+    streams: Vec<K::Stream>,
+    registry: StreamRegistry,
+}
+
+/// A provider actor's mailbox.
+pub enum ProviderMsg<K: ProviderKind> {
     /// The context, for handles.
     Context {
         /// The context.
-        reply: RpcReplyPort<Arc<CpuContext>>,
+        reply: RpcReplyPort<Arc<ProviderContext<K>>>,
     },
     /// Stop every stream after its submitted work, drain every deferred-free queue in order.
     Shutdown {
@@ -88,47 +129,62 @@ pub enum CpuProviderMsg {
     },
 }
 
-impl std::fmt::Debug for CpuProviderMsg {
+impl<K: ProviderKind> std::fmt::Debug for ProviderMsg<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CpuProviderMsg::Context { .. } => write!(f, "Context"),
-            CpuProviderMsg::Shutdown { .. } => write!(f, "Shutdown"),
+            ProviderMsg::Context { .. } => write!(f, "Context"),
+            ProviderMsg::Shutdown { .. } => write!(f, "Shutdown"),
         }
     }
 }
 
-/// The CPU execution provider actor.
-#[derive(Debug, Default)]
-pub struct CpuExecutionProvider;
+/// The execution provider actor of kind `K`.
+pub struct ExecutionProvider<K>(PhantomData<fn() -> K>);
 
-impl Actor for CpuExecutionProvider {
-    type Msg = CpuProviderMsg;
-    type State = Arc<CpuContext>;
-    type Arguments = CpuProviderConfig;
+impl<K> Default for ExecutionProvider<K> {
+    fn default() -> Self {
+        ExecutionProvider(PhantomData)
+    }
+}
+
+impl<K: ProviderKind> Actor for ExecutionProvider<K> {
+    type Msg = ProviderMsg<K>;
+    type State = Arc<ProviderContext<K>>;
+    type Arguments = Opened<K>;
 
     async fn pre_start(
         &self,
-        myself: ActorRef<CpuProviderMsg>,
-        config: CpuProviderConfig,
-    ) -> Result<Arc<CpuContext>, ActorProcessingErr> {
-        let mechanism = HostMechanism::new()?;
-        let id = mechanism.context();
-        let registry = config.registry.unwrap_or_default();
-        let mut streams = Vec::with_capacity(config.streams);
-        for _ in 0..config.streams.max(1) {
-            let stream = StreamId::fresh();
-            let timeline = Arc::new(HostTimeline::new(stream));
+        myself: ActorRef<ProviderMsg<K>>,
+        opened: Opened<K>,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let Opened {
+            mechanism,
+            context: id,
+            streams: count,
+            registry,
+        } = opened;
+        let registry = registry.unwrap_or_default();
+        let mut streams = Vec::with_capacity(count.max(1));
+        for _ in 0..count.max(1) {
+            let stream_id = StreamId::fresh();
             let (deferred, _) = Actor::spawn_linked(
                 None,
                 DeferredFree,
-                (stream, id, registry.clone()),
+                (stream_id, id, registry.clone()),
                 myself.get_cell(),
             )
             .await?;
-            registry.register(timeline.clone(), deferred.clone());
-            streams.push(CpuStream::start(timeline, deferred));
+            let stream = match K::start_stream(&mechanism, stream_id, deferred.clone()) {
+                Ok(stream) => stream,
+                Err(error) => {
+                    deferred.stop(None);
+                    return Err(error.into());
+                }
+            };
+            registry.register(stream.timeline(), deferred);
+            streams.push(stream);
         }
-        Ok(Arc::new(CpuContext {
+        Ok(Arc::new(ProviderContext {
             id,
             mechanism,
             streams,
@@ -138,20 +194,20 @@ impl Actor for CpuExecutionProvider {
 
     async fn handle(
         &self,
-        _: ActorRef<CpuProviderMsg>,
-        msg: CpuProviderMsg,
-        context: &mut Arc<CpuContext>,
+        _: ActorRef<ProviderMsg<K>>,
+        msg: ProviderMsg<K>,
+        context: &mut Arc<ProviderContext<K>>,
     ) -> Result<(), ActorProcessingErr> {
         procmem::fault::panic_point("provider.handle");
         match msg {
-            CpuProviderMsg::Context { reply } => {
+            ProviderMsg::Context { reply } => {
                 let _ = reply.send(context.clone());
             }
-            CpuProviderMsg::Shutdown { reply } => {
+            ProviderMsg::Shutdown { reply } => {
                 let mut total = DrainReport::default();
                 for stream in &context.streams {
                     let s = stream.clone();
-                    tokio::task::spawn_blocking(move || s.stop_and_join()).await?;
+                    tokio::task::spawn_blocking(move || StreamControl::stop_and_join(&s)).await?;
                     total.add(drain(stream.deferred_free()).await);
                 }
                 let _ = reply.send(total);
@@ -162,44 +218,60 @@ impl Actor for CpuExecutionProvider {
 
     async fn handle_supervisor_evt(
         &self,
-        myself: ActorRef<CpuProviderMsg>,
+        myself: ActorRef<ProviderMsg<K>>,
         event: SupervisionEvent,
-        _: &mut Arc<CpuContext>,
+        _: &mut Arc<ProviderContext<K>>,
     ) -> Result<(), ActorProcessingErr> {
-        stop_if_a_queue_failed(&myself.get_cell(), event);
+        if let SupervisionEvent::ActorFailed(who, reason) = event {
+            // A deferred-free actor that fails would strand memory: the provider stops loudly
+            // rather than run on with a stream whose frees go nowhere.
+            tracing::error!(provider = K::NAME, actor = ?who.get_id(), %reason, "deferred-free actor failed");
+            myself.stop(Some(format!("deferred-free actor failed: {reason}")));
+        }
         Ok(())
     }
 }
 
-/// A handle to a CPU execution provider; cheap to clone.
-#[derive(Clone)]
-pub struct CpuProvider {
-    actor: ActorRef<CpuProviderMsg>,
-    context: Arc<CpuContext>,
+/// A handle to an execution provider of kind `K`; cheap to clone.
+pub struct Provider<K: ProviderKind> {
+    actor: ActorRef<ProviderMsg<K>>,
+    context: Arc<ProviderContext<K>>,
 }
 
-impl std::fmt::Debug for CpuProvider {
+impl<K: ProviderKind> Clone for Provider<K> {
+    fn clone(&self) -> Self {
+        Provider {
+            actor: self.actor.clone(),
+            context: self.context.clone(),
+        }
+    }
+}
+
+impl<K: ProviderKind> std::fmt::Debug for Provider<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuProvider")
+        f.debug_struct(K::NAME)
             .field("context", &self.context.id)
             .field("streams", &self.context.streams)
             .finish()
     }
 }
 
-impl CpuProvider {
-    /// Starts a provider with its streams and their deferred-free actors.
-    pub async fn spawn(config: CpuProviderConfig) -> Result<Self, ProviderError> {
-        let (actor, _) = Actor::spawn(None, CpuExecutionProvider, config)
+impl<K: ProviderKind> Provider<K> {
+    /// Opens the device and starts the provider with its streams and their deferred-free
+    /// actors. A device that cannot be opened (no CUDA driver, say) is a typed
+    /// `ProviderError::Memory` and nothing starts.
+    pub async fn spawn(config: K::Config) -> Result<Self, ProviderError> {
+        let opened = K::open(config)?;
+        let (actor, _) = Actor::spawn(None, ExecutionProvider::<K>::default(), opened)
             .await
             .map_err(|_| ProviderError::Unavailable)?;
-        let context = ractor::call!(actor, |r| CpuProviderMsg::Context { reply: r })
+        let context = ractor::call!(actor, |r| ProviderMsg::Context { reply: r })
             .map_err(|_| ProviderError::Unavailable)?;
-        Ok(CpuProvider { actor, context })
+        Ok(Provider { actor, context })
     }
 
     /// The provider actor (for supervision and tests).
-    pub fn actor(&self) -> &ActorRef<CpuProviderMsg> {
+    pub fn actor(&self) -> &ActorRef<ProviderMsg<K>> {
         &self.actor
     }
 
@@ -208,8 +280,8 @@ impl CpuProvider {
         self.context.id
     }
 
-    /// The host mechanism it allocates with.
-    pub fn mechanism(&self) -> &HostMechanism {
+    /// The mechanism it allocates with.
+    pub fn mechanism(&self) -> &K::Mechanism {
         &self.context.mechanism
     }
 
@@ -219,7 +291,7 @@ impl CpuProvider {
     }
 
     /// Stream `index`.
-    pub fn stream(&self, index: usize) -> Result<&CpuStream, ProviderError> {
+    pub fn stream(&self, index: usize) -> Result<&K::Stream, ProviderError> {
         self.context
             .streams
             .get(index)
@@ -229,9 +301,9 @@ impl CpuProvider {
             ))
     }
 
-    /// Allocates `request` for `holder`: charges the full footprint first (the host
-    /// allocator is eager), allocates, commits the charge at the real footprint. Any failure
-    /// returns the grant. The buffer's deferred frees go through stream `home`.
+    /// Allocates `request` for `holder`: charges the full footprint first, allocates,
+    /// commits the charge at the real footprint. Any failure returns the grant. The buffer's
+    /// deferred frees go through stream `home`.
     pub async fn allocate(
         &self,
         governor: &GovernorHandle,
@@ -268,10 +340,82 @@ impl CpuProvider {
     /// Stops every stream after its submitted work and drains every deferred-free queue in
     /// order; buffers dropped later are freed after their fences on a thread of their own.
     pub async fn shutdown(&self) -> Result<DrainReport, ProviderError> {
-        ractor::call!(self.actor, |r| CpuProviderMsg::Shutdown { reply: r })
+        ractor::call!(self.actor, |r| ProviderMsg::Shutdown { reply: r })
             .map_err(|_| ProviderError::Unavailable)
     }
 }
+
+/// The CPU kind: the host mechanism, streams on worker threads.
+#[derive(Debug)]
+pub struct Cpu;
+
+/// What [`CpuProvider`] needs to start.
+#[derive(Debug, Clone)]
+pub struct CpuProviderConfig {
+    /// How many streams (worker threads).
+    pub streams: usize,
+    /// Registry to join, so buffers can be used across providers; a fresh one if `None`.
+    pub registry: Option<StreamRegistry>,
+}
+
+impl Default for CpuProviderConfig {
+    fn default() -> Self {
+        CpuProviderConfig {
+            streams: 1,
+            registry: None,
+        }
+    }
+}
+
+impl ProviderKind for Cpu {
+    type Config = CpuProviderConfig;
+    type Mechanism = HostMechanism;
+    type Stream = CpuStream;
+    const NAME: &'static str = "CpuProvider";
+
+    fn open(config: CpuProviderConfig) -> Result<Opened<Self>, MemoryError> {
+        let mechanism = HostMechanism::new()?;
+        Ok(Opened {
+            context: mechanism.context(),
+            mechanism,
+            streams: config.streams,
+            registry: config.registry,
+        })
+    }
+
+    fn start_stream(
+        _: &HostMechanism,
+        id: StreamId,
+        deferred: ActorRef<DeferredFreeMsg>,
+    ) -> Result<CpuStream, MemoryError> {
+        Ok(CpuStream::start(Arc::new(HostTimeline::new(id)), deferred))
+    }
+}
+
+impl StreamControl for CpuStream {
+    fn stop_and_join(&self) {
+        CpuStream::stop_and_join(self);
+    }
+}
+
+impl ProviderStream for CpuStream {
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        CpuStream::timeline(self)
+    }
+
+    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+        CpuStream::deferred_free(self)
+    }
+}
+
+/// The CPU execution provider: the host mechanism and CPU streams.
+pub type CpuProvider = Provider<Cpu>;
+/// The CPU provider actor's mailbox.
+pub type CpuProviderMsg = ProviderMsg<Cpu>;
+/// The CPU provider actor.
+pub type CpuExecutionProvider = ExecutionProvider<Cpu>;
+/// The CPU provider's device context.
+pub type CpuContext = ProviderContext<Cpu>;
 
 /// Charges the full footprint of `request` to `holder`, allocates, and commits the charge at
 /// the real footprint. Any failure returns the grant (and frees an allocation no stream used).
@@ -338,14 +482,5 @@ pub(crate) async fn drain(queue: &ActorRef<DeferredFreeMsg>) -> DrainReport {
                 ..DrainReport::default()
             }
         }
-    }
-}
-
-/// A deferred-free actor that fails would strand memory: the provider stops loudly rather
-/// than run on with a stream whose frees go nowhere.
-pub(crate) fn stop_if_a_queue_failed(provider: &ractor::ActorCell, event: SupervisionEvent) {
-    if let SupervisionEvent::ActorFailed(who, reason) = event {
-        tracing::error!(actor = ?who.get_id(), %reason, "deferred-free actor failed");
-        provider.stop(Some(format!("deferred-free actor failed: {reason}")));
     }
 }
