@@ -215,3 +215,53 @@ async fn cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event(
     let report = p.shutdown().await.unwrap();
     assert_eq!(report.lost_queues, 1);
 }
+
+/// The manager with a CUDA device: a device authority of its own (the H200 is discrete), a
+/// binding that charges it, device memory the driver sees, and the books at zero after
+/// shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_manager_binding_charges_the_device_authority() {
+    use procmem_actors::core::{DeviceKey, MemoryTier};
+    use procmem_actors::MemoryManager;
+    if !have_gpu("cuda_manager_binding_charges_the_device_authority") {
+        return;
+    }
+    const BYTES: u64 = 256 << 20;
+    let memory = MemoryManager::builder()
+        .host_budget(64 << 20)
+        .cuda_device(0, 1 << 30)
+        .build()
+        .await
+        .unwrap();
+    let names: Vec<_> = memory
+        .authorities()
+        .iter()
+        .map(|a| a.name.clone())
+        .collect();
+    assert_eq!(names.len(), 2, "host and device authorities: {names:?}");
+    let binding = memory
+        .binding(DeviceKey::cuda(0), MemoryTier::Device)
+        .unwrap();
+    let caps = binding.capabilities();
+    assert!(caps.virtual_backing && caps.shared_mapping, "{caps:?}");
+    let holder = binding
+        .governor()
+        .register_holder("scratch", 0, None)
+        .await
+        .unwrap();
+    let device = CudaDevice::open(0).unwrap();
+    let (free_before, _) = device.mem_info().unwrap();
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
+    let (free_during, _) = device.mem_info().unwrap();
+    assert!(
+        free_before - free_during >= BYTES,
+        "the driver sees the allocation"
+    );
+    let books = binding.governor().snapshot().await.unwrap().books;
+    assert_eq!(books.leased, buffer.charged_bytes());
+    assert!(buffer.charged_bytes() >= BYTES);
+    drop(buffer);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report}");
+}
