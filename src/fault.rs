@@ -71,6 +71,15 @@ pub fn arm(point: &'static str, after: u64) {
     armed::ANY.store(true, std::sync::atomic::Ordering::Release);
 }
 
+/// Whether a point is armed and has not fired yet.
+#[cfg(feature = "fault-injection")]
+pub fn pending() -> bool {
+    armed::PLAN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_some()
+}
+
 /// Disarms every point; returns whether the armed one never fired.
 #[cfg(feature = "fault-injection")]
 pub fn disarm() -> bool {

@@ -27,7 +27,7 @@ use procmem_actors::{
 };
 
 mod common;
-use common::{figure, settles_to_zero, system};
+use common::{figure, let_messages_land, settles_to_zero, system};
 
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -233,7 +233,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
         wait(stream, fence).await.unwrap();
     }
     // Let the last completions and refunds land before the count is taken.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let_messages_land(Duration::from_millis(50)).await;
     if let Death::PanicAt(..) = death {
         fired = !fault::disarm();
     }
@@ -475,7 +475,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
         }
     }
     // Let messages the holder sends itself (closes, grants) land before counting.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let_messages_land(Duration::from_millis(50)).await;
     let fired = match death {
         HolderDeath::PanicAt(_) => !fault::disarm(),
         _ => true,

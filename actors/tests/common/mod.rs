@@ -48,3 +48,15 @@ pub async fn settles_to_zero(g: &GovernorHandle, p: &CpuProvider) -> bool {
     }
     false
 }
+
+/// Lets the messages still in flight land: waits `settle`, and while a panic point is armed
+/// and has not fired, up to 5 s more (a loaded machine may deliver the message it waits for
+/// late; a run that never reaches it stops waiting then).
+#[cfg(feature = "fault-injection")]
+pub async fn let_messages_land(settle: Duration) {
+    tokio::time::sleep(settle).await;
+    let start = Instant::now();
+    while procmem_actors::core::fault::pending() && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
