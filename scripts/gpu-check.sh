@@ -6,21 +6,21 @@
 #   scripts/gpu-check.sh --prebuilt DIR  run binaries packed by scripts/gpu-pack.sh (for a
 #                                        GPU machine without a Rust toolchain)
 #
-# Reports (JSON) go to $REPORTS (default target/reports).
+# The benches' JSON reports go to $REPORTS_TARGET/reports (default target/reports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi unavailable"
 export CARGO_TERM_COLOR=never
 if [[ "${1:-}" == "--prebuilt" ]]; then
-    bin="$(cd "$2" && pwd)"
+    bin="$(cd "${2:?usage: scripts/gpu-check.sh [--prebuilt DIR]}" && pwd)"
 else
     scripts/gpu-pack.sh target/gpu-bin
     bin="$(pwd)/target/gpu-bin"
 fi
-reports="${REPORTS:-$(pwd)/target/reports}"
-mkdir -p "$reports"
 # The benches write $CARGO_TARGET_DIR/reports/NAME.json.
-export CARGO_TARGET_DIR="$(dirname "$reports")"
+export CARGO_TARGET_DIR="${REPORTS_TARGET:-$(pwd)/target}"
+reports="$CARGO_TARGET_DIR/reports"
+mkdir -p "$reports"
 status=0
 run() {
     local name="$1"; shift

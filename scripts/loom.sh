@@ -4,5 +4,5 @@
 # Builds in its own target directory: the cfg changes every crate's flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUSTFLAGS="--cfg procmem_loom" CARGO_TARGET_DIR=target/loom \
+RUSTFLAGS="${RUSTFLAGS:-} --cfg procmem_loom" CARGO_TARGET_DIR=target/loom \
     cargo test --release --lib loom_ -- --test-threads=1 "$@"

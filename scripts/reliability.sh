@@ -8,15 +8,20 @@ log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input) =="
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" |
-    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|test result: FAILED.*" || true
+    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|test result: FAILED.*"
+tests_rc=${PIPESTATUS[0]}
 # A test's stderr can land in the middle of the harness's own line: take the figures from
 # anywhere on a line.
 figures=$(grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+" "$log")
 echo "== loom (fence timeline) =="
-loom=$(scripts/loom.sh 2>&1 | tee -a "$log" | grep -E "^test result")
-echo "$loom"
+scripts/loom.sh >"$log.loom" 2>&1
+loom_rc=$?
+cat "$log.loom" >>"$log"
+loom=$(grep -E "^test result" "$log.loom")
+echo "${loom:-loom: build or run FAILED (exit $loom_rc)}"
 echo "== sanitizers =="
 scripts/sanitize.sh | tee -a "$log" | tail -1
+sanitize_rc=${PIPESTATUS[0]}
 
 # Security: each property has its own test; the figure counts those that passed.
 security=(
@@ -28,9 +33,10 @@ security=(
 )
 sec_pass=0
 for t in "${security[@]}"; do
-    # Ran ("test NAME ... ", its own output may follow on the line) and not listed as failed.
+    # Ran ("test NAME ... ", its own output may follow on the line), was not ignored, and is
+    # not listed as failed.
     if grep -qE "^test (.*::)?$t \.\.\. " "$log" &&
-        ! grep -qE "^test (.*::)?$t \.\.\. FAILED|^    (.*::)?$t\$" "$log"; then
+        ! grep -qE "^test (.*::)?$t \.\.\. (FAILED|ignored)|^    (.*::)?$t\$" "$log"; then
         sec_pass=$((sec_pass + 1))
     fi
 done
@@ -39,8 +45,13 @@ printf '%-34s %s\n' "figure" "passed/total"
 echo "$figures" | grep -v "^FIGURE bad_input" | awk '{printf "%-34s %s\n", $2, $3}'
 echo "$figures" | grep -E "^FIGURE bad_input" | awk '{split($3, a, "/"); p += a[1]; t += a[2]} END {printf "%-34s %d/%d\n", "bad-input classes (all APIs + CLI)", p, t}'
 printf '%-34s %d/%d\n' "security properties" "$sec_pass" "${#security[@]}"
-echo "$loom" | awk '{printf "%-34s %s/%s\n", "loom models (fence timeline)", $4, $4 + $6}'
+if [ -n "$loom" ]; then
+    echo "$loom" | awk '{printf "%-34s %s/%s\n", "loom models (fence timeline)", $4, $4 + $6}'
+else
+    printf '%-34s %s\n' "loom models (fence timeline)" "FAILED to build or run"
+fi
 grep -E "^sanitize: [0-9]+ passed" "$log" | awk '{printf "%-34s %s/%s\n", "sanitizer (valgrind) binaries", $2, $2+$4}'
-if grep -q "test result: FAILED" "$log" || [ "$sec_pass" -ne "${#security[@]}" ]; then
+if [ "$tests_rc" -ne 0 ] || grep -q "test result: FAILED" "$log" || [ "$sec_pass" -ne "${#security[@]}" ] ||
+    [ "$loom_rc" -ne 0 ] || [ "$sanitize_rc" -ne 0 ]; then
     echo "some tests FAILED"; exit 1
 fi

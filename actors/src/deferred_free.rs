@@ -102,6 +102,17 @@ impl Drop for PendingFree {
             return;
         }
         counter!("procmem_deferred_free_orphans_total").increment(1);
+        if self
+            .uses
+            .iter()
+            .all(|(fence, timeline)| timeline.completed() >= fence.value)
+        {
+            // Every fence is done: nothing can still use it, free it here.
+            if let Err(error) = self.release_now() {
+                tracing::error!(%error, "mechanism failed to free an orphaned allocation");
+            }
+            return;
+        }
         // If no thread can be started the closure is dropped unrun: `ManuallyDrop` then leaks
         // the allocation, still charged, rather than freeing it before its fences.
         let orphan = std::mem::ManuallyDrop::new(PendingFree {

@@ -151,14 +151,22 @@ pub struct KvStoreStats {
     pub freed_by_pressure: u64,
 }
 
-/// How soon a pressure ticket is looked at again when sequences it could take are only
-/// waiting for a kernel to finish.
+/// How soon a pressure ticket is looked at again when nothing can go now but sequences are
+/// only waiting for a kernel to finish, and how many times at most.
 const TICKET_RECHECK: std::time::Duration = std::time::Duration::from_millis(1);
+const TICKET_RECHECKS: u32 = 4;
 
 /// The store's mailbox.
 pub enum KvStoreMsg {
     /// A Governor's pressure ticket.
     Ticket(PressureTicket),
+    /// A ticket put off while the kernels holding its victims finish.
+    RecheckTicket {
+        /// The ticket.
+        ticket: PressureTicket,
+        /// Times it was put off so far.
+        rechecks: u32,
+    },
     /// Opens a sequence for `prompt`, mapping cached prefix blocks.
     Open {
         /// Its id.
@@ -417,7 +425,10 @@ impl Actor for KvStore {
         procmem::fault::panic_point("kv.handle");
         state.clock += 1;
         match msg {
-            KvStoreMsg::Ticket(ticket) => state.answer(&myself, ticket),
+            KvStoreMsg::Ticket(ticket) => state.answer(&myself, ticket, 0),
+            KvStoreMsg::RecheckTicket { ticket, rechecks } => {
+                state.answer(&myself, ticket, rechecks)
+            }
             KvStoreMsg::Open {
                 seq,
                 prompt,
@@ -1138,9 +1149,6 @@ impl KvStoreState {
         }
     }
 
-    /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
-    /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
-    /// in use by the device), so the report has nothing pending a fence.
     /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
     /// free to go as soon as that kernel's fence completes.
     fn waits_only_for_its_fence(&self, entry: &SeqEntry) -> bool {
@@ -1152,7 +1160,11 @@ impl KvStoreState {
                 .is_some_and(|f| self.stream.timeline().completed() < f.value)
     }
 
-    fn answer(&mut self, myself: &ActorRef<KvStoreMsg>, ticket: PressureTicket) {
+    /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
+    /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
+    /// in use by the device), so the report has nothing pending a fence. `rechecks`: how many
+    /// times this ticket was already put off.
+    fn answer(&mut self, myself: &ActorRef<KvStoreMsg>, ticket: PressureTicket, rechecks: u32) {
         let _span = tracing::debug_span!(
             "pressure_ticket",
             ticket = ticket.id.get(),
@@ -1190,14 +1202,19 @@ impl KvStoreState {
             .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
             .sum();
         let soon_free = self.seqs.values().any(|e| self.waits_only_for_its_fence(e));
-        if available < ticket.bytes_wanted
+        if available == 0
             && soon_free
-            && tokio::time::Instant::now() + TICKET_RECHECK < ticket.deadline
+            && rechecks < TICKET_RECHECKS
+            && tokio::time::Instant::now() + 2 * TICKET_RECHECK < ticket.deadline
         {
-            // Sequences a kernel is still reading can go once its fence completes, in well
-            // under a millisecond: look again then, rather than answer "nothing" now and not be
-            // asked again in this pressure round.
-            myself.send_after(TICKET_RECHECK, move || KvStoreMsg::Ticket(ticket));
+            // Nothing can go now, but sequences whose last kernel is finishing can go once its
+            // fence completes (well under a millisecond): look again then, a few times at
+            // most, rather than answer "nothing" and not be asked again in this round. (The
+            // Governor has one ticket out at a time, so this delays asking anyone else.)
+            myself.send_after(TICKET_RECHECK, move || KvStoreMsg::RecheckTicket {
+                ticket,
+                rechecks: rechecks + 1,
+            });
             return;
         }
         let mut freed = 0;

@@ -48,6 +48,7 @@ use tokio::time::Instant;
 
 use crate::buffer::DeviceBuffer;
 use crate::cuda_provider::{CudaProvider, CudaProviderConfig};
+use crate::deferred_free::DrainReport;
 use crate::governor::{GovernorConfig, GovernorHandle, GovernorSnapshot};
 use crate::kv_store::{KvStoreConfig, KvStoreError, KvStoreHandle};
 use crate::provider::{CpuProvider, CpuProviderConfig, ProviderError};
@@ -121,12 +122,15 @@ pub struct ShutdownReport {
     /// Deferred-free queues whose actor had died; what they held was freed after its fences
     /// by threads of its own.
     pub lost_queues: u64,
+    /// Execution providers whose actor had died, so their queues could not be drained.
+    pub lost_providers: Vec<String>,
 }
 
 impl ShutdownReport {
     /// Every authority reachable and at zero.
     pub fn is_zero(&self) -> bool {
         self.lost_authorities.is_empty()
+            && self.lost_providers.is_empty()
             && self
                 .authorities
                 .iter()
@@ -145,6 +149,9 @@ impl std::fmt::Display for ShutdownReport {
         }
         for name in &self.lost_authorities {
             write!(f, "{name}: governor gone, books lost; ")?;
+        }
+        for name in &self.lost_providers {
+            write!(f, "{name} provider gone, queues not drained; ")?;
         }
         if self.lost_queues > 0 {
             write!(f, "{} deferred-free queues lost; ", self.lost_queues)?;
@@ -739,9 +746,20 @@ impl MemoryManager {
                 .stop_and_wait(None, Some(Duration::from_secs(10)))
                 .await;
         }
-        let mut drained = self.inner.host.shutdown().await?;
+        // A provider whose actor died cannot drain its queues; what they held frees after its
+        // fences on its own. The report names it rather than stopping here.
+        let mut drained = DrainReport::default();
+        let mut lost_providers = Vec::new();
+        match self.inner.host.shutdown().await {
+            Ok(d) => drained.add(d),
+            Err(_) => lost_providers.push("host".to_string()),
+        }
         if let Some(cuda) = &self.inner.cuda {
-            drained.add(cuda.shutdown().await?);
+            match cuda.shutdown().await {
+                Ok(d) => drained.add(d),
+                Err(_) => lost_providers
+                    .push(DeviceKey::cuda(cuda.mechanism().device().ordinal()).to_string()),
+            }
         }
         // Refunds travel as messages: give them a moment to land.
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -749,6 +767,7 @@ impl MemoryManager {
             let mut report = ShutdownReport {
                 deferred_frees: drained.freed,
                 lost_queues: drained.lost_queues,
+                lost_providers: lost_providers.clone(),
                 ..ShutdownReport::default()
             };
             for a in &self.inner.authorities {
@@ -761,7 +780,7 @@ impl MemoryManager {
                     Err(_) => report.lost_authorities.push(a.name.clone()),
                 }
             }
-            if !report.lost_authorities.is_empty() {
+            if !report.lost_authorities.is_empty() || !report.lost_providers.is_empty() {
                 break report;
             }
             if report.is_zero() || Instant::now() > deadline {

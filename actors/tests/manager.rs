@@ -246,3 +246,35 @@ async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A provider actor that died cannot drain its queues: shutdown still reports (naming it)
+/// instead of stopping at the first error, and the memory still comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_reports_a_dead_provider() {
+    let memory = MemoryManager::builder()
+        .host_budget(64 << 20)
+        .build()
+        .await
+        .unwrap();
+    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
+    let holder = binding
+        .governor()
+        .register_holder("scratch", 0, None)
+        .await
+        .unwrap();
+    let request = AllocationRequest::new(1 << 20, MemoryRole::Workspace);
+    let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
+    memory.host_provider().actor().kill();
+    drop(buffer);
+    let err = memory.shutdown().await.unwrap_err();
+    let ManagerError::BooksNotZero(report) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(report.lost_providers, vec!["host".to_string()], "{err}");
+    let governor = binding.governor();
+    let start = std::time::Instant::now();
+    while governor.snapshot().await.unwrap().books.approved() != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never refunded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

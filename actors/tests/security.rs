@@ -4,13 +4,13 @@
 //! are read per process, and the metrics recorder is process-global.)
 
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 
 use procmem_actors::MemoryManager;
 
-/// Local addresses of the TCP sockets this process is listening on (IPv4), from
-/// `/proc/net/tcp` joined with the socket inodes of `/proc/self/fd`.
-fn listening() -> Vec<SocketAddrV4> {
+/// Local addresses of the TCP sockets this process is listening on, IPv4 and IPv6, from
+/// `/proc/net/tcp{,6}` joined with the socket inodes of `/proc/self/fd`.
+fn listening() -> Vec<SocketAddr> {
     let mine: HashSet<String> = std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -19,23 +19,44 @@ fn listening() -> Vec<SocketAddrV4> {
             Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
         })
         .collect();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
             let f: Vec<&str> = line.split_whitespace().collect();
-            // f[1] = local "AABBCCDD:PORT" (hex, address little-endian), f[3] = state
-            // (0A = LISTEN), f[9] = inode.
+            // f[1] = local "ADDRESS:PORT" (hex, address in 32-bit little-endian words),
+            // f[3] = state (0A = LISTEN), f[9] = inode.
             if f.len() < 10 || f[3] != "0A" || !mine.contains(f[9]) {
-                return None;
+                continue;
             }
-            let (ip, port) = f[1].split_once(':')?;
-            let ip = u32::from_str_radix(ip, 16).ok()?;
-            let port = u16::from_str_radix(port, 16).ok()?;
-            Some(SocketAddrV4::new(Ipv4Addr::from(ip.swap_bytes()), port))
-        })
-        .collect()
+            let Some((ip, port)) = f[1].split_once(':') else {
+                continue;
+            };
+            let port = u16::from_str_radix(port, 16).unwrap();
+            let words: Vec<u32> = (0..ip.len() / 8)
+                .map(|i| {
+                    u32::from_str_radix(&ip[8 * i..8 * i + 8], 16)
+                        .unwrap()
+                        .swap_bytes()
+                })
+                .collect();
+            let addr = match words.as_slice() {
+                [v4] => IpAddr::V4(Ipv4Addr::from(*v4)),
+                [a, b, c, d] => {
+                    let mut bytes = [0u8; 16];
+                    for (i, w) in [a, b, c, d].into_iter().enumerate() {
+                        bytes[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
+                    }
+                    IpAddr::V6(Ipv6Addr::from(bytes))
+                }
+                _ => panic!("unexpected address {ip} in {table}"),
+            };
+            out.push(SocketAddr::new(addr, port));
+        }
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,7 +89,7 @@ async fn the_metrics_endpoint_listens_nowhere_unless_told_and_only_where_told() 
     let sockets = listening();
     assert_eq!(
         sockets,
-        vec![SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)],
+        vec![addr],
         "listens on the loopback address it was given, and nowhere else"
     );
     served.shutdown().await.unwrap();
