@@ -443,7 +443,13 @@ pub(crate) async fn charged_allocation(
     // A refused commit hands the grant back. The allocation, never used by any stream, is
     // freed at once by its own mechanism, and only then does the grant return: memory is
     // never mapped without being charged, not even for a moment.
-    match grant.commit(actual).await {
+    // Were this future dropped during the commit, its locals would go in reverse order of
+    // declaration. The commit future (which owns the grant) is pinned in a local, not moved
+    // into the await, and `allocation` is re-bound after it: the allocation is freed before
+    // the grant returns. (A plain `grant.commit(actual).await` drops the grant first.)
+    let mut commit = std::pin::pin!(grant.commit(actual));
+    let allocation = allocation;
+    match commit.as_mut().await {
         Ok(lease) => Ok((allocation, lease)),
         Err(CommitRefused { error, grant }) => {
             drop(allocation);
