@@ -7,7 +7,8 @@ use std::time::Duration;
 use procmem_actors::core::kv::KvShape;
 use procmem_actors::core::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
 use procmem_actors::{
-    AttendItem, KvStoreConfig, ManagerError, MemoryManager, PreemptMode, ProviderError,
+    AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
+    PreemptMode, ProviderError,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -193,14 +194,11 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
     let _ = writeln!(std::io::stderr(), "FIGURE bad_input_manager 6/6");
 }
 
-/// A Governor or a deferred-free queue that died is not hidden by shutdown: the report names
-/// the authority whose books were lost and counts the queues lost, and shutdown is an error.
-/// The memory still comes back to the kernel (a queue's allocations after their fences).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
+/// A manager with `streams` host streams and one 1 MiB buffer allocated through its binding.
+async fn manager_with_a_buffer(streams: usize) -> (MemoryManager, MemoryBinding, DeviceBuffer) {
     let memory = MemoryManager::builder()
         .host_budget(64 << 20)
-        .streams(2)
+        .streams(streams)
         .build()
         .await
         .unwrap();
@@ -212,6 +210,15 @@ async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
         .unwrap();
     let request = AllocationRequest::new(1 << 20, MemoryRole::Workspace);
     let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
+    (memory, binding, buffer)
+}
+
+/// A Governor or a deferred-free queue that died is not hidden by shutdown: the report names
+/// the authority whose books were lost and counts the queues lost, and shutdown is an error.
+/// The memory still comes back to the kernel (a queue's allocations after their fences).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
+    let (memory, binding, buffer) = manager_with_a_buffer(2).await;
     let stream = memory.host_provider().stream(0).unwrap().clone();
     let (open, gate) = crossbeam_channel::bounded::<()>(1);
     let fence = stream
@@ -251,19 +258,7 @@ async fn shutdown_reports_a_dead_governor_and_a_lost_queue() {
 /// instead of stopping at the first error, and the memory still comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_reports_a_dead_provider() {
-    let memory = MemoryManager::builder()
-        .host_budget(64 << 20)
-        .build()
-        .await
-        .unwrap();
-    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
-    let holder = binding
-        .governor()
-        .register_holder("scratch", 0, None)
-        .await
-        .unwrap();
-    let request = AllocationRequest::new(1 << 20, MemoryRole::Workspace);
-    let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
+    let (memory, binding, buffer) = manager_with_a_buffer(1).await;
     memory.host_provider().actor().kill();
     drop(buffer);
     let err = memory.shutdown().await.unwrap_err();
