@@ -96,46 +96,98 @@ impl std::fmt::Debug for PendingFree {
     }
 }
 
+impl PendingFree {
+    fn fences_done(&self) -> bool {
+        self.uses
+            .iter()
+            .all(|(fence, timeline)| timeline.completed() >= fence.value)
+    }
+
+    fn release_orphan(&mut self) {
+        if let Err(error) = self.release_now() {
+            tracing::error!(%error, "mechanism failed to free an orphaned allocation");
+        }
+    }
+}
+
 impl Drop for PendingFree {
     fn drop(&mut self) {
         if self.item.is_none() {
             return;
         }
         counter!("procmem_deferred_free_orphans_total").increment(1);
-        if self
-            .uses
-            .iter()
-            .all(|(fence, timeline)| timeline.completed() >= fence.value)
-        {
+        if self.fences_done() {
             // Every fence is done: nothing can still use it, free it here.
-            if let Err(error) = self.release_now() {
-                tracing::error!(%error, "mechanism failed to free an orphaned allocation");
-            }
+            self.release_orphan();
             return;
         }
-        // If no thread can be started the closure is dropped unrun: `ManuallyDrop` then leaks
-        // the allocation, still charged, rather than freeing it before its fences.
-        let orphan = std::mem::ManuallyDrop::new(PendingFree {
+        let orphan = PendingFree {
             item: self.item.take(),
             lease: self.lease.take(),
             uses: std::mem::take(&mut self.uses),
             context: self.context,
-        });
-        let spawned = std::thread::Builder::new()
-            .name("procmem-orphan-free".into())
-            .spawn(move || {
-                let mut orphan = std::mem::ManuallyDrop::into_inner(orphan);
-                for (fence, timeline) in &orphan.uses {
-                    crate::stream::wait_for(timeline.as_ref(), *fence);
+        };
+        match orphan_reaper() {
+            Some(reaper) => {
+                if let Err(crossbeam_channel::SendError(orphan)) = reaper.send(orphan) {
+                    leak(orphan);
                 }
-                if let Err(error) = orphan.release_now() {
-                    tracing::error!(%error, "mechanism failed to free an orphaned allocation");
-                }
-            });
-        if let Err(error) = spawned {
-            tracing::error!(%error, "no thread to free an orphaned allocation; leaked, still charged");
+            }
+            None => leak(orphan),
         }
     }
+}
+
+/// No way to wait for its fences: leak it, still charged, rather than free it early.
+fn leak(orphan: PendingFree) {
+    tracing::error!("no thread to free an orphaned allocation; leaked, still charged");
+    std::mem::forget(orphan);
+}
+
+/// The one thread that frees orphaned allocations once their fences complete: it holds them,
+/// looks at their fences every millisecond while any wait, and sleeps on its channel when
+/// none do, so a queue that died costs one thread in all, not one per allocation. `None` if
+/// the thread could not be started (orphans are then leaked, still charged).
+fn orphan_reaper() -> Option<&'static crossbeam_channel::Sender<PendingFree>> {
+    static REAPER: std::sync::OnceLock<Option<crossbeam_channel::Sender<PendingFree>>> =
+        std::sync::OnceLock::new();
+    REAPER
+        .get_or_init(|| {
+            let (tx, rx) = crossbeam_channel::unbounded::<PendingFree>();
+            let started = std::thread::Builder::new()
+                .name("procmem-orphan-free".into())
+                .spawn(move || {
+                    let mut waiting: Vec<PendingFree> = Vec::new();
+                    loop {
+                        let next = if waiting.is_empty() {
+                            match rx.recv() {
+                                Ok(orphan) => Some(orphan),
+                                Err(_) => return,
+                            }
+                        } else {
+                            rx.recv_timeout(std::time::Duration::from_millis(1)).ok()
+                        };
+                        waiting.extend(next);
+                        waiting.extend(rx.try_iter());
+                        waiting.retain_mut(|orphan| {
+                            if orphan.fences_done() {
+                                orphan.release_orphan();
+                                false
+                            } else {
+                                true
+                            }
+                        });
+                    }
+                });
+            match started {
+                Ok(_) => Some(tx),
+                Err(error) => {
+                    tracing::error!(%error, "cannot start the orphan-free thread");
+                    None
+                }
+            }
+        })
+        .as_ref()
 }
 
 /// Every stream's timeline and deferred-free queue, so an allocation used on several streams
