@@ -2,10 +2,8 @@
 //! recorded events, a host thread per stream that observes each event in order and sends its
 //! completion to that stream's deferred-free actor.
 
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
-use crossbeam_channel::{unbounded, Sender};
 use procmem::cuda::{CudaEvent, CudaMechanism, CudaStream};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline};
 use procmem::MemoryError;
@@ -17,15 +15,11 @@ use crate::provider::{
     ExecutionProvider, Opened, Provider, ProviderContext, ProviderKind, ProviderMsg,
     ProviderStream, StreamControl,
 };
-use crate::stream::{close_and_join, complete_fence, wait_for, StreamError};
+use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
-    id: StreamId,
+    core: StreamCore<CudaEvent>,
     stream: CudaStream,
-    timeline: Arc<HostTimeline>,
-    submit: Mutex<Option<Sender<(u64, CudaEvent)>>>,
-    poller: Mutex<Option<JoinHandle<()>>>,
-    deferred: ActorRef<DeferredFreeMsg>,
 }
 
 /// One CUDA stream of a provider; cheap to clone.
@@ -37,8 +31,8 @@ pub struct CudaStreamHandle {
 impl std::fmt::Debug for CudaStreamHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaStreamHandle")
-            .field("id", &self.inner.id)
-            .field("completed", &self.inner.timeline.completed())
+            .field("id", &self.inner.core.id())
+            .field("completed", &self.inner.core.host_timeline().completed())
             .finish()
     }
 }
@@ -46,52 +40,36 @@ impl std::fmt::Debug for CudaStreamHandle {
 impl CudaStreamHandle {
     fn start(id: StreamId, stream: CudaStream, deferred: ActorRef<DeferredFreeMsg>) -> Self {
         let timeline = Arc::new(HostTimeline::new(id));
-        let (tx, rx) = unbounded::<(u64, CudaEvent)>();
-        let poller = {
-            let timeline = Arc::clone(&timeline);
-            let deferred = deferred.clone();
-            std::thread::Builder::new()
-                .name(format!("procmem-cuda-{}", id.get()))
-                .spawn(move || {
-                    for (value, event) in rx {
-                        // An event that cannot be observed leaves its fence pending: memory
-                        // the work used is then never freed, rather than freed too early.
-                        match event.synchronize() {
-                            Ok(()) => complete_fence(&timeline, &deferred, value),
-                            Err(error) => {
-                                tracing::error!(%error, value, "CUDA event failed; fence left pending");
-                                return;
-                            }
-                        }
-                    }
-                })
-                .expect("spawn a CUDA poller thread")
-        };
+        let name = format!("procmem-cuda-{}", id.get());
+        let core = StreamCore::start(name, timeline, deferred, |event: CudaEvent| {
+            // An event that cannot be observed leaves its fence pending: memory the work
+            // used is then never freed, rather than freed too early.
+            match event.synchronize() {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(%error, "CUDA event failed; fence left pending");
+                    false
+                }
+            }
+        });
         CudaStreamHandle {
-            inner: Arc::new(StreamInner {
-                id,
-                stream,
-                timeline,
-                submit: Mutex::new(Some(tx)),
-                poller: Mutex::new(Some(poller)),
-                deferred,
-            }),
+            inner: Arc::new(StreamInner { core, stream }),
         }
     }
 
     /// Its identity.
     pub fn id(&self) -> StreamId {
-        self.inner.id
+        self.inner.core.id()
     }
 
     /// Its timeline.
     pub fn timeline(&self) -> Arc<dyn Timeline> {
-        self.inner.timeline.clone()
+        self.inner.core.timeline()
     }
 
     /// Its deferred-free actor.
     pub fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
-        &self.inner.deferred
+        self.inner.core.deferred_free()
     }
 
     /// Queues `work` on the CUDA stream, records an event after it, and returns that fence.
@@ -101,25 +79,22 @@ impl CudaStreamHandle {
         uses: &[&DeviceBuffer],
         work: impl FnOnce(&CudaStream) -> Result<(), MemoryError>,
     ) -> Result<Fence, CudaSubmitError> {
-        let guard = self.inner.submit.lock().unwrap_or_else(|p| p.into_inner());
-        let sender = guard
-            .as_ref()
-            .ok_or(CudaSubmitError::Stream(StreamError::Closed(self.inner.id)))?;
-        work(&self.inner.stream).map_err(CudaSubmitError::Work)?;
-        let event = self.inner.stream.record().map_err(CudaSubmitError::Work)?;
-        let fence = self.inner.timeline.signal_next();
-        for buffer in uses {
-            buffer.record_use(fence, self.timeline());
-        }
-        sender
-            .send((fence.value, event))
-            .map_err(|_| CudaSubmitError::Stream(StreamError::Closed(self.inner.id)))?;
-        Ok(fence)
+        let stream = &self.inner.stream;
+        self.inner
+            .core
+            .submit(uses, || {
+                work(stream)?;
+                stream.record()
+            })
+            .map_err(|e| match e {
+                Ok(closed) => CudaSubmitError::Stream(closed),
+                Err(error) => CudaSubmitError::Work(error),
+            })
     }
 
     /// Blocks until `fence` completes.
     pub fn host_wait(&self, fence: Fence) {
-        wait_for(self.inner.timeline.as_ref(), fence);
+        self.inner.core.host_wait(fence);
     }
 
     /// The raw stream, for queuing work outside `submit` (it is then not fenced).
@@ -196,7 +171,7 @@ impl ProviderKind for Cuda {
 
 impl StreamControl for CudaStreamHandle {
     fn stop_and_join(&self) {
-        close_and_join(&self.inner.submit, &self.inner.poller);
+        self.inner.core.stop_and_join();
     }
 }
 
