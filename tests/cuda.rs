@@ -3,6 +3,9 @@
 
 use std::sync::Arc;
 
+mod common;
+use common::rerun_in_child;
+
 use procmem::cuda::{driver_present, CudaDevice, CudaMechanism};
 use procmem::{
     DeviceMemoryMechanism, MapAccess, MemoryError, MemoryRole, ReserveRequest, VirtualBacking,
@@ -251,11 +254,7 @@ fn cuda_read_only_sharer_cannot_write() {
         return;
     }
     for how in ["copy", "memset"] {
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, how)
-            .output()
-            .unwrap();
+        let output = rerun_in_child(TEST, CHILD_ENV, how);
         let stderr = String::from_utf8_lossy(&output.stderr);
         eprintln!("{how}: child exited {:?}\n{stderr}", output.status);
         assert!(

@@ -3,7 +3,6 @@
 #![cfg(target_os = "linux")]
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::Command;
 use std::sync::Arc;
 
 use procmem::host::{host_bytes, host_bytes_mut, HostMechanism};
@@ -11,6 +10,9 @@ use procmem::{
     AllocationRequest, CommitModel, DeviceMemoryMechanism, FreeError, MapAccess, MemoryError,
     MemoryRole, ReserveRequest, VirtualAllocation, VirtualBuffer,
 };
+
+mod common;
+use common::rerun_in_child;
 
 fn host() -> HostMechanism {
     HostMechanism::new().expect("host mechanism")
@@ -140,16 +142,7 @@ fn read_only_view_faults_on_write() {
         eprintln!("child: the write did not fault");
         std::process::exit(0);
     }
-    let output = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "read_only_view_faults_on_write",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .output()
-        .unwrap();
+    let output = rerun_in_child("read_only_view_faults_on_write", CHILD_ENV, "1");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains("child: writing through the read-only view"),
