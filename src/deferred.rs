@@ -59,12 +59,15 @@ impl<T> FenceQueue<T> {
     /// Queues `item` until `value` completes.
     pub fn push(&mut self, value: u64, item: T) {
         self.entries.insert((value, self.next_seq), item);
-        self.next_seq += 1;
+        self.next_seq = self.next_seq.wrapping_add(1);
     }
 
     /// Takes every item whose value is at or below `completed`, in order.
     pub fn pop_ready(&mut self, completed: u64) -> Vec<T> {
-        let pending = self.entries.split_off(&(completed + 1, 0));
+        let Some(first_pending) = completed.checked_add(1) else {
+            return self.drain_all();
+        };
+        let pending = self.entries.split_off(&(first_pending, 0));
         std::mem::replace(&mut self.entries, pending)
             .into_values()
             .collect()
@@ -153,5 +156,16 @@ mod tests {
         assert_eq!(q.pop_ready(2), vec!["a", "b", "c"]);
         assert_eq!(q.len(), 1);
         assert_eq!(q.drain_all(), vec!["e"]);
+    }
+
+    /// Defect (issue 11, 2): `pop_ready(u64::MAX)` computed `completed + 1` and panicked.
+    #[test]
+    fn queue_pops_everything_at_the_end_of_the_timeline() {
+        let mut q = FenceQueue::default();
+        q.push(u64::MAX, "last");
+        q.push(3, "early");
+        assert_eq!(q.pop_ready(u64::MAX - 1), vec!["early"]);
+        assert_eq!(q.pop_ready(u64::MAX), vec!["last"]);
+        assert!(q.is_empty());
     }
 }

@@ -2,10 +2,14 @@
 //!
 //! Every stream owns a `u64` timeline. Submitting work signals the next value; the value
 //! completes when that work (and everything before it on the stream) has finished. The host
-//! can read the completed value at any time and wait for a value to complete.
+//! can read the completed value at any time, wait for a value to complete, or ask to be
+//! woken when it does: a [`Waker`] runs on the thread that completes the value, so nothing
+//! that waits on a fence has to poll.
 
 use std::fmt;
 use std::time::{Duration, Instant};
+
+use crate::deferred::FenceQueue;
 
 // Under `--cfg procmem_loom` the timeline's synchronisation is loom's, so its model tests
 // explore every interleaving of completers and waiters.
@@ -52,6 +56,11 @@ pub struct Fence {
     pub value: u64,
 }
 
+/// Called once when the value it waits for completes, with the moment of completion. It runs
+/// on the completing thread (a stream's worker, a CUDA event thread), so it must be short
+/// and must never block on that stream.
+pub type Waker = Box<dyn FnOnce(Instant) + Send + 'static>;
+
 /// A stream's timeline as the host sees it.
 pub trait Timeline: Send + Sync {
     /// The stream it belongs to.
@@ -62,15 +71,72 @@ pub trait Timeline: Send + Sync {
     fn completed(&self) -> u64;
     /// Blocks the calling thread until `value` completes or `timeout` passes; true if complete.
     fn wait(&self, value: u64, timeout: Duration) -> bool;
+    /// Calls `waker` once `value` completes: at once, on this thread, if it already has.
+    /// A value that never completes (a stream that failed) keeps its waker forever, so what
+    /// waits is leaked rather than released early.
+    fn on_complete(&self, value: u64, waker: Waker);
+}
+
+/// A fence together with the timeline it belongs to: deciding whether it is complete, waiting
+/// for it, or being woken by it never asks a registry, whichever provider made the stream.
+#[derive(Clone)]
+pub struct TimelineFence {
+    fence: Fence,
+    timeline: std::sync::Arc<dyn Timeline>,
+}
+
+impl TimelineFence {
+    /// `fence` on `timeline`; `None` if the fence belongs to another stream.
+    pub fn new(fence: Fence, timeline: std::sync::Arc<dyn Timeline>) -> Option<Self> {
+        (timeline.stream() == fence.stream).then_some(TimelineFence { fence, timeline })
+    }
+
+    /// The fence.
+    pub fn fence(&self) -> Fence {
+        self.fence
+    }
+
+    /// Its timeline.
+    pub fn timeline(&self) -> &std::sync::Arc<dyn Timeline> {
+        &self.timeline
+    }
+
+    /// True once the stream's completed value reached it.
+    pub fn is_complete(&self) -> bool {
+        self.timeline.completed() >= self.fence.value
+    }
+
+    /// Blocks until it completes or `timeout` passes; true if complete.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        self.timeline.wait(self.fence.value, timeout)
+    }
+
+    /// Blocks until it completes, however long that takes.
+    pub fn wait_forever(&self) {
+        while !self.wait(Duration::from_secs(3600)) {}
+    }
+
+    /// Calls `waker` once it completes (at once if it has).
+    pub fn on_complete(&self, waker: Waker) {
+        self.timeline.on_complete(self.fence.value, waker);
+    }
+}
+
+impl fmt::Debug for TimelineFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TimelineFence")
+            .field("fence", &self.fence)
+            .field("completed", &self.timeline.completed())
+            .finish()
+    }
 }
 
 /// A timeline driven from the host: the stream's worker completes values in order.
-#[derive(Debug)]
 pub struct HostTimeline {
     stream: StreamId,
     signalled: AtomicU64,
     completed: AtomicU64,
-    lock: Mutex<()>,
+    wakers: Mutex<FenceQueue<Waker>>,
     changed: Condvar,
 }
 
@@ -81,7 +147,7 @@ impl HostTimeline {
             stream,
             signalled: AtomicU64::new(0),
             completed: AtomicU64::new(0),
-            lock: Mutex::new(()),
+            wakers: Mutex::new(FenceQueue::default()),
             changed: Condvar::new(),
         }
     }
@@ -96,11 +162,35 @@ impl HostTimeline {
         }
     }
 
-    /// Marks `value` complete (values complete in order; a lower value never lowers it).
+    /// Marks `value` complete (values complete in order; a lower value never lowers it),
+    /// wakes every thread waiting for it, then runs the wakers of every value now complete,
+    /// on this thread, outside the lock (a waker may ask to be woken again).
     pub fn complete(&self, value: u64) {
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.completed.fetch_max(value, Ordering::AcqRel);
-        self.changed.notify_all();
+        let at = Instant::now();
+        let ready = {
+            let mut wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+            let completed = self.completed.fetch_max(value, Ordering::AcqRel).max(value);
+            self.changed.notify_all();
+            wakers.pop_ready(completed)
+        };
+        for waker in ready {
+            waker(at);
+        }
+    }
+
+    /// Wakers waiting for values not yet complete.
+    pub fn pending_wakers(&self) -> usize {
+        self.wakers.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+impl fmt::Debug for HostTimeline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostTimeline")
+            .field("stream", &self.stream)
+            .field("signalled", &self.signalled())
+            .field("completed", &self.completed())
+            .finish()
     }
 }
 
@@ -119,7 +209,7 @@ impl Timeline for HostTimeline {
 
     fn wait(&self, value: u64, timeout: Duration) -> bool {
         let deadline = Instant::now().checked_add(timeout);
-        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
         // `complete` raises the value and notifies under the lock held here between the
         // check and the wait, so no completion can slip between them.
         while self.completed() < value {
@@ -136,6 +226,19 @@ impl Timeline for HostTimeline {
                 .0;
         }
         true
+    }
+
+    fn on_complete(&self, value: u64, waker: Waker) {
+        {
+            let mut wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+            // `complete` raises the value under this lock before taking the ready wakers, so a
+            // waker queued here is either seen by that call or runs below.
+            if self.completed() < value {
+                wakers.push(value, waker);
+                return;
+            }
+        }
+        waker(Instant::now());
     }
 }
 
@@ -165,6 +268,67 @@ mod tests {
         worker.join().unwrap();
         t.complete(1);
         assert_eq!(t.completed(), 2, "completion never goes backwards");
+    }
+
+    #[test]
+    fn wakers_run_once_in_value_order_on_the_completing_thread() {
+        let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let push = |tag: &'static str| {
+            let log = Arc::clone(&log);
+            Box::new(move |_: Instant| log.lock().unwrap().push(tag)) as Waker
+        };
+        t.on_complete(2, push("two"));
+        t.on_complete(1, push("one"));
+        t.on_complete(u64::MAX, push("never"));
+        t.on_complete(0, push("zero-now"));
+        assert_eq!(*log.lock().unwrap(), vec!["zero-now"]);
+        t.complete(1);
+        t.complete(3);
+        t.complete(2);
+        assert_eq!(*log.lock().unwrap(), vec!["zero-now", "one", "two"]);
+        assert_eq!(t.pending_wakers(), 1, "u64::MAX is still waited for");
+        t.complete(u64::MAX);
+        assert_eq!(t.pending_wakers(), 0);
+        assert_eq!(log.lock().unwrap().last(), Some(&"never"));
+    }
+
+    #[test]
+    fn a_waker_may_wait_again_on_its_own_timeline() {
+        let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+        let hits = Arc::new(AtomicU64::new(0));
+        let (t2, h2) = (Arc::clone(&t), Arc::clone(&hits));
+        t.on_complete(
+            1,
+            Box::new(move |_| {
+                h2.fetch_add(1, Ordering::SeqCst);
+                let h3 = Arc::clone(&h2);
+                t2.on_complete(
+                    2,
+                    Box::new(move |_| {
+                        h3.fetch_add(10, Ordering::SeqCst);
+                    }),
+                );
+            }),
+        );
+        t.complete(1);
+        assert_eq!(hits.load(Ordering::SeqCst), 1);
+        t.complete(2);
+        assert_eq!(hits.load(Ordering::SeqCst), 11);
+    }
+
+    #[test]
+    fn a_timeline_fence_refuses_another_streams_timeline() {
+        let (a, b) = (
+            Arc::new(HostTimeline::new(StreamId::fresh())),
+            Arc::new(HostTimeline::new(StreamId::fresh())),
+        );
+        let f = a.signal_next();
+        assert!(TimelineFence::new(f, b).is_none());
+        let tf = TimelineFence::new(f, a.clone()).unwrap();
+        assert!(!tf.is_complete());
+        a.complete(f.value);
+        assert!(tf.is_complete());
     }
 }
 

@@ -38,6 +38,7 @@ pub mod cuda;
 pub mod deferred;
 pub mod fault;
 pub mod fence;
+pub mod fenced;
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 pub mod host;

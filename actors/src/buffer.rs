@@ -1,25 +1,29 @@
 //! Owning device buffers whose drop never frees: it hands the allocation, with the fences
 //! of every stream that used it, to a deferred-free actor.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use procmem::deferred::latest_per_stream;
-use procmem::fence::{Fence, Timeline};
+use procmem::fence::{Fence, TimelineFence};
+use procmem::fenced::Fenced;
 use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
 use ractor::ActorRef;
 
-use crate::deferred_free::{DeferredFreeMsg, PendingFree};
+use crate::deferred_free::DeferredFreeMsg;
 use crate::governor::Lease;
+
+/// Something a stream records its fences on: the work it submits uses it.
+pub trait RecordUse {
+    /// Work fenced by `use_` reads or writes it.
+    fn record_use(&self, use_: TimelineFence);
+}
 
 /// An allocation made through an execution provider, with the lease that pays for it.
 ///
-/// Dropping it never blocks and never frees: it enqueues the allocation on its home
-/// stream's deferred-free actor with the last fence of every stream that used it. The
-/// mechanism frees it once those fences complete, then the Governor is refunded.
+/// Dropping it never blocks and never frees: it hands its [`Fenced`] owner (the allocation,
+/// the lease and the fence of every stream that used it) to its home stream's deferred-free
+/// actor. The mechanism frees it once those fences complete, then the Governor is refunded.
 pub struct DeviceBuffer {
-    allocation: Option<DeviceAllocation>,
-    lease: Option<Lease>,
-    uses: Mutex<Vec<(Fence, Arc<dyn Timeline>)>>,
+    fenced: Option<Fenced<DeviceAllocation, Lease>>,
     home: ActorRef<DeferredFreeMsg>,
     context: ContextId,
     // Keeps the provider's context (its streams and mechanism) alive while this lives.
@@ -73,16 +77,18 @@ impl DeviceBuffer {
     ) -> Self {
         DeviceBuffer {
             context: allocation.context(),
-            allocation: Some(allocation),
-            lease,
-            uses: Mutex::new(Vec::new()),
+            fenced: Some(Fenced::new(Box::new(allocation), lease)),
             home,
             _keep_alive: keep_alive,
         }
     }
 
+    fn fenced(&self) -> &Fenced<DeviceAllocation, Lease> {
+        self.fenced.as_ref().expect("live until dropped")
+    }
+
     fn allocation(&self) -> &DeviceAllocation {
-        self.allocation.as_ref().expect("live until dropped")
+        self.fenced().item()
     }
 
     /// A raw view for kernels.
@@ -107,7 +113,7 @@ impl DeviceBuffer {
 
     /// Bytes the lease pays for.
     pub fn charged_bytes(&self) -> u64 {
-        self.lease.as_ref().map_or(0, Lease::bytes)
+        self.fenced().charged_bytes()
     }
 
     /// The provider context that made it.
@@ -122,24 +128,12 @@ impl DeviceBuffer {
 
     /// Fences of the streams that used it (the latest per stream).
     pub fn fences(&self) -> Vec<Fence> {
-        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
-        latest_per_stream(uses.iter().map(|(f, _)| *f))
-    }
-
-    pub(crate) fn record_use(&self, fence: Fence, timeline: Arc<dyn Timeline>) {
-        let mut uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
-        match uses.iter_mut().find(|(f, _)| f.stream == fence.stream) {
-            Some((f, _)) => f.value = f.value.max(fence.value),
-            None => uses.push((fence, timeline)),
-        }
+        self.fenced().fences()
     }
 
     /// Waits on the host until every stream that used the buffer is done with it.
     pub fn host_wait_idle(&self) {
-        let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
-        for (fence, timeline) in uses.iter() {
-            crate::stream::wait_for(timeline.as_ref(), *fence);
-        }
+        self.fenced().wait_idle();
     }
 
     /// The bytes on the host, after waiting for every stream that used them.
@@ -151,31 +145,33 @@ impl DeviceBuffer {
     /// The bytes on the host, writable, after waiting for every stream that used them.
     pub fn host_bytes_mut(&mut self) -> Result<&mut [u8], MemoryError> {
         self.host_wait_idle();
-        let allocation = self.allocation.as_mut().expect("live until dropped");
-        procmem::host::host_bytes_mut(allocation)
+        let fenced = self.fenced.as_mut().expect("live until dropped");
+        procmem::host::host_bytes_mut(fenced.item_mut())
+    }
+}
+
+impl RecordUse for DeviceBuffer {
+    fn record_use(&self, use_: TimelineFence) {
+        self.fenced().record_use(use_);
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let Some(allocation) = self.allocation.take() else {
+        let Some(fenced) = self.fenced.take() else {
             return;
         };
-        let uses = std::mem::take(&mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()));
-        let pending = PendingFree::new(Box::new(allocation), self.lease.take(), uses, self.context);
         // If the queue is gone (shutdown, or its actor died) the message comes back and is
-        // dropped here: a `PendingFree` dropped unfreed waits for its fences on a thread of
-        // its own, never on the dropping thread, and never frees before they complete.
-        let _ = self.home.cast(DeferredFreeMsg::Enqueue(pending));
+        // dropped here: a `Fenced` dropped unfreed still waits for every fence (as a waker on
+        // their timelines, never on this thread) and never frees before they complete.
+        let _ = self.home.cast(DeferredFreeMsg::Enqueue(fenced.into_dyn()));
     }
 }
 
 impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("allocation", &self.allocation)
-            .field("lease", &self.lease)
-            .field("fences", &self.fences())
+            .field("fenced", &self.fenced)
             .finish()
     }
 }

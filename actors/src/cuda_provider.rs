@@ -19,6 +19,7 @@ use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
     core: StreamCore<CudaEvent>,
+    deferred: ActorRef<DeferredFreeMsg>,
     stream: CudaStream,
 }
 
@@ -38,10 +39,13 @@ impl std::fmt::Debug for CudaStreamHandle {
 }
 
 impl CudaStreamHandle {
-    fn start(id: StreamId, stream: CudaStream, deferred: ActorRef<DeferredFreeMsg>) -> Self {
-        let timeline = Arc::new(HostTimeline::new(id));
-        let name = format!("procmem-cuda-{}", id.get());
-        let core = StreamCore::start(name, timeline, deferred, |event: CudaEvent| {
+    fn start(
+        timeline: Arc<HostTimeline>,
+        stream: CudaStream,
+        deferred: ActorRef<DeferredFreeMsg>,
+    ) -> Self {
+        let name = format!("procmem-cuda-{}", timeline.stream().get());
+        let core = StreamCore::start(name, timeline, |event: CudaEvent| {
             // An event that cannot be observed leaves its fence pending: memory the work
             // used is then never freed, rather than freed too early.
             match event.synchronize() {
@@ -53,7 +57,11 @@ impl CudaStreamHandle {
             }
         });
         CudaStreamHandle {
-            inner: Arc::new(StreamInner { core, stream }),
+            inner: Arc::new(StreamInner {
+                core,
+                deferred,
+                stream,
+            }),
         }
     }
 
@@ -69,7 +77,7 @@ impl CudaStreamHandle {
 
     /// Its deferred-free actor.
     pub fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
-        self.inner.core.deferred_free()
+        &self.inner.deferred
     }
 
     /// Queues `work` on the CUDA stream, records an event after it, and returns that fence.
@@ -82,7 +90,7 @@ impl CudaStreamHandle {
         let stream = &self.inner.stream;
         self.inner
             .core
-            .submit(uses, || {
+            .submit::<DeviceBuffer, _>(uses, || {
                 work(stream)?;
                 stream.record()
             })
@@ -161,11 +169,11 @@ impl ProviderKind for Cuda {
 
     fn start_stream(
         mechanism: &CudaMechanism,
-        id: StreamId,
+        timeline: Arc<HostTimeline>,
         deferred: ActorRef<DeferredFreeMsg>,
     ) -> Result<CudaStreamHandle, MemoryError> {
         let cuda = CudaStream::new(Arc::clone(mechanism.device()))?;
-        Ok(CudaStreamHandle::start(id, cuda, deferred))
+        Ok(CudaStreamHandle::start(timeline, cuda, deferred))
     }
 }
 

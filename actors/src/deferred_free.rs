@@ -3,195 +3,46 @@
 //! is the Governor refunded with the bytes actually freed.
 
 use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
-use procmem::deferred::{route, FenceQueue, Route};
-use procmem::fence::{Fence, StreamId, Timeline};
-use procmem::{ContextId, MemoryError};
+use procmem::fence::{Fence, StreamId, Timeline, TimelineFence};
+use procmem::fenced::{Fenced, Gate, Refund, Released};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::governor::Lease;
 
-/// Something the device may still be using, freed by its own mechanism once it is not.
-pub trait DeferredRelease: Send {
-    /// Frees it through the mechanism that created it; returns the bytes actually freed.
-    fn release(self: Box<Self>) -> Result<u64, MemoryError>;
-}
+pub use procmem::fenced::Release as DeferredRelease;
 
-impl DeferredRelease for procmem::DeviceAllocation {
-    fn release(self: Box<Self>) -> Result<u64, MemoryError> {
-        procmem::DeviceAllocation::release(*self)
+/// Memory waiting for its fences, with the lease that pays for it: one [`Fenced`] owner of
+/// the item, its refund and the fence of every stream that used it, each fence with its own
+/// timeline. Dropped before a deferred-free actor took it (its actor died, or the message
+/// carrying it was never handled), it still frees only after every fence, woken by the last
+/// completion.
+pub type PendingFree = Fenced<dyn DeferredRelease, Lease>;
+
+impl Refund for Lease {
+    fn bytes(&self) -> u64 {
+        Lease::bytes(self)
     }
-}
 
-/// An allocation waiting for its fences, with the lease that pays for it.
-///
-/// A `PendingFree` that is dropped before a deferred-free actor freed it (its actor died
-/// with it queued, or the message carrying it was never handled) does not free on the spot:
-/// a thread of its own waits for every fence, then frees it and refunds the lease.
-pub struct PendingFree {
-    item: Option<Box<dyn DeferredRelease>>,
-    lease: Option<Lease>,
-    uses: Vec<(Fence, Arc<dyn Timeline>)>,
-    pub(crate) context: ContextId,
-}
-
-impl PendingFree {
-    /// `item` (created in `context`), paid for by `lease`, last used at each fence of `uses`
-    /// (one per stream, with that stream's timeline).
-    pub fn new(
-        item: Box<dyn DeferredRelease>,
-        lease: Option<Lease>,
-        uses: Vec<(Fence, Arc<dyn Timeline>)>,
-        context: ContextId,
-    ) -> Self {
-        PendingFree {
-            item: Some(item),
-            lease,
-            uses,
-            context,
+    fn refund(mut self, freed: u64) {
+        let refund = freed.min(Lease::bytes(&self));
+        if refund > 0 && self.release(refund).is_err() {
+            tracing::warn!("governor gone; refund of {refund} bytes not delivered");
         }
+        // Anything the lease held beyond the bytes freed goes back as it drops.
     }
 
-    /// The fences it waits for.
-    pub fn fences(&self) -> Vec<Fence> {
-        self.uses.iter().map(|(f, _)| *f).collect()
-    }
-
-    /// Frees the item now and refunds what was freed; the caller has checked every fence.
-    fn release_now(&mut self) -> Result<u64, MemoryError> {
-        let Some(item) = self.item.take() else {
-            return Ok(0);
-        };
-        match item.release() {
-            Ok(freed) => {
-                if let Some(mut lease) = self.lease.take() {
-                    let refund = freed.min(lease.bytes());
-                    if refund > 0 && lease.release(refund).is_err() {
-                        tracing::warn!("governor gone; refund of {refund} bytes not delivered");
-                    }
-                    // Anything the lease held beyond the bytes freed goes back as it drops.
-                }
-                Ok(freed)
-            }
-            Err(error) => {
-                // The books must not claim bytes came back that may not have: keep the charge.
-                if let Some(lease) = self.lease.take() {
-                    std::mem::forget(lease);
-                }
-                Err(error)
-            }
-        }
+    fn keep(self) {
+        // The books must not claim bytes came back that may not have: the charge stays.
+        self.keep_charged();
     }
 }
 
-impl std::fmt::Debug for PendingFree {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PendingFree")
-            .field("fences", &self.fences())
-            .field("lease", &self.lease)
-            .finish()
-    }
-}
-
-impl PendingFree {
-    fn fences_done(&self) -> bool {
-        self.uses
-            .iter()
-            .all(|(fence, timeline)| timeline.completed() >= fence.value)
-    }
-
-    fn release_orphan(&mut self) {
-        if let Err(error) = self.release_now() {
-            tracing::error!(%error, "mechanism failed to free an orphaned allocation");
-        }
-    }
-}
-
-impl Drop for PendingFree {
-    fn drop(&mut self) {
-        if self.item.is_none() {
-            return;
-        }
-        counter!("procmem_deferred_free_orphans_total").increment(1);
-        if self.fences_done() {
-            // Every fence is done: nothing can still use it, free it here.
-            self.release_orphan();
-            return;
-        }
-        let orphan = PendingFree {
-            item: self.item.take(),
-            lease: self.lease.take(),
-            uses: std::mem::take(&mut self.uses),
-            context: self.context,
-        };
-        match orphan_reaper() {
-            Some(reaper) => {
-                if let Err(crossbeam_channel::SendError(orphan)) = reaper.send(orphan) {
-                    leak(orphan);
-                }
-            }
-            None => leak(orphan),
-        }
-    }
-}
-
-/// No way to wait for its fences: leak it, still charged, rather than free it early.
-fn leak(orphan: PendingFree) {
-    tracing::error!("no thread to free an orphaned allocation; leaked, still charged");
-    std::mem::forget(orphan);
-}
-
-/// The one thread that frees orphaned allocations once their fences complete: it holds them,
-/// looks at their fences every millisecond while any wait, and sleeps on its channel when
-/// none do, so a queue that died costs one thread in all, not one per allocation. `None` if
-/// the thread could not be started (orphans are then leaked, still charged).
-fn orphan_reaper() -> Option<&'static crossbeam_channel::Sender<PendingFree>> {
-    static REAPER: std::sync::OnceLock<Option<crossbeam_channel::Sender<PendingFree>>> =
-        std::sync::OnceLock::new();
-    REAPER
-        .get_or_init(|| {
-            let (tx, rx) = crossbeam_channel::unbounded::<PendingFree>();
-            let started = std::thread::Builder::new()
-                .name("procmem-orphan-free".into())
-                .spawn(move || {
-                    let mut waiting: Vec<PendingFree> = Vec::new();
-                    loop {
-                        let next = if waiting.is_empty() {
-                            match rx.recv() {
-                                Ok(orphan) => Some(orphan),
-                                Err(_) => return,
-                            }
-                        } else {
-                            rx.recv_timeout(std::time::Duration::from_millis(1)).ok()
-                        };
-                        waiting.extend(next);
-                        waiting.extend(rx.try_iter());
-                        waiting.retain_mut(|orphan| {
-                            if orphan.fences_done() {
-                                orphan.release_orphan();
-                                false
-                            } else {
-                                true
-                            }
-                        });
-                    }
-                });
-            match started {
-                Ok(_) => Some(tx),
-                Err(error) => {
-                    tracing::error!(%error, "cannot start the orphan-free thread");
-                    None
-                }
-            }
-        })
-        .as_ref()
-}
-
-/// Every stream's timeline and deferred-free queue, so an allocation used on several streams
-/// can be handed to whichever stream it still waits on.
+/// Every stream's timeline and deferred-free queue, for looking streams up. It decides
+/// nothing about freeing: each fence carries its own timeline.
 #[derive(Clone, Default)]
 pub struct StreamRegistry {
     inner: Arc<RwLock<HashMap<StreamId, StreamEntry>>>,
@@ -217,16 +68,6 @@ impl StreamRegistry {
             .insert(timeline.stream(), (timeline, queue));
     }
 
-    /// The completed value of `stream` (a stream never registered counts as complete: it
-    /// cannot have work pending).
-    pub fn completed(&self, stream: StreamId) -> u64 {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&stream)
-            .map_or(u64::MAX, |(t, _)| t.completed())
-    }
-
     /// The timeline of `stream`.
     pub fn timeline(&self, stream: StreamId) -> Option<Arc<dyn Timeline>> {
         self.inner
@@ -236,7 +77,8 @@ impl StreamRegistry {
             .map(|(t, _)| Arc::clone(t))
     }
 
-    fn queue(&self, stream: StreamId) -> Option<ActorRef<DeferredFreeMsg>> {
+    /// The deferred-free actor of `stream`.
+    pub fn queue(&self, stream: StreamId) -> Option<ActorRef<DeferredFreeMsg>> {
         self.inner
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -252,23 +94,24 @@ pub struct DrainReport {
     pub freed: u64,
     /// Bytes it freed over its life.
     pub freed_bytes: u64,
-    /// Allocations the drain handed to another stream they still wait on.
+    /// Allocations it took that waited on a fence of another stream (another provider's
+    /// too), woken by that stream's completion.
     pub forwarded: u64,
-    /// Allocations still waiting for a fence of this stream that never completed.
+    /// Allocations it took that still wait for a fence that has not completed.
     pub still_queued: u64,
     /// Queues whose actor had died before the drain: what they held is freed after its
-    /// fences by threads of its own, not counted above.
+    /// fences, not counted above.
     pub lost_queues: u64,
 }
 
 impl DrainReport {
     /// Adds another stream's report to this one.
     pub fn add(&mut self, other: DrainReport) {
-        self.freed += other.freed;
-        self.freed_bytes += other.freed_bytes;
-        self.forwarded += other.forwarded;
-        self.still_queued += other.still_queued;
-        self.lost_queues += other.lost_queues;
+        self.freed = self.freed.saturating_add(other.freed);
+        self.freed_bytes = self.freed_bytes.saturating_add(other.freed_bytes);
+        self.forwarded = self.forwarded.saturating_add(other.forwarded);
+        self.still_queued = self.still_queued.saturating_add(other.still_queued);
+        self.lost_queues = self.lost_queues.saturating_add(other.lost_queues);
     }
 }
 
@@ -294,14 +137,7 @@ pub struct DeferredStats {
 pub enum DeferredFreeMsg {
     /// An allocation whose last owner let go.
     Enqueue(PendingFree),
-    /// The stream's timeline reached `value` at `at`.
-    FenceCompleted {
-        /// The completed value.
-        value: u64,
-        /// When the stream completed it.
-        at: Instant,
-    },
-    /// The stream has stopped and its last fence completed: free everything, in order.
+    /// The stream has stopped: report what was freed and what still waits.
     Drain {
         /// What was done.
         reply: RpcReplyPort<DrainReport>,
@@ -314,19 +150,59 @@ pub enum DeferredFreeMsg {
 }
 
 /// The deferred-free actor of one stream.
+///
+/// It takes each allocation whose owner let go and hangs it on the timeline of the first
+/// fence it still waits for, whichever stream or provider that is; each completion wakes the
+/// next wait, and the last frees it through its own mechanism on the completing thread, then
+/// refunds the lease. Nothing polls and nothing asks a registry.
 #[derive(Debug, Default)]
 pub struct DeferredFree;
 
+/// What the actor and the wakers it sets share: counters and metric handles.
+struct Shared {
+    stream: StreamId,
+    queued: AtomicU64,
+    freed: AtomicU64,
+    freed_bytes: AtomicU64,
+    failures: AtomicU64,
+    forwarded: AtomicU64,
+    latencies: Mutex<Vec<u64>>,
+    depth: Gauge,
+    freed_bytes_total: Counter,
+    latency: Histogram,
+}
+
+impl Shared {
+    fn released(&self, released: Released) {
+        match released.outcome {
+            Ok(freed) => {
+                self.freed.fetch_add(1, Ordering::Relaxed);
+                self.freed_bytes.fetch_add(freed, Ordering::Relaxed);
+                self.freed_bytes_total.increment(freed);
+                if let Some(at) = released.fence_done_at {
+                    let ns = u64::try_from(at.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    self.latency.record(ns as f64 * 1e-9);
+                    let mut samples = self.latencies.lock().unwrap_or_else(|p| p.into_inner());
+                    if samples.len() < LATENCY_SAMPLES {
+                        samples.push(ns);
+                    }
+                }
+                tracing::trace!(stream = %self.stream, freed, "deferred free");
+            }
+            Err(error) => {
+                self.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(stream = %self.stream, %error, "mechanism failed to free; lease kept");
+            }
+        }
+        let left = self.queued.fetch_sub(1, Ordering::AcqRel).saturating_sub(1);
+        self.depth.set(left as f64);
+    }
+}
+
 /// Its state.
 pub struct DeferredFreeState {
-    stream: StreamId,
-    context: ContextId,
-    registry: StreamRegistry,
-    queue: FenceQueue<PendingFree>,
-    stats: DeferredStats,
-    depth: Gauge,
-    freed_bytes: Counter,
-    latency: Histogram,
+    timeline: Arc<dyn Timeline>,
+    shared: Arc<Shared>,
 }
 
 const LATENCY_SAMPLES: usize = 1 << 17;
@@ -334,23 +210,29 @@ const LATENCY_SAMPLES: usize = 1 << 17;
 impl Actor for DeferredFree {
     type Msg = DeferredFreeMsg;
     type State = DeferredFreeState;
-    type Arguments = (StreamId, ContextId, StreamRegistry);
+    type Arguments = Arc<dyn Timeline>;
 
     async fn pre_start(
         &self,
         _: ActorRef<DeferredFreeMsg>,
-        (stream, context, registry): Self::Arguments,
+        timeline: Arc<dyn Timeline>,
     ) -> Result<DeferredFreeState, ActorProcessingErr> {
+        let stream = timeline.stream();
         let label = [("stream", stream.get().to_string())];
         Ok(DeferredFreeState {
-            stream,
-            context,
-            registry,
-            queue: FenceQueue::default(),
-            stats: DeferredStats::default(),
-            depth: gauge!("procmem_deferred_free_queue_depth", &label),
-            freed_bytes: counter!("procmem_deferred_free_bytes_total", &label),
-            latency: histogram!("procmem_deferred_free_fence_to_refund_seconds", &label),
+            timeline,
+            shared: Arc::new(Shared {
+                stream,
+                queued: AtomicU64::new(0),
+                freed: AtomicU64::new(0),
+                freed_bytes: AtomicU64::new(0),
+                failures: AtomicU64::new(0),
+                forwarded: AtomicU64::new(0),
+                latencies: Mutex::new(Vec::new()),
+                depth: gauge!("procmem_deferred_free_queue_depth", &label),
+                freed_bytes_total: counter!("procmem_deferred_free_bytes_total", &label),
+                latency: histogram!("procmem_deferred_free_fence_to_refund_seconds", &label),
+            }),
         })
     }
 
@@ -362,122 +244,65 @@ impl Actor for DeferredFree {
     ) -> Result<(), ActorProcessingErr> {
         procmem::fault::panic_point("deferred.handle");
         match msg {
-            DeferredFreeMsg::Enqueue(pending) => {
-                state.dispatch(pending, None);
-            }
-            DeferredFreeMsg::FenceCompleted { value, at } => {
-                for pending in state.queue.pop_ready(value) {
-                    state.dispatch(pending, Some(at));
-                }
-            }
+            DeferredFreeMsg::Enqueue(pending) => state.enqueue(pending),
             DeferredFreeMsg::Drain { reply } => {
-                let mut forwarded = 0;
-                let completed = state.registry.completed(state.stream);
-                let mut rest = state.queue.pop_ready(completed);
-                // Anything above the completed value was submitted but never ran: it can only
-                // be freed once that value completes, so it stays queued.
-                for pending in rest.drain(..) {
-                    if state.dispatch(pending, None) == Dispatched::Forwarded {
-                        forwarded += 1;
-                    }
-                }
+                let s = &state.shared;
                 let _ = reply.send(DrainReport {
-                    freed: state.stats.freed,
-                    freed_bytes: state.stats.freed_bytes,
-                    forwarded,
-                    still_queued: state.queue.len() as u64,
+                    freed: s.freed.load(Ordering::Acquire),
+                    freed_bytes: s.freed_bytes.load(Ordering::Acquire),
+                    forwarded: s.forwarded.load(Ordering::Acquire),
+                    still_queued: s.queued.load(Ordering::Acquire),
                     lost_queues: 0,
                 });
             }
             DeferredFreeMsg::Stats { reply } => {
-                let mut stats = state.stats.clone();
-                stats.queued = state.queue.len();
-                let _ = reply.send(stats);
+                let s = &state.shared;
+                let _ = reply.send(DeferredStats {
+                    queued: usize::try_from(s.queued.load(Ordering::Acquire))
+                        .unwrap_or(usize::MAX),
+                    freed: s.freed.load(Ordering::Acquire),
+                    freed_bytes: s.freed_bytes.load(Ordering::Acquire),
+                    failures: s.failures.load(Ordering::Acquire),
+                    fence_to_refund_ns: s
+                        .latencies
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone(),
+                });
             }
         }
-        state.depth.set(state.queue.len() as f64);
         Ok(())
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
-enum Dispatched {
-    Freed,
-    Queued,
-    Forwarded,
-}
-
 impl DeferredFreeState {
-    fn dispatch(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) -> Dispatched {
-        debug_assert_eq!(
-            pending.context, self.context,
-            "queued on a stream of another context"
-        );
-        match route(&pending.fences(), |s| self.registry.completed(s)) {
-            Route::FreeNow => {
-                self.free(pending, fence_done_at);
-                Dispatched::Freed
-            }
-            Route::WaitOn(fence) if fence.stream == self.stream => {
-                self.queue.push(fence.value, pending);
-                Dispatched::Queued
-            }
-            Route::WaitOn(fence) => match self.registry.queue(fence.stream) {
-                Some(other) => match other.cast(DeferredFreeMsg::Enqueue(pending)) {
-                    Ok(()) => Dispatched::Forwarded,
-                    Err(ractor::MessagingErr::SendErr(DeferredFreeMsg::Enqueue(pending))) => {
-                        self.wait_elsewhere(pending, fence)
-                    }
-                    Err(_) => unreachable!("cast hands back the message it could not send"),
-                },
-                None => self.wait_elsewhere(pending, fence),
-            },
+    fn enqueue(&mut self, pending: PendingFree) {
+        let _span = tracing::debug_span!("deferred_free", stream = %self.shared.stream, fences = pending.fences().len()).entered();
+        let queued = self.shared.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.depth.set(queued as f64);
+        if pending
+            .first_pending()
+            .is_some_and(|p| p.fence().stream != self.shared.stream)
+        {
+            self.shared.forwarded.fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    /// The other stream's queue is gone: wait for its fence on a blocking thread instead,
-    /// never freeing early.
-    fn wait_elsewhere(&mut self, pending: PendingFree, fence: Fence) -> Dispatched {
-        let registry = self.registry.clone();
-        let me = self.registry.queue(self.stream);
-        std::thread::spawn(move || {
-            if let Some(t) = registry.timeline(fence.stream) {
-                crate::stream::wait_for(t.as_ref(), fence);
-            }
-            if let Some(me) = me {
-                let _ = me.cast(DeferredFreeMsg::Enqueue(pending));
-            }
+        let shared = Arc::clone(&self.shared);
+        pending.release_when_idle(Some(self.fault_gate()), move |released| {
+            shared.released(released)
         });
-        Dispatched::Forwarded
     }
 
-    fn free(&mut self, pending: PendingFree, fence_done_at: Option<Instant>) {
-        let _span = tracing::debug_span!("deferred_free", stream = %self.stream, fences = pending.uses.len()).entered();
-        if procmem::fault::hit("deferred.release").is_err() {
-            // Not freed this time: back in the queue, retried at the next completion or drain.
-            let completed = self.registry.completed(self.stream).min(u64::MAX - 1);
-            self.queue.push(completed, pending);
-            return;
-        }
-        let mut pending = pending;
-        match pending.release_now() {
-            Ok(freed) => {
-                self.stats.freed += 1;
-                self.stats.freed_bytes += freed;
-                self.freed_bytes.increment(freed);
-                if let Some(at) = fence_done_at {
-                    let ns = at.elapsed().as_nanos() as u64;
-                    self.latency.record(ns as f64 * 1e-9);
-                    if self.stats.fence_to_refund_ns.len() < LATENCY_SAMPLES {
-                        self.stats.fence_to_refund_ns.push(ns);
-                    }
-                }
-                tracing::trace!(stream = %self.stream, freed, "deferred free");
-            }
-            Err(error) => {
-                self.stats.failures += 1;
-                tracing::error!(stream = %self.stream, %error, "mechanism failed to free; lease kept");
-            }
-        }
+    /// Under fault injection, a free that fails at `deferred.release` waits for this stream's
+    /// next completion and is tried again.
+    fn fault_gate(&self) -> Gate {
+        let timeline = Arc::clone(&self.timeline);
+        Box::new(move || {
+            procmem::fault::hit("deferred.release").err()?;
+            let retry = Fence {
+                stream: timeline.stream(),
+                value: timeline.completed().saturating_add(1),
+            };
+            TimelineFence::new(retry, Arc::clone(&timeline))
+        })
     }
 }

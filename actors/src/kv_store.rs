@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use procmem::fence::Fence;
+use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
     choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, PrefixCandidate,
     SequenceCandidate, Victim,
@@ -344,7 +344,6 @@ pub struct KvStoreState {
     next_txn: u64,
     clock: u64,
     stats: KvStoreStats,
-    context: procmem::ContextId,
 }
 
 /// The KV store actor.
@@ -402,7 +401,6 @@ impl Actor for KvStore {
         Ok(KvStoreState {
             backing: provider.mechanism().backing(),
             stream: provider.stream(0)?.clone(),
-            context: provider.context(),
             governor,
             holder,
             pool: LeasePool::default(),
@@ -504,15 +502,13 @@ impl KvStoreState {
             prefixes,
             pool: self.pool.clone(),
         };
-        let timeline = self.stream.timeline();
-        let pending = PendingFree::new(
-            Box::new(memory),
-            None,
-            last_fence.map(|f| (f, timeline)).into_iter().collect(),
-            self.context,
-        );
-        // If the queue is gone the message is dropped, and a dropped `PendingFree` frees after
-        // its fence on a thread of its own.
+        let pending = PendingFree::new(Box::new(memory), None);
+        if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline()))
+        {
+            pending.record_use(use_);
+        }
+        // If the queue is gone the message is dropped, and a dropped `PendingFree` still frees
+        // only after its fence, woken by its completion.
         let _ = self
             .stream
             .deferred_free()

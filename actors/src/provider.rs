@@ -69,7 +69,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
     /// Starts stream `id`, whose completions go to `deferred`.
     fn start_stream(
         mechanism: &Self::Mechanism,
-        id: StreamId,
+        timeline: Arc<HostTimeline>,
         deferred: ActorRef<DeferredFreeMsg>,
     ) -> Result<Self::Stream, MemoryError>;
 }
@@ -166,15 +166,15 @@ impl<K: ProviderKind> Actor for ExecutionProvider<K> {
         let registry = registry.unwrap_or_default();
         let mut streams = Vec::with_capacity(count.max(1));
         for _ in 0..count.max(1) {
-            let stream_id = StreamId::fresh();
+            let timeline = Arc::new(HostTimeline::new(StreamId::fresh()));
             let (deferred, _) = Actor::spawn_linked(
                 None,
                 DeferredFree,
-                (stream_id, id, registry.clone()),
+                timeline.clone() as Arc<dyn Timeline>,
                 myself.get_cell(),
             )
             .await?;
-            let stream = match K::start_stream(&mechanism, stream_id, deferred.clone()) {
+            let stream = match K::start_stream(&mechanism, timeline, deferred.clone()) {
                 Ok(stream) => stream,
                 Err(error) => {
                     deferred.stop(None);
@@ -385,10 +385,10 @@ impl ProviderKind for Cpu {
 
     fn start_stream(
         _: &HostMechanism,
-        id: StreamId,
+        timeline: Arc<HostTimeline>,
         deferred: ActorRef<DeferredFreeMsg>,
     ) -> Result<CpuStream, MemoryError> {
-        Ok(CpuStream::start(Arc::new(HostTimeline::new(id)), deferred))
+        Ok(CpuStream::start(timeline, deferred))
     }
 }
 

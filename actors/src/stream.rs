@@ -1,18 +1,18 @@
 //! Streams: submitted work is observed in order by the stream's own thread; each submission
-//! returns a fence, and each completion is sent to the stream's deferred-free actor. The
-//! parts every kind shares are `StreamCore`; a CPU stream runs its kernels on that thread.
+//! returns a fence, and the thread completes each fence on the stream's timeline, which wakes
+//! whatever waits for it (deferred frees among them). The parts every kind shares are
+//! `StreamCore`; a CPU stream runs its kernels on that thread.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use crossbeam_channel::{unbounded, Sender};
-use procmem::fence::{Fence, HostTimeline, StreamId, Timeline};
+use procmem::fence::{Fence, HostTimeline, StreamId, Timeline, TimelineFence};
 use ractor::ActorRef;
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::{DeviceBuffer, RecordUse};
 use crate::deferred_free::DeferredFreeMsg;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
@@ -20,62 +20,65 @@ type Kernel = Box<dyn FnOnce() + Send + 'static>;
 /// Why work could not be submitted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StreamError {
-    /// The stream was shut down; nothing was submitted.
+    /// The stream was shut down, or failed (a device error); nothing was submitted.
     #[error("{0} is shut down")]
     Closed(StreamId),
 }
 
+type Hand<T> = Arc<Mutex<Option<Sender<(u64, T)>>>>;
+
 /// What every kind of stream is made of: a timeline, a thread that observes submitted work
-/// in order and completes its fences, the hand-off to that thread, and the deferred-free
-/// actor completions go to. `T` is what the thread is handed per submission (a kernel to
-/// run, an event to wait on).
+/// in order and completes its fences, and the hand-off to that thread. `T` is what the thread
+/// is handed per submission (a kernel to run, an event to wait on).
 pub(crate) struct StreamCore<T> {
     timeline: Arc<HostTimeline>,
-    sender: Mutex<Option<Sender<(u64, T)>>>,
+    sender: Hand<T>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    deferred: ActorRef<DeferredFreeMsg>,
 }
 
 impl<T: Send + 'static> StreamCore<T> {
     /// Starts the stream's thread, named `name`: for each submission in order it calls
-    /// `observe` (which returns once the work is done) and completes its fence; `observe`
-    /// returning false stops the thread, leaving that fence and later ones pending.
+    /// `observe` (which returns once the work is done) and completes its fence. `observe`
+    /// returning false (the device failed) closes the stream: later submissions are refused
+    /// before anything is queued, and that fence and any queued after it stay pending, so the
+    /// memory they used is kept rather than freed early.
     pub(crate) fn start(
         name: String,
         timeline: Arc<HostTimeline>,
-        deferred: ActorRef<DeferredFreeMsg>,
         mut observe: impl FnMut(T) -> bool + Send + 'static,
     ) -> Self {
         let (tx, rx) = unbounded::<(u64, T)>();
+        let sender: Hand<T> = Arc::new(Mutex::new(Some(tx)));
         let worker = {
             let timeline = Arc::clone(&timeline);
-            let deferred = deferred.clone();
+            let sender = Arc::clone(&sender);
             std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
                     for (value, item) in rx {
                         if !observe(item) {
+                            sender.lock().unwrap_or_else(|p| p.into_inner()).take();
                             return;
                         }
-                        complete_fence(&timeline, &deferred, value);
+                        timeline.complete(value);
                     }
                 })
                 .expect("spawn a stream thread")
         };
         StreamCore {
             timeline,
-            sender: Mutex::new(Some(tx)),
+            sender,
             worker: Mutex::new(Some(worker)),
-            deferred,
         }
     }
 
     /// Submits: under one lock (which keeps fence values in submission order) makes the
-    /// item with `prepare`, signals the next fence, records it on every buffer of `uses`,
-    /// and hands the item to the thread. `Err(Err(e))`: `prepare` failed, nothing fenced.
-    pub(crate) fn submit<E>(
+    /// item with `prepare`, signals the next fence, records it on everything in `uses`, and
+    /// hands the item to the thread. A closed stream refuses before `prepare` runs.
+    /// `Err(Err(e))`: `prepare` failed, nothing fenced.
+    pub(crate) fn submit<U: RecordUse + ?Sized, E>(
         &self,
-        uses: &[&DeviceBuffer],
+        uses: &[&U],
         prepare: impl FnOnce() -> Result<T, E>,
     ) -> Result<Fence, Result<StreamError, E>> {
         let closed = || Ok(StreamError::Closed(self.id()));
@@ -83,9 +86,14 @@ impl<T: Send + 'static> StreamCore<T> {
         let sender = guard.as_ref().ok_or_else(closed)?;
         let item = prepare().map_err(Err)?;
         let fence = self.timeline.signal_next();
+        let timeline: Arc<dyn Timeline> = self.timeline.clone();
         for buffer in uses {
-            buffer.record_use(fence, self.timeline());
+            if let Some(use_) = TimelineFence::new(fence, Arc::clone(&timeline)) {
+                buffer.record_use(use_);
+            }
         }
+        // The thread holds the receiver until it closes the sender under this lock, so the
+        // hand-off cannot fail while the sender is there.
         sender.send((fence.value, item)).map_err(|_| closed())?;
         Ok(fence)
     }
@@ -107,9 +115,13 @@ impl<T> StreamCore<T> {
         &self.timeline
     }
 
-    /// Its deferred-free actor.
-    pub(crate) fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
-        &self.deferred
+    /// True once it stopped accepting work (shut down or failed).
+    #[cfg(test)]
+    pub(crate) fn is_closed(&self) -> bool {
+        self.sender
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
     }
 
     /// Blocks until `fence` completes (a host wait).
@@ -131,6 +143,7 @@ impl<T> StreamCore<T> {
 #[derive(Clone)]
 pub struct CpuStream {
     core: Arc<StreamCore<Kernel>>,
+    deferred: ActorRef<DeferredFreeMsg>,
     kernel_panics: Arc<AtomicU64>,
 }
 
@@ -146,12 +159,12 @@ impl std::fmt::Debug for CpuStream {
 }
 
 impl CpuStream {
-    /// Starts the stream's worker thread; completions go to `deferred`.
+    /// Starts the stream's worker thread; `deferred` is the deferred-free actor of its buffers.
     pub(crate) fn start(timeline: Arc<HostTimeline>, deferred: ActorRef<DeferredFreeMsg>) -> Self {
         let kernel_panics = Arc::new(AtomicU64::new(0));
         let panics = Arc::clone(&kernel_panics);
         let name = format!("procmem-cpu-{}", timeline.stream().get());
-        let core = StreamCore::start(name, timeline, deferred, move |kernel: Kernel| {
+        let core = StreamCore::start(name, timeline, move |kernel: Kernel| {
             // A kernel that panics still completes its fence: the memory it used must still
             // be freed, and the stream must go on.
             if catch_unwind(AssertUnwindSafe(kernel)).is_err() {
@@ -161,6 +174,7 @@ impl CpuStream {
         });
         CpuStream {
             core: Arc::new(core),
+            deferred,
             kernel_panics,
         }
     }
@@ -177,7 +191,7 @@ impl CpuStream {
 
     /// Its deferred-free actor.
     pub fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
-        self.core.deferred_free()
+        &self.deferred
     }
 
     /// Kernels that panicked so far (their fences still completed).
@@ -193,7 +207,7 @@ impl CpuStream {
         kernel: impl FnOnce() + Send + 'static,
     ) -> Result<Fence, StreamError> {
         self.core
-            .submit(uses, || {
+            .submit::<DeviceBuffer, _>(uses, || {
                 Ok::<Kernel, std::convert::Infallible>(Box::new(kernel))
             })
             .map_err(|e| match e {
@@ -213,20 +227,53 @@ impl CpuStream {
     }
 }
 
-/// Marks `value` complete on `timeline` and tells the stream's deferred-free actor.
-pub(crate) fn complete_fence(
-    timeline: &HostTimeline,
-    deferred: &ActorRef<DeferredFreeMsg>,
-    value: u64,
-) {
-    timeline.complete(value);
-    let _ = deferred.cast(DeferredFreeMsg::FenceCompleted {
-        value,
-        at: Instant::now(),
-    });
-}
-
 /// Blocks the calling thread until `fence` completes on `timeline`.
 pub(crate) fn wait_for(timeline: &dyn Timeline, fence: Fence) {
     while !timeline.wait(fence.value, std::time::Duration::from_secs(1)) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    struct Probe(Mutex<Vec<Fence>>);
+
+    impl RecordUse for Probe {
+        fn record_use(&self, use_: TimelineFence) {
+            self.0.lock().unwrap().push(use_.fence());
+        }
+    }
+
+    /// Defect (issue 11, 4): after the device failed an event, `submit` queued the work,
+    /// recorded a fence that could never complete on every buffer (which then leaked for
+    /// good) and only then said `Closed`. Now a failed stream refuses before queuing anything.
+    #[test]
+    fn a_failed_stream_refuses_before_queuing_or_fencing() {
+        let timeline = Arc::new(HostTimeline::new(StreamId::fresh()));
+        let core = StreamCore::start("test-failing".into(), Arc::clone(&timeline), |ok| ok);
+        let probe = Probe(Mutex::new(Vec::new()));
+        let ok = core
+            .submit::<_, ()>(&[&probe], || Ok(true))
+            .expect("a healthy stream accepts");
+        core.host_wait(ok);
+        let failed = core.submit::<_, ()>(&[&probe], || Ok(false)).unwrap();
+        while !core.is_closed() {
+            std::thread::yield_now();
+        }
+        assert!(timeline.completed() < failed.value, "the failed fence stays pending");
+        let prepared = AtomicBool::new(false);
+        let refused = core.submit::<_, ()>(&[&probe], || {
+            prepared.store(true, Ordering::SeqCst);
+            Ok(true)
+        });
+        assert_eq!(refused, Err(Ok(StreamError::Closed(timeline.stream()))));
+        assert!(!prepared.load(Ordering::SeqCst), "no work was queued");
+        assert_eq!(
+            *probe.0.lock().unwrap(),
+            vec![ok, failed],
+            "no fence was recorded for the refused submission"
+        );
+        core.stop_and_join();
+    }
 }

@@ -183,6 +183,13 @@ impl Lease {
         (self.id, std::mem::take(&mut self.remaining))
     }
 
+    /// Drops the handle but keeps its bytes charged: the memory it paid for may still be held
+    /// (its mechanism failed to free it), and the books must not say otherwise.
+    pub(crate) fn keep_charged(self) {
+        let (id, bytes) = self.defuse();
+        tracing::warn!(%id, bytes, "lease kept charged: its memory may not have been freed");
+    }
+
     /// Releases `bytes` whose memory was freed, without waiting (messages to the Governor
     /// keep their order). Refuses zero or more than the lease holds, changing nothing.
     pub fn release(&mut self, bytes: u64) -> Result<(), GovernorError> {
