@@ -18,9 +18,10 @@ mod metrics;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
+use procmem::ledger::admission::{self, Admission, AdmissionLimits, Ask, Front, Refusal};
 use procmem::ledger::{
     AuthorityId, AuthoritySnapshot, Denial, GrantId, HolderId, LeaseId, Ledger, LedgerError,
     PressureRound, Priority, Retired, WaitQueue,
@@ -64,6 +65,15 @@ pub enum GovernorError {
     /// The Governor actor is not running.
     #[error("the governor is not running")]
     Unavailable,
+    /// The wait queue is full ({waiting} requests wait): try again later, or answer now.
+    #[error("the governor's wait queue is full ({waiting} requests wait)")]
+    Busy {
+        /// Requests waiting.
+        waiting: usize,
+    },
+    /// The holder was retired (or its actor died) while its request waited.
+    #[error("{0} was retired while its request waited")]
+    HolderRetired(HolderId),
 }
 
 /// The Governor's books plus its queue, at one moment.
@@ -161,11 +171,8 @@ pub enum GovernorMsg {
     },
     /// A holder's answer to a ticket.
     PressureReport(PressureReport),
-    /// A waiter's deadline passed (internal timer).
-    WaiterDeadline {
-        /// The waiter's place in the queue.
-        seq: u64,
-    },
+    /// The earliest waiter deadline passed (internal timer).
+    WaiterDeadline,
     /// A ticket's deadline passed (internal timer).
     TicketDeadline {
         /// The ticket.
@@ -182,6 +189,8 @@ pub struct GovernorConfig {
     pub capacity: u64,
     /// How long one holder gets to answer a ticket before the next one is asked.
     pub ticket_timeout: Duration,
+    /// Requests that may wait at once; more are refused with [`GovernorError::Busy`].
+    pub max_waiters: usize,
 }
 
 impl GovernorConfig {
@@ -191,6 +200,7 @@ impl GovernorConfig {
             name: name.into(),
             capacity,
             ticket_timeout: Duration::from_millis(50),
+            max_waiters: AdmissionLimits::default().max_waiters,
         }
     }
 }
@@ -199,8 +209,11 @@ impl GovernorConfig {
 #[derive(Debug, Default)]
 pub struct Governor;
 
+type Timer = tokio::task::JoinHandle<Result<(), MessagingErr<GovernorMsg>>>;
+
 struct Waiter {
     request: ReserveRequest,
+    deadline: Instant,
     reply: RpcReplyPort<Result<Grant, GovernorError>>,
 }
 
@@ -211,8 +224,15 @@ pub struct GovernorState {
     ticket_timeout: Duration,
     inboxes: HashMap<HolderId, TicketInbox>,
     waiters: WaitQueue<Waiter>,
+    limits: AdmissionLimits,
+    // Every waiter's deadline, earliest first, and the one timer set for the earliest.
+    deadlines: BTreeSet<(Instant, u64)>,
+    deadline_timer: Option<(Instant, Timer)>,
     round: Option<PressureRound>,
-    outstanding: Option<TicketId>,
+    // Memory was released, a holder or waiter arrived, or the capacity changed since the
+    // round ran out of holders to ask: ask them again.
+    picture_changed: bool,
+    outstanding: Option<(TicketId, Timer)>,
     next_ticket: u64,
     tickets_sent: u64,
     counts: Counts,
@@ -243,7 +263,13 @@ impl Actor for Governor {
             ticket_timeout: config.ticket_timeout,
             inboxes: HashMap::new(),
             waiters: WaitQueue::default(),
+            limits: AdmissionLimits {
+                max_waiters: config.max_waiters,
+            },
+            deadlines: BTreeSet::new(),
+            deadline_timer: None,
             round: None,
+            picture_changed: false,
             outstanding: None,
             next_ticket: 1,
             tickets_sent: 0,
@@ -274,6 +300,8 @@ impl Actor for Governor {
                 if let (Ok(holder), Some(inbox)) = (&result, inbox) {
                     myself.get_cell().monitor(inbox.get_cell());
                     state.inboxes.insert(*holder, inbox);
+                    // A new holder may have something to give.
+                    state.picture_changed = true;
                 }
                 let _ = reply.send(result);
             }
@@ -326,8 +354,10 @@ impl Actor for Governor {
                 let result = state.ledger.release(holder, lease, bytes);
                 if result.is_ok() {
                     if let Some(round) = &mut state.round {
-                        round.released(bytes);
+                        round.released(holder, bytes);
                     }
+                    // Holders that had nothing to give may have some now.
+                    state.picture_changed = true;
                 }
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
@@ -338,7 +368,7 @@ impl Actor for Governor {
                     .ledger
                     .set_capacity(state.authority, bytes)
                     .expect("own authority");
-                state.round = None;
+                state.picture_changed = true;
                 if let Some(reply) = reply {
                     let _ = reply.send(());
                 }
@@ -361,14 +391,17 @@ impl Actor for Governor {
             GovernorMsg::PressureReport(report) => {
                 let freed = report.freed_now.saturating_add(report.freed_pending_fence);
                 state.metrics.freed_by_pressure.increment(freed);
-                state.counts.freed_by_pressure += freed;
+                state.counts.freed_by_pressure =
+                    state.counts.freed_by_pressure.saturating_add(freed);
                 // Bytes freed now were released before the report (same sender, same
                 // mailbox order); only those pending a fence are still to come.
                 if let Some(round) = &mut state.round {
-                    round.promised(report.freed_pending_fence);
+                    round.promised(report.holder, report.freed_pending_fence);
                 }
-                if state.outstanding == Some(report.ticket) {
-                    state.outstanding = None;
+                if state.outstanding.as_ref().is_some_and(|(t, _)| *t == report.ticket) {
+                    if let Some((_, timer)) = state.outstanding.take() {
+                        timer.abort();
+                    }
                 }
                 tracing::debug!(
                     ticket = report.ticket.get(),
@@ -377,24 +410,19 @@ impl Actor for Governor {
                     "pressure report"
                 );
             }
-            GovernorMsg::WaiterDeadline { seq } => {
-                if let Some(waiter) = state.waiters.remove(seq) {
-                    state.metrics.denials.increment(1);
-                    state.counts.denials += 1;
-                    let denial = state.ledger.denial(state.authority, waiter.request.bytes);
-                    let _ = waiter
-                        .reply
-                        .send(Err(GovernorError::DeadlineExpired(Box::new(denial))));
-                }
+            GovernorMsg::WaiterDeadline => {
+                state.deadline_timer = None;
+                state.expire_waiters(Instant::now());
             }
             GovernorMsg::TicketDeadline { ticket } => {
-                if state.outstanding == Some(ticket) {
+                if state.outstanding.as_ref().is_some_and(|(t, _)| *t == ticket) {
                     state.outstanding = None;
                 }
             }
         }
         state.pump(&myself);
         state.drive_pressure(&myself);
+        state.arm_deadline_timer(&myself);
         state.publish();
         Ok(())
     }
@@ -425,6 +453,7 @@ impl Actor for Governor {
             }
             state.pump(&myself);
             state.drive_pressure(&myself);
+            state.arm_deadline_timer(&myself);
             state.publish();
         }
         Ok(())
@@ -438,6 +467,15 @@ impl GovernorState {
         holder: HolderId,
     ) -> Result<Retired, LedgerError> {
         let result = self.ledger.retire_holder(holder);
+        // Its waiting requests can never be granted: answer them now rather than let them
+        // hold the queue until their deadlines.
+        let gone = self.waiters.drain_where(|w| w.request.holder == holder);
+        if !gone.is_empty() {
+            self.forget_stale_deadlines();
+        }
+        for waiter in gone {
+            let _ = waiter.reply.send(Err(GovernorError::HolderRetired(holder)));
+        }
         if let Some(inbox) = self.inboxes.remove(&holder) {
             if !self.inboxes.values().any(|i| i.get_id() == inbox.get_id()) {
                 myself.get_cell().unmonitor(inbox.get_cell());
@@ -466,38 +504,91 @@ impl GovernorState {
             let _ = reply.send(Err(e.into()));
             return;
         }
-        let may_jump = self
-            .waiters
-            .front_priority()
-            .is_none_or(|front| request.priority > front);
-        if may_jump
-            && self
-                .ledger
-                .fits(self.authority, request.bytes)
-                .unwrap_or(false)
-        {
-            self.grant(myself, request, reply);
-            return;
-        }
-        let (capacity, _, _) = self.ledger.totals(self.authority).expect("own authority");
         let now = Instant::now();
-        let waitable = request.bytes <= capacity && request.deadline.is_some_and(|d| d > now);
-        if !waitable {
-            self.metrics.denials.increment(1);
-            self.counts.denials += 1;
-            let denial = self.ledger.denial(self.authority, request.bytes);
-            let _ = reply.send(Err(LedgerError::Denied(Box::new(denial)).into()));
-            return;
+        let ask = Ask {
+            bytes: request.bytes,
+            priority: request.priority,
+            deadline: request.deadline.map(Instant::into_std),
+        };
+        match admission::admit(
+            &self.ledger,
+            self.authority,
+            &self.waiters,
+            ask,
+            now.into_std(),
+            self.limits,
+        ) {
+            Admission::GrantNow => self.grant(myself, request, reply),
+            Admission::Deny(Refusal::Busy) => {
+                self.metrics.denials.increment(1);
+                self.counts.denials += 1;
+                let _ = reply.send(Err(GovernorError::Busy {
+                    waiting: self.waiters.len(),
+                }));
+            }
+            Admission::Deny(Refusal::NoRoom | Refusal::NeverFits) => {
+                self.metrics.denials.increment(1);
+                self.counts.denials += 1;
+                let mut denial = self.ledger.denial(self.authority, request.bytes);
+                denial.waiting = self.waiters.bytes();
+                let _ = reply.send(Err(LedgerError::Denied(Box::new(denial)).into()));
+            }
+            Admission::Wait => {
+                let deadline = request.deadline.expect("only a request with a deadline waits");
+                let (priority, bytes) = (request.priority, request.bytes);
+                let seq = self.waiters.push(
+                    priority,
+                    bytes,
+                    Waiter {
+                        request,
+                        deadline,
+                        reply,
+                    },
+                );
+                self.deadlines.insert((deadline, seq));
+                self.metrics.waits.increment(1);
+                self.counts.waits += 1;
+                // A new waiter: holders asked before may have more to give now.
+                self.picture_changed = true;
+            }
         }
-        let deadline = request.deadline.expect("checked above");
-        let seq = self
-            .waiters
-            .push(request.priority, request.bytes, Waiter { request, reply });
-        self.metrics.waits.increment(1);
-        self.counts.waits += 1;
-        // A new waiter starts a fresh round: holders asked before may have more to give now.
-        self.round = None;
-        myself.send_after(deadline - now, move || GovernorMsg::WaiterDeadline { seq });
+    }
+
+    /// Denies every waiter whose deadline is at or before `now`.
+    fn expire_waiters(&mut self, now: Instant) {
+        while let Some(&(deadline, seq)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_first();
+            if let Some(waiter) = self.waiters.remove(seq) {
+                self.metrics.denials.increment(1);
+                self.counts.denials += 1;
+                let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
+                denial.waiting = self.waiters.bytes();
+                let _ = waiter
+                    .reply
+                    .send(Err(GovernorError::DeadlineExpired(Box::new(denial))));
+            }
+        }
+    }
+
+    /// Keeps one timer, set for the earliest waiter deadline.
+    fn arm_deadline_timer(&mut self, myself: &ActorRef<GovernorMsg>) {
+        let earliest = self.deadlines.first().map(|(d, _)| *d);
+        match (&self.deadline_timer, earliest) {
+            (Some((at, _)), Some(e)) if *at == e => return,
+            (None, None) => return,
+            _ => {}
+        }
+        if let Some((_, timer)) = self.deadline_timer.take() {
+            timer.abort();
+        }
+        if let Some(e) = earliest {
+            let wait = e.saturating_duration_since(Instant::now());
+            let timer = myself.send_after(wait, || GovernorMsg::WaiterDeadline);
+            self.deadline_timer = Some((e, timer));
+        }
     }
 
     /// Approves and replies; if the caller is gone, the grant goes straight back.
@@ -527,16 +618,43 @@ impl GovernorState {
         }
     }
 
-    /// Grants waiters in order while the first in line fits; drops waiters whose caller left.
+    /// Grants waiters in order while the first in line fits, and denies a first in line that
+    /// can never fit (the capacity was lowered below it) instead of letting it block the
+    /// queue. A grant whose caller left is rolled back by `grant`.
     fn pump(&mut self, myself: &ActorRef<GovernorMsg>) {
-        self.waiters.drain_where(|w| w.reply.is_closed());
-        while let Some((_, bytes, _)) = self.waiters.front() {
-            if !self.ledger.fits(self.authority, bytes).unwrap_or(false) {
-                break;
+        loop {
+            match admission::front(&self.ledger, self.authority, &self.waiters) {
+                Front::Grant(seq) => {
+                    let waiter = self.waiters.remove(seq).expect("front exists");
+                    self.deadlines.remove(&(waiter.deadline, seq));
+                    self.grant(myself, waiter.request, waiter.reply);
+                }
+                Front::Deny(seq) => {
+                    let waiter = self.waiters.remove(seq).expect("front exists");
+                    self.deadlines.remove(&(waiter.deadline, seq));
+                    self.metrics.denials.increment(1);
+                    self.counts.denials += 1;
+                    let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
+                    denial.waiting = self.waiters.bytes();
+                    let _ = waiter
+                        .reply
+                        .send(Err(LedgerError::Denied(Box::new(denial)).into()));
+                }
+                Front::Wait | Front::Empty => return,
             }
-            let (_, waiter) = self.waiters.pop_front().expect("front exists");
-            self.grant(myself, waiter.request, waiter.reply);
         }
+    }
+
+    /// Forgets waiters whose caller left (they would only inflate the shortfall).
+    fn sweep_closed_waiters(&mut self) {
+        if !self.waiters.drain_where(|w| w.reply.is_closed()).is_empty() {
+            self.forget_stale_deadlines();
+        }
+    }
+
+    fn forget_stale_deadlines(&mut self) {
+        let waiters = &self.waiters;
+        self.deadlines.retain(|(_, seq)| waiters.get(*seq).is_some());
     }
 
     /// Asks the next holder for the shortfall, one ticket at a time.
@@ -544,11 +662,10 @@ impl GovernorState {
         if self.outstanding.is_some() {
             return;
         }
-        let (capacity, provisional, leased) =
-            self.ledger.totals(self.authority).expect("own authority");
-        let shortfall = (provisional + leased)
-            .saturating_add(self.waiters.bytes())
-            .saturating_sub(capacity);
+        if admission::shortfall(&self.ledger, self.authority, &self.waiters) > 0 {
+            self.sweep_closed_waiters();
+        }
+        let shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
         if shortfall == 0 {
             self.round = None;
             return;
@@ -564,6 +681,9 @@ impl GovernorState {
             .into_iter()
             .filter(|(h, _, _)| self.inboxes.contains_key(h))
             .collect();
+        if std::mem::take(&mut self.picture_changed) && round.exhausted(&holders) {
+            round.ask_again();
+        }
         let now = Instant::now();
         let waiter_deadline = self
             .waiters
@@ -587,14 +707,18 @@ impl GovernorState {
                 deadline,
                 governor: myself.clone(),
             };
-            if self.inboxes[&holder].send_message(ticket).is_ok() {
-                self.outstanding = Some(id);
+            let sent = self
+                .inboxes
+                .get(&holder)
+                .is_some_and(|inbox| inbox.send_message(ticket).is_ok());
+            if sent {
                 self.tickets_sent += 1;
                 self.metrics.tickets.increment(1);
                 tracing::debug!(%holder, ticket = id.get(), wanted, "pressure ticket sent");
-                myself.send_after(deadline.saturating_duration_since(now), move || {
+                let timer = myself.send_after(deadline.saturating_duration_since(now), move || {
                     GovernorMsg::TicketDeadline { ticket: id }
                 });
+                self.outstanding = Some((id, timer));
                 return;
             }
         }

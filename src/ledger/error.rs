@@ -21,7 +21,7 @@ pub struct HolderUsage {
 impl HolderUsage {
     /// Provisional plus leased.
     pub fn total(&self) -> u64 {
-        self.provisional + self.leased
+        self.provisional.saturating_add(self.leased)
     }
 }
 
@@ -38,6 +38,9 @@ pub struct Denial {
     pub capacity: u64,
     /// Bytes approved at the time.
     pub approved: u64,
+    /// Bytes wanted by requests queued ahead of this one (free bytes they need are not
+    /// free for it).
+    pub waiting: u64,
     /// The largest holders with their bytes.
     pub top_holders: Vec<HolderUsage>,
     /// True when the denial refused a commit's top-up (the grant stays as it was).
@@ -55,7 +58,7 @@ impl fmt::Display for Denial {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} ({}): asked {} bytes{}, {} free of {} ({} approved); largest holders:",
+            "{} ({}): asked {} bytes{}, {} free of {} ({} approved, {} wanted by requests queued ahead); largest holders:",
             self.authority_name,
             self.authority,
             self.asked,
@@ -66,7 +69,8 @@ impl fmt::Display for Denial {
             },
             self.free(),
             self.capacity,
-            self.approved
+            self.approved,
+            self.waiting
         )?;
         if self.top_holders.is_empty() {
             write!(f, " none")?;

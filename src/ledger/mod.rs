@@ -18,6 +18,7 @@
 //! replay after consumption, or an identifier this ledger never issued is refused with a
 //! typed error, and a refused operation changes nothing.
 
+pub mod admission;
 mod error;
 mod pressure;
 #[cfg(test)]
@@ -119,7 +120,7 @@ pub struct AuthoritySnapshot {
 impl AuthoritySnapshot {
     /// `provisional + leased`.
     pub fn approved(&self) -> u64 {
-        self.provisional + self.leased
+        self.provisional.saturating_add(self.leased)
     }
 
     /// What can still be approved now (zero while over a lowered capacity).
@@ -571,14 +572,19 @@ impl Ledger {
     }
 
     /// Why `asked` bytes do not fit in `authority` now.
+    /// An authority of another ledger is named as unknown with no capacity, never a panic.
     pub fn denial(&self, authority: AuthorityId, asked: u64) -> Denial {
-        let a = &self.authorities[&authority];
+        let (authority_name, capacity, approved) = match self.authorities.get(&authority) {
+            Some(a) => (a.name.clone(), a.capacity, a.approved()),
+            None => (format!("unknown authority {authority}"), 0, 0),
+        };
         Denial {
             authority,
-            authority_name: a.name.clone(),
+            authority_name,
             asked,
-            capacity: a.capacity,
-            approved: a.approved(),
+            capacity,
+            approved,
+            waiting: 0,
             top_holders: self.top_holders(authority, 3),
             during_commit: false,
         }

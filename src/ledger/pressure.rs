@@ -11,6 +11,8 @@ use super::{HolderId, Priority};
 pub struct WaitQueue<T> {
     next_seq: u64,
     entries: BTreeMap<(std::cmp::Reverse<Priority>, u64), (u64, T)>,
+    index: BTreeMap<u64, Priority>,
+    // Saturates: the exact sum is `entries`' bytes, recomputed when it could be wrong.
     bytes: u64,
 }
 
@@ -19,6 +21,7 @@ impl<T> Default for WaitQueue<T> {
         WaitQueue {
             next_seq: 0,
             entries: BTreeMap::new(),
+            index: BTreeMap::new(),
             bytes: 0,
         }
     }
@@ -31,7 +34,8 @@ impl<T> WaitQueue<T> {
         self.next_seq += 1;
         self.entries
             .insert((std::cmp::Reverse(priority), seq), (bytes, item));
-        self.bytes += bytes;
+        self.index.insert(seq, priority);
+        self.bytes = self.bytes.saturating_add(bytes);
         seq
     }
 
@@ -51,16 +55,36 @@ impl<T> WaitQueue<T> {
     /// Takes the first in line.
     pub fn pop_front(&mut self) -> Option<(u64, T)> {
         let (key, (bytes, item)) = self.entries.pop_first()?;
-        self.bytes -= bytes;
+        self.index.remove(&key.1);
+        self.taken(bytes);
         Some((key.1, item))
     }
 
     /// Takes the entry with sequence number `seq`, wherever it is.
     pub fn remove(&mut self, seq: u64) -> Option<T> {
-        let key = *self.entries.keys().find(|(_, s)| *s == seq)?;
-        let (bytes, item) = self.entries.remove(&key)?;
-        self.bytes -= bytes;
+        let priority = self.index.remove(&seq)?;
+        let (bytes, item) = self.entries.remove(&(std::cmp::Reverse(priority), seq))?;
+        self.taken(bytes);
         Some(item)
+    }
+
+    /// The entry with sequence number `seq`.
+    pub fn get(&self, seq: u64) -> Option<&T> {
+        let priority = self.index.get(&seq)?;
+        self.entries
+            .get(&(std::cmp::Reverse(*priority), seq))
+            .map(|(_, item)| item)
+    }
+
+    fn taken(&mut self, bytes: u64) {
+        self.bytes = if self.bytes == u64::MAX {
+            // The sum had saturated: recompute it from what is left.
+            self.entries
+                .values()
+                .fold(0u64, |sum, (b, _)| sum.saturating_add(*b))
+        } else {
+            self.bytes.saturating_sub(bytes)
+        };
     }
 
     /// Removes every entry for which `drop_it` says yes, returning them.
@@ -71,13 +95,15 @@ impl<T> WaitQueue<T> {
             .filter(|(_, (_, item))| drop_it(item))
             .map(|(k, _)| *k)
             .collect();
-        keys.into_iter()
-            .filter_map(|k| self.entries.remove(&k))
-            .map(|(bytes, item)| {
-                self.bytes -= bytes;
-                item
-            })
-            .collect()
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Some((bytes, item)) = self.entries.remove(&k) {
+                self.index.remove(&k.1);
+                self.taken(bytes);
+                out.push(item);
+            }
+        }
+        out
     }
 
     /// Bytes wanted by everyone waiting.
@@ -100,7 +126,7 @@ impl<T> WaitQueue<T> {
 #[derive(Debug, Default, Clone)]
 pub struct PressureRound {
     asked: BTreeSet<HolderId>,
-    promised_unreleased: u64,
+    promised: BTreeMap<HolderId, u64>,
 }
 
 impl PressureRound {
@@ -109,20 +135,47 @@ impl PressureRound {
         self.asked.insert(holder);
     }
 
-    /// Records a report: bytes freed now or pending a fence will come back as releases.
-    pub fn promised(&mut self, bytes: u64) {
-        self.promised_unreleased = self.promised_unreleased.saturating_add(bytes);
+    /// Records `holder`'s report: bytes it will release once their fences complete.
+    pub fn promised(&mut self, holder: HolderId, bytes: u64) {
+        if bytes > 0 {
+            let p = self.promised.entry(holder).or_default();
+            *p = p.saturating_add(bytes);
+        }
     }
 
-    /// Records a release: part of what was promised has arrived.
-    pub fn released(&mut self, bytes: u64) {
-        self.promised_unreleased = self.promised_unreleased.saturating_sub(bytes);
+    /// Records a release by `holder`: part of what it promised has arrived. A release by a
+    /// holder that promised nothing lowers nobody's promise.
+    pub fn released(&mut self, holder: HolderId, bytes: u64) {
+        if let Some(p) = self.promised.get_mut(&holder) {
+            *p = p.saturating_sub(bytes);
+            if *p == 0 {
+                self.promised.remove(&holder);
+            }
+        }
+    }
+
+    /// Bytes promised and not released yet.
+    pub fn outstanding(&self) -> u64 {
+        self.promised
+            .values()
+            .fold(0u64, |sum, b| sum.saturating_add(*b))
     }
 
     /// Bytes still to ask for, given the current `shortfall`: what was promised but has not
     /// been released yet is expected, so it is not asked for twice.
     pub fn still_wanted(&self, shortfall: u64) -> u64 {
-        shortfall.saturating_sub(self.promised_unreleased)
+        shortfall.saturating_sub(self.outstanding())
+    }
+
+    /// True once every holder in `holders` that has anything was asked.
+    pub fn exhausted(&self, holders: &[(HolderId, Priority, u64)]) -> bool {
+        self.next_holder(holders).is_none()
+    }
+
+    /// Starts asking again from the first holder (the picture changed: memory was released
+    /// or a holder arrived), keeping what was promised and not yet released.
+    pub fn ask_again(&mut self) {
+        self.asked.clear();
     }
 
     /// Whom to ask next among `holders` (id, priority, approved bytes): the least important
@@ -188,9 +241,36 @@ mod tests {
             vec![ids[2], ids[1], ids[0]],
             "empty holders are never asked"
         );
-        round.promised(150);
+        round.promised(ids[2], 150);
         assert_eq!(round.still_wanted(200), 50);
-        round.released(100);
+        round.released(ids[2], 100);
         assert_eq!(round.still_wanted(200), 150);
+        assert!(round.exhausted(&holders));
+        round.ask_again();
+        assert_eq!(round.next_holder(&holders), Some(ids[2]));
+    }
+
+    /// Defect (issue 11, 3): any release lowered the promised amount, so the Governor
+    /// under-asked when a holder that promised nothing freed memory for its own reasons.
+    #[test]
+    fn only_the_promising_holders_release_lowers_its_promise() {
+        let (a, b) = (HolderId(1), HolderId(2));
+        let mut round = PressureRound::default();
+        round.promised(a, 100);
+        round.released(b, 100);
+        assert_eq!(round.still_wanted(150), 50, "b promised nothing");
+        round.released(a, 40);
+        assert_eq!(round.still_wanted(150), 90);
+    }
+
+    #[test]
+    fn waiting_bytes_saturate_and_recover_exactly() {
+        let mut q = WaitQueue::default();
+        let a = q.push(0, u64::MAX, 'a');
+        q.push(0, 5, 'b');
+        assert_eq!(q.bytes(), u64::MAX);
+        assert_eq!(q.get(a), Some(&'a'));
+        assert_eq!(q.remove(a), Some('a'));
+        assert_eq!(q.bytes(), 5, "recomputed once the sum no longer saturates");
     }
 }

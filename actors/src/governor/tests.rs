@@ -594,3 +594,161 @@ async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Ou
     })
     .await
 }
+
+// Defects of issue 11 (3): each test below fails on the Governor before that issue.
+
+/// A waiter that can never fit once the capacity is lowered used to block everyone behind
+/// it until its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_can_never_fit_is_denied_and_stops_blocking_the_queue() {
+    let g = governor(1000).await;
+    let (_, kv) = holder(&g, "kv", 0, Behavior::Nothing, 900).await;
+    let me = g.register_holder("requester", 9, None).await.unwrap();
+    let big = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(me, 800, 5, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    let small = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(me, 50, 1, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(g.snapshot().await.unwrap().waiting, 2);
+    g.set_capacity(700).await.unwrap();
+    let start = Instant::now();
+    let err = big.await.unwrap().unwrap_err();
+    assert!(matches!(err, GovernorError::Ledger(LedgerError::Denied(_))), "{err:?}");
+    assert!(start.elapsed() < Duration::from_secs(1), "denied at once");
+    // The small one is now first in line and is served as soon as room appears.
+    assert_eq!(g.snapshot().await.unwrap().waiting, 1);
+    assert!(!seen(&kv).await.is_empty(), "asked for room for it");
+    g.set_capacity(2000).await.unwrap();
+    assert_eq!(small.await.unwrap().unwrap().bytes(), 50);
+}
+
+/// A no-wait request that fits beside everything the waiters want was denied while any
+/// waiter was queued, with a denial that said the free bytes covered it.
+#[tokio::test(start_paused = true)]
+async fn a_no_wait_request_that_fits_beside_the_waiters_is_granted() {
+    let g = governor(1000).await;
+    let (_, _kv) = holder(&g, "kv", 0, Behavior::Nothing, 700).await;
+    let me = g.register_holder("requester", 9, None).await.unwrap();
+    let waiter = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(me, 400, 5, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(g.snapshot().await.unwrap().waiting, 1);
+    let err = g.reserve(request(me, 200, 0, None)).await.unwrap_err();
+    let GovernorError::Ledger(LedgerError::Denied(denial)) = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!((denial.free(), denial.waiting), (300, 400), "{err}");
+    assert!(err.to_string().contains("400 wanted by requests queued ahead"), "{err}");
+    // 300 free, 400 wanted by the waiter: nothing fits beside it. Free 200 more.
+    g.set_capacity(1400).await.unwrap();
+    let grant = g.reserve(request(me, 200, 0, None)).await.unwrap();
+    assert_eq!(grant.bytes(), 200, "700 free covers the waiter's 400 and this 200");
+    assert_eq!(waiter.await.unwrap().unwrap().bytes(), 400);
+}
+
+/// Once every holder had answered "nothing", nobody was asked again until a new waiter
+/// arrived, even after a release changed the picture.
+#[tokio::test(start_paused = true)]
+async fn holders_are_asked_again_after_a_release_changes_the_picture() {
+    let g = governor(1000).await;
+    let (_, a) = holder(&g, "a", 0, Behavior::Nothing, 500).await;
+    let other = g.register_holder("other", 0, None).await.unwrap();
+    let lease = g
+        .reserve(request(other, 400, 0, None))
+        .await
+        .unwrap()
+        .commit(400)
+        .await
+        .unwrap();
+    let me = g.register_holder("requester", 9, None).await.unwrap();
+    let waiter = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(me, 300, 5, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(seen(&a).await.len(), 1, "asked once, answered nothing");
+    // Another holder frees 100 on its own: 100 are still missing, so `a` is asked again.
+    let mut lease = lease;
+    lease.release(100).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let tickets = seen(&a).await;
+    assert_eq!(tickets.len(), 2, "asked again after the release");
+    assert_eq!(tickets[1].0, 100, "for what is still missing");
+    drop(lease);
+    assert_eq!(waiter.await.unwrap().unwrap().bytes(), 300);
+}
+
+/// A waiter whose holder is retired is answered at once instead of waiting out its
+/// deadline (and sending tickets for it meanwhile).
+#[tokio::test(start_paused = true)]
+async fn a_retired_holders_waiters_are_answered_at_once() {
+    let g = governor(100).await;
+    let (_, _kv) = holder(&g, "kv", 0, Behavior::Nothing, 100).await;
+    let me = g.register_holder("requester", 9, None).await.unwrap();
+    let waiter = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(me, 10, 5, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    g.unregister_holder(me).await.unwrap();
+    let start = Instant::now();
+    let err = waiter.await.unwrap().unwrap_err();
+    assert_eq!(err, GovernorError::HolderRetired(me));
+    assert!(start.elapsed() < Duration::from_millis(10));
+    assert_eq!(g.snapshot().await.unwrap().waiting, 0);
+}
+
+/// The wait queue is bounded: one more waiter is refused with `Busy`, and the arithmetic
+/// of waiting bytes holds at `u64::MAX`.
+#[tokio::test(start_paused = true)]
+async fn the_queue_is_bounded_and_waiting_bytes_saturate() {
+    let mut config = GovernorConfig::new("test", u64::MAX);
+    config.max_waiters = 2;
+    let g = GovernorHandle::spawn(config).await.unwrap().0;
+    let me = g.register_holder("r", 0, None).await.unwrap();
+    let _held = g.reserve(request(me, u64::MAX - 1, 0, None)).await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let g = g.clone();
+        waiters.push(tokio::spawn(async move {
+            g.reserve(request(me, u64::MAX, 0, Some(Duration::from_secs(1))))
+                .await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let s = g.snapshot().await.unwrap();
+    assert_eq!((s.waiting, s.waiting_bytes), (2, u64::MAX));
+    let busy = g
+        .reserve(request(me, u64::MAX, 0, Some(Duration::from_secs(1))))
+        .await
+        .unwrap_err();
+    assert_eq!(busy, GovernorError::Busy { waiting: 2 });
+    for w in waiters {
+        assert!(matches!(
+            w.await.unwrap(),
+            Err(GovernorError::DeadlineExpired(_))
+        ));
+    }
+    assert_eq!(g.snapshot().await.unwrap().waiting, 0, "the Governor is alive");
+}
