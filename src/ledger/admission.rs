@@ -120,10 +120,9 @@ pub fn shortfall<T>(ledger: &Ledger, authority: AuthorityId, queue: &WaitQueue<T
     let Some((capacity, provisional, leased)) = ledger.totals(authority) else {
         return 0;
     };
-    provisional
-        .saturating_add(leased)
-        .saturating_add(queue.bytes())
-        .saturating_sub(capacity)
+    // In 128 bits: sums of byte counts near `u64::MAX` must neither wrap nor saturate early.
+    let wanted = u128::from(provisional) + u128::from(leased) + u128::from(queue.bytes());
+    u64::try_from(wanted.saturating_sub(u128::from(capacity))).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
