@@ -326,7 +326,10 @@ mod tests {
 
     fn use_of(t: &Arc<HostTimeline>) -> (Fence, TimelineFence) {
         let f = t.signal_next();
-        (f, TimelineFence::new(f, t.clone() as Arc<dyn Timeline>).unwrap())
+        (
+            f,
+            TimelineFence::new(f, t.clone() as Arc<dyn Timeline>).unwrap(),
+        )
     }
 
     /// Defect (issue 11, 1) at its root: a buffer used on streams of two providers is freed

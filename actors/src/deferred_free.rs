@@ -258,8 +258,7 @@ impl Actor for DeferredFree {
             DeferredFreeMsg::Stats { reply } => {
                 let s = &state.shared;
                 let _ = reply.send(DeferredStats {
-                    queued: usize::try_from(s.queued.load(Ordering::Acquire))
-                        .unwrap_or(usize::MAX),
+                    queued: usize::try_from(s.queued.load(Ordering::Acquire)).unwrap_or(usize::MAX),
                     freed: s.freed.load(Ordering::Acquire),
                     freed_bytes: s.freed_bytes.load(Ordering::Acquire),
                     failures: s.failures.load(Ordering::Acquire),

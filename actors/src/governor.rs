@@ -398,7 +398,11 @@ impl Actor for Governor {
                 if let Some(round) = &mut state.round {
                     round.promised(report.holder, report.freed_pending_fence);
                 }
-                if state.outstanding.as_ref().is_some_and(|(t, _)| *t == report.ticket) {
+                if state
+                    .outstanding
+                    .as_ref()
+                    .is_some_and(|(t, _)| *t == report.ticket)
+                {
                     if let Some((_, timer)) = state.outstanding.take() {
                         timer.abort();
                     }
@@ -415,7 +419,11 @@ impl Actor for Governor {
                 state.expire_waiters(Instant::now());
             }
             GovernorMsg::TicketDeadline { ticket } => {
-                if state.outstanding.as_ref().is_some_and(|(t, _)| *t == ticket) {
+                if state
+                    .outstanding
+                    .as_ref()
+                    .is_some_and(|(t, _)| *t == ticket)
+                {
                     state.outstanding = None;
                 }
             }
@@ -534,7 +542,9 @@ impl GovernorState {
                 let _ = reply.send(Err(LedgerError::Denied(Box::new(denial)).into()));
             }
             Admission::Wait => {
-                let deadline = request.deadline.expect("only a request with a deadline waits");
+                let deadline = request
+                    .deadline
+                    .expect("only a request with a deadline waits");
                 let (priority, bytes) = (request.priority, request.bytes);
                 let seq = self.waiters.push(
                     priority,
@@ -654,7 +664,8 @@ impl GovernorState {
 
     fn forget_stale_deadlines(&mut self) {
         let waiters = &self.waiters;
-        self.deadlines.retain(|(_, seq)| waiters.get(*seq).is_some());
+        self.deadlines
+            .retain(|(_, seq)| waiters.get(*seq).is_some());
     }
 
     /// Asks the next holder for the shortfall, one ticket at a time.

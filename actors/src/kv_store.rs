@@ -503,8 +503,7 @@ impl KvStoreState {
             pool: self.pool.clone(),
         };
         let pending = PendingFree::new(Box::new(memory), None);
-        if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline()))
-        {
+        if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline())) {
             pending.record_use(use_);
         }
         // If the queue is gone the message is dropped, and a dropped `PendingFree` still frees

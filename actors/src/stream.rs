@@ -261,7 +261,10 @@ mod tests {
         while !core.is_closed() {
             std::thread::yield_now();
         }
-        assert!(timeline.completed() < failed.value, "the failed fence stays pending");
+        assert!(
+            timeline.completed() < failed.value,
+            "the failed fence stays pending"
+        );
         let prepared = AtomicBool::new(false);
         let refused = core.submit::<_, ()>(&[&probe], || {
             prepared.store(true, Ordering::SeqCst);

@@ -68,16 +68,34 @@ impl KvShape {
                 kv_heads: self.kv_heads,
             });
         }
-        let token_bytes = self.token_bytes();
+        if granularity == 0 {
+            return Err(ShapeError::Zero("granularity"));
+        }
+        // Every product the store computes from the shape, checked once here.
+        let token_bytes = self
+            .kv_heads
+            .checked_mul(self.head_dim)
+            .and_then(|f| u64::try_from(f).ok())
+            .and_then(|f| f.checked_mul(ELEM_BYTES))
+            .ok_or(ShapeError::Overflow)?;
+        self.q_heads
+            .checked_mul(self.head_dim)
+            .and_then(|_| self.layers.checked_mul(2))
+            .ok_or(ShapeError::Overflow)?;
         if granularity % token_bytes != 0 && token_bytes % granularity != 0 {
             return Err(ShapeError::Unaligned {
                 token_bytes,
                 granularity,
             });
         }
-        (self.max_tokens as u64)
+        let buffer = (self.max_tokens as u64)
             .checked_mul(token_bytes)
             .and_then(|b| b.checked_next_multiple_of(granularity))
+            .ok_or(ShapeError::Overflow)?;
+        // A sequence reserves one buffer per K and V of every layer.
+        (self.layers as u64)
+            .checked_mul(2)
+            .and_then(|n| n.checked_mul(buffer))
             .ok_or(ShapeError::Overflow)?;
         Ok(())
     }
@@ -124,6 +142,44 @@ pub fn mapped_bytes_for(tokens: usize, token_bytes: u64, chunk: u64, capacity: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Defect (issue 11, 2): extreme shapes overflowed (a panic in debug, a wrap to a zero
+    /// divisor in release) instead of being refused.
+    #[test]
+    fn extreme_shapes_are_refused_not_overflowed() {
+        let big = usize::MAX;
+        for s in [
+            KvShape {
+                kv_heads: big,
+                q_heads: big,
+                ..shape()
+            },
+            KvShape {
+                head_dim: big,
+                ..shape()
+            },
+            KvShape {
+                head_dim: 1 << 62,
+                ..shape()
+            },
+            KvShape {
+                layers: big,
+                ..shape()
+            },
+            KvShape {
+                layers: usize::MAX / 2,
+                ..shape()
+            },
+            KvShape {
+                max_tokens: big,
+                ..shape()
+            },
+        ] {
+            assert_eq!(s.validate(4096), Err(ShapeError::Overflow), "{s:?}");
+        }
+        assert_eq!(shape().validate(0), Err(ShapeError::Zero("granularity")));
+        assert_eq!(shape().validate(4096), Ok(()));
+    }
 
     fn shape() -> KvShape {
         KvShape {

@@ -70,7 +70,9 @@ pub fn admit<T>(
         return Admission::Deny(Refusal::NeverFits);
     }
     let free = capacity.saturating_sub(provisional.saturating_add(leased));
-    let outranks = queue.front_priority().is_none_or(|front| ask.priority > front);
+    let outranks = queue
+        .front_priority()
+        .is_none_or(|front| ask.priority > front);
     let beside_waiters = free.saturating_sub(queue.bytes()) >= ask.bytes;
     if free >= ask.bytes && (outranks || beside_waiters) {
         return Admission::GrantNow;
@@ -158,13 +160,19 @@ mod tests {
         q.push(5, 30, ());
         let now = Instant::now();
         let lim = AdmissionLimits::default();
-        assert_eq!(admit(&l, a, &q, ask(20, 0, false), now, lim), Admission::GrantNow);
+        assert_eq!(
+            admit(&l, a, &q, ask(20, 0, false), now, lim),
+            Admission::GrantNow
+        );
         assert_eq!(
             admit(&l, a, &q, ask(21, 0, false), now, lim),
             Admission::Deny(Refusal::NoRoom),
             "it would take bytes the waiter needs"
         );
-        assert_eq!(admit(&l, a, &q, ask(21, 0, true), now, lim), Admission::Wait);
+        assert_eq!(
+            admit(&l, a, &q, ask(21, 0, true), now, lim),
+            Admission::Wait
+        );
         assert_eq!(
             admit(&l, a, &q, ask(50, 9, false), now, lim),
             Admission::GrantNow,
@@ -185,11 +193,21 @@ mod tests {
             admit(&l, a, &q, ask(u64::MAX, 0, true), now, lim),
             Admission::Deny(Refusal::Busy)
         );
-        assert_eq!(admit(&l, a, &q, ask(1, 1, false), now, lim), Admission::GrantNow);
+        assert_eq!(
+            admit(&l, a, &q, ask(1, 1, false), now, lim),
+            Admission::GrantNow
+        );
         assert_eq!(shortfall(&l, a, &q), u64::MAX - 1);
         let (small, b, _) = books(10, 0);
         assert_eq!(
-            admit(&small, b, &WaitQueue::<()>::default(), ask(11, 0, true), now, lim),
+            admit(
+                &small,
+                b,
+                &WaitQueue::<()>::default(),
+                ask(11, 0, true),
+                now,
+                lim
+            ),
             Admission::Deny(Refusal::NeverFits)
         );
         let past = Ask {

@@ -623,7 +623,10 @@ async fn a_waiter_that_can_never_fit_is_denied_and_stops_blocking_the_queue() {
     g.set_capacity(700).await.unwrap();
     let start = Instant::now();
     let err = big.await.unwrap().unwrap_err();
-    assert!(matches!(err, GovernorError::Ledger(LedgerError::Denied(_))), "{err:?}");
+    assert!(
+        matches!(err, GovernorError::Ledger(LedgerError::Denied(_))),
+        "{err:?}"
+    );
     assert!(start.elapsed() < Duration::from_secs(1), "denied at once");
     // The small one is now first in line and is served as soon as room appears.
     assert_eq!(g.snapshot().await.unwrap().waiting, 1);
@@ -653,11 +656,19 @@ async fn a_no_wait_request_that_fits_beside_the_waiters_is_granted() {
         panic!("{err:?}")
     };
     assert_eq!((denial.free(), denial.waiting), (300, 400), "{err}");
-    assert!(err.to_string().contains("400 wanted by requests queued ahead"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("400 wanted by requests queued ahead"),
+        "{err}"
+    );
     // 300 free, 400 wanted by the waiter: nothing fits beside it. Free 200 more.
     g.set_capacity(1400).await.unwrap();
     let grant = g.reserve(request(me, 200, 0, None)).await.unwrap();
-    assert_eq!(grant.bytes(), 200, "700 free covers the waiter's 400 and this 200");
+    assert_eq!(
+        grant.bytes(),
+        200,
+        "700 free covers the waiter's 400 and this 200"
+    );
     assert_eq!(waiter.await.unwrap().unwrap().bytes(), 400);
 }
 
@@ -750,5 +761,9 @@ async fn the_queue_is_bounded_and_waiting_bytes_saturate() {
             Err(GovernorError::DeadlineExpired(_))
         ));
     }
-    assert_eq!(g.snapshot().await.unwrap().waiting, 0, "the Governor is alive");
+    assert_eq!(
+        g.snapshot().await.unwrap().waiting,
+        0,
+        "the Governor is alive"
+    );
 }
