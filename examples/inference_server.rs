@@ -71,6 +71,13 @@ struct Args {
     device: Device,
 }
 
+/// Requests one run may serve.
+const MAX_REQUESTS: usize = 1_000_000;
+/// Requests decoded at once.
+const MAX_CONCURRENCY: usize = 65_536;
+/// Tokens of a prompt, and tokens generated per request.
+const MAX_TOKENS: usize = 1 << 20;
+
 struct Model {
     shape: KvShape,
     hidden: usize,
@@ -243,6 +250,18 @@ async fn serve(args: Args) -> Result<(), String> {
             "--requests, --concurrency, --prompt-len and --max-new-tokens must be at least 1"
                 .into(),
         );
+    }
+    // Bounds that keep every size this job derives from the arguments far from overflow and
+    // every allocation it makes up front modest: too large is a usage error, never a panic.
+    for (flag, value, max) in [
+        ("--requests", args.requests, MAX_REQUESTS),
+        ("--concurrency", args.concurrency, MAX_CONCURRENCY),
+        ("--prompt-len", args.prompt_len, MAX_TOKENS),
+        ("--max-new-tokens", args.max_new_tokens, MAX_TOKENS),
+    ] {
+        if value > max {
+            return Err(format!("{flag} {value} is too large (at most {max})"));
+        }
     }
     if let Device::Cuda = args.device {
         if !procmem_actors::core::cuda::driver_present() {

@@ -101,6 +101,24 @@ fn bad_input_exits_2_with_a_clear_message() {
         (&["--concurrency", "0"], "must be at least 1"),
         (&["--model-size", "huge"], "invalid value 'huge'"),
         (&["--linger", "-3"], "unexpected argument"),
+        // Defect 5 of issue 11: these panicked (exit 101) or aborted on an allocation (134).
+        (
+            &["--concurrency", "100000000000000"],
+            "--concurrency 100000000000000 is too large",
+        ),
+        (
+            &["--prompt-len", "18446744073709551615"],
+            "--prompt-len 18446744073709551615 is too large",
+        ),
+        (
+            &["--max-new-tokens", "18446744073709551615"],
+            "is too large",
+        ),
+        (
+            &["--requests", "4000000000"],
+            "--requests 4000000000 is too large",
+        ),
+        (&["--requests", "18446744073709551616"], "invalid value"),
     ];
     for (args, message) in cases {
         let out = run(args);

@@ -299,8 +299,21 @@ impl MemoryManagerBuilder {
         self
     }
 
-    /// Starts everything on the current tokio runtime.
+    /// Starts everything on the current tokio runtime. On failure everything this call
+    /// started is stopped again (the metrics recorder, once installed, stays: a process has
+    /// one).
     pub async fn build(self) -> Result<MemoryManager, ManagerError> {
+        let mut started = Started::default();
+        match self.start(&mut started).await {
+            Ok(manager) => Ok(manager),
+            Err(error) => {
+                started.stop().await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn start(self, started: &mut Started) -> Result<MemoryManager, ManagerError> {
         let machine = machine_memory_bytes().unwrap_or(u64::MAX);
         let host_budget = self.host_budget.unwrap_or(machine / 2);
         if host_budget == 0 || host_budget > machine {
@@ -314,21 +327,32 @@ impl MemoryManagerBuilder {
                 },
             });
         }
+        if matches!(self.cuda, Some((_, 0))) {
+            return Err(ManagerError::InvalidBudget {
+                what: "cuda",
+                bytes: 0,
+                why: "a budget of zero admits nothing".into(),
+            });
+        }
+        // The recorder first: every actor takes its metric handles as it starts, and handles
+        // taken before the recorder exists go to a no-op recorder for good.
+        let metrics = match self.metrics_addr {
+            Some(addr) => {
+                let (handle, exporter) = install_metrics(addr)?;
+                started.exporter = Some(exporter);
+                Some(handle)
+            }
+            None => None,
+        };
         // CUDA where asked: without a driver this is a typed error, never a silent fallback.
         let cuda = match self.cuda {
             Some((ordinal, budget)) => {
-                if budget == 0 {
-                    return Err(ManagerError::InvalidBudget {
-                        what: "cuda",
-                        bytes: 0,
-                        why: "a budget of zero admits nothing".into(),
-                    });
-                }
                 let provider = CudaProvider::spawn(CudaProviderConfig {
                     ordinal,
                     ..CudaProviderConfig::default()
                 })
                 .await?;
+                started.cuda = Some(provider.clone());
                 let detected = provider
                     .mechanism()
                     .device()
@@ -338,21 +362,20 @@ impl MemoryManagerBuilder {
             }
             None => None,
         };
-        let metrics = match self.metrics_addr {
-            Some(addr) => Some(install_metrics(addr)?),
-            None => None,
-        };
         let (host_governor, _) = GovernorHandle::spawn(GovernorConfig::new("host", host_budget))
             .await
             .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+        started.actors.push(host_governor.actor().get_cell());
         let host = CpuProvider::spawn(CpuProviderConfig {
             streams: self.streams.max(1),
             registry: None,
         })
         .await?;
+        started.host = Some(host.clone());
         let (supervisor, _) = Actor::spawn(None, HolderSupervisor, ())
             .await
             .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+        started.actors.push(supervisor.get_cell());
         let mut authorities = vec![Authority {
             name: "host".into(),
             governor: host_governor,
@@ -372,6 +395,7 @@ impl MemoryManagerBuilder {
                     GovernorHandle::spawn(GovernorConfig::new(name.clone(), budget))
                         .await
                         .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+                started.actors.push(governor.actor().get_cell());
                 authorities.push(Authority {
                     name,
                     governor,
@@ -388,12 +412,42 @@ impl MemoryManagerBuilder {
             admitting: Arc::new(AtomicBool::new(true)),
             supervisor,
             metrics,
+            exporter: Mutex::new(started.exporter.take()),
             holders: Mutex::new(Vec::new()),
             sampler: Mutex::new(None),
         });
         let sampler = tokio::spawn(sample(Arc::downgrade(&inner)));
         *inner.sampler.lock().unwrap_or_else(|p| p.into_inner()) = Some(sampler);
+        *started = Started::default();
         Ok(MemoryManager { inner })
+    }
+}
+
+/// What a `build` that fails part-way has started, to be stopped again.
+#[derive(Default)]
+struct Started {
+    exporter: Option<JoinHandle<()>>,
+    cuda: Option<CudaProvider>,
+    host: Option<CpuProvider>,
+    actors: Vec<ActorCell>,
+}
+
+impl Started {
+    async fn stop(self) {
+        if let Some(cuda) = self.cuda {
+            let _ = cuda.shutdown().await;
+            cuda.actor().stop(None);
+        }
+        if let Some(host) = self.host {
+            let _ = host.shutdown().await;
+            host.actor().stop(None);
+        }
+        for actor in self.actors {
+            actor.stop(None);
+        }
+        if let Some(exporter) = self.exporter {
+            exporter.abort();
+        }
     }
 }
 
@@ -502,7 +556,7 @@ fn describe_metrics() {
     }
 }
 
-fn install_metrics(addr: SocketAddr) -> Result<PrometheusHandle, ManagerError> {
+fn install_metrics(addr: SocketAddr) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
     let metrics_error = |why: String| ManagerError::Metrics { addr, why };
     let (recorder, exporter) = PrometheusBuilder::new()
         .with_http_listener(addr)
@@ -511,8 +565,12 @@ fn install_metrics(addr: SocketAddr) -> Result<PrometheusHandle, ManagerError> {
     let handle = recorder.handle();
     metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
     describe_metrics();
-    tokio::spawn(exporter);
-    Ok(handle)
+    let exporter = tokio::spawn(async move {
+        if let Err(error) = exporter.await {
+            tracing::error!(?error, "metrics exporter stopped");
+        }
+    });
+    Ok((handle, exporter))
 }
 
 struct Inner {
@@ -522,6 +580,7 @@ struct Inner {
     admitting: Arc<AtomicBool>,
     supervisor: ActorRef<()>,
     metrics: Option<PrometheusHandle>,
+    exporter: Mutex<Option<JoinHandle<()>>>,
     holders: Mutex<Vec<ActorCell>>,
     sampler: Mutex<Option<JoinHandle<()>>>,
 }
@@ -547,11 +606,14 @@ async fn sample(inner: std::sync::Weak<Inner>) {
 impl Inner {
     /// Physical bytes behind an authority, read from the OS: the host mechanism's memfd pages
     /// and the resident pages of its eager allocations.
+    /// `None` for an authority that pays for device bytes too (unified memory): the driver has
+    /// no per-process truth for them, and counting only the host's would report every device
+    /// byte as drift.
     fn os_bytes(&self, authority: &Authority) -> Option<u64> {
         if authority
             .tiers
             .iter()
-            .any(|(d, _)| d.kind == DeviceKind::Host)
+            .all(|(d, _)| d.kind == DeviceKind::Host)
         {
             let m = self.host.mechanism();
             Some(m.backing().resident_bytes().ok()? + m.host_allocator().resident_total().ok()?)
@@ -798,9 +860,38 @@ impl MemoryManager {
             s.abort();
         }
         if report.is_zero() {
+            // Books at zero: nothing is left to refund, so nothing needs to run on. Otherwise
+            // the Governors stay, so refunds still on their way land in the books.
+            self.stop_actors();
+        }
+        if report.is_zero() {
             Ok(report)
         } else {
             Err(ManagerError::BooksNotZero(report))
+        }
+    }
+}
+
+impl MemoryManager {
+    /// Stops what `build` started: the Governors, the providers (their streams were stopped
+    /// and drained already), the holder supervisor and the metrics exporter.
+    fn stop_actors(&self) {
+        for a in &self.inner.authorities {
+            a.governor.actor().stop(None);
+        }
+        self.inner.host.actor().stop(None);
+        if let Some(cuda) = &self.inner.cuda {
+            cuda.actor().stop(None);
+        }
+        self.inner.supervisor.stop(None);
+        let exporter = self
+            .inner
+            .exporter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(exporter) = exporter {
+            exporter.abort();
         }
     }
 }

@@ -51,13 +51,16 @@ impl<T: Send + 'static> StreamCore<T> {
         let sender: Hand<T> = Arc::new(Mutex::new(Some(tx)));
         let worker = {
             let timeline = Arc::clone(&timeline);
-            let sender = Arc::clone(&sender);
+            // Weak: the thread must not keep its own channel open once the stream is dropped.
+            let sender = Arc::downgrade(&sender);
             std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
                     for (value, item) in rx {
                         if !observe(item) {
-                            sender.lock().unwrap_or_else(|p| p.into_inner()).take();
+                            if let Some(sender) = sender.upgrade() {
+                                sender.lock().unwrap_or_else(|p| p.into_inner()).take();
+                            }
                             return;
                         }
                         timeline.complete(value);

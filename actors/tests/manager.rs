@@ -273,3 +273,23 @@ async fn shutdown_reports_a_dead_provider() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Defect 6 of issue 11: `shutdown()` left the Governors, the providers and the metrics
+/// exporter running. After a clean shutdown each is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_shutdown_stops_governors_providers_and_the_exporter() {
+    let (memory, binding, buffer) = manager_with_a_buffer(1).await;
+    drop(buffer);
+    let provider = memory.host_provider().actor().clone();
+    memory.shutdown().await.unwrap();
+    let governor = binding.governor();
+    let start = std::time::Instant::now();
+    loop {
+        let stopped = provider.get_status() == ractor::ActorStatus::Stopped;
+        if governor.snapshot().await.is_err() && stopped {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "still running");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -77,7 +77,7 @@ pub fn admit<T>(
     if free >= ask.bytes && (outranks || beside_waiters) {
         return Admission::GrantNow;
     }
-    if !ask.deadline.is_some_and(|d| d > now) {
+    if ask.deadline.is_none_or(|d| d <= now) {
         return Admission::Deny(Refusal::NoRoom);
     }
     if queue.len() >= limits.max_waiters {
