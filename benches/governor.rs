@@ -1,5 +1,6 @@
 //! reserve → commit → release through the Governor actor from a tokio task, against the same
-//! three calls on the ledger behind a `Mutex` (the floor), and 64 concurrent holders.
+//! three calls on the ledger behind a `Mutex` (the floor), 64 concurrent holders, and a
+//! request granted under pressure: it waits while one of 8 holder actors frees memory for it.
 //! Writes `target/reports/governor.json`.
 
 mod common;
@@ -7,9 +8,10 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::ledger::Ledger;
+use procmem_actors::core::ledger::{HolderId, Ledger};
 use procmem_actors::core::MemoryRole;
-use procmem_actors::{GovernorConfig, GovernorHandle, ReserveRequest};
+use procmem_actors::{GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
 
 use common::write_report;
@@ -142,12 +144,171 @@ fn concurrent_ops_per_s() -> (f64, Duration) {
     })
 }
 
+const PRESSURE_HOLDERS: usize = 8;
+const PRESSURE_CHUNKS: usize = 16;
+const PRESSURE_SAMPLES: usize = 5_000;
+const CHUNK: u64 = 4096;
+
+/// A holder that frees one chunk per ticket, and takes one back when asked to refill.
+struct ChunkHolder;
+
+enum ChunkMsg {
+    SetId(HolderId),
+    Ticket(PressureTicket),
+    Refill(RpcReplyPort<bool>),
+}
+
+impl From<PressureTicket> for ChunkMsg {
+    fn from(t: PressureTicket) -> Self {
+        ChunkMsg::Ticket(t)
+    }
+}
+
+impl TryFrom<ChunkMsg> for PressureTicket {
+    type Error = ();
+    fn try_from(m: ChunkMsg) -> Result<Self, ()> {
+        match m {
+            ChunkMsg::Ticket(t) => Ok(t),
+            _ => Err(()),
+        }
+    }
+}
+
+struct ChunkState {
+    governor: GovernorHandle,
+    id: Option<HolderId>,
+    leases: Vec<Lease>,
+}
+
+impl Actor for ChunkHolder {
+    type Msg = ChunkMsg;
+    type State = ChunkState;
+    type Arguments = GovernorHandle;
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<ChunkMsg>,
+        governor: GovernorHandle,
+    ) -> Result<ChunkState, ActorProcessingErr> {
+        Ok(ChunkState {
+            governor,
+            id: None,
+            leases: Vec::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<ChunkMsg>,
+        msg: ChunkMsg,
+        state: &mut ChunkState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            ChunkMsg::SetId(id) => state.id = Some(id),
+            ChunkMsg::Ticket(ticket) => {
+                let freed = match state.leases.pop() {
+                    Some(mut lease) => {
+                        lease.release(CHUNK).unwrap();
+                        CHUNK
+                    }
+                    None => 0,
+                };
+                ticket.report(freed, 0);
+            }
+            ChunkMsg::Refill(reply) => {
+                let id = state.id.expect("registered");
+                let got = match state.governor.reserve(request(id, None)).await {
+                    Ok(grant) => {
+                        state.leases.push(grant.commit(CHUNK).await.unwrap());
+                        true
+                    }
+                    Err(_) => false,
+                };
+                let _ = reply.send(got);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn request(holder: HolderId, deadline: Option<tokio::time::Instant>) -> ReserveRequest {
+    ReserveRequest {
+        holder,
+        role: MemoryRole::KvCache,
+        bytes: CHUNK,
+        priority: 1,
+        deadline,
+    }
+}
+
+/// A full authority, 8 holders with 16 chunks each: a request waits, the Governor asks a
+/// holder, the holder frees a chunk, the request is granted. Timed from the reserve call to
+/// the grant in hand; then the requester lets go and a holder takes its chunk back.
+fn pressure_grant_latencies() -> Vec<u64> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let capacity = PRESSURE_HOLDERS as u64 * PRESSURE_CHUNKS as u64 * CHUNK;
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("pressure", capacity))
+            .await
+            .unwrap();
+        let mut holders = Vec::new();
+        for i in 0..PRESSURE_HOLDERS {
+            let (actor, _) = Actor::spawn(None, ChunkHolder, g.clone()).await.unwrap();
+            let id = g
+                .register_holder(format!("h{i}"), 0, Some(actor.get_derived()))
+                .await
+                .unwrap();
+            // The id is known only once registered; the mailbox keeps it ahead of the refills.
+            actor.cast(ChunkMsg::SetId(id)).unwrap();
+            for _ in 0..PRESSURE_CHUNKS {
+                assert!(ractor::call!(actor, ChunkMsg::Refill).unwrap());
+            }
+            holders.push(actor);
+        }
+        let me = g.register_holder("requester", 9, None).await.unwrap();
+        let mut samples = Vec::with_capacity(PRESSURE_SAMPLES);
+        for i in 0..PRESSURE_SAMPLES + WARMUP / 4 {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            let start = Instant::now();
+            let grant = g.reserve(request(me, Some(deadline))).await.unwrap();
+            let ns = start.elapsed().as_nanos() as u64;
+            if i >= WARMUP / 4 {
+                samples.push(ns);
+            }
+            grant
+                .commit(CHUNK)
+                .await
+                .unwrap()
+                .release_all()
+                .await
+                .unwrap();
+            let mut refilled = false;
+            for h in &holders {
+                if ractor::call!(h, ChunkMsg::Refill).unwrap() {
+                    refilled = true;
+                    break;
+                }
+            }
+            assert!(refilled, "a holder takes the chunk back");
+        }
+        let s = g.snapshot().await.unwrap();
+        assert_eq!(s.books.approved(), capacity, "full again");
+        samples.sort_unstable();
+        samples
+    })
+}
+
 fn main() {
     let multi = actor_latencies(2, true);
     let single = actor_latencies(0, true);
     let cast = actor_latencies(2, false);
     let mutex_ns = mutex_round_trip_ns();
     let (ops_per_s, elapsed) = concurrent_ops_per_s();
+    let pressure = pressure_grant_latencies();
     write_report(
         "governor",
         &json!({
@@ -165,6 +326,11 @@ fn main() {
             "concurrent_round_trips": CONCURRENT * PER_TASK,
             "concurrent_elapsed_s": elapsed.as_secs_f64(),
             "concurrent_64_ops_per_s": ops_per_s,
+            "pressure_grant": "a full authority, 8 holder actors: reserve waits, a ticket frees a chunk, granted",
+            "pressure_holders": PRESSURE_HOLDERS,
+            "pressure_samples": pressure.len(),
+            "pressure_grant_p50_ns": percentile(&pressure, 0.50),
+            "pressure_grant_p99_ns": percentile(&pressure, 0.99),
         }),
     );
 }

@@ -13,12 +13,15 @@
 //! that is dropped returns itself, a [`Lease`] that is dropped releases what it still holds,
 //! and a reply whose caller is gone is rolled back on the spot.
 
+mod address;
 mod handles;
 mod metrics;
+mod supervisor;
 #[cfg(test)]
 mod tests;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use procmem::ledger::admission::{self, Admission, AdmissionLimits, Ask, Front, Refusal};
@@ -32,6 +35,8 @@ use ractor::{
 };
 use tokio::time::Instant;
 
+use address::Address;
+pub use address::Recovery;
 pub use handles::{CommitRefused, GovernorHandle, Grant, Lease};
 
 use crate::pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
@@ -173,6 +178,11 @@ pub enum GovernorMsg {
     PressureReport(PressureReport),
     /// The earliest waiter deadline passed (internal timer).
     WaiterDeadline,
+    /// The first message of a restarted Governor: what the holders own (internal).
+    Recover {
+        /// Each holder's report and ticket inbox.
+        recovery: Recovery,
+    },
     /// A ticket's deadline passed (internal timer).
     TicketDeadline {
         /// The ticket.
@@ -207,7 +217,7 @@ impl GovernorConfig {
 
 /// The Governor actor.
 #[derive(Debug, Default)]
-pub struct Governor;
+pub(crate) struct Governor;
 
 type Timer = tokio::task::JoinHandle<Result<(), MessagingErr<GovernorMsg>>>;
 
@@ -218,8 +228,9 @@ struct Waiter {
 }
 
 /// The Governor's mutable state.
-pub struct GovernorState {
+pub(crate) struct GovernorState {
     ledger: Ledger,
+    address: Arc<Address>,
     authority: AuthorityId,
     ticket_timeout: Duration,
     inboxes: HashMap<HolderId, TicketInbox>,
@@ -250,15 +261,16 @@ struct Counts {
 impl Actor for Governor {
     type Msg = GovernorMsg;
     type State = GovernorState;
-    type Arguments = (Ledger, AuthorityId, GovernorConfig);
+    type Arguments = (Ledger, AuthorityId, GovernorConfig, Arc<Address>);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        (ledger, authority, config): Self::Arguments,
+        (ledger, authority, config, address): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         let state = GovernorState {
             ledger,
+            address,
             authority,
             ticket_timeout: config.ticket_timeout,
             inboxes: HashMap::new(),
@@ -296,7 +308,12 @@ impl Actor for Governor {
             } => {
                 let result = state
                     .ledger
-                    .register_holder(state.authority, name, priority);
+                    .register_holder(state.authority, name.clone(), priority);
+                if let Ok(holder) = &result {
+                    state
+                        .address
+                        .holder_registered(*holder, &name, priority, inbox.clone());
+                }
                 if let (Ok(holder), Some(inbox)) = (&result, inbox) {
                     myself.get_cell().monitor(inbox.get_cell());
                     state.inboxes.insert(*holder, inbox);
@@ -311,7 +328,7 @@ impl Actor for Governor {
                     let _ = reply.send(result);
                 }
             }
-            GovernorMsg::Reserve { request, reply } => state.reserve(&myself, request, reply),
+            GovernorMsg::Reserve { request, reply } => state.reserve(request, reply),
             GovernorMsg::Commit {
                 holder,
                 grant,
@@ -319,7 +336,10 @@ impl Actor for Governor {
                 reply,
             } => match state.ledger.commit(holder, grant, actual_bytes) {
                 Ok(lease) => {
-                    let lease = Lease::new(myself.clone(), lease);
+                    // The grant leaves the account as the lease enters it: a restart in between
+                    // must not count both.
+                    let _ = state.address.grant_gone(grant, None);
+                    let lease = Lease::new(Arc::clone(&state.address), lease);
                     if let Err(MessagingErr::SendErr(Ok(lease))) = reply.send(Ok(lease)) {
                         // The caller is gone: nobody owns the lease, so it goes back whole.
                         let (id, bytes) = lease.defuse();
@@ -414,6 +434,7 @@ impl Actor for Governor {
                     "pressure report"
                 );
             }
+            GovernorMsg::Recover { recovery } => state.recover(&myself, recovery),
             GovernorMsg::WaiterDeadline => {
                 state.deadline_timer = None;
                 state.expire_waiters(Instant::now());
@@ -428,7 +449,7 @@ impl Actor for Governor {
                 }
             }
         }
-        state.pump(&myself);
+        state.pump();
         state.drive_pressure(&myself);
         state.arm_deadline_timer(&myself);
         state.publish();
@@ -459,7 +480,7 @@ impl Actor for Governor {
                 let _ = state.retire(&myself, holder);
                 tracing::info!(%holder, "holder actor died; its grants were returned");
             }
-            state.pump(&myself);
+            state.pump();
             state.drive_pressure(&myself);
             state.arm_deadline_timer(&myself);
             state.publish();
@@ -475,6 +496,9 @@ impl GovernorState {
         holder: HolderId,
     ) -> Result<Retired, LedgerError> {
         let result = self.ledger.retire_holder(holder);
+        if result.is_ok() {
+            self.address.holder_retired(holder);
+        }
         // Its waiting requests can never be granted: answer them now rather than let them
         // hold the queue until their deadlines.
         let gone = self.waiters.drain_where(|w| w.request.holder == holder);
@@ -494,7 +518,6 @@ impl GovernorState {
 
     fn reserve(
         &mut self,
-        myself: &ActorRef<GovernorMsg>,
         request: ReserveRequest,
         reply: RpcReplyPort<Result<Grant, GovernorError>>,
     ) {
@@ -526,7 +549,7 @@ impl GovernorState {
             now.into_std(),
             self.limits,
         ) {
-            Admission::GrantNow => self.grant(myself, request, reply),
+            Admission::GrantNow => self.grant(request, reply),
             Admission::Deny(Refusal::Busy) => {
                 self.metrics.denials.increment(1);
                 self.counts.denials += 1;
@@ -561,6 +584,41 @@ impl GovernorState {
                 // A new waiter: holders asked before may have more to give now.
                 self.picture_changed = true;
             }
+        }
+    }
+
+    /// Rebuilds the books of a restarted Governor from what the holders own, re-watches the
+    /// holders that are alive and retires those that died meanwhile.
+    fn recover(&mut self, myself: &ActorRef<GovernorMsg>, recovery: Recovery) {
+        let mut refused = 0usize;
+        let mut dead = Vec::new();
+        for (report, inbox) in recovery.0 {
+            if let Err(error) = self.ledger.recover_holder(self.authority, &report) {
+                refused += 1;
+                tracing::error!(holder = %report.holder, %error, "a holder's report was refused");
+                continue;
+            }
+            match inbox {
+                Some(inbox) if inbox.get_status() != ractor::ActorStatus::Stopped => {
+                    myself.get_cell().monitor(inbox.get_cell());
+                    self.inboxes.insert(report.holder, inbox);
+                }
+                Some(_) => dead.push(report.holder),
+                None => {}
+            }
+        }
+        for holder in dead {
+            let _ = self.retire(myself, holder);
+        }
+        let (_, provisional, leased) = self.ledger.totals(self.authority).unwrap_or_default();
+        match self.ledger.check_invariants() {
+            Ok(()) => tracing::info!(
+                provisional,
+                leased,
+                refused,
+                "books rebuilt from the holders"
+            ),
+            Err(e) => tracing::error!(%e, "rebuilt books are inconsistent"),
         }
     }
 
@@ -604,7 +662,6 @@ impl GovernorState {
     /// Approves and replies; if the caller is gone, the grant goes straight back.
     fn grant(
         &mut self,
-        myself: &ActorRef<GovernorMsg>,
         request: ReserveRequest,
         reply: RpcReplyPort<Result<Grant, GovernorError>>,
     ) {
@@ -615,7 +672,7 @@ impl GovernorState {
             Ok(grant) => {
                 self.metrics.grants.increment(1);
                 self.counts.grants += 1;
-                let grant = Grant::new(myself.clone(), grant);
+                let grant = Grant::new(Arc::clone(&self.address), grant);
                 if let Err(MessagingErr::SendErr(Ok(grant))) = reply.send(Ok(grant)) {
                     let grant = grant.defuse();
                     let _ = self.ledger.cancel(grant.charge.holder, grant.id);
@@ -631,13 +688,13 @@ impl GovernorState {
     /// Grants waiters in order while the first in line fits, and denies a first in line that
     /// can never fit (the capacity was lowered below it) instead of letting it block the
     /// queue. A grant whose caller left is rolled back by `grant`.
-    fn pump(&mut self, myself: &ActorRef<GovernorMsg>) {
+    fn pump(&mut self) {
         loop {
             match admission::front(&self.ledger, self.authority, &self.waiters) {
                 Front::Grant(seq) => {
                     let waiter = self.waiters.remove(seq).expect("front exists");
                     self.deadlines.remove(&(waiter.deadline, seq));
-                    self.grant(myself, waiter.request, waiter.reply);
+                    self.grant(waiter.request, waiter.reply);
                 }
                 Front::Deny(seq) => {
                     let waiter = self.waiters.remove(seq).expect("front exists");

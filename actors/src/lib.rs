@@ -40,8 +40,8 @@ pub use deferred_free::{
     DeferredFree, DeferredFreeMsg, DeferredStats, DrainReport, StreamRegistry,
 };
 pub use governor::{
-    CommitRefused, Governor, GovernorConfig, GovernorError, GovernorHandle, GovernorMsg,
-    GovernorSnapshot, Grant, Lease, ReserveRequest,
+    CommitRefused, GovernorConfig, GovernorError, GovernorHandle, GovernorMsg, GovernorSnapshot,
+    Grant, Lease, ReserveRequest,
 };
 pub use kv_store::{
     AttendItem, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened, PreemptMode,

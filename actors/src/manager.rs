@@ -877,7 +877,7 @@ impl MemoryManager {
     /// and drained already), the holder supervisor and the metrics exporter.
     fn stop_actors(&self) {
         for a in &self.inner.authorities {
-            a.governor.actor().stop(None);
+            a.governor.stop();
         }
         self.inner.host.actor().stop(None);
         if let Some(cuda) = &self.inner.cuda {

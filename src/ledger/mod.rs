@@ -153,6 +153,24 @@ struct HolderBooks {
     retired: bool,
 }
 
+/// What a holder owns, as it reports it to a restarted Governor: the books are rebuilt from
+/// these reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderReport {
+    /// Its identity (issued by the books before the restart).
+    pub holder: HolderId,
+    /// Its name.
+    pub name: String,
+    /// Its priority.
+    pub priority: Priority,
+    /// Whether it had been retired (it keeps its leases until their memory is freed).
+    pub retired: bool,
+    /// Its provisional grants: identity, role, bytes.
+    pub grants: Vec<(GrantId, MemoryRole, u64)>,
+    /// Its leases: identity, role, bytes still held.
+    pub leases: Vec<(LeaseId, MemoryRole, u64)>,
+}
+
 /// What retiring a holder did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retired {
@@ -655,6 +673,106 @@ impl Ledger {
                 return Err(format!("{id} is retired but holds grants"));
             }
         }
+        Ok(())
+    }
+
+    /// Fresh books for a Governor that restarts: the same identity space, authorities,
+    /// capacities and tiers, and no holders; identifiers continue above `issued`, the highest
+    /// raw identifier the old books handed out, so no message meant for the old books can
+    /// name something in the new ones by accident.
+    pub fn successor(&self, issued: u64) -> Ledger {
+        let mut next = Ledger {
+            holders: BTreeMap::new(),
+            grants: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            ..self.clone()
+        };
+        for a in next.authorities.values_mut() {
+            a.provisional = 0;
+            a.leased = 0;
+        }
+        const MASK: u64 = (1 << 40) - 1;
+        let floor = if issued & !MASK == self.id_base {
+            issued & MASK
+        } else {
+            0
+        };
+        next.next_id = next.next_id.max(floor.saturating_add(1));
+        next
+    }
+
+    /// The highest raw identifier these books have handed out.
+    pub fn issued(&self) -> u64 {
+        self.id_base | self.next_id.saturating_sub(1)
+    }
+
+    /// Puts back a holder with what it reports it owns (its grants and leases, with their
+    /// identities): how a restarted Governor's books are rebuilt. Refused, changing nothing,
+    /// for an identity of other books, one already present, or an empty or overflowing charge.
+    pub fn recover_holder(
+        &mut self,
+        authority: AuthorityId,
+        report: &HolderReport,
+    ) -> Result<(), LedgerError> {
+        self.authority(authority)?;
+        let ours = |raw: u64| raw & !((1 << 40) - 1) == self.id_base;
+        if !ours(report.holder.0) || self.holders.contains_key(&report.holder) {
+            return Err(LedgerError::UnknownHolder(report.holder));
+        }
+        let mut provisional = 0u64;
+        let mut leased = 0u64;
+        for (id, _, bytes) in &report.grants {
+            if !ours(id.0) || self.grants.contains_key(id) || *bytes == 0 {
+                return Err(LedgerError::UnknownGrant(*id));
+            }
+            provisional = provisional
+                .checked_add(*bytes)
+                .ok_or(LedgerError::ZeroBytes)?;
+        }
+        for (id, _, bytes) in &report.leases {
+            if !ours(id.0) || self.leases.contains_key(id) || *bytes == 0 {
+                return Err(LedgerError::UnknownLease(*id));
+            }
+            leased = leased.checked_add(*bytes).ok_or(LedgerError::ZeroBytes)?;
+        }
+        let books = self.authorities.get_mut(&authority).expect("checked");
+        books.provisional = books
+            .provisional
+            .checked_add(provisional)
+            .ok_or(LedgerError::ZeroBytes)?;
+        books.leased = books.leased.saturating_add(leased);
+        let charge = |role: MemoryRole, bytes: u64| Charge {
+            holder: report.holder,
+            authority,
+            role,
+            bytes,
+        };
+        for (id, role, bytes) in &report.grants {
+            self.grants.insert(*id, charge(*role, *bytes));
+        }
+        for (id, role, bytes) in &report.leases {
+            self.leases.insert(*id, charge(*role, *bytes));
+        }
+        self.holders.insert(
+            report.holder,
+            HolderBooks {
+                authority,
+                name: report.name.clone(),
+                priority: report.priority,
+                provisional,
+                leased,
+                retired: report.retired,
+            },
+        );
+        let highest = report
+            .grants
+            .iter()
+            .map(|g| g.0 .0)
+            .chain(report.leases.iter().map(|l| l.0 .0))
+            .chain([report.holder.0])
+            .max()
+            .unwrap_or(0);
+        self.next_id = self.next_id.max((highest & ((1 << 40) - 1)) + 1);
         Ok(())
     }
 

@@ -407,3 +407,61 @@ proptest! {
         }
     }
 }
+
+/// A restarted Governor's books: rebuilt from what the holders report, with the same
+/// identities, refusing reports that are not of these books or name something twice.
+#[test]
+fn books_rebuilt_from_holder_reports_equal_the_old_books() {
+    let mut old = Ledger::new();
+    let a = old.add_authority("gpu", 1000);
+    let h1 = old.register_holder(a, "kv", 0).unwrap();
+    let h2 = old.register_holder(a, "weights", 5).unwrap();
+    let g1 = old.reserve(h1, a, MemoryRole::KvCache, 100).unwrap();
+    let g2 = old.reserve(h2, a, MemoryRole::Weights, 300).unwrap();
+    let l2 = old.commit(h2, g2.id, 250).unwrap();
+    let reports = [
+        HolderReport {
+            holder: h1,
+            name: "kv".into(),
+            priority: 0,
+            retired: false,
+            grants: vec![(g1.id, MemoryRole::KvCache, 100)],
+            leases: vec![],
+        },
+        HolderReport {
+            holder: h2,
+            name: "weights".into(),
+            priority: 5,
+            retired: false,
+            grants: vec![],
+            leases: vec![(l2.id, MemoryRole::Weights, 250)],
+        },
+    ];
+    let mut new = old.successor(old.issued());
+    assert_eq!(new.totals(a), Some((1000, 0, 0)));
+    for r in &reports {
+        new.recover_holder(a, r).unwrap();
+    }
+    new.check_invariants().unwrap();
+    assert_eq!(new.totals(a), old.totals(a));
+    assert_eq!(
+        new.recover_holder(a, &reports[0]),
+        Err(LedgerError::UnknownHolder(h1)),
+        "twice"
+    );
+    // Old handles keep working against the new books, and new identities never collide.
+    new.release(h2, l2.id, 50).unwrap();
+    new.commit(h1, g1.id, 100).unwrap();
+    let fresh = new.register_holder(a, "late", 0).unwrap();
+    assert!(fresh.get() > g1.id.get() && fresh.get() > l2.id.get());
+    // A report from other books is refused.
+    let mut other = Ledger::new();
+    let oa = other.add_authority("x", 10);
+    let stranger = other.register_holder(oa, "s", 0).unwrap();
+    let foreign = HolderReport {
+        holder: stranger,
+        ..reports[0].clone()
+    };
+    let mut again = old.successor(old.issued());
+    assert!(again.recover_holder(a, &foreign).is_err());
+}

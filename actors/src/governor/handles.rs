@@ -1,6 +1,7 @@
 //! Owning handles for what the Governor hands out, and the client side of its protocol.
 
 use std::fmt;
+use std::sync::Arc;
 
 use procmem::ledger::{
     self, AuthorityId, GrantId, HolderId, LeaseId, Ledger, LedgerError, Priority, Retired,
@@ -10,33 +11,48 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef, RpcReplyPort};
 use tokio::task::JoinHandle;
 
+use super::address::Address;
 use super::{
     Governor, GovernorConfig, GovernorError, GovernorMsg, GovernorSnapshot, ReserveRequest,
 };
 use crate::pressure::TicketInbox;
 
 async fn ask<T: Send + 'static>(
-    actor: &ActorRef<GovernorMsg>,
+    address: &Address,
     build: impl FnOnce(RpcReplyPort<T>) -> GovernorMsg,
 ) -> Result<T, GovernorError> {
+    let Some(actor) = address.actor() else {
+        return Err(GovernorError::Unavailable);
+    };
     match actor.call(build, None).await {
         Ok(CallResult::Success(value)) => Ok(value),
         _ => Err(GovernorError::Unavailable),
     }
 }
 
+/// Sends a request whose reply comes on `rx`, and waits for it.
+async fn answer<T>(
+    sent: Result<(), ractor::MessagingErr<GovernorMsg>>,
+    rx: ractor::concurrency::OneshotReceiver<T>,
+) -> Result<T, GovernorError> {
+    sent.map_err(|_| GovernorError::Unavailable)?;
+    rx.await.map_err(|_| GovernorError::Unavailable)
+}
+
 /// A provisional grant. Commit it with the real footprint, or cancel it; dropped without
 /// either, it returns itself to the Governor.
 #[must_use = "a grant dropped unused is returned to the Governor"]
 pub struct Grant {
-    governor: ActorRef<GovernorMsg>,
+    address: Arc<Address>,
     grant: Option<ledger::Grant>,
 }
 
 impl Grant {
-    pub(super) fn new(governor: ActorRef<GovernorMsg>, grant: ledger::Grant) -> Self {
+    /// Issued by the Governor at `address`; recorded there before it leaves the actor.
+    pub(super) fn new(address: Arc<Address>, grant: ledger::Grant) -> Self {
+        address.grant_issued(&grant);
         Grant {
-            governor,
+            address,
             grant: Some(grant),
         }
     }
@@ -62,14 +78,16 @@ impl Grant {
 
     /// Stops this handle from returning the grant; the caller now keeps the books right.
     pub(super) fn defuse(mut self) -> ledger::Grant {
-        self.grant.take().expect("a live grant")
+        let grant = self.grant.take().expect("a live grant");
+        let _ = self.address.grant_gone(grant.id, None);
+        grant
     }
 
     /// Turns the grant into a lease of `actual_bytes`, the footprint really taken. If the
     /// Governor refuses (a top-up that does not fit), the grant comes back unchanged.
     pub async fn commit(self, actual_bytes: u64) -> Result<Lease, CommitRefused> {
         let (holder, grant) = (self.holder(), self.id());
-        let result = ask(&self.governor, |reply| GovernorMsg::Commit {
+        let result = ask(&self.address, |reply| GovernorMsg::Commit {
             holder,
             grant,
             actual_bytes,
@@ -78,7 +96,8 @@ impl Grant {
         .await;
         match result {
             Ok(Ok(lease)) => {
-                // Consumed by the commit: nothing left to return.
+                // Consumed by the commit: nothing left to return (the Governor recorded the
+                // lease in the address in its place).
                 let _ = self.defuse();
                 Ok(lease)
             }
@@ -94,27 +113,32 @@ impl Grant {
     }
 
     /// Returns the grant now and waits for the Governor to confirm.
-    pub async fn cancel(self) -> Result<u64, GovernorError> {
-        let governor = self.governor.clone();
-        let grant = self.defuse();
-        ask(&governor, |reply| GovernorMsg::Cancel {
-            holder: grant.charge.holder,
-            grant: grant.id,
-            reply: Some(reply),
-        })
-        .await?
-        .map_err(Into::into)
+    pub async fn cancel(mut self) -> Result<u64, GovernorError> {
+        let grant = self.grant.take().expect("a live grant");
+        let (tx, rx) = ractor::concurrency::oneshot();
+        let sent = self.address.grant_gone(
+            grant.id,
+            Some(GovernorMsg::Cancel {
+                holder: grant.charge.holder,
+                grant: grant.id,
+                reply: Some(tx.into()),
+            }),
+        );
+        answer(sent, rx).await?.map_err(Into::into)
     }
 }
 
 impl Drop for Grant {
     fn drop(&mut self) {
         if let Some(grant) = self.grant.take() {
-            let _ = self.governor.cast(GovernorMsg::Cancel {
-                holder: grant.charge.holder,
-                grant: grant.id,
-                reply: None,
-            });
+            let _ = self.address.grant_gone(
+                grant.id,
+                Some(GovernorMsg::Cancel {
+                    holder: grant.charge.holder,
+                    grant: grant.id,
+                    reply: None,
+                }),
+            );
         }
     }
 }
@@ -141,7 +165,7 @@ pub struct CommitRefused {
 /// (then it goes when that memory is actually freed).
 #[must_use = "a lease dropped releases its bytes"]
 pub struct Lease {
-    governor: ActorRef<GovernorMsg>,
+    address: Arc<Address>,
     id: LeaseId,
     holder: HolderId,
     role: MemoryRole,
@@ -149,9 +173,11 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub(super) fn new(governor: ActorRef<GovernorMsg>, lease: ledger::Lease) -> Self {
+    /// Issued by the Governor at `address`; recorded there before it leaves the actor.
+    pub(super) fn new(address: Arc<Address>, lease: ledger::Lease) -> Self {
+        address.lease_issued(&lease);
         Lease {
-            governor,
+            address,
             id: lease.id,
             holder: lease.charge.holder,
             role: lease.charge.role,
@@ -179,15 +205,20 @@ impl Lease {
         self.remaining
     }
 
+    /// Stops this handle from releasing; its bytes leave the address's account too (the
+    /// caller settles them with the Governor itself).
     pub(super) fn defuse(mut self) -> (LeaseId, u64) {
-        (self.id, std::mem::take(&mut self.remaining))
+        let bytes = std::mem::take(&mut self.remaining);
+        let _ = self.address.lease_released(self.id, bytes, None);
+        (self.id, bytes)
     }
 
     /// Drops the handle but keeps its bytes charged: the memory it paid for may still be held
     /// (its mechanism failed to free it), and the books must not say otherwise.
-    pub(crate) fn keep_charged(self) {
-        let (id, bytes) = self.defuse();
-        tracing::warn!(%id, bytes, "lease kept charged: its memory may not have been freed");
+    pub(crate) fn keep_charged(mut self) {
+        // The account keeps the bytes too: a restarted Governor still charges them.
+        let bytes = std::mem::take(&mut self.remaining);
+        tracing::warn!(id = %self.id, bytes, "lease kept charged: its memory may not have been freed");
     }
 
     /// Releases `bytes` whose memory was freed, without waiting (messages to the Governor
@@ -204,48 +235,60 @@ impl Lease {
             }
             .into());
         }
-        self.governor
-            .cast(GovernorMsg::Release {
+        // The account changes with the message, under one lock: a Governor that died and is
+        // being restarted rebuilds its books from the account, so a release it never received
+        // is still counted once.
+        self.remaining -= bytes;
+        let sent = self.address.lease_released(
+            self.id,
+            bytes,
+            Some(GovernorMsg::Release {
                 holder: self.holder,
                 lease: self.id,
                 bytes,
                 reply: None,
-            })
-            .map_err(|_| GovernorError::Unavailable)?;
-        self.remaining -= bytes;
+            }),
+        );
+        if sent.is_err() {
+            tracing::debug!(lease = %self.id, bytes, "governor down; the release is in the account");
+        }
         Ok(())
     }
 
     /// Releases everything and waits for the Governor to confirm.
-    pub async fn release_all(self) -> Result<u64, GovernorError> {
-        let governor = self.governor.clone();
-        let (id, bytes) = (self.id, self.remaining);
-        let holder = self.holder;
-        let _ = self.defuse();
+    pub async fn release_all(mut self) -> Result<u64, GovernorError> {
+        let bytes = std::mem::take(&mut self.remaining);
         if bytes == 0 {
             return Ok(0);
         }
-        ask(&governor, |reply| GovernorMsg::Release {
-            holder,
-            lease: id,
+        let (tx, rx) = ractor::concurrency::oneshot();
+        let sent = self.address.lease_released(
+            self.id,
             bytes,
-            reply: Some(reply),
-        })
-        .await?
-        .map(|_| bytes)
-        .map_err(Into::into)
+            Some(GovernorMsg::Release {
+                holder: self.holder,
+                lease: self.id,
+                bytes,
+                reply: Some(tx.into()),
+            }),
+        );
+        answer(sent, rx).await?.map(|_| bytes).map_err(Into::into)
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         if self.remaining > 0 {
-            let _ = self.governor.cast(GovernorMsg::Release {
-                holder: self.holder,
-                lease: self.id,
-                bytes: self.remaining,
-                reply: None,
-            });
+            let _ = self.address.lease_released(
+                self.id,
+                self.remaining,
+                Some(GovernorMsg::Release {
+                    holder: self.holder,
+                    lease: self.id,
+                    bytes: self.remaining,
+                    reply: None,
+                }),
+            );
         }
     }
 }
@@ -261,25 +304,69 @@ impl fmt::Debug for Lease {
     }
 }
 
-/// A cheap, cloneable handle to one authority's Governor.
-#[derive(Debug, Clone)]
+/// A cheap, cloneable handle to one authority's Governor. It reaches whichever Governor
+/// actor serves the authority now: a supervised Governor that died is replaced behind it.
+#[derive(Clone)]
 pub struct GovernorHandle {
-    actor: ActorRef<GovernorMsg>,
+    address: Arc<Address>,
     authority: AuthorityId,
 }
 
+impl fmt::Debug for GovernorHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GovernorHandle")
+            .field("authority", &self.authority)
+            .field("actor", &self.address.actor().map(|a| a.get_id()))
+            .finish()
+    }
+}
+
 impl GovernorHandle {
-    /// Spawns a Governor for a new authority on the current tokio runtime.
+    /// Spawns a Governor for a new authority on the current tokio runtime. Unsupervised: if it
+    /// dies, its books die with it (see [`GovernorHandle::spawn_supervised`]).
     pub async fn spawn(config: GovernorConfig) -> Result<(Self, JoinHandle<()>), ractor::SpawnErr> {
         let mut ledger = Ledger::new();
         let authority = ledger.add_authority(config.name.clone(), config.capacity);
-        let (actor, join) = Actor::spawn(None, Governor, (ledger, authority, config)).await?;
-        Ok((GovernorHandle { actor, authority }, join))
+        let address = Arc::new(Address::new());
+        let (actor, join) = Actor::spawn(
+            None,
+            Governor,
+            (ledger, authority, config, Arc::clone(&address)),
+        )
+        .await?;
+        address.set(actor);
+        Ok((GovernorHandle { address, authority }, join))
     }
 
-    /// The actor, for stopping it or linking it under a supervisor.
-    pub fn actor(&self) -> &ActorRef<GovernorMsg> {
-        &self.actor
+    /// Spawns a Governor under a supervisor that restarts it when it dies (a panic or a kill):
+    /// the new Governor rebuilds its books from what the holders' grants and leases say they
+    /// hold, before any other message reaches it. Returns the handle and the supervisor.
+    pub async fn spawn_supervised(
+        config: GovernorConfig,
+    ) -> Result<(Self, ActorRef<()>), ractor::SpawnErr> {
+        let mut ledger = Ledger::new();
+        let authority = ledger.add_authority(config.name.clone(), config.capacity);
+        let address = Arc::new(Address::new());
+        let (supervisor, _) = Actor::spawn(
+            None,
+            super::supervisor::GovernorSupervisor,
+            (ledger, authority, config, Arc::clone(&address)),
+        )
+        .await?;
+        Ok((GovernorHandle { address, authority }, supervisor))
+    }
+
+    /// The Governor actor serving the authority now (for tests that kill it, and for
+    /// supervision).
+    pub fn actor(&self) -> ActorRef<GovernorMsg> {
+        self.address
+            .actor()
+            .expect("a handle exists only once its Governor was spawned")
+    }
+
+    /// Stops the Governor on purpose (its supervisor, if any, does not restart it).
+    pub fn stop(&self) {
+        self.address.stop();
     }
 
     /// The authority it keeps the books of.
@@ -296,7 +383,7 @@ impl GovernorHandle {
         inbox: Option<TicketInbox>,
     ) -> Result<HolderId, GovernorError> {
         let name = name.into();
-        ask(&self.actor, |reply| GovernorMsg::RegisterHolder {
+        ask(&self.address, |reply| GovernorMsg::RegisterHolder {
             name,
             priority,
             inbox,
@@ -308,7 +395,7 @@ impl GovernorHandle {
 
     /// Retires a holder: grants return now, leases as their memory is freed.
     pub async fn unregister_holder(&self, holder: HolderId) -> Result<Retired, GovernorError> {
-        ask(&self.actor, |reply| GovernorMsg::UnregisterHolder {
+        ask(&self.address, |reply| GovernorMsg::UnregisterHolder {
             holder,
             reply: Some(reply),
         })
@@ -318,12 +405,16 @@ impl GovernorHandle {
 
     /// Asks for a provisional grant; waits for room until the request's deadline.
     pub async fn reserve(&self, request: ReserveRequest) -> Result<Grant, GovernorError> {
-        ask(&self.actor, |reply| GovernorMsg::Reserve { request, reply }).await?
+        ask(&self.address, |reply| GovernorMsg::Reserve {
+            request,
+            reply,
+        })
+        .await?
     }
 
     /// Sets the capacity.
     pub async fn set_capacity(&self, bytes: u64) -> Result<(), GovernorError> {
-        ask(&self.actor, |reply| GovernorMsg::SetCapacity {
+        ask(&self.address, |reply| GovernorMsg::SetCapacity {
             bytes,
             reply: Some(reply),
         })
@@ -332,6 +423,6 @@ impl GovernorHandle {
 
     /// The books and the queue.
     pub async fn snapshot(&self) -> Result<GovernorSnapshot, GovernorError> {
-        ask(&self.actor, |reply| GovernorMsg::Snapshot { reply }).await
+        ask(&self.address, |reply| GovernorMsg::Snapshot { reply }).await
     }
 }

@@ -1,0 +1,233 @@
+//! Where a Governor is, and what its handles hold: the record a restarted Governor rebuilds its
+//! books from.
+//!
+//! Every [`Grant`](super::Grant) and [`Lease`](super::Lease) reaches its Governor through an
+//! `Address`, never a bare actor reference. The address keeps, for each live handle, what it
+//! holds (the holders' own account of what they own) and changes it together with sending the
+//! message that tells the Governor, under one lock. A supervisor that restarts a dead Governor
+//! reads that account and swaps the new actor in under the same lock, so every release happens
+//! either before the account is read (and the new books never count it) or after the swap (and
+//! reaches the new Governor): no byte is counted twice or lost.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use procmem::ledger::{self, GrantId, HolderId, HolderReport, LeaseId, Priority};
+use procmem::MemoryRole;
+use ractor::{ActorRef, MessagingErr};
+
+use super::GovernorMsg;
+use crate::pressure::TicketInbox;
+
+#[derive(Debug, Clone)]
+struct HolderEntry {
+    name: String,
+    priority: Priority,
+    retired: bool,
+    inbox: Option<TicketInbox>,
+}
+
+struct Record {
+    actor: Option<ActorRef<GovernorMsg>>,
+    holders: BTreeMap<HolderId, HolderEntry>,
+    grants: HashMap<GrantId, (HolderId, MemoryRole, u64)>,
+    leases: HashMap<LeaseId, (HolderId, MemoryRole, u64)>,
+    issued: u64,
+    stopping: bool,
+}
+
+/// The current Governor actor of one authority and the account of what its handles hold.
+pub(crate) struct Address {
+    record: Mutex<Record>,
+}
+
+/// What a restarted Governor is handed as its first message: each holder's report of what it
+/// owns, with its ticket inbox. Only a Governor's supervisor makes one.
+#[derive(Debug)]
+pub struct Recovery(pub(crate) Vec<(HolderReport, Option<TicketInbox>)>);
+
+impl Address {
+    /// An address with no Governor yet: [`Address::set`] it once the actor is spawned (the
+    /// actor is given the address as it starts).
+    pub(crate) fn new() -> Self {
+        Address {
+            record: Mutex::new(Record {
+                actor: None,
+                holders: BTreeMap::new(),
+                grants: HashMap::new(),
+                leases: HashMap::new(),
+                issued: 0,
+                stopping: false,
+            }),
+        }
+    }
+
+    fn record(&self) -> std::sync::MutexGuard<'_, Record> {
+        self.record.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Points the address at its first Governor.
+    pub(crate) fn set(&self, actor: ActorRef<GovernorMsg>) {
+        self.record().actor = Some(actor);
+    }
+
+    /// The Governor actor now (`None` only before [`Address::set`]).
+    pub(crate) fn actor(&self) -> Option<ActorRef<GovernorMsg>> {
+        self.record().actor.clone()
+    }
+
+    fn send(record: &Record, msg: GovernorMsg) -> Result<(), MessagingErr<GovernorMsg>> {
+        match &record.actor {
+            Some(actor) => actor.cast(msg),
+            None => Err(MessagingErr::SendErr(msg)),
+        }
+    }
+
+    fn saw(record: &mut Record, raw: u64) {
+        record.issued = record.issued.max(raw);
+    }
+
+    pub(crate) fn holder_registered(
+        &self,
+        holder: HolderId,
+        name: &str,
+        priority: Priority,
+        inbox: Option<TicketInbox>,
+    ) {
+        let mut r = self.record();
+        Self::saw(&mut r, holder.get());
+        r.holders.insert(
+            holder,
+            HolderEntry {
+                name: name.to_owned(),
+                priority,
+                retired: false,
+                inbox,
+            },
+        );
+    }
+
+    pub(crate) fn holder_retired(&self, holder: HolderId) {
+        let mut r = self.record();
+        r.grants.retain(|_, (h, _, _)| *h != holder);
+        if let Some(entry) = r.holders.get_mut(&holder) {
+            entry.retired = true;
+            entry.inbox = None;
+        }
+    }
+
+    pub(crate) fn grant_issued(&self, grant: &ledger::Grant) {
+        let mut r = self.record();
+        Self::saw(&mut r, grant.id.get());
+        let c = &grant.charge;
+        r.grants.insert(grant.id, (c.holder, c.role, c.bytes));
+    }
+
+    /// The grant is gone (committed, cancelled, rolled back); `then` is sent under the lock.
+    pub(crate) fn grant_gone(
+        &self,
+        grant: GrantId,
+        then: Option<GovernorMsg>,
+    ) -> Result<(), MessagingErr<GovernorMsg>> {
+        let mut r = self.record();
+        r.grants.remove(&grant);
+        match then {
+            Some(msg) => Self::send(&r, msg),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn lease_issued(&self, lease: &ledger::Lease) {
+        let mut r = self.record();
+        Self::saw(&mut r, lease.id.get());
+        let c = &lease.charge;
+        r.leases.insert(lease.id, (c.holder, c.role, c.bytes));
+    }
+
+    /// `bytes` of the lease came back; `then` (the Governor's release) is sent under the lock.
+    pub(crate) fn lease_released(
+        &self,
+        lease: LeaseId,
+        bytes: u64,
+        then: Option<GovernorMsg>,
+    ) -> Result<(), MessagingErr<GovernorMsg>> {
+        let mut r = self.record();
+        if let Some(entry) = r.leases.get_mut(&lease) {
+            entry.2 = entry.2.saturating_sub(bytes);
+            if entry.2 == 0 {
+                r.leases.remove(&lease);
+            }
+        }
+        match then {
+            Some(msg) => Self::send(&r, msg),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the Governor as being stopped on purpose: its supervisor does not restart it.
+    pub(crate) fn stop(&self) {
+        let mut r = self.record();
+        r.stopping = true;
+        if let Some(actor) = &r.actor {
+            actor.stop(None);
+        }
+    }
+
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.record().stopping
+    }
+
+    /// The highest identifier the Governor's books handed out, as far as handles saw.
+    pub(crate) fn issued(&self) -> u64 {
+        self.record().issued
+    }
+
+    /// Hands `next` the holders' account, as its first message, and makes it the Governor
+    /// every handle reaches from now on, in one step under the lock.
+    pub(crate) fn restart(
+        &self,
+        next: ActorRef<GovernorMsg>,
+        recover: impl FnOnce(Recovery) -> GovernorMsg,
+    ) -> Result<(), MessagingErr<GovernorMsg>> {
+        let mut r = self.record();
+        let mut reports: BTreeMap<HolderId, HolderReport> = r
+            .holders
+            .iter()
+            .map(|(id, h)| {
+                (
+                    *id,
+                    HolderReport {
+                        holder: *id,
+                        name: h.name.clone(),
+                        priority: h.priority,
+                        retired: h.retired,
+                        grants: Vec::new(),
+                        leases: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        for (id, (holder, role, bytes)) in &r.grants {
+            if let Some(report) = reports.get_mut(holder) {
+                report.grants.push((*id, *role, *bytes));
+            }
+        }
+        for (id, (holder, role, bytes)) in &r.leases {
+            if let Some(report) = reports.get_mut(holder) {
+                report.leases.push((*id, *role, *bytes));
+            }
+        }
+        let recovery = reports
+            .into_values()
+            .map(|mut report| {
+                report.grants.sort_unstable();
+                report.leases.sort_unstable();
+                let inbox = r.holders.get(&report.holder).and_then(|h| h.inbox.clone());
+                (report, inbox)
+            })
+            .collect();
+        next.cast(recover(Recovery(recovery)))?;
+        r.actor = Some(next);
+        Ok(())
+    }
+}

@@ -1,0 +1,96 @@
+//! A Governor that dies is restarted with its books: the supervisor spawns a successor over
+//! the same identity space and hands it, as its first message, what the holders' grants and
+//! leases say they hold (see [`Address`]).
+
+use std::sync::Arc;
+
+use procmem::ledger::{AuthorityId, Ledger};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+
+use super::address::Address;
+use super::{Governor, GovernorConfig, GovernorMsg};
+
+/// Supervises one authority's Governor.
+pub(crate) struct GovernorSupervisor;
+
+pub(crate) struct SupervisorState {
+    template: Ledger,
+    authority: AuthorityId,
+    config: GovernorConfig,
+    address: Arc<Address>,
+    restarts: u64,
+}
+
+impl Actor for GovernorSupervisor {
+    type Msg = ();
+    type State = SupervisorState;
+    type Arguments = (Ledger, AuthorityId, GovernorConfig, Arc<Address>);
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<()>,
+        (template, authority, config, address): Self::Arguments,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        let (actor, _) = Actor::spawn_linked(
+            None,
+            Governor,
+            (
+                template.clone(),
+                authority,
+                config.clone(),
+                Arc::clone(&address),
+            ),
+            myself.get_cell(),
+        )
+        .await?;
+        address.set(actor);
+        Ok(SupervisorState {
+            template,
+            authority,
+            config,
+            address,
+            restarts: 0,
+        })
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<()>,
+        event: SupervisionEvent,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let why = match &event {
+            SupervisionEvent::ActorFailed(_, reason) => reason.to_string(),
+            SupervisionEvent::ActorTerminated(_, _, reason) => {
+                reason.clone().unwrap_or_else(|| "stopped".into())
+            }
+            _ => return Ok(()),
+        };
+        if state.address.is_stopping() {
+            myself.stop(None);
+            return Ok(());
+        }
+        let books = state.template.successor(state.address.issued());
+        let (next, _) = Actor::spawn_linked(
+            None,
+            Governor,
+            (
+                books,
+                state.authority,
+                state.config.clone(),
+                Arc::clone(&state.address),
+            ),
+            myself.get_cell(),
+        )
+        .await?;
+        state
+            .address
+            .restart(next, |recovery| GovernorMsg::Recover { recovery })
+            .map_err(|e| format!("cannot hand the restarted governor its books: {e}"))?;
+        state.restarts += 1;
+        metrics::counter!("procmem_governor_restarts_total", "authority" => state.config.name.clone())
+            .increment(1);
+        tracing::warn!(authority = %state.config.name, restarts = state.restarts, %why, "governor died; restarted with the holders' books");
+        Ok(())
+    }
+}
