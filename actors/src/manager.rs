@@ -362,10 +362,13 @@ impl MemoryManagerBuilder {
             }
             None => None,
         };
-        let (host_governor, _) = GovernorHandle::spawn(GovernorConfig::new("host", host_budget))
-            .await
-            .map_err(|e| ManagerError::Spawn(e.to_string()))?;
-        started.actors.push(host_governor.actor().get_cell());
+        // Supervised: a Governor that dies is restarted with the holders' books.
+        let (host_governor, host_supervisor) =
+            GovernorHandle::spawn_supervised(GovernorConfig::new("host", host_budget))
+                .await
+                .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+        started.governors.push(host_governor.clone());
+        started.actors.push(host_supervisor.get_cell());
         let host = CpuProvider::spawn(CpuProviderConfig {
             streams: self.streams.max(1),
             registry: None,
@@ -391,11 +394,12 @@ impl MemoryManagerBuilder {
             }
             Some((ordinal, budget, provider, false)) => {
                 let name = DeviceKey::cuda(ordinal).to_string();
-                let (governor, _) =
-                    GovernorHandle::spawn(GovernorConfig::new(name.clone(), budget))
+                let (governor, supervisor) =
+                    GovernorHandle::spawn_supervised(GovernorConfig::new(name.clone(), budget))
                         .await
                         .map_err(|e| ManagerError::Spawn(e.to_string()))?;
-                started.actors.push(governor.actor().get_cell());
+                started.governors.push(governor.clone());
+                started.actors.push(supervisor.get_cell());
                 authorities.push(Authority {
                     name,
                     governor,
@@ -429,6 +433,7 @@ struct Started {
     exporter: Option<JoinHandle<()>>,
     cuda: Option<CudaProvider>,
     host: Option<CpuProvider>,
+    governors: Vec<GovernorHandle>,
     actors: Vec<ActorCell>,
 }
 
@@ -441,6 +446,9 @@ impl Started {
         if let Some(host) = self.host {
             let _ = host.shutdown().await;
             host.actor().stop(None);
+        }
+        for governor in self.governors {
+            governor.stop();
         }
         for actor in self.actors {
             actor.stop(None);
