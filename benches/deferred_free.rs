@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::core::{AllocationRequest, DeviceMemoryMechanism, MemoryRole};
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
@@ -160,6 +160,18 @@ fn main() {
         let mut latencies = stats(&stream).await.fence_to_refund_ns[before..].to_vec();
         latencies.sort_unstable();
 
+        // The floor: the mechanism's own free of the same allocation (an unmap), timed alone
+        // on this thread. Fence-to-refund cannot be below it: it frees, then refunds.
+        let mut floor = Vec::with_capacity(LATENCY_SAMPLES);
+        let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+        for _ in 0..LATENCY_SAMPLES {
+            let a = p.mechanism().allocator().allocate(&request).unwrap();
+            let start = Instant::now();
+            a.release().unwrap();
+            floor.push(start.elapsed().as_nanos() as u64);
+        }
+        floor.sort_unstable();
+
         // Burst: many buffers waiting behind one gate, all fences completing at once; each
         // waits for the frees queued ahead of it.
         let buffers = make_buffers(&g, &p, BUFFERS / 4).await;
@@ -184,6 +196,10 @@ fn main() {
             "latency_samples": latencies.len(),
             "fence_to_refund_p50_ns": percentile(&latencies, 0.50),
             "fence_to_refund_p99_ns": percentile(&latencies, 0.99),
+            "mechanism_free_p50_ns": percentile(&floor, 0.50),
+            "mechanism_free_p99_ns": percentile(&floor, 0.99),
+            "fence_to_refund_vs_mechanism_free_p50": percentile(&latencies, 0.50) as f64
+                / percentile(&floor, 0.50).max(1) as f64,
             "burst_buffers": burst.len(),
             "burst_fence_to_refund_p50_ns": percentile(&burst, 0.50),
             "burst_fence_to_refund_p99_ns": percentile(&burst, 0.99),

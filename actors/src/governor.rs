@@ -239,10 +239,9 @@ pub(crate) struct GovernorState {
     // Every waiter's deadline, earliest first, and the one timer set for the earliest.
     deadlines: BTreeSet<(Instant, u64)>,
     deadline_timer: Option<(Instant, Timer)>,
-    round: Option<PressureRound>,
-    // Memory was released, a holder or waiter arrived, or the capacity changed since the
-    // round ran out of holders to ask: ask them again.
-    picture_changed: bool,
+    // Whom was asked, and what each holder promised and has not released yet. The promises
+    // outlive a round: bytes still on their way are never asked for again.
+    round: PressureRound,
     outstanding: Option<(TicketId, Timer)>,
     next_ticket: u64,
     tickets_sent: u64,
@@ -280,8 +279,7 @@ impl Actor for Governor {
             },
             deadlines: BTreeSet::new(),
             deadline_timer: None,
-            round: None,
-            picture_changed: false,
+            round: PressureRound::default(),
             outstanding: None,
             next_ticket: 1,
             tickets_sent: 0,
@@ -318,7 +316,7 @@ impl Actor for Governor {
                     myself.get_cell().monitor(inbox.get_cell());
                     state.inboxes.insert(*holder, inbox);
                     // A new holder may have something to give.
-                    state.picture_changed = true;
+                    state.round.changed();
                 }
                 let _ = reply.send(result);
             }
@@ -373,11 +371,9 @@ impl Actor for Governor {
             } => {
                 let result = state.ledger.release(holder, lease, bytes);
                 if result.is_ok() {
-                    if let Some(round) = &mut state.round {
-                        round.released(holder, bytes);
-                    }
+                    state.round.released(holder, bytes);
                     // Holders that had nothing to give may have some now.
-                    state.picture_changed = true;
+                    state.round.changed();
                 }
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
@@ -388,7 +384,7 @@ impl Actor for Governor {
                     .ledger
                     .set_capacity(state.authority, bytes)
                     .expect("own authority");
-                state.picture_changed = true;
+                state.round.changed();
                 if let Some(reply) = reply {
                     let _ = reply.send(());
                 }
@@ -415,9 +411,9 @@ impl Actor for Governor {
                     state.counts.freed_by_pressure.saturating_add(freed);
                 // Bytes freed now were released before the report (same sender, same
                 // mailbox order); only those pending a fence are still to come.
-                if let Some(round) = &mut state.round {
-                    round.promised(report.holder, report.freed_pending_fence);
-                }
+                state
+                    .round
+                    .promised(report.holder, report.freed_pending_fence);
                 if state
                     .outstanding
                     .as_ref()
@@ -498,6 +494,7 @@ impl GovernorState {
         let result = self.ledger.retire_holder(holder);
         if result.is_ok() {
             self.address.holder_retired(holder);
+            self.round.forget(holder);
         }
         // Its waiting requests can never be granted: answer them now rather than let them
         // hold the queue until their deadlines.
@@ -582,7 +579,7 @@ impl GovernorState {
                 self.metrics.waits.increment(1);
                 self.counts.waits += 1;
                 // A new waiter: holders asked before may have more to give now.
-                self.picture_changed = true;
+                self.round.changed();
             }
         }
     }
@@ -735,10 +732,11 @@ impl GovernorState {
         }
         let shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
         if shortfall == 0 {
-            self.round = None;
+            // Room for everyone: the next shortfall starts a new round (promises stay).
+            self.round.ask_again();
             return;
         }
-        let round = self.round.get_or_insert_with(PressureRound::default);
+        let round = &mut self.round;
         let wanted = round.still_wanted(shortfall);
         if wanted == 0 {
             return;
@@ -749,9 +747,6 @@ impl GovernorState {
             .into_iter()
             .filter(|(h, _, _)| self.inboxes.contains_key(h))
             .collect();
-        if std::mem::take(&mut self.picture_changed) && round.exhausted(&holders) {
-            round.ask_again();
-        }
         let now = Instant::now();
         let waiter_deadline = self
             .waiters

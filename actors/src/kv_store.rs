@@ -151,9 +151,8 @@ pub struct KvStoreStats {
     pub freed_by_pressure: u64,
 }
 
-/// How soon a pressure ticket is looked at again when nothing can go now but sequences are
-/// only waiting for a kernel to finish, and how many times at most.
-const TICKET_RECHECK: std::time::Duration = std::time::Duration::from_millis(1);
+/// How many times at most a pressure ticket is looked at again, each time the kernel a
+/// sequence waits for completes, when nothing could go before.
 const TICKET_RECHECKS: u32 = 4;
 
 /// The store's mailbox.
@@ -1196,20 +1195,32 @@ impl KvStoreState {
             .map(|p| p.bytes)
             .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
             .sum();
-        let soon_free = self.seqs.values().any(|e| self.waits_only_for_its_fence(e));
-        if available == 0
-            && soon_free
-            && rechecks < TICKET_RECHECKS
-            && tokio::time::Instant::now() + 2 * TICKET_RECHECK < ticket.deadline
-        {
-            // Nothing can go now, but sequences whose last kernel is finishing can go once its
-            // fence completes (well under a millisecond): look again then, a few times at
-            // most, rather than answer "nothing" and not be asked again in this round. (The
-            // Governor has one ticket out at a time, so this delays asking anyone else.)
-            myself.send_after(TICKET_RECHECK, move || KvStoreMsg::RecheckTicket {
-                ticket,
-                rechecks: rechecks + 1,
-            });
+        let soon_free = self
+            .seqs
+            .values()
+            .filter(|e| self.waits_only_for_its_fence(e))
+            .filter_map(|e| e.last_fence)
+            .min_by_key(|f| f.value);
+        if let Some(fence) = soon_free.filter(|_| {
+            available == 0
+                && rechecks < TICKET_RECHECKS
+                && tokio::time::Instant::now() < ticket.deadline
+        }) {
+            // Nothing can go now, but a sequence whose last kernel is finishing can go once
+            // its fence completes: its completion wakes the store to look again (a few times
+            // at most) rather than answer "nothing" and not be asked again in this round.
+            // Nothing polls. (The Governor has one ticket out at a time and moves on at the
+            // ticket's deadline.)
+            let me = myself.clone();
+            self.stream.timeline().on_complete(
+                fence.value,
+                Box::new(move |_| {
+                    let _ = me.cast(KvStoreMsg::RecheckTicket {
+                        ticket,
+                        rechecks: rechecks + 1,
+                    });
+                }),
+            );
             return;
         }
         let mut freed = 0;

@@ -19,6 +19,7 @@
 //! - [`deferred_free`]: one actor per stream; nothing is freed before every fence that used
 //!   it has completed, and the Governor is refunded only after the mechanism freed it.
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod buffer;
 pub mod cuda_provider;

@@ -2,7 +2,7 @@
 //! bytes to ask for, and which holder to ask next. The Governor never picks a victim; it only
 //! picks whom to *ask*, and each holder decides what (if anything) to free.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use super::{HolderId, Priority};
 
@@ -125,14 +125,22 @@ impl<T> WaitQueue<T> {
 /// One round of pressure: the holders already asked and what they promised.
 #[derive(Debug, Default, Clone)]
 pub struct PressureRound {
-    asked: BTreeSet<HolderId>,
+    // Each holder asked in this round, with the epoch of the books it was asked in.
+    asked: BTreeMap<HolderId, u64>,
+    epoch: u64,
     promised: BTreeMap<HolderId, u64>,
 }
 
 impl PressureRound {
     /// Records that `holder` was asked.
     pub fn asked(&mut self, holder: HolderId) {
-        self.asked.insert(holder);
+        self.asked.insert(holder, self.epoch);
+    }
+
+    /// The books changed (memory was released, a holder or a waiter arrived, the capacity
+    /// moved): once every holder has been asked, those asked before this are asked again.
+    pub fn changed(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
     }
 
     /// Records `holder`'s report: bytes it will release once their fences complete.
@@ -154,6 +162,13 @@ impl PressureRound {
         }
     }
 
+    /// Drops what `holder` promised (it was retired: what it still holds comes back as its
+    /// memory is freed, not as a promise kept).
+    pub fn forget(&mut self, holder: HolderId) {
+        self.promised.remove(&holder);
+        self.asked.remove(&holder);
+    }
+
     /// Bytes promised and not released yet.
     pub fn outstanding(&self) -> u64 {
         self.promised
@@ -167,11 +182,6 @@ impl PressureRound {
         shortfall.saturating_sub(self.outstanding())
     }
 
-    /// True once every holder in `holders` that has anything was asked.
-    pub fn exhausted(&self, holders: &[(HolderId, Priority, u64)]) -> bool {
-        self.next_holder(holders).is_none()
-    }
-
     /// Starts asking again from the first holder (the picture changed: memory was released
     /// or a holder arrived), keeping what was promised and not yet released.
     pub fn ask_again(&mut self) {
@@ -179,13 +189,22 @@ impl PressureRound {
     }
 
     /// Whom to ask next among `holders` (id, priority, approved bytes): the least important
-    /// first, then the one holding the most, skipping holders already asked and those holding
-    /// nothing (they have nothing accounted to give back).
+    /// first, then the one holding the most, skipping those holding nothing (they have nothing
+    /// accounted to give back). Holders not asked in this round come first; once every one
+    /// was, those asked before the books last changed are asked again.
     pub fn next_holder(&self, holders: &[(HolderId, Priority, u64)]) -> Option<HolderId> {
-        holders
-            .iter()
-            .filter(|(id, _, bytes)| *bytes > 0 && !self.asked.contains(id))
-            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)))
+        let order = |a: &&(HolderId, Priority, u64), b: &&(HolderId, Priority, u64)| {
+            a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0))
+        };
+        let with_bytes = || holders.iter().filter(|(_, _, bytes)| *bytes > 0);
+        with_bytes()
+            .filter(|(id, _, _)| !self.asked.contains_key(id))
+            .min_by(order)
+            .or_else(|| {
+                with_bytes()
+                    .filter(|(id, _, _)| self.asked.get(id).is_some_and(|e| *e != self.epoch))
+                    .min_by(order)
+            })
             .map(|(id, _, _)| *id)
     }
 }
@@ -245,7 +264,15 @@ mod tests {
         assert_eq!(round.still_wanted(200), 50);
         round.released(ids[2], 100);
         assert_eq!(round.still_wanted(200), 150);
-        assert!(round.exhausted(&holders));
+        assert_eq!(round.next_holder(&holders), None, "everyone was asked");
+        round.changed();
+        assert_eq!(
+            round.next_holder(&holders),
+            Some(ids[2]),
+            "asked again after a change"
+        );
+        round.asked(ids[2]);
+        assert_eq!(round.next_holder(&holders), Some(ids[1]));
         round.ask_again();
         assert_eq!(round.next_holder(&holders), Some(ids[2]));
     }

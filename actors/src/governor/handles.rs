@@ -96,9 +96,10 @@ impl Grant {
         .await;
         match result {
             Ok(Ok(lease)) => {
-                // Consumed by the commit: nothing left to return (the Governor recorded the
-                // lease in the address in its place).
-                let _ = self.defuse();
+                // Consumed by the commit: nothing left to return (the Governor already took
+                // it out of the account and put the lease in its place).
+                let mut spent = self;
+                spent.grant = None;
                 Ok(lease)
             }
             Ok(Err(e)) => Err(CommitRefused {
