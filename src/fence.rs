@@ -388,6 +388,28 @@ mod loom_tests {
     }
 
     #[test]
+    fn loom_a_waker_set_while_its_value_completes_runs_exactly_once() {
+        loom::model(|| {
+            let t = Arc::new(HostTimeline::new(StreamId::fresh()));
+            let f = t.signal_next();
+            let hits = Arc::new(AtomicU64::new(0));
+            let completer = {
+                let t = Arc::clone(&t);
+                thread::spawn(move || t.complete(f.value))
+            };
+            let h = Arc::clone(&hits);
+            t.on_complete(
+                f.value,
+                Box::new(move |_| {
+                    h.fetch_add(1, Ordering::SeqCst);
+                }),
+            );
+            completer.join().unwrap();
+            assert_eq!(hits.load(Ordering::SeqCst), 1, "never lost, never twice");
+        });
+    }
+
+    #[test]
     fn loom_concurrent_submissions_get_distinct_values() {
         loom::model(|| {
             let t = Arc::new(HostTimeline::new(StreamId::fresh()));

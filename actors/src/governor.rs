@@ -190,6 +190,22 @@ pub enum GovernorMsg {
     },
 }
 
+impl From<PressureReport> for GovernorMsg {
+    fn from(report: PressureReport) -> Self {
+        GovernorMsg::PressureReport(report)
+    }
+}
+
+impl TryFrom<GovernorMsg> for PressureReport {
+    type Error = ();
+    fn try_from(msg: GovernorMsg) -> Result<Self, ()> {
+        match msg {
+            GovernorMsg::PressureReport(report) => Ok(report),
+            _ => Err(()),
+        }
+    }
+}
+
 /// How to start a Governor.
 #[derive(Debug, Clone)]
 pub struct GovernorConfig {
@@ -768,7 +784,7 @@ impl GovernorState {
                 bytes_wanted: wanted,
                 priority,
                 deadline,
-                governor: myself.clone(),
+                answer_to: myself.get_derived(),
             };
             let sent = self
                 .inboxes

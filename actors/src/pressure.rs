@@ -1,10 +1,8 @@
 //! Pressure tickets: how a Governor asks holders of every kind for memory back.
 
 use procmem::ledger::{AuthorityId, HolderId, Priority};
-use ractor::{ActorRef, DerivedActorRef};
+use ractor::DerivedActorRef;
 use tokio::time::Instant;
-
-use crate::governor::GovernorMsg;
 
 /// Identity of one pressure ticket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -33,7 +31,9 @@ pub struct PressureTicket {
     pub priority: Priority,
     /// After this the Governor stops waiting for the answer.
     pub deadline: Instant,
-    pub(crate) governor: ActorRef<GovernorMsg>,
+    // Where the answer goes: a derived reference, so tickets know nothing of the Governor's
+    // own messages.
+    pub(crate) answer_to: DerivedActorRef<PressureReport>,
 }
 
 impl PressureTicket {
@@ -41,14 +41,12 @@ impl PressureTicket {
     /// report), and bytes that will be released once a fence completes. The report tells the
     /// Governor what is still to come, so it does not ask others for the same bytes.
     pub fn report(&self, freed_now: u64, freed_pending_fence: u64) {
-        let _ = self
-            .governor
-            .cast(GovernorMsg::PressureReport(PressureReport {
-                ticket: self.id,
-                holder: self.holder,
-                freed_now,
-                freed_pending_fence,
-            }));
+        let _ = self.answer_to.send_message(PressureReport {
+            ticket: self.id,
+            holder: self.holder,
+            freed_now,
+            freed_pending_fence,
+        });
     }
 }
 
