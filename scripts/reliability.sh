@@ -44,7 +44,7 @@ echo
 printf '%-34s %s\n' "figure" "passed/total"
 echo "$figures" | grep -v "^FIGURE bad_input\|^FIGURE model_check" | awk '{printf "%-34s %s\n", $2, $3}'
 # The model checker's row carries the states it explored and the properties that held.
-grep -oE "^model_check: .*" "$log" | tail -1 | sed -E 's/^model_check: /model_check                        /'
+grep -oE "^model_check: .*every fix in.*" "$log" | sed -E 's/^model_check: /model_check                        /'
 echo "$figures" | grep -E "^FIGURE bad_input" | awk '{split($3, a, "/"); p += a[1]; t += a[2]} END {printf "%-34s %d/%d\n", "bad-input classes (all APIs + CLI)", p, t}'
 printf '%-34s %d/%d\n' "security properties" "$sec_pass" "${#security[@]}"
 if [ -n "$loom" ]; then

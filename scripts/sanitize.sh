@@ -30,5 +30,6 @@ run kv_sequence
 run no_leaks
 run deferred_free
 run actor_death
+run cross_provider_fence
 echo "sanitize: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

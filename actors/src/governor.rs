@@ -643,15 +643,19 @@ impl GovernorState {
             }
             self.deadlines.pop_first();
             if let Some(waiter) = self.waiters.remove(seq) {
-                self.metrics.denials.increment(1);
-                self.counts.denials += 1;
-                let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
-                denial.waiting = self.waiters.bytes();
-                let _ = waiter
-                    .reply
-                    .send(Err(GovernorError::DeadlineExpired(Box::new(denial))));
+                self.deny(waiter, GovernorError::DeadlineExpired);
             }
         }
+    }
+
+    /// Answers a waiter taken out of the queue with a denial that names the books and the
+    /// bytes still queued ahead, wrapped by `why`.
+    fn deny(&mut self, waiter: Waiter, why: impl FnOnce(Box<Denial>) -> GovernorError) {
+        self.metrics.denials.increment(1);
+        self.counts.denials += 1;
+        let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
+        denial.waiting = self.waiters.bytes();
+        let _ = waiter.reply.send(Err(why(Box::new(denial))));
     }
 
     /// Keeps one timer, set for the earliest waiter deadline.
@@ -712,13 +716,7 @@ impl GovernorState {
                 Front::Deny(seq) => {
                     let waiter = self.waiters.remove(seq).expect("front exists");
                     self.deadlines.remove(&(waiter.deadline, seq));
-                    self.metrics.denials.increment(1);
-                    self.counts.denials += 1;
-                    let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
-                    denial.waiting = self.waiters.bytes();
-                    let _ = waiter
-                        .reply
-                        .send(Err(LedgerError::Denied(Box::new(denial)).into()));
+                    self.deny(waiter, |d| LedgerError::Denied(d).into());
                 }
                 Front::Wait | Front::Empty => return,
             }

@@ -16,24 +16,9 @@ use crossbeam_channel::bounded;
 use procmem_actors::core::{AllocationRequest, MemoryRole};
 use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
 
-use common::figure;
+use common::{figure, is_mapped};
 
 const BYTES: u64 = 1 << 20;
-
-fn is_mapped(addr: u64) -> bool {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .any(|l| {
-            let span = l.split_whitespace().next().unwrap();
-            let (a, b) = span.split_once('-').unwrap();
-            let (a, b) = (
-                u64::from_str_radix(a, 16).unwrap(),
-                u64::from_str_radix(b, 16).unwrap(),
-            );
-            a <= addr && addr < b
-        })
-}
 
 async fn leased(g: &GovernorHandle) -> u64 {
     g.snapshot().await.unwrap().books.leased

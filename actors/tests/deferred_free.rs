@@ -12,6 +12,9 @@ use procmem_actors::{
     CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
 
+mod common;
+use common::is_mapped;
+
 const MIB: u64 = 1 << 20;
 
 async fn setup(streams: usize) -> (GovernorHandle, HolderId, CpuProvider) {
@@ -37,21 +40,6 @@ async fn buffer(
 ) -> DeviceBuffer {
     let request = AllocationRequest::new(bytes, MemoryRole::Workspace);
     p.allocate(g, h, &request, 0, None, home).await.unwrap()
-}
-
-fn is_mapped(addr: u64) -> bool {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .any(|l| {
-            let span = l.split_whitespace().next().unwrap();
-            let (a, b) = span.split_once('-').unwrap();
-            let (a, b) = (
-                u64::from_str_radix(a, 16).unwrap(),
-                u64::from_str_radix(b, 16).unwrap(),
-            );
-            a <= addr && addr < b
-        })
 }
 
 async fn leased(g: &GovernorHandle) -> u64 {

@@ -465,3 +465,15 @@ fn books_rebuilt_from_holder_reports_equal_the_old_books() {
     let mut again = old.successor(old.issued());
     assert!(again.recover_holder(a, &foreign).is_err());
 }
+
+/// Defect (issue 11, 2): a denial for another ledger's authority indexed a map and panicked.
+#[test]
+fn a_denial_for_another_ledgers_authority_says_so_without_panicking() {
+    let mut mine = Ledger::new();
+    mine.add_authority("mine", 10);
+    let mut theirs = Ledger::new();
+    let foreign = theirs.add_authority("theirs", 10);
+    let d = mine.denial(foreign, u64::MAX);
+    assert_eq!((d.capacity, d.approved, d.free()), (0, 0, 0));
+    assert!(d.to_string().contains("unknown authority"), "{d}");
+}

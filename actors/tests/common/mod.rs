@@ -60,3 +60,19 @@ pub async fn let_messages_land(settle: Duration) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Whether `addr` lies in any mapping of this process (`/proc/self/maps`).
+pub fn is_mapped(addr: u64) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .any(|l| {
+            let span = l.split_whitespace().next().unwrap();
+            let (a, b) = span.split_once('-').unwrap();
+            let (a, b) = (
+                u64::from_str_radix(a, 16).unwrap(),
+                u64::from_str_radix(b, 16).unwrap(),
+            );
+            a <= addr && addr < b
+        })
+}
