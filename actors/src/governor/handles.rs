@@ -256,6 +256,32 @@ impl Lease {
         Ok(())
     }
 
+    /// Splits `bytes` off into a lease of their own, paid from the same charge: each part is
+    /// released (or dropped) with the memory it pays for, and the Governor's lease ends when
+    /// the last part does. No message: the books do not change. Refuses zero or more than this
+    /// lease holds, changing nothing.
+    pub fn split(&mut self, bytes: u64) -> Result<Lease, GovernorError> {
+        if bytes == 0 {
+            return Err(LedgerError::ZeroBytes.into());
+        }
+        if bytes > self.remaining {
+            return Err(LedgerError::ReleaseExceedsLease {
+                lease: self.id,
+                leased: self.remaining,
+                asked: bytes,
+            }
+            .into());
+        }
+        self.remaining -= bytes;
+        Ok(Lease {
+            address: Arc::clone(&self.address),
+            id: self.id,
+            holder: self.holder,
+            role: self.role,
+            remaining: bytes,
+        })
+    }
+
     /// Releases everything and waits for the Governor to confirm.
     pub async fn release_all(mut self) -> Result<u64, GovernorError> {
         let bytes = std::mem::take(&mut self.remaining);

@@ -767,3 +767,32 @@ async fn the_queue_is_bounded_and_waiting_bytes_saturate() {
         "the Governor is alive"
     );
 }
+
+/// A lease split in parts: each part goes back with its own memory, the books count the
+/// charge once, and a split that asks for too much changes nothing.
+#[tokio::test(start_paused = true)]
+async fn a_split_lease_goes_back_part_by_part() {
+    let g = governor(1000).await;
+    let h = g.register_holder("kv", 0, None).await.unwrap();
+    let mut lease = g
+        .reserve(request(h, 600, 0, None))
+        .await
+        .unwrap()
+        .commit(600)
+        .await
+        .unwrap();
+    let part = lease.split(200).unwrap();
+    assert_eq!((lease.bytes(), part.bytes()), (400, 200));
+    assert!(lease.split(401).is_err() && lease.split(0).is_err());
+    assert_eq!(lease.bytes(), 400, "a refused split changes nothing");
+    assert_eq!(books(&g).await, (0, 600), "the books count the charge once");
+    drop(part);
+    assert_eq!(books(&g).await, (0, 400));
+    let mut rest = lease.split(400).unwrap();
+    assert_eq!(lease.bytes(), 0);
+    drop(lease);
+    rest.release(100).unwrap();
+    assert_eq!(books(&g).await, (0, 300));
+    assert_eq!(rest.release_all().await.unwrap(), 300);
+    assert_eq!(books(&g).await, (0, 0));
+}
