@@ -148,7 +148,7 @@ fn main() {
         };
         // Twice: with nobody else waiting for the fence, and with a host thread blocked on it
         // (woken by the same completion, it competes for the two cores with the free).
-        let mut one_at_a_time = |host_waiter: bool| {
+        let one_at_a_time = |host_waiter: bool| {
             let (g, p, stream) = (&g, &p, &stream);
             async move {
                 let before = stats(stream).await.fence_to_refund_ns.len();
