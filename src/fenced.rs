@@ -52,6 +52,19 @@ impl Refund for () {
     fn keep(self) {}
 }
 
+/// Something work on a stream uses: the stream records the work's fence on it when the work
+/// is submitted, so it is not freed before that fence completes.
+pub trait RecordUse {
+    /// Work fenced by `use_` reads or writes it.
+    fn record_use(&self, use_: TimelineFence);
+}
+
+impl<T: Release + ?Sized, R: Refund> RecordUse for Fenced<T, R> {
+    fn record_use(&self, use_: TimelineFence) {
+        Fenced::record_use(self, use_);
+    }
+}
+
 /// How a release ended, handed to the callback of [`Fenced::release_when_idle`].
 #[derive(Debug)]
 pub struct Released {

@@ -4,18 +4,12 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, TimelineFence};
-use procmem::fenced::Fenced;
+use procmem::fenced::{Fenced, RecordUse};
 use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
 use ractor::ActorRef;
 
 use crate::deferred_free::DeferredFreeMsg;
 use crate::governor::Lease;
-
-/// Something a stream records its fences on: the work it submits uses it.
-pub trait RecordUse {
-    /// Work fenced by `use_` reads or writes it.
-    fn record_use(&self, use_: TimelineFence);
-}
 
 /// An allocation made through an execution provider, with the lease that pays for it.
 ///

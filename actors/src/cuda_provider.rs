@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use procmem::cuda::{CudaEvent, CudaMechanism, CudaStream};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline};
+use procmem::fenced::RecordUse;
 use procmem::MemoryError;
 use ractor::ActorRef;
 
-use crate::buffer::DeviceBuffer;
 use crate::deferred_free::{DeferredFreeMsg, StreamRegistry};
 use crate::provider::{
     ExecutionProvider, Opened, Provider, ProviderContext, ProviderKind, ProviderMsg,
@@ -84,13 +84,13 @@ impl CudaStreamHandle {
     /// Every buffer in `uses` records the fence.
     pub fn submit(
         &self,
-        uses: &[&DeviceBuffer],
+        uses: &[&dyn RecordUse],
         work: impl FnOnce(&CudaStream) -> Result<(), MemoryError>,
     ) -> Result<Fence, CudaSubmitError> {
         let stream = &self.inner.stream;
         self.inner
             .core
-            .submit::<DeviceBuffer, _>(uses, || {
+            .submit::<dyn RecordUse, _>(uses, || {
                 work(stream)?;
                 stream.record()
             })

@@ -12,7 +12,8 @@ use crossbeam_channel::{unbounded, Sender};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline, TimelineFence};
 use ractor::ActorRef;
 
-use crate::buffer::{DeviceBuffer, RecordUse};
+use procmem::fenced::RecordUse;
+
 use crate::deferred_free::DeferredFreeMsg;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
@@ -203,14 +204,15 @@ impl CpuStream {
     }
 
     /// Queues `kernel` after everything already submitted and returns its fence. Each buffer
-    /// in `uses` records the fence, so it is not freed before the kernel is done with it.
+    /// in `uses` (a `DeviceBuffer`, or anything that records uses) records the fence, so it is
+    /// not freed before the kernel is done with it.
     pub fn submit(
         &self,
-        uses: &[&DeviceBuffer],
+        uses: &[&dyn RecordUse],
         kernel: impl FnOnce() + Send + 'static,
     ) -> Result<Fence, StreamError> {
         self.core
-            .submit::<DeviceBuffer, _>(uses, || {
+            .submit::<dyn RecordUse, _>(uses, || {
                 Ok::<Kernel, std::convert::Infallible>(Box::new(kernel))
             })
             .map_err(|e| match e {

@@ -17,6 +17,7 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use procmem_actors::core::fault;
 use procmem_actors::core::fence::Fence;
+use procmem_actors::core::fenced::RecordUse;
 use procmem_actors::core::kv::KvShape;
 use procmem_actors::core::ledger::HolderId;
 use procmem_actors::core::{AllocationRequest, MemoryRole};
@@ -181,7 +182,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
                 }
                 let (open, gate) = bounded::<()>(1);
                 let views = uses.iter().map(|(x, v)| (x.view(), *v)).collect();
-                let buffers: Vec<&DeviceBuffer> = uses.iter().map(|(x, _)| *x).collect();
+                let buffers: Vec<&dyn RecordUse> = uses.iter().map(|(x, _)| *x as _).collect();
                 let kernel = checker(Some(gate), views, corrupt.clone());
                 if let Ok(f) = p.stream(stream).unwrap().submit(&buffers, kernel) {
                     gated.push((open, stream, f));

@@ -12,6 +12,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use procmem_actors::core::fault;
+use procmem_actors::core::fenced::RecordUse;
 use procmem_actors::core::ledger::HolderId;
 use procmem_actors::core::{AllocationRequest, MemoryRole};
 use procmem_actors::{
@@ -96,7 +97,8 @@ impl World {
                 }
             }
             2 => {
-                let uses: Vec<&DeviceBuffer> = self.buffers_a.iter().collect();
+                let uses: Vec<&dyn RecordUse> =
+                    self.buffers_a.iter().map(|b| b as &dyn RecordUse).collect();
                 let fence = self.p.stream(0).unwrap().submit(&uses, || {}).unwrap();
                 self.buffers_a.truncate(2);
                 self.p.stream(0).unwrap().host_wait(fence);

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use procmem_actors::core::fenced::RecordUse;
 use procmem_actors::core::{AllocationRequest, MemoryRole};
 use procmem_actors::{CpuProvider, DeviceBuffer, GovernorHandle};
 use tokio::sync::mpsc;
@@ -149,7 +150,10 @@ async fn holder(
                     .iter()
                     .map(|i| (held[*i].buffer.view(), held[*i].pattern))
                     .collect();
-                let uses: Vec<&DeviceBuffer> = picked.iter().map(|i| &held[*i].buffer).collect();
+                let uses: Vec<&dyn RecordUse> = picked
+                    .iter()
+                    .map(|i| &held[*i].buffer as &dyn RecordUse)
+                    .collect();
                 let spin = Duration::from_micros(rng.below(300));
                 let findings = findings.clone();
                 stream
