@@ -400,6 +400,8 @@ impl Actor for Governor {
                     .ledger
                     .set_capacity(state.authority, bytes)
                     .expect("own authority");
+                // A restarted Governor must start from this capacity, not the first one.
+                state.address.capacity_set(bytes);
                 state.round.changed();
                 if let Some(reply) = reply {
                     let _ = reply.send(());
@@ -611,13 +613,16 @@ impl GovernorState {
                 tracing::error!(holder = %report.holder, %error, "a holder's report was refused");
                 continue;
             }
-            match inbox {
-                Some(inbox) if inbox.get_status() != ractor::ActorStatus::Stopped => {
-                    myself.get_cell().monitor(inbox.get_cell());
+            if let Some(inbox) = inbox {
+                // Watch first, then look: a holder that stops after this is reported by the
+                // monitor, one already stopping or stopped is retired now.
+                myself.get_cell().monitor(inbox.get_cell());
+                if inbox.get_status() == ractor::ActorStatus::Running {
                     self.inboxes.insert(report.holder, inbox);
+                } else {
+                    myself.get_cell().unmonitor(inbox.get_cell());
+                    dead.push(report.holder);
                 }
-                Some(_) => dead.push(report.holder),
-                None => {}
             }
         }
         for holder in dead {

@@ -59,6 +59,7 @@ struct World {
     buffers_a: Vec<DeviceBuffer>,
     buffers_b: Vec<DeviceBuffer>,
     grant: Option<Grant>,
+    capacity: u64,
 }
 
 impl World {
@@ -132,6 +133,7 @@ impl World {
             5 => {
                 let g = self.g.clone();
                 retry("set_capacity", || g.set_capacity(32 << 20)).await;
+                self.capacity = 32 << 20;
                 self.buffers_b.pop();
             }
             6 => {
@@ -157,12 +159,17 @@ async fn books_match(w: &World) -> Result<(), String> {
         if let Ok(s) = w.g.snapshot().await {
             let os = os_bytes(&w.p);
             let books = (s.books.provisional, s.books.leased);
-            if books == (provisional, leased) && s.books.leased == os {
+            if books == (provisional, leased)
+                && s.books.leased == os
+                && s.books.capacity == w.capacity
+            {
                 return Ok(());
             }
             last = format!(
-                "books {books:?}, holders own {:?}, os {os}",
-                (provisional, leased)
+                "books {books:?}, holders own {:?}, os {os}, capacity {} (set {})",
+                (provisional, leased),
+                s.books.capacity,
+                w.capacity
             );
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -207,6 +214,7 @@ async fn scenario(death: Death, count: bool) -> (u64, Run) {
         buffers_a: Vec::new(),
         buffers_b: Vec::new(),
         grant: None,
+        capacity: 1 << 30,
     };
     let mut result = Ok(());
     for step in 0..=STEPS {

@@ -33,6 +33,7 @@ struct Record {
     grants: HashMap<GrantId, (HolderId, MemoryRole, u64)>,
     leases: HashMap<LeaseId, (HolderId, MemoryRole, u64)>,
     issued: u64,
+    capacity: Option<u64>,
     stopping: bool,
 }
 
@@ -57,6 +58,7 @@ impl Address {
                 grants: HashMap::new(),
                 leases: HashMap::new(),
                 issued: 0,
+                capacity: None,
                 stopping: false,
             }),
         }
@@ -164,6 +166,16 @@ impl Address {
         }
     }
 
+    /// The Governor's capacity was set to `bytes`.
+    pub(crate) fn capacity_set(&self, bytes: u64) {
+        self.record().capacity = Some(bytes);
+    }
+
+    /// The capacity last set, if it was set after the Governor started.
+    pub(crate) fn capacity(&self) -> Option<u64> {
+        self.record().capacity
+    }
+
     /// Marks the Governor as being stopped on purpose: its supervisor does not restart it.
     pub(crate) fn stop(&self) {
         let mut r = self.record();
@@ -183,13 +195,18 @@ impl Address {
     }
 
     /// Hands `next` the holders' account, as its first message, and makes it the Governor
-    /// every handle reaches from now on, in one step under the lock.
+    /// every handle reaches from now on, in one step under the lock. If the Governor was
+    /// stopped on purpose meanwhile, `next` is stopped instead and `false` returned.
     pub(crate) fn restart(
         &self,
         next: ActorRef<GovernorMsg>,
         recover: impl FnOnce(Recovery) -> GovernorMsg,
-    ) -> Result<(), MessagingErr<GovernorMsg>> {
+    ) -> Result<bool, MessagingErr<GovernorMsg>> {
         let mut r = self.record();
+        if r.stopping {
+            next.stop(None);
+            return Ok(false);
+        }
         let mut reports: BTreeMap<HolderId, HolderReport> = r
             .holders
             .iter()
@@ -226,8 +243,11 @@ impl Address {
                 (report, inbox)
             })
             .collect();
-        next.cast(recover(Recovery(recovery)))?;
+        if let Err(e) = next.cast(recover(Recovery(recovery))) {
+            next.stop(None);
+            return Err(e);
+        }
         r.actor = Some(next);
-        Ok(())
+        Ok(true)
     }
 }

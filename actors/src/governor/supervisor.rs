@@ -70,7 +70,12 @@ impl Actor for GovernorSupervisor {
             myself.stop(None);
             return Ok(());
         }
-        let books = state.template.successor(state.address.issued());
+        let mut books = state.template.successor(state.address.issued());
+        if let Some(capacity) = state.address.capacity() {
+            books
+                .set_capacity(state.authority, capacity)
+                .map_err(|e| format!("cannot restore the capacity: {e}"))?;
+        }
         let (next, _) = Actor::spawn_linked(
             None,
             Governor,
@@ -83,10 +88,15 @@ impl Actor for GovernorSupervisor {
             myself.get_cell(),
         )
         .await?;
-        state
+        let installed = state
             .address
             .restart(next, |recovery| GovernorMsg::Recover { recovery })
             .map_err(|e| format!("cannot hand the restarted governor its books: {e}"))?;
+        if !installed {
+            // Stopped on purpose while the successor started.
+            myself.stop(None);
+            return Ok(());
+        }
         state.restarts += 1;
         metrics::counter!("procmem_governor_restarts_total", "authority" => state.config.name.clone())
             .increment(1);
