@@ -138,6 +138,7 @@ pub struct HostTimeline {
     completed: AtomicU64,
     wakers: Mutex<FenceQueue<Waker>>,
     changed: Condvar,
+    panicked_wakers: AtomicU64,
 }
 
 impl HostTimeline {
@@ -148,6 +149,7 @@ impl HostTimeline {
             signalled: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             wakers: Mutex::new(FenceQueue::default()),
+            panicked_wakers: AtomicU64::new(0),
             changed: Condvar::new(),
         }
     }
@@ -174,8 +176,17 @@ impl HostTimeline {
             wakers.pop_ready(completed)
         };
         for waker in ready {
-            waker(at);
+            // One waker that panics must not drop the others (their memory would never be
+            // freed) nor take the completing thread down.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| waker(at))).is_err() {
+                self.panicked_wakers.fetch_add(1, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// Wakers that panicked (the ones after them still ran).
+    pub fn panicked_wakers(&self) -> u64 {
+        self.panicked_wakers.load(Ordering::Relaxed)
     }
 
     /// Wakers waiting for values not yet complete.
@@ -291,6 +302,24 @@ mod tests {
         t.complete(u64::MAX);
         assert_eq!(t.pending_wakers(), 0);
         assert_eq!(log.lock().unwrap().last(), Some(&"never"));
+    }
+
+    /// Review finding: a panicking waker dropped the wakers after it and could take the
+    /// stream's thread down.
+    #[test]
+    fn a_panicking_waker_does_not_stop_the_others() {
+        let t = HostTimeline::new(StreamId::fresh());
+        let hits = Arc::new(AtomicU64::new(0));
+        t.on_complete(1, Box::new(|_| panic!("a waker that panics")));
+        let h = Arc::clone(&hits);
+        t.on_complete(
+            1,
+            Box::new(move |_| {
+                h.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
+        t.complete(1);
+        assert_eq!((hits.load(Ordering::SeqCst), t.panicked_wakers()), (1, 1));
     }
 
     #[test]

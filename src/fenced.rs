@@ -207,7 +207,11 @@ impl<T: Release + ?Sized, R: Refund> Fenced<T, R> {
         let Some(item) = self.item.take() else {
             return Ok(0);
         };
-        match item.release() {
+        // A mechanism that panics here runs on a stream's thread: it must neither take that
+        // thread down nor let the refund go back for memory that may still be held.
+        let released = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| item.release()))
+            .unwrap_or(Err(MemoryError::ReleasePanicked { what: "an item" }));
+        match released {
             Ok(freed) => {
                 if let Some(refund) = self.refund.take() {
                     refund.refund(freed);
@@ -392,6 +396,29 @@ mod tests {
         assert_eq!(a.pending_wakers(), 1, "it waits as a waker, not a thread");
         a.complete(f.value);
         assert_eq!(freed.load(Ordering::SeqCst), 8);
+    }
+
+    struct Panics;
+
+    impl Release for Panics {
+        fn release(self: Box<Self>) -> Result<u64, MemoryError> {
+            panic!("a mechanism that panics while freeing")
+        }
+    }
+
+    /// Review finding: a release that panicked dropped the refund, which gave back bytes the
+    /// memory may still hold.
+    #[test]
+    fn a_release_that_panics_keeps_the_charge() {
+        let books = Books::default();
+        let fenced = Fenced::new(Box::new(Panics), Some(Charge(4, books.clone())));
+        fenced.release_when_idle(None, |r| {
+            assert!(matches!(
+                r.outcome,
+                Err(MemoryError::ReleasePanicked { .. })
+            ))
+        });
+        assert_eq!(*books.0.lock().unwrap(), (0, 4));
     }
 
     #[test]

@@ -429,9 +429,26 @@ impl Actor for Governor {
                     state.counts.freed_by_pressure.saturating_add(freed);
                 // Bytes freed now were released before the report (same sender, same
                 // mailbox order); only those pending a fence are still to come.
-                state
-                    .round
-                    .promised(report.holder, report.freed_pending_fence);
+                // A promise counts only up to what the holder still holds here, and only until
+                // a ticket's time has passed again (a timer then looks again): its release may
+                // have come before this report, or never come.
+                let held = state
+                    .ledger
+                    .holders_of(state.authority)
+                    .into_iter()
+                    .find(|(h, _, _)| *h == report.holder)
+                    .map_or(0, |(_, _, bytes)| bytes);
+                let promise = report.freed_pending_fence.min(held);
+                if promise > 0 {
+                    let until = Instant::now() + state.ticket_timeout;
+                    state
+                        .round
+                        .promised(report.holder, promise, until.into_std());
+                    let ticket = report.ticket;
+                    myself.send_after(state.ticket_timeout, move || GovernorMsg::TicketDeadline {
+                        ticket,
+                    });
+                }
                 if state
                     .outstanding
                     .as_ref()
@@ -756,6 +773,7 @@ impl GovernorState {
             return;
         }
         let round = &mut self.round;
+        round.expire(Instant::now().into_std());
         let wanted = round.still_wanted(shortfall);
         if wanted == 0 {
             return;

@@ -26,7 +26,8 @@ pub enum StreamError {
     Closed(StreamId),
 }
 
-type Hand<T> = Arc<Mutex<Option<Sender<(u64, T)>>>>;
+type Slot<T> = Mutex<Option<Sender<(u64, T)>>>;
+type Hand<T> = Arc<Slot<T>>;
 
 /// What every kind of stream is made of: a timeline, a thread that observes submitted work
 /// in order and completes its fences, and the hand-off to that thread. `T` is what the thread
@@ -57,11 +58,11 @@ impl<T: Send + 'static> StreamCore<T> {
             std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
+                    // However the thread ends (a failed observation, a panic), the stream is
+                    // closed with it, so no submission records a fence nobody will complete.
+                    let _close = CloseOnExit(sender);
                     for (value, item) in rx {
                         if !observe(item) {
-                            if let Some(sender) = sender.upgrade() {
-                                sender.lock().unwrap_or_else(|p| p.into_inner()).take();
-                            }
                             return;
                         }
                         timeline.complete(value);
@@ -100,6 +101,17 @@ impl<T: Send + 'static> StreamCore<T> {
         // hand-off cannot fail while the sender is there.
         sender.send((fence.value, item)).map_err(|_| closed())?;
         Ok(fence)
+    }
+}
+
+/// Closes a stream's hand-off when its thread ends.
+struct CloseOnExit<T>(std::sync::Weak<Slot<T>>);
+
+impl<T> Drop for CloseOnExit<T> {
+    fn drop(&mut self) {
+        if let Some(sender) = self.0.upgrade() {
+            sender.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
     }
 }
 

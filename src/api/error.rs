@@ -113,6 +113,13 @@ pub enum MemoryError {
         /// How many bytes it wanted.
         bytes: u64,
     },
+    /// The mechanism panicked while freeing: whether the memory is still held is unknown, so
+    /// its charge is kept.
+    #[error("the mechanism panicked while freeing {what}; its charge is kept")]
+    ReleasePanicked {
+        /// What was being freed.
+        what: &'static str,
+    },
     /// A fault injected by a reliability test at the named point.
     #[error("injected fault at {point}")]
     Injected {

@@ -3,6 +3,7 @@
 //! picks whom to *ask*, and each holder decides what (if anything) to free.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use super::{HolderId, Priority};
 
@@ -128,7 +129,8 @@ pub struct PressureRound {
     // Each holder asked in this round, with the epoch of the books it was asked in.
     asked: BTreeMap<HolderId, u64>,
     epoch: u64,
-    promised: BTreeMap<HolderId, u64>,
+    // Per holder: bytes promised, each until when it is counted on.
+    promised: BTreeMap<HolderId, Vec<(u64, Instant)>>,
 }
 
 impl PressureRound {
@@ -143,23 +145,43 @@ impl PressureRound {
         self.epoch = self.epoch.wrapping_add(1);
     }
 
-    /// Records `holder`'s report: bytes it will release once their fences complete.
-    pub fn promised(&mut self, holder: HolderId, bytes: u64) {
+    /// Records `holder`'s report: bytes it will release once their fences complete, counted
+    /// on until `until`. A promise is only a forecast (its release may have arrived before
+    /// the report, or a free may fail): past `until` it is not counted any more, so a promise
+    /// that is never kept cannot stop the Governor asking for good.
+    pub fn promised(&mut self, holder: HolderId, bytes: u64, until: Instant) {
         if bytes > 0 {
-            let p = self.promised.entry(holder).or_default();
-            *p = p.saturating_add(bytes);
+            self.promised
+                .entry(holder)
+                .or_default()
+                .push((bytes, until));
         }
     }
 
-    /// Records a release by `holder`: part of what it promised has arrived. A release by a
-    /// holder that promised nothing lowers nobody's promise.
+    /// Records a release by `holder`: part of what it promised has arrived, oldest promise
+    /// first. A release by a holder that promised nothing lowers nobody's promise.
     pub fn released(&mut self, holder: HolderId, bytes: u64) {
-        if let Some(p) = self.promised.get_mut(&holder) {
-            *p = p.saturating_sub(bytes);
-            if *p == 0 {
-                self.promised.remove(&holder);
-            }
+        let Some(promises) = self.promised.get_mut(&holder) else {
+            return;
+        };
+        let mut left = bytes;
+        for (p, _) in promises.iter_mut() {
+            let take = left.min(*p);
+            *p -= take;
+            left -= take;
         }
+        promises.retain(|(p, _)| *p > 0);
+        if promises.is_empty() {
+            self.promised.remove(&holder);
+        }
+    }
+
+    /// Forgets every promise whose time is up at `now`.
+    pub fn expire(&mut self, now: Instant) {
+        self.promised.retain(|_, promises| {
+            promises.retain(|(_, until)| *until > now);
+            !promises.is_empty()
+        });
     }
 
     /// Drops what `holder` promised (it was retired: what it still holds comes back as its
@@ -173,7 +195,8 @@ impl PressureRound {
     pub fn outstanding(&self) -> u64 {
         self.promised
             .values()
-            .fold(0u64, |sum, b| sum.saturating_add(*b))
+            .flatten()
+            .fold(0u64, |sum, (b, _)| sum.saturating_add(*b))
     }
 
     /// Bytes still to ask for, given the current `shortfall`: what was promised but has not
@@ -260,7 +283,8 @@ mod tests {
             vec![ids[2], ids[1], ids[0]],
             "empty holders are never asked"
         );
-        round.promised(ids[2], 150);
+        let later = Instant::now() + std::time::Duration::from_secs(60);
+        round.promised(ids[2], 150, later);
         assert_eq!(round.still_wanted(200), 50);
         round.released(ids[2], 100);
         assert_eq!(round.still_wanted(200), 150);
@@ -283,11 +307,32 @@ mod tests {
     fn only_the_promising_holders_release_lowers_its_promise() {
         let (a, b) = (HolderId(1), HolderId(2));
         let mut round = PressureRound::default();
-        round.promised(a, 100);
+        let later = Instant::now() + std::time::Duration::from_secs(60);
+        round.promised(a, 100, later);
         round.released(b, 100);
         assert_eq!(round.still_wanted(150), 50, "b promised nothing");
         round.released(a, 40);
         assert_eq!(round.still_wanted(150), 90);
+    }
+
+    /// Review finding: a promise whose release arrived before the report (or never comes)
+    /// was counted on for good, and the Governor stopped asking anyone.
+    #[test]
+    fn a_promise_is_not_counted_on_past_its_time() {
+        let h = HolderId(1);
+        let now = Instant::now();
+        let mut round = PressureRound::default();
+        round.promised(h, 100, now + std::time::Duration::from_millis(50));
+        round.promised(h, 30, now + std::time::Duration::from_secs(5));
+        assert_eq!(round.still_wanted(200), 70);
+        round.expire(now + std::time::Duration::from_millis(60));
+        assert_eq!(
+            round.still_wanted(200),
+            170,
+            "only the later promise is left"
+        );
+        round.released(h, 30);
+        assert_eq!(round.still_wanted(200), 200);
     }
 
     #[test]

@@ -18,6 +18,9 @@ enum Behavior {
     Nothing,
     Late(Duration),
     Never,
+    /// Releases `n` now but reports them as still pending a fence (a release that overtook
+    /// its report, as residency's copies can).
+    ReleaseThenPromise(u64),
 }
 
 struct TestHolder;
@@ -104,6 +107,11 @@ impl Actor for TestHolder {
                         ticket.report(freed, 0);
                     }
                     Behavior::Never => {}
+                    Behavior::ReleaseThenPromise(n) => {
+                        let lease = state.leases.first_mut().expect("a lease to free from");
+                        lease.release(n).unwrap();
+                        ticket.report(0, n);
+                    }
                 }
             }
         }
@@ -795,4 +803,24 @@ async fn a_split_lease_goes_back_part_by_part() {
     assert_eq!(books(&g).await, (0, 300));
     assert_eq!(rest.release_all().await.unwrap(), 300);
     assert_eq!(books(&g).await, (0, 0));
+}
+
+/// Review finding: a promise whose release had already arrived was counted on for good, so
+/// the Governor stopped asking and the waiter was denied at its deadline with memory to spare.
+#[tokio::test(start_paused = true)]
+async fn a_promise_that_is_never_kept_stops_counting_and_asking_resumes() {
+    let g = governor(1000).await;
+    let (_, h) = holder(&g, "copies", 0, Behavior::ReleaseThenPromise(100), 900).await;
+    let me = g.register_holder("requester", 9, None).await.unwrap();
+    let start = Instant::now();
+    let grant = g
+        .reserve(request(me, 400, 1, Some(Duration::from_secs(2))))
+        .await
+        .expect("granted before the deadline");
+    assert_eq!(grant.bytes(), 400);
+    assert!(start.elapsed() < Duration::from_secs(2));
+    assert!(
+        seen(&h).await.len() >= 3,
+        "asked again once the promises ran out"
+    );
 }
