@@ -116,6 +116,16 @@ impl Address {
             entry.retired = true;
             entry.inbox = None;
         }
+        Self::forget_if_done(&mut r, holder);
+    }
+
+    /// A retired holder that holds nothing any more leaves the account (a server whose
+    /// holders come and go must not grow it without end).
+    fn forget_if_done(r: &mut Record, holder: HolderId) {
+        let retired = r.holders.get(&holder).is_some_and(|h| h.retired);
+        if retired && !r.leases.values().any(|(h, _, _)| *h == holder) {
+            r.holders.remove(&holder);
+        }
     }
 
     pub(crate) fn grant_issued(&self, grant: &ledger::Grant) {
@@ -157,7 +167,9 @@ impl Address {
         if let Some(entry) = r.leases.get_mut(&lease) {
             entry.2 = entry.2.saturating_sub(bytes);
             if entry.2 == 0 {
+                let holder = entry.0;
                 r.leases.remove(&lease);
+                Self::forget_if_done(&mut r, holder);
             }
         }
         match then {
