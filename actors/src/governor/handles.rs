@@ -222,9 +222,8 @@ impl Lease {
         tracing::warn!(id = %self.id, bytes, "lease kept charged: its memory may not have been freed");
     }
 
-    /// Releases `bytes` whose memory was freed, without waiting (messages to the Governor
-    /// keep their order). Refuses zero or more than the lease holds, changing nothing.
-    pub fn release(&mut self, bytes: u64) -> Result<(), GovernorError> {
+    /// Takes `bytes` off this handle: refuses zero or more than it holds, changing nothing.
+    fn take(&mut self, bytes: u64) -> Result<(), GovernorError> {
         if bytes == 0 {
             return Err(LedgerError::ZeroBytes.into());
         }
@@ -236,10 +235,17 @@ impl Lease {
             }
             .into());
         }
+        self.remaining -= bytes;
+        Ok(())
+    }
+
+    /// Releases `bytes` whose memory was freed, without waiting (messages to the Governor
+    /// keep their order). Refuses zero or more than the lease holds, changing nothing.
+    pub fn release(&mut self, bytes: u64) -> Result<(), GovernorError> {
+        self.take(bytes)?;
         // The account changes with the message, under one lock: a Governor that died and is
         // being restarted rebuilds its books from the account, so a release it never received
         // is still counted once.
-        self.remaining -= bytes;
         let sent = self.address.lease_released(
             self.id,
             bytes,
@@ -261,18 +267,7 @@ impl Lease {
     /// the last part does. No message: the books do not change. Refuses zero or more than this
     /// lease holds, changing nothing.
     pub fn split(&mut self, bytes: u64) -> Result<Lease, GovernorError> {
-        if bytes == 0 {
-            return Err(LedgerError::ZeroBytes.into());
-        }
-        if bytes > self.remaining {
-            return Err(LedgerError::ReleaseExceedsLease {
-                lease: self.id,
-                leased: self.remaining,
-                asked: bytes,
-            }
-            .into());
-        }
-        self.remaining -= bytes;
+        self.take(bytes)?;
         Ok(Lease {
             address: Arc::clone(&self.address),
             id: self.id,
