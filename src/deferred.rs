@@ -1,5 +1,5 @@
 //! Deferred-free decisions, pure: when may an allocation used on several streams be freed,
-//! and which stream's queue should hold it until then.
+//! and which fence it still waits for.
 
 use std::collections::BTreeMap;
 
@@ -15,27 +15,17 @@ pub enum Route {
 }
 
 /// Decides the route for an allocation last used at `fences`, given each stream's completed
-/// value. The first pending fence is returned; once it completes the allocation is routed
-/// again, so it is freed only after *every* fence has completed.
-pub fn route(fences: &[Fence], completed: impl Fn(StreamId) -> u64) -> Route {
+/// value (`Fenced` reads it from the timeline stored with each fence, never from a registry).
+/// The first pending fence is returned; once it completes the allocation is routed again, so
+/// it is freed only after *every* fence has completed.
+pub fn route(
+    fences: impl IntoIterator<Item = Fence>,
+    completed: impl Fn(StreamId) -> u64,
+) -> Route {
     fences
-        .iter()
-        .find(|f| completed(f.stream) < f.value)
-        .map_or(Route::FreeNow, |f| Route::WaitOn(*f))
-}
-
-/// Keeps only the latest fence per stream: work on one stream completes in order, so the
-/// last use on a stream covers every earlier one.
-pub fn latest_per_stream(fences: impl IntoIterator<Item = Fence>) -> Vec<Fence> {
-    let mut latest: BTreeMap<StreamId, u64> = BTreeMap::new();
-    for f in fences {
-        let v = latest.entry(f.stream).or_default();
-        *v = (*v).max(f.value);
-    }
-    latest
         .into_iter()
-        .map(|(stream, value)| Fence { stream, value })
-        .collect()
+        .find(|f| completed(f.stream) < f.value)
+        .map_or(Route::FreeNow, Route::WaitOn)
 }
 
 /// One stream's queue of items waiting for values on its timeline, released in fence order
@@ -107,42 +97,10 @@ mod tests {
             },
         ];
         let done = |ca: u64, cb: u64| move |s: StreamId| if s == a { ca } else { cb };
-        assert_eq!(route(&fences, done(2, 7)), Route::WaitOn(fences[0]));
-        assert_eq!(route(&fences, done(3, 6)), Route::WaitOn(fences[1]));
-        assert_eq!(route(&fences, done(3, 7)), Route::FreeNow);
-        assert_eq!(route(&[], done(0, 0)), Route::FreeNow);
-    }
-
-    #[test]
-    fn latest_use_per_stream_covers_earlier_ones() {
-        let (a, b) = (StreamId::fresh(), StreamId::fresh());
-        let got = latest_per_stream([
-            Fence {
-                stream: a,
-                value: 2,
-            },
-            Fence {
-                stream: b,
-                value: 1,
-            },
-            Fence {
-                stream: a,
-                value: 5,
-            },
-        ]);
-        assert_eq!(
-            got,
-            vec![
-                Fence {
-                    stream: a,
-                    value: 5
-                },
-                Fence {
-                    stream: b,
-                    value: 1
-                }
-            ]
-        );
+        assert_eq!(route(fences, done(2, 7)), Route::WaitOn(fences[0]));
+        assert_eq!(route(fences, done(3, 6)), Route::WaitOn(fences[1]));
+        assert_eq!(route(fences, done(3, 7)), Route::FreeNow);
+        assert_eq!(route([], done(0, 0)), Route::FreeNow);
     }
 
     #[test]

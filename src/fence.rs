@@ -71,6 +71,10 @@ pub trait Timeline: Send + Sync {
     fn completed(&self) -> u64;
     /// Blocks the calling thread until `value` completes or `timeout` passes; true if complete.
     fn wait(&self, value: u64, timeout: Duration) -> bool;
+    /// Blocks the calling thread until `value` completes, however long that takes.
+    fn wait_until_complete(&self, value: u64) {
+        while !self.wait(value, Duration::from_secs(1)) {}
+    }
     /// Calls `waker` once `value` completes: at once, on this thread, if it already has.
     /// A value that never completes (a stream that failed) keeps its waker forever, so what
     /// waits is leaked rather than released early.
@@ -112,8 +116,8 @@ impl TimelineFence {
     }
 
     /// Blocks until it completes, however long that takes.
-    pub fn wait_forever(&self) {
-        while !self.wait(Duration::from_secs(3600)) {}
+    pub fn wait_until_complete(&self) {
+        self.timeline.wait_until_complete(self.fence.value);
     }
 
     /// Calls `waker` once it completes (at once if it has).

@@ -17,6 +17,7 @@
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::deferred::{route, Route};
 use crate::fence::{Fence, TimelineFence};
 use crate::{DeviceAllocation, MemoryError};
 
@@ -130,10 +131,19 @@ impl<T: Release + ?Sized, R: Refund> Fenced<T, R> {
         uses.iter().map(TimelineFence::fence).collect()
     }
 
-    /// The first use still pending, read from each fence's own timeline.
+    /// The first use still pending: [`route`] decides, with each stream's completed value
+    /// read from the timeline stored with its fence.
     pub fn first_pending(&self) -> Option<TimelineFence> {
         let uses = self.uses.lock().unwrap_or_else(|p| p.into_inner());
-        uses.iter().find(|u| !u.is_complete()).cloned()
+        let completed = |stream| {
+            uses.iter()
+                .find(|u| u.fence().stream == stream)
+                .map_or(0, |u| u.timeline().completed())
+        };
+        match route(uses.iter().map(TimelineFence::fence), completed) {
+            Route::FreeNow => None,
+            Route::WaitOn(fence) => uses.iter().find(|u| u.fence() == fence).cloned(),
+        }
     }
 
     /// True once every stream that used it is done with it.
@@ -144,22 +154,21 @@ impl<T: Release + ?Sized, R: Refund> Fenced<T, R> {
     /// Blocks until every stream that used it is done with it.
     pub fn wait_idle(&self) {
         while let Some(pending) = self.first_pending() {
-            pending.wait_forever();
+            pending.wait_until_complete();
         }
     }
 
-    /// Moves the refund out and gives one back (a holder re-pays memory it keeps).
-    pub fn replace_refund(&mut self, refund: Option<R>) -> Option<R> {
-        std::mem::replace(&mut self.refund, refund)
+    fn take_uses(&mut self) -> Mutex<Vec<TimelineFence>> {
+        Mutex::new(std::mem::take(
+            &mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()),
+        ))
     }
 
     fn take(&mut self) -> Fenced<T, R> {
         Fenced {
             item: self.item.take(),
             refund: self.refund.take(),
-            uses: Mutex::new(std::mem::take(
-                &mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()),
-            )),
+            uses: self.take_uses(),
         }
     }
 
@@ -234,9 +243,7 @@ impl<T: Release, R: Refund> Fenced<T, R> {
         Fenced {
             item: self.item.take().map(|b| b as Box<dyn Release>),
             refund: self.refund.take(),
-            uses: Mutex::new(std::mem::take(
-                &mut *self.uses.lock().unwrap_or_else(|p| p.into_inner()),
-            )),
+            uses: self.take_uses(),
         }
     }
 

@@ -1004,7 +1004,7 @@ impl Protocol {
                 u64::from(s.completed[i])
             }
         };
-        route(&fences, completed) == Route::FreeNow
+        route(fences.iter().copied(), completed) == Route::FreeNow
     }
 
     /// A buffer reaches the deferred-free queue: freed now (its release sent) or queued.

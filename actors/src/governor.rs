@@ -432,12 +432,7 @@ impl Actor for Governor {
                 // A promise counts only up to what the holder still holds here, and only until
                 // a ticket's time has passed again (a timer then looks again): its release may
                 // have come before this report, or never come.
-                let held = state
-                    .ledger
-                    .holders_of(state.authority)
-                    .into_iter()
-                    .find(|(h, _, _)| *h == report.holder)
-                    .map_or(0, |(_, _, bytes)| bytes);
+                let held = state.ledger.approved_to(report.holder).unwrap_or(0);
                 let promise = report.freed_pending_fence.min(held);
                 if promise > 0 {
                     let until = Instant::now() + state.ticket_timeout;
@@ -583,18 +578,14 @@ impl GovernorState {
         ) {
             Admission::GrantNow => self.grant(request, reply),
             Admission::Deny(Refusal::Busy) => {
-                self.metrics.denials.increment(1);
-                self.counts.denials += 1;
-                let _ = reply.send(Err(GovernorError::Busy {
+                let busy = GovernorError::Busy {
                     waiting: self.waiters.len(),
-                }));
+                };
+                self.refuse(reply, busy);
             }
             Admission::Deny(Refusal::NoRoom | Refusal::NeverFits) => {
-                self.metrics.denials.increment(1);
-                self.counts.denials += 1;
-                let mut denial = self.ledger.denial(self.authority, request.bytes);
-                denial.waiting = self.waiters.bytes();
-                let _ = reply.send(Err(LedgerError::Denied(Box::new(denial)).into()));
+                let denied = LedgerError::Denied(self.denial_for(request.bytes)).into();
+                self.refuse(reply, denied);
             }
             Admission::Wait => {
                 let deadline = request
@@ -665,19 +656,24 @@ impl GovernorState {
             }
             self.deadlines.pop_first();
             if let Some(waiter) = self.waiters.remove(seq) {
-                self.deny(waiter, GovernorError::DeadlineExpired);
+                let expired = GovernorError::DeadlineExpired(self.denial_for(waiter.request.bytes));
+                self.refuse(waiter.reply, expired);
             }
         }
     }
 
-    /// Answers a waiter taken out of the queue with a denial that names the books and the
-    /// bytes still queued ahead, wrapped by `why`.
-    fn deny(&mut self, waiter: Waiter, why: impl FnOnce(Box<Denial>) -> GovernorError) {
+    /// Why `bytes` do not fit now: the books and the bytes still queued ahead.
+    fn denial_for(&self, bytes: u64) -> Box<Denial> {
+        let mut denial = self.ledger.denial(self.authority, bytes);
+        denial.waiting = self.waiters.bytes();
+        Box::new(denial)
+    }
+
+    /// Refuses a request (counted as a denial) with `error`.
+    fn refuse(&mut self, reply: RpcReplyPort<Result<Grant, GovernorError>>, error: GovernorError) {
         self.metrics.denials.increment(1);
         self.counts.denials += 1;
-        let mut denial = self.ledger.denial(self.authority, waiter.request.bytes);
-        denial.waiting = self.waiters.bytes();
-        let _ = waiter.reply.send(Err(why(Box::new(denial))));
+        let _ = reply.send(Err(error));
     }
 
     /// Keeps one timer, set for the earliest waiter deadline.
@@ -738,7 +734,8 @@ impl GovernorState {
                 Front::Deny(seq) => {
                     let waiter = self.waiters.remove(seq).expect("front exists");
                     self.deadlines.remove(&(waiter.deadline, seq));
-                    self.deny(waiter, |d| LedgerError::Denied(d).into());
+                    let denied = LedgerError::Denied(self.denial_for(waiter.request.bytes));
+                    self.refuse(waiter.reply, denied.into());
                 }
                 Front::Wait | Front::Empty => return,
             }

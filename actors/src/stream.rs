@@ -142,7 +142,7 @@ impl<T> StreamCore<T> {
 
     /// Blocks until `fence` completes (a host wait).
     pub(crate) fn host_wait(&self, fence: Fence) {
-        wait_for(self.timeline.as_ref(), fence);
+        self.timeline.wait_until_complete(fence.value);
     }
 
     /// Stops accepting work and joins the thread once everything submitted was observed.
@@ -242,11 +242,6 @@ impl CpuStream {
     pub(crate) fn stop_and_join(&self) {
         self.core.stop_and_join();
     }
-}
-
-/// Blocks the calling thread until `fence` completes on `timeline`.
-pub(crate) fn wait_for(timeline: &dyn Timeline, fence: Fence) {
-    while !timeline.wait(fence.value, std::time::Duration::from_secs(1)) {}
 }
 
 #[cfg(test)]

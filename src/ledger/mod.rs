@@ -701,6 +701,13 @@ impl Ledger {
         next
     }
 
+    /// Bytes approved to `holder` (provisional plus leased), if it is known here.
+    pub fn approved_to(&self, holder: HolderId) -> Option<u64> {
+        self.holders
+            .get(&holder)
+            .map(|h| h.provisional.saturating_add(h.leased))
+    }
+
     /// The highest raw identifier these books have handed out.
     pub fn issued(&self) -> u64 {
         self.id_base | self.next_id.saturating_sub(1)
