@@ -352,8 +352,7 @@ impl Actor for Governor {
                 Ok(lease) => {
                     // The grant leaves the account as the lease enters it: a restart in between
                     // must not count both.
-                    let _ = state.address.grant_gone(grant, None);
-                    let lease = Lease::new(Arc::clone(&state.address), lease);
+                    let lease = Lease::committed(Arc::clone(&state.address), grant, lease);
                     if let Err(MessagingErr::SendErr(Ok(lease))) = reply.send(Ok(lease)) {
                         // The caller is gone: nobody owns the lease, so it goes back whole.
                         let (id, bytes) = lease.defuse();

@@ -4,13 +4,15 @@
 //! Every [`Grant`](super::Grant) and [`Lease`](super::Lease) reaches its Governor through an
 //! `Address`, never a bare actor reference. The address keeps, for each live handle, what it
 //! holds (the holders' own account of what they own) and changes it together with sending the
-//! message that tells the Governor, under one lock. A supervisor that restarts a dead Governor
-//! reads that account and swaps the new actor in under the same lock, so every release happens
-//! either before the account is read (and the new books never count it) or after the swap (and
-//! reaches the new Governor): no byte is counted twice or lost.
+//! message that tells the Governor, both under a shared gate. A supervisor that restarts a dead
+//! Governor takes the gate exclusively, reads that account and swaps the new actor in, so every
+//! release happens either before the account is read (and the new books never count it) or
+//! after the swap (and reaches the new Governor): no byte is counted twice or lost. Handles
+//! share the gate, so sends (which may wake a parked thread) never queue behind one another;
+//! only the account's maps are behind a short mutex.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
 use procmem::ledger::{self, GrantId, HolderId, HolderReport, LeaseId, Priority};
 use procmem::MemoryRole;
@@ -28,7 +30,6 @@ struct HolderEntry {
 }
 
 struct Record {
-    actor: Option<ActorRef<GovernorMsg>>,
     holders: BTreeMap<HolderId, HolderEntry>,
     grants: HashMap<GrantId, (HolderId, MemoryRole, u64)>,
     leases: HashMap<LeaseId, (HolderId, MemoryRole, u64)>,
@@ -39,6 +40,9 @@ struct Record {
 
 /// The current Governor actor of one authority and the account of what its handles hold.
 pub(crate) struct Address {
+    /// The Governor now; read-locked by every send, write-locked only to swap it.
+    gate: RwLock<Option<ActorRef<GovernorMsg>>>,
+    /// Taken after the gate, never before it.
     record: Mutex<Record>,
 }
 
@@ -52,8 +56,8 @@ impl Address {
     /// actor is given the address as it starts).
     pub(crate) fn new() -> Self {
         Address {
+            gate: RwLock::new(None),
             record: Mutex::new(Record {
-                actor: None,
                 holders: BTreeMap::new(),
                 grants: HashMap::new(),
                 leases: HashMap::new(),
@@ -68,18 +72,30 @@ impl Address {
         self.record.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn gate(&self) -> RwLockReadGuard<'_, Option<ActorRef<GovernorMsg>>> {
+        self.gate.read().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Points the address at its first Governor.
     pub(crate) fn set(&self, actor: ActorRef<GovernorMsg>) {
-        self.record().actor = Some(actor);
+        *self.gate.write().unwrap_or_else(|p| p.into_inner()) = Some(actor);
     }
 
     /// The Governor actor now (`None` only before [`Address::set`]).
     pub(crate) fn actor(&self) -> Option<ActorRef<GovernorMsg>> {
-        self.record().actor.clone()
+        self.gate().clone()
     }
 
-    fn send(record: &Record, msg: GovernorMsg) -> Result<(), MessagingErr<GovernorMsg>> {
-        match &record.actor {
+    /// Sends `msg` to the Governor now (a request whose reply port is inside it).
+    pub(crate) fn cast(&self, msg: GovernorMsg) -> Result<(), MessagingErr<GovernorMsg>> {
+        Self::send(&self.gate(), msg)
+    }
+
+    fn send(
+        actor: &Option<ActorRef<GovernorMsg>>,
+        msg: GovernorMsg,
+    ) -> Result<(), MessagingErr<GovernorMsg>> {
+        match actor {
             Some(actor) => actor.cast(msg),
             None => Err(MessagingErr::SendErr(msg)),
         }
@@ -135,45 +151,50 @@ impl Address {
         r.grants.insert(grant.id, (c.holder, c.role, c.bytes));
     }
 
-    /// The grant is gone (committed, cancelled, rolled back); `then` is sent under the lock.
+    /// The grant is gone (committed, cancelled, rolled back); `then` is sent under the gate.
     pub(crate) fn grant_gone(
         &self,
         grant: GrantId,
         then: Option<GovernorMsg>,
     ) -> Result<(), MessagingErr<GovernorMsg>> {
-        let mut r = self.record();
-        r.grants.remove(&grant);
+        let gate = self.gate();
+        self.record().grants.remove(&grant);
         match then {
-            Some(msg) => Self::send(&r, msg),
+            Some(msg) => Self::send(&gate, msg),
             None => Ok(()),
         }
     }
 
-    pub(crate) fn lease_issued(&self, lease: &ledger::Lease) {
+    /// The grant became the lease (a commit): one step, so a restart never counts both.
+    pub(crate) fn grant_committed(&self, grant: GrantId, lease: &ledger::Lease) {
         let mut r = self.record();
+        r.grants.remove(&grant);
         Self::saw(&mut r, lease.id.get());
         let c = &lease.charge;
         r.leases.insert(lease.id, (c.holder, c.role, c.bytes));
     }
 
-    /// `bytes` of the lease came back; `then` (the Governor's release) is sent under the lock.
+    /// `bytes` of the lease came back; `then` (the Governor's release) is sent under the gate.
     pub(crate) fn lease_released(
         &self,
         lease: LeaseId,
         bytes: u64,
         then: Option<GovernorMsg>,
     ) -> Result<(), MessagingErr<GovernorMsg>> {
-        let mut r = self.record();
-        if let Some(entry) = r.leases.get_mut(&lease) {
-            entry.2 = entry.2.saturating_sub(bytes);
-            if entry.2 == 0 {
-                let holder = entry.0;
-                r.leases.remove(&lease);
-                Self::forget_if_done(&mut r, holder);
+        let gate = self.gate();
+        {
+            let mut r = self.record();
+            if let Some(entry) = r.leases.get_mut(&lease) {
+                entry.2 = entry.2.saturating_sub(bytes);
+                if entry.2 == 0 {
+                    let holder = entry.0;
+                    r.leases.remove(&lease);
+                    Self::forget_if_done(&mut r, holder);
+                }
             }
         }
         match then {
-            Some(msg) => Self::send(&r, msg),
+            Some(msg) => Self::send(&gate, msg),
             None => Ok(()),
         }
     }
@@ -190,9 +211,9 @@ impl Address {
 
     /// Marks the Governor as being stopped on purpose: its supervisor does not restart it.
     pub(crate) fn stop(&self) {
-        let mut r = self.record();
-        r.stopping = true;
-        if let Some(actor) = &r.actor {
+        let gate = self.gate();
+        self.record().stopping = true;
+        if let Some(actor) = gate.as_ref() {
             actor.stop(None);
         }
     }
@@ -207,14 +228,16 @@ impl Address {
     }
 
     /// Hands `next` the holders' account, as its first message, and makes it the Governor
-    /// every handle reaches from now on, in one step under the lock. If the Governor was
-    /// stopped on purpose meanwhile, `next` is stopped instead and `false` returned.
+    /// every handle reaches from now on, in one step with the gate held exclusively (no
+    /// handle sends meanwhile). If the Governor was stopped on purpose meanwhile, `next` is
+    /// stopped instead and `false` returned.
     pub(crate) fn restart(
         &self,
         next: ActorRef<GovernorMsg>,
         recover: impl FnOnce(Recovery) -> GovernorMsg,
     ) -> Result<bool, MessagingErr<GovernorMsg>> {
-        let mut r = self.record();
+        let mut gate = self.gate.write().unwrap_or_else(|p| p.into_inner());
+        let r = self.record();
         if r.stopping {
             next.stop(None);
             return Ok(false);
@@ -259,7 +282,7 @@ impl Address {
             next.stop(None);
             return Err(e);
         }
-        r.actor = Some(next);
+        *gate = Some(next);
         Ok(true)
     }
 }

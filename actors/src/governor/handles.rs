@@ -7,7 +7,6 @@ use procmem::ledger::{
     self, AuthorityId, GrantId, HolderId, LeaseId, Ledger, LedgerError, Priority, Retired,
 };
 use procmem::MemoryRole;
-use ractor::rpc::CallResult;
 use ractor::{Actor, ActorRef, RpcReplyPort};
 use tokio::task::JoinHandle;
 
@@ -21,13 +20,8 @@ async fn ask<T: Send + 'static>(
     address: &Address,
     build: impl FnOnce(RpcReplyPort<T>) -> GovernorMsg,
 ) -> Result<T, GovernorError> {
-    let Some(actor) = address.actor() else {
-        return Err(GovernorError::Unavailable);
-    };
-    match actor.call(build, None).await {
-        Ok(CallResult::Success(value)) => Ok(value),
-        _ => Err(GovernorError::Unavailable),
-    }
+    let (tx, rx) = ractor::concurrency::oneshot();
+    answer(address.cast(build(tx.into())), rx).await
 }
 
 /// Sends a request whose reply comes on `rx`, and waits for it.
@@ -174,9 +168,10 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Issued by the Governor at `address`; recorded there before it leaves the actor.
-    pub(super) fn new(address: Arc<Address>, lease: ledger::Lease) -> Self {
-        address.lease_issued(&lease);
+    /// Committed from `grant` by the Governor at `address`; recorded there (in the grant's
+    /// place) before it leaves the actor.
+    pub(super) fn committed(address: Arc<Address>, grant: GrantId, lease: ledger::Lease) -> Self {
+        address.grant_committed(grant, &lease);
         Lease {
             address,
             id: lease.id,
