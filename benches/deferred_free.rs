@@ -164,13 +164,16 @@ fn main() {
                     }
                     wait_refunded(g).await;
                 }
-                let mut l = stats(stream).await.fence_to_refund_ns[before..].to_vec();
+                let s = stats(stream).await;
+                let mut l = s.fence_to_refund_ns[before..].to_vec();
+                let mut f = s.free_ns[before..].to_vec();
                 l.sort_unstable();
-                l
+                f.sort_unstable();
+                (l, f)
             }
         };
-        let latencies = one_at_a_time(false).await;
-        let with_waiter = one_at_a_time(true).await;
+        let (latencies, in_place_free) = one_at_a_time(false).await;
+        let (with_waiter, _) = one_at_a_time(true).await;
 
         // The floor: the mechanism's own free of the same allocation (an unmap), timed alone
         // on this thread. Fence-to-refund cannot be below it: it frees, then refunds.
@@ -210,6 +213,10 @@ fn main() {
             "fence_to_refund_p99_ns": percentile(&latencies, 0.99),
             "fence_to_refund_with_host_waiter_p50_ns": percentile(&with_waiter, 0.50),
             "fence_to_refund_with_host_waiter_p99_ns": percentile(&with_waiter, 0.99),
+            "free_in_place_p50_ns": percentile(&in_place_free, 0.50),
+            "free_in_place_p99_ns": percentile(&in_place_free, 0.99),
+            "fence_to_refund_less_free_p50_ns": percentile(&latencies, 0.50)
+                .saturating_sub(percentile(&in_place_free, 0.50)),
             "mechanism_free_p50_ns": percentile(&floor, 0.50),
             "mechanism_free_p99_ns": percentile(&floor, 0.99),
             "fence_to_refund_vs_mechanism_free_p50": percentile(&latencies, 0.50) as f64

@@ -15,7 +15,7 @@
 //! ```
 
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::deferred::{route, Route};
 use crate::fence::{Fence, TimelineFence};
@@ -75,6 +75,9 @@ pub struct Released {
     pub fence_done_at: Option<Instant>,
     /// Streams whose fence it waited for.
     pub waited_on: usize,
+    /// How long the mechanism's own free took, on the thread that ran it (part of the time
+    /// from `fence_done_at` to the refund, and the floor under it).
+    pub free_took: Duration,
 }
 
 /// Asked just before an idle item is freed: `Some(fence)` puts the free off until that fence
@@ -201,26 +204,30 @@ impl<T: Release + ?Sized, R: Refund> Fenced<T, R> {
                 self.chain(gate, Some(at), waited_on + 1, done)
             })),
             None => {
-                let outcome = self.release_now();
+                let (outcome, free_took) = self.release_now();
                 done(Released {
                     outcome,
                     fence_done_at,
                     waited_on,
+                    free_took,
                 });
             }
         }
     }
 
-    /// Frees and settles; only called once no fence is pending.
-    fn release_now(&mut self) -> Result<u64, MemoryError> {
+    /// Frees and settles; only called once no fence is pending. Returns the outcome and how
+    /// long the free itself took.
+    fn release_now(&mut self) -> (Result<u64, MemoryError>, Duration) {
         let Some(item) = self.item.take() else {
-            return Ok(0);
+            return (Ok(0), Duration::ZERO);
         };
         // A mechanism that panics here runs on a stream's thread: it must neither take that
         // thread down nor let the refund go back for memory that may still be held.
+        let started = Instant::now();
         let released = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| item.release()))
             .unwrap_or(Err(MemoryError::ReleasePanicked { what: "an item" }));
-        match released {
+        let took = started.elapsed();
+        let outcome = match released {
             Ok(freed) => {
                 if let Some(refund) = self.refund.take() {
                     refund.refund(freed);
@@ -233,7 +240,8 @@ impl<T: Release + ?Sized, R: Refund> Fenced<T, R> {
                 }
                 Err(error)
             }
-        }
+        };
+        (outcome, took)
     }
 }
 

@@ -130,6 +130,9 @@ pub struct DeferredStats {
     /// Nanoseconds from fence completion to the refund reaching the Governor's mailbox, for
     /// the most recent frees that waited on a fence.
     pub fence_to_refund_ns: Vec<u64>,
+    /// For the same frees, nanoseconds the mechanism's own free took (an unmap on the host),
+    /// measured where it ran: the part of `fence_to_refund_ns` that is the OS's, not ours.
+    pub free_ns: Vec<u64>,
 }
 
 /// The deferred-free actor's mailbox.
@@ -166,7 +169,7 @@ struct Shared {
     freed_bytes: AtomicU64,
     failures: AtomicU64,
     forwarded: AtomicU64,
-    latencies: Mutex<Vec<u64>>,
+    latencies: Mutex<Vec<(u64, u64)>>,
     depth: Gauge,
     freed_bytes_total: Counter,
     latency: Histogram,
@@ -184,7 +187,8 @@ impl Shared {
                     self.latency.record(ns as f64 * 1e-9);
                     let mut samples = self.latencies.lock().unwrap_or_else(|p| p.into_inner());
                     if samples.len() < LATENCY_SAMPLES {
-                        samples.push(ns);
+                        let free = u64::try_from(released.free_took.as_nanos()).unwrap_or(u64::MAX);
+                        samples.push((ns, free));
                     }
                 }
                 tracing::trace!(stream = %self.stream, freed, "deferred free");
@@ -257,16 +261,20 @@ impl Actor for DeferredFree {
             }
             DeferredFreeMsg::Stats { reply } => {
                 let s = &state.shared;
+                let (fence_to_refund_ns, free_ns) = s
+                    .latencies
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .copied()
+                    .unzip();
                 let _ = reply.send(DeferredStats {
                     queued: usize::try_from(s.queued.load(Ordering::Acquire)).unwrap_or(usize::MAX),
                     freed: s.freed.load(Ordering::Acquire),
                     freed_bytes: s.freed_bytes.load(Ordering::Acquire),
                     failures: s.failures.load(Ordering::Acquire),
-                    fence_to_refund_ns: s
-                        .latencies
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clone(),
+                    fence_to_refund_ns,
+                    free_ns,
                 });
             }
         }
