@@ -8,6 +8,7 @@ use procmem::fenced::{Fenced, RecordUse};
 use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
 use ractor::ActorRef;
 
+use crate::charge::Charge;
 use crate::deferred_free::DeferredFreeMsg;
 use crate::governor::Lease;
 
@@ -17,7 +18,7 @@ use crate::governor::Lease;
 /// the lease and the fence of every stream that used it) to its home stream's deferred-free
 /// actor. The mechanism frees it once those fences complete, then the Governor is refunded.
 pub struct DeviceBuffer {
-    fenced: Option<Fenced<DeviceAllocation, Lease>>,
+    fenced: Option<Fenced<DeviceAllocation, Charge>>,
     home: ActorRef<DeferredFreeMsg>,
     context: ContextId,
     // Keeps the provider's context (its streams and mechanism) alive while this lives.
@@ -71,13 +72,13 @@ impl DeviceBuffer {
     ) -> Self {
         DeviceBuffer {
             context: allocation.context(),
-            fenced: Some(Fenced::new(Box::new(allocation), lease)),
+            fenced: Some(Fenced::new(Box::new(allocation), lease.map(Charge::from))),
             home,
             _keep_alive: keep_alive,
         }
     }
 
-    fn fenced(&self) -> &Fenced<DeviceAllocation, Lease> {
+    fn fenced(&self) -> &Fenced<DeviceAllocation, Charge> {
         self.fenced.as_ref().expect("live until dropped")
     }
 

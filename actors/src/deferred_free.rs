@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use procmem::fence::{Fence, StreamId, Timeline, TimelineFence};
-use procmem::fenced::{Fenced, Gate, Refund, Released};
+use procmem::fenced::{Fenced, Gate, Released};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use crate::governor::Lease;
+use crate::charge::Charge;
 
 pub use procmem::fenced::Release as DeferredRelease;
 
@@ -20,26 +20,7 @@ pub use procmem::fenced::Release as DeferredRelease;
 /// timeline. Dropped before a deferred-free actor took it (its actor died, or the message
 /// carrying it was never handled), it still frees only after every fence, woken by the last
 /// completion.
-pub type PendingFree = Fenced<dyn DeferredRelease, Lease>;
-
-impl Refund for Lease {
-    fn bytes(&self) -> u64 {
-        Lease::bytes(self)
-    }
-
-    fn refund(mut self, freed: u64) {
-        let refund = freed.min(Lease::bytes(&self));
-        if refund > 0 && self.release(refund).is_err() {
-            tracing::warn!("governor gone; refund of {refund} bytes not delivered");
-        }
-        // Anything the lease held beyond the bytes freed goes back as it drops.
-    }
-
-    fn keep(self) {
-        // The books must not claim bytes came back that may not have: the charge stays.
-        self.keep_charged();
-    }
-}
+pub type PendingFree = Fenced<dyn DeferredRelease, Charge>;
 
 /// Every stream's timeline and deferred-free queue, for looking streams up. It decides
 /// nothing about freeing: each fence carries its own timeline.

@@ -21,9 +21,9 @@ use procmem::{HostBacking, MapAccess, MemoryError, MemoryRole, PhysicalBlock, Sh
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
+use crate::charge::{Charge, Tally};
 use crate::deferred_free::{DeferredFreeMsg, DeferredRelease, PendingFree};
 use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
-use crate::lease_pool::LeasePool;
 use crate::pressure::PressureTicket;
 use crate::provider::CpuProvider;
 use crate::stream::CpuStream;
@@ -242,13 +242,14 @@ impl TryFrom<KvStoreMsg> for PressureTicket {
 struct SharedPrefix {
     blocks: Vec<PhysicalBlock>,
     bytes: u64,
-    pool: LeasePool,
+    /// Released as it drops, after the blocks (see `Drop`).
+    _charge: Charge,
 }
 
 impl Drop for SharedPrefix {
     fn drop(&mut self) {
+        // The blocks go first; the charge (a field) drops after this, once they are freed.
         self.blocks.clear();
-        self.pool.release(self.bytes);
     }
 }
 
@@ -259,24 +260,19 @@ struct CachedPrefix {
     last_used: u64,
 }
 
-/// A sequence's memory on its way out: freed by its mechanism after its fences, then refunded.
+/// A sequence's memory on its way out: freed by its mechanism after its fences; its charge
+/// (the refund of its [`PendingFree`]) goes back after that.
 struct SeqMemory {
     seq: KvSequence,
     prefixes: Vec<Arc<SharedPrefix>>,
-    pool: LeasePool,
 }
 
 impl DeferredRelease for SeqMemory {
     fn release(self: Box<Self>) -> Result<u64, MemoryError> {
-        let SeqMemory {
-            seq,
-            prefixes,
-            pool,
-        } = *self;
+        let SeqMemory { seq, prefixes } = *self;
         let bytes = seq.exclusive_bytes();
         drop(seq);
         drop(prefixes);
-        pool.release(bytes);
         Ok(bytes)
     }
 }
@@ -294,6 +290,8 @@ enum SeqState {
 
 struct SeqEntry {
     state: SeqState,
+    /// Pays for the sequence's own memory (not the shared prefixes it maps).
+    charge: Charge,
     priority: Priority,
     prefixes: Vec<Arc<SharedPrefix>>,
     /// Blocks this sequence is filling for the cache: (key, token count that completes it).
@@ -336,7 +334,8 @@ pub struct KvStoreState {
     stream: CpuStream,
     governor: GovernorHandle,
     holder: HolderId,
-    pool: LeasePool,
+    /// What every charge of this store holds, those waiting for their fences included.
+    tally: Tally,
     seqs: HashMap<SeqId, SeqEntry>,
     prefixes: HashMap<u64, CachedPrefix>,
     pending: HashMap<u64, Pending>,
@@ -402,7 +401,7 @@ impl Actor for KvStore {
             stream: provider.stream(0)?.clone(),
             governor,
             holder,
-            pool: LeasePool::default(),
+            tally: Tally::default(),
             seqs: HashMap::new(),
             prefixes: HashMap::new(),
             pending: HashMap::new(),
@@ -489,6 +488,7 @@ impl KvStoreState {
     fn retire(&mut self, entry: SeqEntry) {
         let SeqEntry {
             state,
+            charge,
             prefixes,
             last_fence,
             ..
@@ -496,12 +496,8 @@ impl KvStoreState {
         let SeqState::Active(seq) = state else {
             return;
         };
-        let memory = SeqMemory {
-            seq,
-            prefixes,
-            pool: self.pool.clone(),
-        };
-        let pending = PendingFree::new(Box::new(memory), None);
+        let memory = SeqMemory { seq, prefixes };
+        let pending = PendingFree::new(Box::new(memory), Some(charge));
         if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline())) {
             pending.record_use(use_);
         }
@@ -632,6 +628,7 @@ impl KvStoreState {
             };
         let entry = SeqEntry {
             state: SeqState::Active(memory),
+            charge: Charge::counted(&self.tally),
             priority,
             prefixes: Vec::new(),
             filling: Vec::new(),
@@ -674,9 +671,10 @@ impl KvStoreState {
         let shape = self.config.shape;
         let g = procmem::granularity();
         let bt = shape.block_tokens(g);
+        let mut charge = Charge::counted(&self.tally);
         if let Some(grant) = grant {
             match grant.commit(bytes).await {
-                Ok(lease) => self.pool.add(lease),
+                Ok(lease) => charge.add(lease),
                 Err(refused) => {
                     let _ = reply.send(Err(refused.error.into()));
                     return;
@@ -684,6 +682,7 @@ impl KvStoreState {
             }
         }
         let mapping: &dyn SharedMapping = self.backing.as_ref();
+        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
         let mut fresh = Vec::with_capacity(new_keys.len());
         for _ in &new_keys {
             let blocks: Result<Vec<_>, _> = (0..shape.buffers())
@@ -692,19 +691,20 @@ impl KvStoreState {
             match blocks {
                 Ok(blocks) => fresh.push(Arc::new(SharedPrefix {
                     blocks,
-                    bytes: shape.buffers() as u64 * shape.block_bytes(g),
-                    pool: self.pool.clone(),
+                    bytes: block_bytes,
+                    // The open committed exactly one block's bytes per new key.
+                    _charge: charge.split(block_bytes).unwrap_or_default(),
                 })),
                 Err(e) => {
-                    // The blocks made so far are dropped and their bytes refunded; so is the rest.
-                    let made = fresh.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
+                    // The blocks made so far are dropped and their charges released as they
+                    // go; what was not used yet goes back with `charge`.
                     drop(fresh);
-                    self.pool.release(bytes - made);
                     let _ = reply.send(Err(e.into()));
                     return;
                 }
             }
         }
+        drop(charge);
         let hit_count = hits.len();
         let mut used: Vec<Arc<SharedPrefix>> = Vec::with_capacity(hit_count + fresh.len());
         for (key, prefix) in hits {
@@ -843,17 +843,14 @@ impl KvStoreState {
             }
         }
         let actual: u64 = mapped.iter().map(|(_, g)| g.bytes()).sum();
-        let mut committed = 0;
+        let mut committed = Charge::counted(&self.tally);
         if failure.is_none() && actual > 0 {
             if let Err(e) = procmem::fault::hit("kv.grow.commit") {
                 failure = Some(e.into());
                 drop(grant);
             } else {
                 match grant.commit(actual).await {
-                    Ok(lease) => {
-                        self.pool.add(lease);
-                        committed = actual;
-                    }
+                    Ok(lease) => committed.add(lease),
                     Err(refused) => failure = Some(refused.error.into()),
                 }
             }
@@ -869,20 +866,23 @@ impl KvStoreState {
         for (seq, growth) in mapped {
             if let Some(SeqEntry {
                 state: SeqState::Active(memory),
+                charge,
                 ..
             }) = self.seqs.get_mut(&seq)
             {
                 if failure.is_some() {
                     let _ = memory.abandon(backing.as_ref(), growth);
                 } else {
+                    // Each sequence keeps the part of the step's lease that pays for its growth.
+                    if let Some(part) = committed.split(growth.bytes()) {
+                        charge.absorb(part);
+                    }
                     memory.publish(growth);
                 }
             }
         }
-        if failure.is_some() && committed > 0 {
-            // Unmapped above; only now does the charge go back.
-            self.pool.release(committed);
-        }
+        // On failure everything was unmapped above; only now does the charge go back.
+        drop(committed);
         let ok = failure.is_none();
         for (seq, _) in &seqs {
             if let Some(e) = self.seqs.get_mut(seq) {
@@ -1095,7 +1095,7 @@ impl KvStoreState {
         let result: Result<(), KvStoreError> = async {
             let growth = memory.map_growth(backing.as_ref(), per_buffer)?;
             match grant.commit(growth.bytes()).await {
-                Ok(lease) => self.pool.add(lease),
+                Ok(lease) => entry.charge.add(lease),
                 Err(refused) => {
                     memory.abandon(backing.as_ref(), growth)?;
                     return Err(refused.error.into());
@@ -1133,11 +1133,10 @@ impl KvStoreState {
                         saved: Some(saved),
                     },
                 );
-                if let SeqState::Active(memory) = old {
-                    let freed = memory.exclusive_bytes();
-                    drop(memory);
-                    self.pool.release(freed);
-                }
+                let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
+                // The memory first, then what paid for it.
+                drop(old);
+                drop(charge);
                 let _ = reply.send(Err(e));
             }
         }
@@ -1295,12 +1294,14 @@ impl KvStoreState {
             unreachable!("checked above")
         };
         let freed = memory.exclusive_bytes();
-        // Not in flight: no fence to wait for, so the mechanism frees it here and now.
+        let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
+        // Not in flight: no fence to wait for, so the mechanism frees it here and now, and
+        // only then does what paid for it go back.
         let _ = DeferredRelease::release(Box::new(SeqMemory {
             seq: memory,
             prefixes,
-            pool: self.pool.clone(),
         }));
+        drop(charge);
         self.abandon_filling(filling);
         self.stats.preemptions += 1;
         freed
@@ -1320,7 +1321,7 @@ impl KvStoreState {
         }
         stats.prefix_entries = self.prefixes.len();
         stats.prefix_bytes = self.prefixes.values().map(|p| p.prefix.bytes).sum();
-        stats.leased_bytes = self.pool.bytes();
+        stats.leased_bytes = self.tally.bytes();
         stats.os_resident_bytes = self.backing.resident_bytes().unwrap_or(0);
         stats
     }

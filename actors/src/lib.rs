@@ -22,11 +22,11 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod buffer;
+pub mod charge;
 pub mod cuda_provider;
 pub mod deferred_free;
 pub mod governor;
 pub mod kv_store;
-pub mod lease_pool;
 pub mod manager;
 pub mod pressure;
 pub mod provider;
@@ -34,6 +34,7 @@ pub mod residency;
 pub mod stream;
 
 pub use buffer::{BufferView, DeviceBuffer};
+pub use charge::{Charge, Tally};
 pub use cuda_provider::{
     Cuda, CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError,
 };
@@ -48,7 +49,6 @@ pub use kv_store::{
     AttendItem, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened, PreemptMode,
     Restored, SeqId,
 };
-pub use lease_pool::LeasePool;
 pub use manager::{
     machine_memory_bytes, Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding,
     MemoryManager, MemoryManagerBuilder, ShutdownReport,
