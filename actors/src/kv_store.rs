@@ -306,7 +306,7 @@ struct SeqEntry {
 enum Pending {
     Open {
         seq: SeqId,
-        entry: SeqEntry,
+        entry: Box<SeqEntry>,
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
         hits: Vec<(u64, Arc<SharedPrefix>)>,
         new_keys: Vec<u64>,
@@ -643,7 +643,7 @@ impl KvStoreState {
             .collect();
         let pending = Pending::Open {
             seq,
-            entry,
+            entry: Box::new(entry),
             hits,
             new_keys,
             bytes,
@@ -752,7 +752,7 @@ impl KvStoreState {
         entry.prefixes = used;
         let cached = hit_count * bt;
         self.stats.prefix_hit_tokens += cached as u64;
-        self.seqs.insert(seq, entry);
+        self.seqs.insert(seq, *entry);
         let _ = reply.send(Ok(Opened {
             cached_tokens: cached,
         }));
