@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, TimelineFence};
-use procmem::fenced::{Fenced, RecordUse};
-use procmem::{ContextId, DeviceAllocation, DeviceKey, DeviceKind, MemoryError};
+use procmem::fenced::{Fenced, RecordUse, Release};
+use procmem::{ContextId, DeviceAllocation, DeviceKey, MemoryError};
 use ractor::ActorRef;
 
 use crate::charge::Charge;
@@ -18,14 +18,35 @@ use crate::governor::Lease;
 /// the lease and the fence of every stream that used it) to its home stream's deferred-free
 /// actor. The mechanism frees it once those fences complete, then the Governor is refunded.
 pub struct DeviceBuffer {
-    fenced: Option<Fenced<DeviceAllocation, Charge>>,
+    fenced: Option<Fenced<Shared, Charge>>,
     home: ActorRef<DeferredFreeMsg>,
     context: ContextId,
     // Keeps the provider's context (its streams and mechanism) alive while this lives.
     _keep_alive: Arc<dyn Send + Sync>,
 }
 
-/// A raw view of a buffer for kernels: an address and a length on one device.
+/// The allocation, shared only with host kernels reading it while they run (see
+/// [`CpuStream::submit_reading`](crate::stream::CpuStream::submit_reading)): a kernel's share
+/// is dropped before its fence completes, so by the time the deferred free runs the share is
+/// the only one. The bytes a kernel reads come from `procmem::host::host_bytes`, the one
+/// constructor of host slices, on a share that keeps the mapping alive.
+pub(crate) struct Shared(pub(crate) Arc<DeviceAllocation>);
+
+impl Release for Shared {
+    fn release(self: Box<Self>) -> Result<u64, MemoryError> {
+        match Arc::try_unwrap(self.0) {
+            Ok(allocation) => allocation.release(),
+            // Cannot happen through this crate's API (a kernel's share goes before its fence
+            // completes). Were it to, the last share frees the memory as it drops; the charge
+            // is kept rather than refunded for memory still mapped.
+            Err(_) => Err(MemoryError::InUse { op: "freed" }),
+        }
+    }
+}
+
+/// A raw view of a buffer for device kernels: an address and a length on one device. Host
+/// kernels read through [`CpuStream::submit_reading`](crate::stream::CpuStream::submit_reading)
+/// instead, which hands them slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferView {
     /// Start address (host pointer or device address).
@@ -34,33 +55,6 @@ pub struct BufferView {
     pub len: u64,
     /// The device the bytes are on.
     pub device: DeviceKey,
-}
-
-impl BufferView {
-    /// The bytes, for a host kernel.
-    ///
-    /// # Safety
-    /// 1. The view's buffer was passed in `uses` when the kernel reading it was submitted,
-    ///    so it stays mapped until that kernel's fence completes.
-    /// 2. No kernel writes these bytes concurrently.
-    /// 3. The view is of host memory.
-    #[allow(unsafe_code)]
-    pub unsafe fn host_bytes<'a>(&self) -> &'a [u8] {
-        debug_assert_eq!(self.device.kind, DeviceKind::Host);
-        // SAFETY: preconditions 1 to 3.
-        unsafe { std::slice::from_raw_parts(self.addr as usize as *const u8, self.len as usize) }
-    }
-
-    /// The bytes, writable, for a host kernel.
-    ///
-    /// # Safety
-    /// As for [`BufferView::host_bytes`], and no other access to these bytes happens meanwhile.
-    #[allow(unsafe_code, clippy::mut_from_ref)]
-    pub unsafe fn host_bytes_mut<'a>(&self) -> &'a mut [u8] {
-        debug_assert_eq!(self.device.kind, DeviceKind::Host);
-        // SAFETY: preconditions of this function.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as usize as *mut u8, self.len as usize) }
-    }
 }
 
 impl DeviceBuffer {
@@ -72,18 +66,27 @@ impl DeviceBuffer {
     ) -> Self {
         DeviceBuffer {
             context: allocation.context(),
-            fenced: Some(Fenced::new(Box::new(allocation), lease.map(Charge::from))),
+            fenced: Some(Fenced::new(
+                Box::new(Shared(Arc::new(allocation))),
+                lease.map(Charge::from),
+            )),
             home,
             _keep_alive: keep_alive,
         }
     }
 
-    fn fenced(&self) -> &Fenced<DeviceAllocation, Charge> {
+    fn fenced(&self) -> &Fenced<Shared, Charge> {
         self.fenced.as_ref().expect("live until dropped")
     }
 
     fn allocation(&self) -> &DeviceAllocation {
-        self.fenced().item()
+        &self.fenced().item().0
+    }
+
+    /// A share of the allocation for a host kernel that reads it (dropped before its fence
+    /// completes).
+    pub(crate) fn share(&self) -> Arc<DeviceAllocation> {
+        Arc::clone(&self.fenced().item().0)
     }
 
     /// A raw view for kernels.
@@ -141,7 +144,10 @@ impl DeviceBuffer {
     pub fn host_bytes_mut(&mut self) -> Result<&mut [u8], MemoryError> {
         self.host_wait_idle();
         let fenced = self.fenced.as_mut().expect("live until dropped");
-        procmem::host::host_bytes_mut(fenced.item_mut())
+        // Every kernel that read it is done (its fence completed), so no share is left.
+        let allocation =
+            Arc::get_mut(&mut fenced.item_mut().0).ok_or(MemoryError::InUse { op: "written" })?;
+        procmem::host::host_bytes_mut(allocation)
     }
 }
 

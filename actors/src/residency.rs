@@ -317,16 +317,9 @@ impl ResidencyState {
         let Slot::Device(buffer) = &entry.slot else {
             unreachable!("reloaded above")
         };
-        let view = buffer.view();
         let stream = self.provider.stream(0)?;
         stream
-            .submit(&[buffer], move || {
-                // SAFETY: the buffer is in `uses`, so it stays mapped until this kernel's fence;
-                // weights are only written before they are published to kernels.
-                #[allow(unsafe_code)]
-                let bytes = unsafe { view.host_bytes() };
-                f(bytes);
-            })
+            .submit_reading(&[buffer], move |bytes| f(bytes[0]))
             .map_err(|_| ProviderError::Unavailable)?;
         Ok(())
     }
@@ -381,16 +374,12 @@ impl ResidencyState {
                 continue;
             };
             let copy = Arc::new(Mutex::new(Vec::new()));
-            let view = buffer.view();
             let sink = Arc::clone(&copy);
             let queued = self.provider.stream(0).map(|s| {
-                s.submit(&[buffer], move || {
-                    // SAFETY: the buffer is in `uses`: it stays mapped until this copy's fence.
-                    #[allow(unsafe_code)]
-                    let bytes = unsafe { view.host_bytes() };
+                s.submit_reading(&[buffer], move |bytes| {
                     sink.lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .extend_from_slice(bytes);
+                        .extend_from_slice(bytes[0]);
                 })
             });
             if !matches!(queued, Ok(Ok(_))) {

@@ -13,7 +13,9 @@ use procmem::fence::{Fence, HostTimeline, StreamId, Timeline, TimelineFence};
 use ractor::ActorRef;
 
 use procmem::fenced::RecordUse;
+use procmem::{DeviceKey, DeviceKind};
 
+use crate::buffer::DeviceBuffer;
 use crate::deferred_free::DeferredFreeMsg;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
@@ -24,6 +26,9 @@ pub enum StreamError {
     /// The stream was shut down, or failed (a device error); nothing was submitted.
     #[error("{0} is shut down")]
     Closed(StreamId),
+    /// A host kernel was asked to read a buffer on a device; nothing was submitted.
+    #[error("a host kernel cannot read memory on {0:?}")]
+    NotHost(DeviceKey),
 }
 
 type Slot<T> = Mutex<Option<Sender<(u64, T)>>>;
@@ -231,6 +236,53 @@ impl CpuStream {
                 Ok(closed) => closed,
                 Err(never) => match never {},
             })
+    }
+
+    /// Queues a host kernel that reads `reads` and returns its fence: the kernel is handed
+    /// their bytes, in order, for as long as it runs. Each buffer records the fence (so it is
+    /// not freed before the kernel is done) and lends the kernel a share of its allocation,
+    /// dropped as the kernel returns, before its fence completes. The slices cannot outlive
+    /// the call. Refused, with nothing queued, if a buffer is not host memory.
+    ///
+    /// ```
+    /// # use procmem_actors::{CpuStream, DeviceBuffer};
+    /// fn copy_out(stream: &CpuStream, buf: &DeviceBuffer) {
+    ///     let (tx, _rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    ///     let _ = stream.submit_reading(&[buf], move |bytes| {
+    ///         let _ = tx.send(bytes[0].to_vec());
+    ///     });
+    /// }
+    /// ```
+    /// The slices cannot leave the kernel (this does not compile):
+    /// ```compile_fail
+    /// # use procmem_actors::{CpuStream, DeviceBuffer};
+    /// fn smuggle(stream: &CpuStream, buf: &DeviceBuffer) {
+    ///     let (tx, _rx) = std::sync::mpsc::channel::<&'static [u8]>();
+    ///     let _ = stream.submit_reading(&[buf], move |bytes| {
+    ///         let _ = tx.send(bytes[0]);
+    ///     });
+    /// }
+    /// ```
+    pub fn submit_reading(
+        &self,
+        reads: &[&DeviceBuffer],
+        kernel: impl FnOnce(&[&[u8]]) + Send + 'static,
+    ) -> Result<Fence, StreamError> {
+        if let Some(b) = reads
+            .iter()
+            .find(|b| b.view().device.kind != DeviceKind::Host)
+        {
+            return Err(StreamError::NotHost(b.view().device));
+        }
+        let shares: Vec<_> = reads.iter().map(|b| b.share()).collect();
+        let uses: Vec<&dyn RecordUse> = reads.iter().map(|b| *b as &dyn RecordUse).collect();
+        self.submit(&uses, move || {
+            let bytes: Vec<&[u8]> = shares
+                .iter()
+                .filter_map(|a| procmem::host::host_bytes(a).ok())
+                .collect();
+            kernel(&bytes);
+        })
     }
 
     /// Blocks until `fence` completes (a host wait).

@@ -95,7 +95,7 @@ fn checker(
             // SAFETY: every view's buffer was passed in `uses`, so it stays mapped until this
             // kernel's fence; nothing writes it meanwhile.
             #[allow(unsafe_code)]
-            let bytes = unsafe { view.host_bytes() };
+            let bytes = unsafe { common::read_by_address(&view) };
             if bytes.iter().any(|b| *b != value) {
                 corrupt.fetch_add(1, Ordering::Relaxed);
             }

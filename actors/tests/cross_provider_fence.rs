@@ -58,7 +58,7 @@ async fn case(shared_registry: bool, drop_first: bool, home: usize) -> bool {
             started_tx.send(()).unwrap();
             open_rx.recv().unwrap();
             // SAFETY: the buffer was passed in `uses`: it stays mapped until this fence.
-            let bytes = unsafe { view.host_bytes() };
+            let bytes = unsafe { common::read_by_address(&view) };
             ok.store(bytes.iter().all(|x| *x == 0x5a), Ordering::SeqCst);
         })
         .unwrap();

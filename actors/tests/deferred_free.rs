@@ -62,7 +62,7 @@ fn checking_kernel(
     move || {
         open.recv().unwrap();
         // SAFETY: the buffer was passed in `uses`, so it stays mapped until this kernel's fence.
-        let bytes = unsafe { view.host_bytes() };
+        let bytes = unsafe { common::read_by_address(&view) };
         ok.store(bytes.iter().all(|b| *b == pattern), Ordering::SeqCst);
     }
 }
@@ -310,4 +310,60 @@ async fn a_panicking_kernel_still_completes_its_fence_and_frees() {
     p.stream(0).unwrap().host_wait(fence);
     await_refund_after_free(&g, &p).await;
     assert_eq!(p.stream(0).unwrap().kernel_panics(), 1);
+}
+
+/// A host kernel reads through `submit_reading`: it is handed the bytes of every buffer it
+/// reads (no `unsafe` anywhere), the buffers are not freed before its fence, a buffer cannot
+/// be written while a kernel reads it, and every byte comes back once the kernel is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_kernel_reads_safe_slices_that_outlive_the_buffers_drop() {
+    let (g, h, p) = setup(1).await;
+    let stream = p.stream(0).unwrap().clone();
+    let mut a = buffer(&g, h, &p, MIB, 0).await;
+    let mut b = buffer(&g, h, &p, 2 * MIB, 0).await;
+    a.host_bytes_mut().unwrap().fill(1);
+    b.host_bytes_mut().unwrap().fill(2);
+    let (open, wait) = gate();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Arc::clone(&seen);
+    // The same buffer twice in one batch is two reads of it.
+    let fence = stream
+        .submit_reading(&[&a, &b, &a], move |bytes| {
+            wait.recv().unwrap();
+            let sums: Vec<(usize, u64)> = bytes
+                .iter()
+                .map(|s| (s.len(), s.iter().map(|x| u64::from(*x)).sum()))
+                .collect();
+            *sink.lock().unwrap() = sums;
+        })
+        .unwrap();
+    // While the kernel runs, the buffer cannot be written (it would race the reader): the
+    // write waits for the fence, so try it from a thread and see it is still waiting.
+    let writer = std::thread::spawn(move || {
+        a.host_bytes_mut().unwrap().fill(9);
+        a
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !writer.is_finished(),
+        "a write waits for the reading kernel"
+    );
+    drop(b);
+    assert!(
+        leased(&g).await >= 3 * MIB,
+        "nothing refunded while the kernel reads"
+    );
+    open.send(()).unwrap();
+    stream.host_wait(fence);
+    let a = writer.join().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![
+            (MIB as usize, MIB),
+            (2 * MIB as usize, 4 * MIB),
+            (MIB as usize, MIB)
+        ]
+    );
+    drop(a);
+    await_refund_after_free(&g, &p).await;
 }

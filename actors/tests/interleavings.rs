@@ -166,7 +166,7 @@ async fn holder(
                             // SAFETY: every view's buffer is in `uses`, so it stays mapped
                             // until this kernel's fence; nothing writes it meanwhile.
                             #[allow(unsafe_code)]
-                            let bytes = unsafe { view.host_bytes() };
+                            let bytes = unsafe { common::read_by_address(&view) };
                             if bytes.iter().any(|b| *b != pattern) {
                                 findings.corrupt.fetch_add(1, Ordering::Relaxed);
                             }

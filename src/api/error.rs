@@ -120,6 +120,13 @@ pub enum MemoryError {
         /// What was being freed.
         what: &'static str,
     },
+    /// A host kernel still reads the memory: it can be neither written nor freed until that
+    /// kernel's fence completes; wait for it.
+    #[error("a host kernel still reads the memory, so it cannot be {op} yet")]
+    InUse {
+        /// What was refused ("written", "freed").
+        op: &'static str,
+    },
     /// A fault injected by a reliability test at the named point.
     #[error("injected fault at {point}")]
     Injected {

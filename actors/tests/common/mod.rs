@@ -76,3 +76,14 @@ pub fn is_mapped(addr: u64) -> bool {
             a <= addr && addr < b
         })
 }
+
+/// Reads a buffer by its address, as a device kernel does: no share of the allocation keeps
+/// it mapped, only the fence protocol these tests check (a buffer freed before its fence
+/// faults here, or reads another buffer's bytes).
+///
+/// # Safety
+/// The view's buffer was in the kernel's `uses`, and nothing writes it meanwhile.
+pub unsafe fn read_by_address<'a>(view: &procmem_actors::BufferView) -> &'a [u8] {
+    // SAFETY: the caller's preconditions.
+    unsafe { std::slice::from_raw_parts(view.addr as usize as *const u8, view.len as usize) }
+}
