@@ -85,6 +85,12 @@ pub enum KvStoreError {
     /// The store is not running.
     #[error("the KV store is not running")]
     Unavailable,
+    /// Its provider has no stream to run attention on.
+    #[error("the KV store's provider refused: {0}")]
+    Provider(#[from] crate::provider::ProviderError),
+    /// The store's actor could not be started (it panicked while starting).
+    #[error("the KV store could not start: {0}")]
+    Start(#[source] ractor::SpawnErr),
 }
 
 /// What opening a sequence found.
@@ -385,20 +391,26 @@ impl Actor for KvStore {
             governor,
             provider,
         } = args;
-        config
-            .shape
-            .validate(procmem::granularity())
-            .map_err(KvError::from)?;
-        let holder = governor
-            .register_holder(
-                config.name.clone(),
-                config.priority,
-                Some(myself.get_derived()),
-            )
-            .await?;
+        // Every startup failure is a `KvStoreError`, so `spawn` returns it as it is.
+        let start = async {
+            config
+                .shape
+                .validate(procmem::granularity())
+                .map_err(KvError::from)?;
+            let stream = provider.stream(0)?.clone();
+            let holder = governor
+                .register_holder(
+                    config.name.clone(),
+                    config.priority,
+                    Some(myself.get_derived()),
+                )
+                .await?;
+            Ok::<_, KvStoreError>((stream, holder))
+        };
+        let (stream, holder) = start.await?;
         Ok(KvStoreState {
             backing: provider.mechanism().backing(),
-            stream: provider.stream(0)?.clone(),
+            stream,
             governor,
             holder,
             tally: Tally::default(),
@@ -1350,7 +1362,7 @@ impl KvStoreHandle {
             },
         )
         .await
-        .map_err(|_| KvStoreError::Unavailable)?;
+        .map_err(|e| crate::startup_error(e, KvStoreError::Start))?;
         Ok((KvStoreHandle { actor }, join))
     }
 
@@ -1368,7 +1380,7 @@ impl KvStoreHandle {
         };
         let (actor, join) = Actor::spawn_linked(None, KvStore, args, supervisor)
             .await
-            .map_err(|_| KvStoreError::Unavailable)?;
+            .map_err(|e| crate::startup_error(e, KvStoreError::Start))?;
         Ok((KvStoreHandle { actor }, join))
     }
 

@@ -94,9 +94,16 @@ pub enum ManagerError {
     /// After shutdown some authority still has bytes on its books.
     #[error("books not at zero after shutdown: {0}")]
     BooksNotZero(ShutdownReport),
-    /// A Governor failed to start.
-    #[error("a governor failed to start: {0}")]
-    Spawn(String),
+    /// An actor of the manager's own (a Governor, its supervisor, the holders' supervisor)
+    /// failed to start.
+    #[error("the memory manager's {what} failed to start: {source}")]
+    Spawn {
+        /// Which actor.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: ractor::SpawnErr,
+    },
 }
 
 /// One authority's books at shutdown.
@@ -366,7 +373,10 @@ impl MemoryManagerBuilder {
         let (host_governor, host_supervisor) =
             GovernorHandle::spawn_supervised(GovernorConfig::new("host", host_budget))
                 .await
-                .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+                .map_err(|source| ManagerError::Spawn {
+                    what: "host Governor",
+                    source,
+                })?;
         started.governors.push(host_governor.clone());
         started.actors.push(host_supervisor.get_cell());
         let host = CpuProvider::spawn(CpuProviderConfig {
@@ -377,7 +387,10 @@ impl MemoryManagerBuilder {
         started.host = Some(host.clone());
         let (supervisor, _) = Actor::spawn(None, HolderSupervisor, ())
             .await
-            .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+            .map_err(|source| ManagerError::Spawn {
+                what: "holder supervisor",
+                source,
+            })?;
         started.actors.push(supervisor.get_cell());
         let mut authorities = vec![Authority {
             name: "host".into(),
@@ -397,7 +410,10 @@ impl MemoryManagerBuilder {
                 let (governor, supervisor) =
                     GovernorHandle::spawn_supervised(GovernorConfig::new(name.clone(), budget))
                         .await
-                        .map_err(|e| ManagerError::Spawn(e.to_string()))?;
+                        .map_err(|source| ManagerError::Spawn {
+                            what: "device Governor",
+                            source,
+                        })?;
                 started.governors.push(governor.clone());
                 started.actors.push(supervisor.get_cell());
                 authorities.push(Authority {

@@ -39,6 +39,12 @@ pub enum ResidencyError {
     /// The holder is not running.
     #[error("model residency is not running")]
     Unavailable,
+    /// A Governor refused to register the holder at startup.
+    #[error("model residency could not register with its Governor: {0}")]
+    Register(#[from] crate::governor::GovernorError),
+    /// The actor could not be started (it panicked while starting).
+    #[error("model residency could not start: {0}")]
+    Start(#[source] ractor::SpawnErr),
 }
 
 /// Where a layer's weights are now.
@@ -190,11 +196,13 @@ impl Actor for ModelResidency {
                 config.priority,
                 Some(myself.get_derived()),
             )
-            .await?;
+            .await
+            .map_err(ResidencyError::from)?;
         let host_holder = match &host {
             Some(h) => Some(
                 h.register_holder(format!("{}-offload", config.name), config.priority, None)
-                    .await?,
+                    .await
+                    .map_err(ResidencyError::from)?,
             ),
             None => None,
         };
@@ -427,7 +435,7 @@ impl ResidencyHandle {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
         let (actor, join) = Actor::spawn(None, ModelResidency, args)
             .await
-            .map_err(|_| ResidencyError::Unavailable)?;
+            .map_err(|e| crate::startup_error(e, ResidencyError::Start))?;
         Ok((ResidencyHandle { actor }, join))
     }
 
@@ -438,7 +446,7 @@ impl ResidencyHandle {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
         let (actor, join) = Actor::spawn_linked(None, ModelResidency, args, supervisor)
             .await
-            .map_err(|_| ResidencyError::Unavailable)?;
+            .map_err(|e| crate::startup_error(e, ResidencyError::Start))?;
         Ok((ResidencyHandle { actor }, join))
     }
 

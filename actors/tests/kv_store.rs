@@ -447,3 +447,36 @@ async fn blocks_left_unfilled_by_a_closed_sequence_leave_the_cache() {
     let again = kv.open(2, prompt, 0).await.unwrap();
     assert_eq!(again.cached_tokens, bt);
 }
+
+/// A store that cannot start says why: a bad shape is a shape error, a Governor that is gone
+/// is a Governor error, never "not running".
+#[tokio::test]
+async fn a_failed_start_names_its_cause() {
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    let p = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let mut bad = config(PreemptMode::Swap);
+    bad.shape.kv_heads = 0;
+    let err = KvStoreHandle::spawn(bad, g.clone(), p.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KvStoreError::Kv(_)), "{err:?}");
+    let mut huge = config(PreemptMode::Swap);
+    huge.shape.max_tokens = usize::MAX;
+    let err = KvStoreHandle::spawn(huge, g.clone(), p.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KvStoreError::Kv(_)), "{err:?}");
+    g.stop();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let err = KvStoreHandle::spawn(config(PreemptMode::Swap), g, p)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, KvStoreError::Governor(GovernorError::Unavailable)),
+        "{err:?}"
+    );
+}
