@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
-use procmem_actors::core::{AllocationRequest, DeviceMemoryMechanism, MemoryRole};
+use procmem_actors::procmem::{AllocationRequest, DeviceMemoryMechanism, MemoryRole};
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
@@ -45,7 +45,7 @@ const CUDA_BYTES: u64 = 1 << 20;
 /// its fence is an event the provider's poller thread synchronises on. Skipped, saying why,
 /// without a driver or device.
 async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
-    use procmem_actors::core::cuda::{driver_present, CudaDevice};
+    use procmem_actors::procmem::cuda::{driver_present, CudaDevice};
     use procmem_actors::{CudaProvider, CudaProviderConfig};
     if !driver_present() {
         return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});

@@ -8,8 +8,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::ledger::{HolderId, Ledger};
-use procmem_actors::core::MemoryRole;
+use procmem_actors::procmem::ledger::{HolderId, Ledger};
+use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
@@ -27,7 +27,7 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 async fn round_trip(
     g: &GovernorHandle,
-    holder: procmem_actors::core::ledger::HolderId,
+    holder: procmem_actors::procmem::ledger::HolderId,
     await_release: bool,
 ) {
     let grant = g

@@ -12,8 +12,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use procmem_actors::core::kv::KvShape;
-use procmem_actors::core::DeviceKey;
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
     AttendItem, GovernorError, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager,
     PreemptMode, ResidencyConfig, ResidencyHandle, Restored,
@@ -264,7 +264,7 @@ async fn serve(args: Args) -> Result<(), String> {
         }
     }
     if let Device::Cuda = args.device {
-        if !procmem_actors::core::cuda::driver_present() {
+        if !procmem_actors::procmem::cuda::driver_present() {
             return Err(
                 "--device cuda: no CUDA driver on this machine (libcuda cannot be loaded)".into(),
             );
@@ -273,7 +273,7 @@ async fn serve(args: Args) -> Result<(), String> {
     }
     let max_tokens = args.prompt_len + args.max_new_tokens;
     let model = Model::new(args.model_size, max_tokens);
-    let page = procmem_actors::core::granularity();
+    let page = procmem_actors::procmem::granularity();
     let weights_bytes =
         model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(page);
     let per_seq = model.shape.buffers() as u64
@@ -371,7 +371,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let mut stalls = 0usize;
     let mut idle_refusals = 0;
     let host = memory
-        .governor(DeviceKey::HOST, procmem_actors::core::MemoryTier::Host)
+        .governor(DeviceKey::HOST, procmem_actors::procmem::MemoryTier::Host)
         .expect("the host authority")
         .clone();
     while !queue.is_empty() || !active.is_empty() {

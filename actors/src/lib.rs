@@ -1,7 +1,7 @@
 //! The actor runtime of `procmem`, on ractor + tokio.
 //!
 //! An embedding server depends on this crate alone: it re-exports the contract, the
-//! mechanisms and the pure policy of the root crate as [`core`]. Start at
+//! mechanisms and the pure policy of the root crate as [`procmem`] (the root crate itself). Start at
 //! [`MemoryManager::builder`].
 //!
 //! - [`manager`]: the ProcessMemoryManager: authorities, providers, supervised holders,
@@ -54,7 +54,7 @@ pub use manager::{
     MemoryManager, MemoryManagerBuilder, ShutdownReport,
 };
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
-pub use procmem as core;
+pub use procmem;
 pub use provider::{
     Cpu, CpuProvider, CpuProviderConfig, Provider, ProviderError, ProviderKind, ProviderStream,
     WrongContext,

@@ -12,7 +12,7 @@
 //! let kv = memory.kv_store(procmem_actors::KvStoreConfig {
 //!     name: "kv".into(),
 //!     priority: 0,
-//!     shape: procmem_actors::core::kv::KvShape {
+//!     shape: procmem_actors::procmem::kv::KvShape {
 //!         layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
 //!     },
 //!     chunk_granules: 16,

@@ -15,12 +15,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
-use procmem_actors::core::fault;
-use procmem_actors::core::fence::Fence;
-use procmem_actors::core::fenced::RecordUse;
-use procmem_actors::core::kv::KvShape;
-use procmem_actors::core::ledger::HolderId;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::fault;
+use procmem_actors::procmem::fence::Fence;
+use procmem_actors::procmem::fenced::RecordUse;
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::ledger::HolderId;
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
     KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, ResidencyArgs, ResidencyConfig,

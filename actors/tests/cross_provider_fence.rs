@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::bounded;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
 
 use common::{figure, is_mapped};

@@ -4,9 +4,9 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::cuda::{driver_present, CudaDevice};
-use procmem_actors::core::ledger::HolderId;
-use procmem_actors::core::{AllocationRequest, MemoryError, MemoryRole};
+use procmem_actors::procmem::cuda::{driver_present, CudaDevice};
+use procmem_actors::procmem::ledger::HolderId;
+use procmem_actors::procmem::{AllocationRequest, MemoryError, MemoryRole};
 use procmem_actors::{
     CudaProvider, CudaProviderConfig, DeferredFreeMsg, GovernorConfig, GovernorHandle,
     ProviderError,
@@ -221,7 +221,7 @@ async fn cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event(
 /// shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_manager_binding_charges_the_device_authority() {
-    use procmem_actors::core::{DeviceKey, MemoryTier};
+    use procmem_actors::procmem::{DeviceKey, MemoryTier};
     use procmem_actors::MemoryManager;
     if !have_gpu("cuda_manager_binding_charges_the_device_authority") {
         return;

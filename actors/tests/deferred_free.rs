@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
-use procmem_actors::core::ledger::HolderId;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::ledger::HolderId;
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
@@ -252,16 +252,16 @@ async fn the_wrong_context_can_never_free_a_buffer() {
     // The mechanism level refuses too: another allocator hands a foreign allocation back.
     let foreign = other.mechanism().host_allocator();
     let own = p.mechanism().host_allocator();
-    let a = procmem_actors::core::DeviceAllocator::allocate(
+    let a = procmem_actors::procmem::DeviceAllocator::allocate(
         own,
         &AllocationRequest::new(4096, MemoryRole::Other),
     )
     .unwrap();
-    let back = match procmem_actors::core::DeviceAllocator::free(foreign, a) {
-        Err(procmem_actors::core::FreeError::Refused(r)) => r.handle,
+    let back = match procmem_actors::procmem::DeviceAllocator::free(foreign, a) {
+        Err(procmem_actors::procmem::FreeError::Refused(r)) => r.handle,
         other => panic!("a foreign free must be refused: {other:?}"),
     };
-    assert!(procmem_actors::core::DeviceAllocator::free(own, back).is_ok());
+    assert!(procmem_actors::procmem::DeviceAllocator::free(own, back).is_ok());
     p.free(refused.buffer).unwrap();
     await_refund_after_free(&g, &p).await;
 }

@@ -7,9 +7,9 @@
 use std::io::Write;
 use std::time::Duration;
 
-use procmem_actors::core::fault;
-use procmem_actors::core::kv::KvShape;
-use procmem_actors::core::MemoryRole;
+use procmem_actors::procmem::fault;
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig,
     KvStoreHandle, PreemptMode, ReserveRequest,
@@ -114,7 +114,7 @@ async fn a_fault_at_every_step_of_growth_leaves_nothing_behind() {
         w.kv.open(1, vec![], 0).await.unwrap();
         w.kv.open(2, vec![], 0).await.unwrap();
         // Fill exactly one granule per buffer, so the next token needs a growth.
-        let per_granule = (procmem_actors::core::granularity() / SHAPE.token_bytes()) as usize;
+        let per_granule = (procmem_actors::procmem::granularity() / SHAPE.token_bytes()) as usize;
         for pos in 0..per_granule {
             step(&w, &[1, 2], pos).await.unwrap();
         }

@@ -11,10 +11,10 @@ use std::future::Future;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::fault;
-use procmem_actors::core::fenced::RecordUse;
-use procmem_actors::core::ledger::HolderId;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::fault;
+use procmem_actors::procmem::fenced::RecordUse;
+use procmem_actors::procmem::ledger::HolderId;
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorError, GovernorHandle,
     Grant, ReserveRequest,

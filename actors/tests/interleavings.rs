@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use procmem_actors::core::fenced::RecordUse;
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::fenced::RecordUse;
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{CpuProvider, DeviceBuffer, GovernorHandle};
 use tokio::sync::mpsc;
 

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use procmem_actors::core::kv::{gqa_decode, KvShape};
-use procmem_actors::core::ledger::HolderId;
-use procmem_actors::core::MemoryRole;
+use procmem_actors::procmem::kv::{gqa_decode, KvShape};
+use procmem_actors::procmem::ledger::HolderId;
+use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
     KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,

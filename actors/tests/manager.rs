@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use procmem_actors::core::kv::KvShape;
-use procmem_actors::core::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
 use procmem_actors::{
     AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
     PreemptMode, ProviderError,
@@ -149,7 +149,7 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
         .unwrap_err();
     assert!(matches!(huge, ManagerError::InvalidBudget { .. }), "{huge}");
     assert!(huge.to_string().contains("machine has"), "{huge}");
-    if !procmem_actors::core::cuda::driver_present() {
+    if !procmem_actors::procmem::cuda::driver_present() {
         let cuda = MemoryManager::builder()
             .host_budget(1 << 20)
             .cuda_device(0, 1 << 30)

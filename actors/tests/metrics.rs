@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::kv::KvShape;
+use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, PreemptMode};
 
 fn free_port() -> SocketAddr {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use procmem_actors::core::{AllocationRequest, MemoryRole};
+use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 
 mod common;
 use common::{figure, settles_to_zero, system};

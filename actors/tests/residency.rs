@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use procmem_actors::core::MemoryRole;
+use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, Placement, ReserveRequest,
     ResidencyArgs, ResidencyConfig, ResidencyHandle,

@@ -56,7 +56,7 @@ pub async fn settles_to_zero(g: &GovernorHandle, p: &CpuProvider) -> bool {
 pub async fn let_messages_land(settle: Duration) {
     tokio::time::sleep(settle).await;
     let start = Instant::now();
-    while procmem_actors::core::fault::pending() && start.elapsed() < Duration::from_secs(5) {
+    while procmem_actors::procmem::fault::pending() && start.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
