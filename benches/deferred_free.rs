@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::bounded;
 use procmem_actors::procmem::{AllocationRequest, DeviceMemoryMechanism, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
+    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
 use serde_json::json;
 
@@ -79,7 +79,7 @@ async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
 
     let stats = || {
         let q = stream.deferred_free().clone();
-        async move { ractor::call!(q, |r| DeferredFreeMsg::Stats { reply: r }).unwrap() }
+        async move { q.stats().await.unwrap() }
     };
     let before = stats().await.fence_to_refund_ns.len();
     for _ in 0..LATENCY_SAMPLES / 4 {
@@ -144,7 +144,7 @@ fn main() {
         // the refund reaching the Governor's mailbox.
         let stats = |s: &procmem_actors::CpuStream| {
             let q = s.deferred_free().clone();
-            async move { ractor::call!(q, |r| DeferredFreeMsg::Stats { reply: r }).unwrap() }
+            async move { q.stats().await.unwrap() }
         };
         // Twice: with nobody else waiting for the fence, and with a host thread blocked on it
         // (woken by the same completion, it competes for the two cores with the free).

@@ -6,10 +6,9 @@ use std::sync::Arc;
 use procmem::fence::{Fence, TimelineFence};
 use procmem::fenced::{Fenced, RecordUse, Release};
 use procmem::{ContextId, DeviceAllocation, DeviceKey, MemoryError};
-use ractor::ActorRef;
 
 use crate::charge::Charge;
-use crate::deferred_free::DeferredFreeMsg;
+use crate::deferred_free::DeferredQueue;
 use crate::governor::Lease;
 
 /// An allocation made through an execution provider, with the lease that pays for it.
@@ -19,7 +18,7 @@ use crate::governor::Lease;
 /// actor. The mechanism frees it once those fences complete, then the Governor is refunded.
 pub struct DeviceBuffer {
     fenced: Option<Fenced<Shared, Charge>>,
-    home: ActorRef<DeferredFreeMsg>,
+    home: DeferredQueue,
     context: ContextId,
     // Keeps the provider's context (its streams and mechanism) alive while this lives.
     _keep_alive: Arc<dyn Send + Sync>,
@@ -61,7 +60,7 @@ impl DeviceBuffer {
     pub(crate) fn new(
         allocation: DeviceAllocation,
         lease: Option<Lease>,
-        home: ActorRef<DeferredFreeMsg>,
+        home: DeferredQueue,
         keep_alive: Arc<dyn Send + Sync>,
     ) -> Self {
         DeviceBuffer {
@@ -165,7 +164,7 @@ impl Drop for DeviceBuffer {
         // If the queue is gone (shutdown, or its actor died) the message comes back and is
         // dropped here: a `Fenced` dropped unfreed still waits for every fence (as a waker on
         // their timelines, never on this thread) and never frees before they complete.
-        let _ = self.home.cast(DeferredFreeMsg::Enqueue(fenced.into_dyn()));
+        self.home.enqueue(fenced.into_dyn());
     }
 }
 

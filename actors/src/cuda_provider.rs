@@ -8,18 +8,14 @@ use procmem::cuda::{CudaEvent, CudaMechanism, CudaStream};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline};
 use procmem::fenced::RecordUse;
 use procmem::MemoryError;
-use ractor::ActorRef;
 
-use crate::deferred_free::{DeferredFreeMsg, StreamRegistry};
-use crate::provider::{
-    ExecutionProvider, Opened, Provider, ProviderContext, ProviderKind, ProviderMsg,
-    ProviderStream, StreamControl,
-};
+use crate::deferred_free::{DeferredQueue, StreamRegistry};
+use crate::provider::{Opened, Provider, ProviderKind, ProviderStream, StreamControl};
 use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
     core: StreamCore<CudaEvent>,
-    deferred: ActorRef<DeferredFreeMsg>,
+    deferred: DeferredQueue,
     stream: CudaStream,
 }
 
@@ -39,11 +35,7 @@ impl std::fmt::Debug for CudaStreamHandle {
 }
 
 impl CudaStreamHandle {
-    fn start(
-        timeline: Arc<HostTimeline>,
-        stream: CudaStream,
-        deferred: ActorRef<DeferredFreeMsg>,
-    ) -> Self {
+    fn start(timeline: Arc<HostTimeline>, stream: CudaStream, deferred: DeferredQueue) -> Self {
         let name = format!("procmem-cuda-{}", timeline.stream().get());
         let core = StreamCore::start(name, timeline, |event: CudaEvent| {
             // An event that cannot be observed leaves its fence pending: memory the work
@@ -76,7 +68,7 @@ impl CudaStreamHandle {
     }
 
     /// Its deferred-free actor.
-    pub fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+    pub fn deferred_free(&self) -> &DeferredQueue {
         &self.inner.deferred
     }
 
@@ -170,7 +162,7 @@ impl ProviderKind for Cuda {
     fn start_stream(
         mechanism: &CudaMechanism,
         timeline: Arc<HostTimeline>,
-        deferred: ActorRef<DeferredFreeMsg>,
+        deferred: DeferredQueue,
     ) -> Result<CudaStreamHandle, MemoryError> {
         let cuda = CudaStream::new(Arc::clone(mechanism.device()))?;
         Ok(CudaStreamHandle::start(timeline, cuda, deferred))
@@ -188,16 +180,10 @@ impl ProviderStream for CudaStreamHandle {
         CudaStreamHandle::timeline(self)
     }
 
-    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+    fn deferred_free(&self) -> &DeferredQueue {
         CudaStreamHandle::deferred_free(self)
     }
 }
 
 /// The CUDA execution provider: a device's mechanism and CUDA streams.
 pub type CudaProvider = Provider<Cuda>;
-/// The CUDA provider actor's mailbox.
-pub type CudaProviderMsg = ProviderMsg<Cuda>;
-/// The CUDA provider actor.
-pub type CudaExecutionProvider = ExecutionProvider<Cuda>;
-/// The CUDA provider's device context.
-pub type CudaContext = ProviderContext<Cuda>;

@@ -13,14 +13,37 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::charge::Charge;
 
-pub use procmem::fenced::Release as DeferredRelease;
+pub(crate) use procmem::fenced::Release as DeferredRelease;
 
 /// Memory waiting for its fences, with the lease that pays for it: one [`Fenced`] owner of
 /// the item, its refund and the fence of every stream that used it, each fence with its own
 /// timeline. Dropped before a deferred-free actor took it (its actor died, or the message
 /// carrying it was never handled), it still frees only after every fence, woken by the last
 /// completion.
-pub type PendingFree = Fenced<dyn DeferredRelease, Charge>;
+pub(crate) type PendingFree = Fenced<dyn DeferredRelease, Charge>;
+
+/// A stream's deferred-free queue: where the buffers it used go when dropped. Opaque: only
+/// this crate sends it anything; a caller can ask for its counters.
+#[derive(Clone, Debug)]
+pub struct DeferredQueue(pub(crate) ActorRef<DeferredFreeMsg>);
+
+impl DeferredQueue {
+    /// Its counters now, or `None` if its actor has stopped.
+    pub async fn stats(&self) -> Option<DeferredStats> {
+        ractor::call!(self.0, |reply| DeferredFreeMsg::Stats { reply }).ok()
+    }
+
+    /// Its actor, to supervise, stop or kill it (it takes no message from outside).
+    pub fn actor(&self) -> ractor::ActorCell {
+        self.0.get_cell()
+    }
+
+    /// Hands `pending` to the queue; if its actor is gone the message is dropped, and a
+    /// dropped `PendingFree` still frees only after its fences.
+    pub(crate) fn enqueue(&self, pending: PendingFree) {
+        let _ = self.0.cast(DeferredFreeMsg::Enqueue(pending));
+    }
+}
 
 /// Every stream's timeline and deferred-free queue, for looking streams up. It decides
 /// nothing about freeing: each fence carries its own timeline.
@@ -29,7 +52,7 @@ pub struct StreamRegistry {
     inner: Arc<RwLock<HashMap<StreamId, StreamEntry>>>,
 }
 
-type StreamEntry = (Arc<dyn Timeline>, ActorRef<DeferredFreeMsg>);
+type StreamEntry = (Arc<dyn Timeline>, DeferredQueue);
 
 impl std::fmt::Debug for StreamRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -42,7 +65,7 @@ impl std::fmt::Debug for StreamRegistry {
 
 impl StreamRegistry {
     /// Adds a stream.
-    pub fn register(&self, timeline: Arc<dyn Timeline>, queue: ActorRef<DeferredFreeMsg>) {
+    pub(crate) fn register(&self, timeline: Arc<dyn Timeline>, queue: DeferredQueue) {
         self.inner
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -59,7 +82,7 @@ impl StreamRegistry {
     }
 
     /// The deferred-free actor of `stream`.
-    pub fn queue(&self, stream: StreamId) -> Option<ActorRef<DeferredFreeMsg>> {
+    pub fn queue(&self, stream: StreamId) -> Option<DeferredQueue> {
         self.inner
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -118,7 +141,7 @@ pub struct DeferredStats {
 
 /// The deferred-free actor's mailbox.
 #[derive(Debug)]
-pub enum DeferredFreeMsg {
+pub(crate) enum DeferredFreeMsg {
     /// An allocation whose last owner let go.
     Enqueue(PendingFree),
     /// The stream has stopped: report what was freed and what still waits.
@@ -140,7 +163,7 @@ pub enum DeferredFreeMsg {
 /// next wait, and the last frees it through its own mechanism on the completing thread, then
 /// refunds the lease. Nothing polls and nothing asks a registry.
 #[derive(Debug, Default)]
-pub struct DeferredFree;
+pub(crate) struct DeferredFree;
 
 /// What the actor and the wakers it sets share: counters and metric handles.
 struct Shared {
@@ -185,7 +208,7 @@ impl Shared {
 }
 
 /// Its state.
-pub struct DeferredFreeState {
+pub(crate) struct DeferredFreeState {
     timeline: Arc<dyn Timeline>,
     shared: Arc<Shared>,
 }

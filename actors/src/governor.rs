@@ -36,7 +36,7 @@ use ractor::{
 use tokio::time::Instant;
 
 use address::Address;
-pub use address::Recovery;
+pub(crate) use address::Recovery;
 pub use handles::{CommitRefused, GovernorHandle, Grant, Lease};
 
 use crate::pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
@@ -104,7 +104,7 @@ pub struct GovernorSnapshot {
 
 /// The Governor's mailbox.
 #[derive(Debug)]
-pub enum GovernorMsg {
+pub(crate) enum GovernorMsg {
     /// Registers a holder; with an inbox it receives pressure tickets and is watched, so its
     /// grants return at once if it dies.
     RegisterHolder {

@@ -22,7 +22,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
 use crate::charge::{Charge, Tally};
-use crate::deferred_free::{DeferredFreeMsg, DeferredRelease, PendingFree};
+use crate::deferred_free::{DeferredRelease, PendingFree};
 use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
 use crate::pressure::PressureTicket;
 use crate::provider::CpuProvider;
@@ -162,7 +162,7 @@ pub struct KvStoreStats {
 const TICKET_RECHECKS: u32 = 4;
 
 /// The store's mailbox.
-pub enum KvStoreMsg {
+pub(crate) enum KvStoreMsg {
     /// A Governor's pressure ticket.
     Ticket(PressureTicket),
     /// A ticket put off while the kernels holding its victims finish.
@@ -217,6 +217,7 @@ pub enum KvStoreMsg {
         reply: RpcReplyPort<KvStoreStats>,
     },
     /// Panics the actor (tests of supervision and cleanup).
+    #[cfg(feature = "fault-injection")]
     Crash,
     /// A grant arrived for a waiting transaction (internal).
     Granted {
@@ -334,7 +335,7 @@ enum Pending {
 }
 
 /// The store's state.
-pub struct KvStoreState {
+pub(crate) struct KvStoreState {
     config: KvStoreConfig,
     backing: Arc<HostBacking>,
     stream: CpuStream,
@@ -352,10 +353,10 @@ pub struct KvStoreState {
 
 /// The KV store actor.
 #[derive(Debug, Default)]
-pub struct KvStore;
+pub(crate) struct KvStore;
 
 /// What the store needs to start.
-pub struct KvStoreArgs {
+pub(crate) struct KvStoreArgs {
     /// Its configuration.
     pub config: KvStoreConfig,
     /// The Governor of the authority its memory comes from.
@@ -459,6 +460,7 @@ impl Actor for KvStore {
             KvStoreMsg::Stats { reply } => {
                 let _ = reply.send(state.stats());
             }
+            #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
             KvStoreMsg::Granted { txn, grant } => state.granted(txn, grant).await,
         }
@@ -515,10 +517,7 @@ impl KvStoreState {
         }
         // If the queue is gone the message is dropped, and a dropped `PendingFree` still frees
         // only after its fence, woken by its completion.
-        let _ = self
-            .stream
-            .deferred_free()
-            .cast(DeferredFreeMsg::Enqueue(pending));
+        self.stream.deferred_free().enqueue(pending);
     }
 
     fn begin(
@@ -1384,9 +1383,15 @@ impl KvStoreHandle {
         Ok((KvStoreHandle { actor }, join))
     }
 
-    /// The actor.
-    pub fn actor(&self) -> &ActorRef<KvStoreMsg> {
-        &self.actor
+    /// The store's actor, to supervise, stop or kill it (it takes no message from outside).
+    pub fn actor(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
+    }
+
+    /// Makes the store's actor panic at its next message (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn crash(&self) {
+        let _ = self.actor.cast(KvStoreMsg::Crash);
     }
 
     async fn ask<T: Send + 'static>(

@@ -775,7 +775,7 @@ impl MemoryManager {
             .holders
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(kv.actor().get_cell());
+            .push(kv.actor());
         Ok(kv)
     }
 
@@ -801,7 +801,7 @@ impl MemoryManager {
             .holders
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(r.actor().get_cell());
+            .push(r.actor());
         Ok(r)
     }
 

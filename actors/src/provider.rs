@@ -18,7 +18,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::time::Instant;
 
 use crate::buffer::DeviceBuffer;
-use crate::deferred_free::{DeferredFree, DeferredFreeMsg, DrainReport, StreamRegistry};
+use crate::deferred_free::{
+    DeferredFree, DeferredFreeMsg, DeferredQueue, DrainReport, StreamRegistry,
+};
 use crate::governor::{CommitRefused, GovernorError, GovernorHandle, Lease, ReserveRequest};
 use crate::stream::CpuStream;
 
@@ -70,7 +72,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
     fn start_stream(
         mechanism: &Self::Mechanism,
         timeline: Arc<HostTimeline>,
-        deferred: ActorRef<DeferredFreeMsg>,
+        deferred: DeferredQueue,
     ) -> Result<Self::Stream, MemoryError>;
 }
 
@@ -104,11 +106,11 @@ pub trait ProviderStream:
     /// Its timeline.
     fn timeline(&self) -> Arc<dyn Timeline>;
     /// Its deferred-free actor.
-    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg>;
+    fn deferred_free(&self) -> &DeferredQueue;
 }
 
 /// A provider's device context: it lives as long as any buffer made through it.
-pub struct ProviderContext<K: ProviderKind> {
+pub(crate) struct ProviderContext<K: ProviderKind> {
     id: ContextId,
     mechanism: K::Mechanism,
     streams: Vec<K::Stream>,
@@ -116,7 +118,7 @@ pub struct ProviderContext<K: ProviderKind> {
 }
 
 /// A provider actor's mailbox.
-pub enum ProviderMsg<K: ProviderKind> {
+pub(crate) enum ProviderMsg<K: ProviderKind> {
     /// The context, for handles.
     Context {
         /// The context.
@@ -139,7 +141,7 @@ impl<K: ProviderKind> std::fmt::Debug for ProviderMsg<K> {
 }
 
 /// The execution provider actor of kind `K`.
-pub struct ExecutionProvider<K>(PhantomData<fn() -> K>);
+pub(crate) struct ExecutionProvider<K>(PhantomData<fn() -> K>);
 
 impl<K> Default for ExecutionProvider<K> {
     fn default() -> Self {
@@ -174,10 +176,11 @@ impl<K: ProviderKind> Actor for ExecutionProvider<K> {
                 myself.get_cell(),
             )
             .await?;
+            let deferred = DeferredQueue(deferred);
             let stream = match K::start_stream(&mechanism, timeline, deferred.clone()) {
                 Ok(stream) => stream,
                 Err(error) => {
-                    deferred.stop(None);
+                    deferred.0.stop(None);
                     return Err(error.into());
                 }
             };
@@ -271,8 +274,8 @@ impl<K: ProviderKind> Provider<K> {
     }
 
     /// The provider actor (for supervision and tests).
-    pub fn actor(&self) -> &ActorRef<ProviderMsg<K>> {
-        &self.actor
+    pub fn actor(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
     }
 
     /// Its context.
@@ -386,7 +389,7 @@ impl ProviderKind for Cpu {
     fn start_stream(
         _: &HostMechanism,
         timeline: Arc<HostTimeline>,
-        deferred: ActorRef<DeferredFreeMsg>,
+        deferred: DeferredQueue,
     ) -> Result<CpuStream, MemoryError> {
         Ok(CpuStream::start(timeline, deferred))
     }
@@ -403,19 +406,13 @@ impl ProviderStream for CpuStream {
         CpuStream::timeline(self)
     }
 
-    fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+    fn deferred_free(&self) -> &DeferredQueue {
         CpuStream::deferred_free(self)
     }
 }
 
 /// The CPU execution provider: the host mechanism and CPU streams.
 pub type CpuProvider = Provider<Cpu>;
-/// The CPU provider actor's mailbox.
-pub type CpuProviderMsg = ProviderMsg<Cpu>;
-/// The CPU provider actor.
-pub type CpuExecutionProvider = ExecutionProvider<Cpu>;
-/// The CPU provider's device context.
-pub type CpuContext = ProviderContext<Cpu>;
 
 /// Charges the full footprint of `request` to `holder`, allocates, and commits the charge at
 /// the real footprint. Any failure returns the grant (and frees an allocation no stream used).
@@ -478,8 +475,8 @@ pub(crate) fn free_in_context(
 /// Drains one stream's deferred-free queue. A queue whose actor died is counted in
 /// `lost_queues`: what it held frees after its fences on threads of its own (see
 /// [`PendingFree`](crate::deferred_free::PendingFree)).
-pub(crate) async fn drain(queue: &ActorRef<DeferredFreeMsg>) -> DrainReport {
-    match ractor::call!(queue, |r| DeferredFreeMsg::Drain { reply: r }) {
+pub(crate) async fn drain(queue: &DeferredQueue) -> DrainReport {
+    match ractor::call!(queue.0, |r| DeferredFreeMsg::Drain { reply: r }) {
         Ok(report) => report,
         Err(error) => {
             tracing::warn!(%error, "deferred-free queue gone at shutdown");

@@ -76,7 +76,7 @@ pub struct ResidencyStats {
 type WeightsFn = Box<dyn FnOnce(&[u8]) + Send + 'static>;
 
 /// The residency mailbox.
-pub enum ResidencyMsg {
+pub(crate) enum ResidencyMsg {
     /// A Governor's pressure ticket.
     Ticket(PressureTicket),
     /// Loads a layer's weights into device memory.
@@ -146,7 +146,7 @@ struct Layer {
 }
 
 /// Residency's state.
-pub struct ResidencyState {
+pub(crate) struct ResidencyState {
     config: ResidencyConfig,
     provider: CpuProvider,
     device: GovernorHandle,
@@ -160,7 +160,7 @@ pub struct ResidencyState {
 
 /// The residency actor.
 #[derive(Debug, Default)]
-pub struct ModelResidency;
+pub(crate) struct ModelResidency;
 
 /// What residency needs to start.
 pub struct ResidencyArgs {
@@ -450,9 +450,9 @@ impl ResidencyHandle {
         Ok((ResidencyHandle { actor }, join))
     }
 
-    /// The actor.
-    pub fn actor(&self) -> &ActorRef<ResidencyMsg> {
-        &self.actor
+    /// Its actor, to supervise, stop or kill it (it takes no message from outside).
+    pub fn actor(&self) -> ractor::ActorCell {
+        self.actor.get_cell()
     }
 
     async fn ask(

@@ -10,13 +10,12 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{unbounded, Sender};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline, TimelineFence};
-use ractor::ActorRef;
 
 use procmem::fenced::RecordUse;
 use procmem::{DeviceKey, DeviceKind};
 
 use crate::buffer::DeviceBuffer;
-use crate::deferred_free::DeferredFreeMsg;
+use crate::deferred_free::DeferredQueue;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
 
@@ -164,7 +163,7 @@ impl<T> StreamCore<T> {
 #[derive(Clone)]
 pub struct CpuStream {
     core: Arc<StreamCore<Kernel>>,
-    deferred: ActorRef<DeferredFreeMsg>,
+    deferred: DeferredQueue,
     kernel_panics: Arc<AtomicU64>,
 }
 
@@ -181,7 +180,7 @@ impl std::fmt::Debug for CpuStream {
 
 impl CpuStream {
     /// Starts the stream's worker thread; `deferred` is the deferred-free actor of its buffers.
-    pub(crate) fn start(timeline: Arc<HostTimeline>, deferred: ActorRef<DeferredFreeMsg>) -> Self {
+    pub(crate) fn start(timeline: Arc<HostTimeline>, deferred: DeferredQueue) -> Self {
         let kernel_panics = Arc::new(AtomicU64::new(0));
         let panics = Arc::clone(&kernel_panics);
         let name = format!("procmem-cpu-{}", timeline.stream().get());
@@ -211,7 +210,7 @@ impl CpuStream {
     }
 
     /// Its deferred-free actor.
-    pub fn deferred_free(&self) -> &ActorRef<DeferredFreeMsg> {
+    pub fn deferred_free(&self) -> &DeferredQueue {
         &self.deferred
     }
 

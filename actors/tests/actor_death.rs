@@ -73,7 +73,7 @@ fn kill(target: Target, g: &GovernorHandle, p: &CpuProvider) {
     match target {
         Target::Governor => g.actor().kill(),
         Target::Provider => p.actor().kill(),
-        Target::DeferredFree(i) => p.stream(i).unwrap().deferred_free().kill(),
+        Target::DeferredFree(i) => p.stream(i).unwrap().deferred_free().actor().kill(),
     }
 }
 

@@ -8,8 +8,7 @@ use procmem_actors::procmem::cuda::{driver_present, CudaDevice};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryError, MemoryRole};
 use procmem_actors::{
-    CudaProvider, CudaProviderConfig, DeferredFreeMsg, GovernorConfig, GovernorHandle,
-    ProviderError,
+    CudaProvider, CudaProviderConfig, GovernorConfig, GovernorHandle, ProviderError,
 };
 
 fn skipped(test: &str, why: &str) {
@@ -48,11 +47,13 @@ async fn leased(g: &GovernorHandle) -> u64 {
 }
 
 async fn freed(p: &CudaProvider, stream: usize) -> u64 {
-    ractor::call!(p.stream(stream).unwrap().deferred_free(), |r| {
-        DeferredFreeMsg::Stats { reply: r }
-    })
-    .unwrap()
-    .freed
+    p.stream(stream)
+        .unwrap()
+        .deferred_free()
+        .stats()
+        .await
+        .unwrap()
+        .freed
 }
 
 #[tokio::test]
@@ -191,11 +192,9 @@ async fn cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event(
         })
         .unwrap();
     drop(buf);
-    let queued = ractor::call!(s0.deferred_free(), |r| DeferredFreeMsg::Stats { reply: r })
-        .unwrap()
-        .queued;
+    let queued = s0.deferred_free().stats().await.unwrap().queued;
     assert_eq!(queued, 1, "the buffer waits in the queue");
-    s0.deferred_free().kill();
+    s0.deferred_free().actor().kill();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         leased(&g).await,

@@ -9,7 +9,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeferredFreeMsg, DeviceBuffer, GovernorConfig, GovernorHandle,
+    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
 };
 
 mod common;
@@ -114,10 +114,7 @@ async fn nothing_is_freed_before_its_fence_then_freed_then_refunded() {
         4 * MIB,
         "refunded while the kernel still reads it"
     );
-    let stats = ractor::call!(p.stream(0).unwrap().deferred_free(), |r| {
-        DeferredFreeMsg::Stats { reply: r }
-    })
-    .unwrap();
+    let stats = p.stream(0).unwrap().deferred_free().stats().await.unwrap();
     assert_eq!((stats.queued, stats.freed), (1, 0));
     open.send(()).unwrap();
     p.stream(0).unwrap().host_wait(fence);
@@ -221,10 +218,7 @@ async fn drops_from_many_threads_never_block_and_lose_nothing() {
     let mut freed = 0;
     let mut freed_bytes = 0;
     for s in 0..2 {
-        let stats = ractor::call!(p.stream(s).unwrap().deferred_free(), |r| {
-            DeferredFreeMsg::Stats { reply: r }
-        })
-        .unwrap();
+        let stats = p.stream(s).unwrap().deferred_free().stats().await.unwrap();
         freed += stats.freed;
         freed_bytes += stats.freed_bytes;
         assert_eq!(stats.failures, 0);

@@ -389,9 +389,7 @@ async fn a_crashed_store_frees_its_memory_after_its_fences_and_the_books_follow(
     tokio::time::sleep(Duration::from_millis(20)).await;
     let held = leased(&g).await - 12345;
     assert!(held > 0);
-    kv.actor()
-        .cast(procmem_actors::kv_store::KvStoreMsg::Crash)
-        .unwrap();
+    kv.crash();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(
         leased(&g).await,

@@ -114,9 +114,7 @@ async fn a_crashed_holder_does_not_take_the_system_down() {
     let kv = memory.kv_store(kv_config()).await.unwrap();
     kv.open(1, vec![], 0).await.unwrap();
     decode(&kv, 1, 20).await;
-    kv.actor()
-        .cast(procmem_actors::kv_store::KvStoreMsg::Crash)
-        .unwrap();
+    kv.crash();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(kv.stats().await.is_err(), "the crashed store is gone");
     // The rest goes on: a new store works, and the crashed one's bytes came back.
@@ -226,7 +224,7 @@ async fn a_killed_governor_is_restarted_and_a_lost_queue_is_reported() {
             let _ = gate.recv();
         })
         .unwrap();
-    stream.deferred_free().kill();
+    stream.deferred_free().actor().kill();
     let dead = binding.governor().actor().get_id();
     binding.governor().actor().kill();
     drop(buffer);

@@ -49,7 +49,7 @@ pub(crate) struct Address {
 /// What a restarted Governor is handed as its first message: each holder's report of what it
 /// owns, with its ticket inbox. Only a Governor's supervisor makes one.
 #[derive(Debug)]
-pub struct Recovery(pub(crate) Vec<(HolderReport, Option<TicketInbox>)>);
+pub(crate) struct Recovery(pub(crate) Vec<(HolderReport, Option<TicketInbox>)>);
 
 impl Address {
     /// An address with no Governor yet: [`Address::set`] it once the actor is spawned (the

@@ -325,7 +325,7 @@ impl fmt::Debug for Lease {
 /// actor serves the authority now: a supervised Governor that died is replaced behind it.
 #[derive(Clone)]
 pub struct GovernorHandle {
-    address: Arc<Address>,
+    pub(super) address: Arc<Address>,
     authority: AuthorityId,
 }
 
@@ -375,10 +375,11 @@ impl GovernorHandle {
 
     /// The Governor actor serving the authority now (for tests that kill it, and for
     /// supervision).
-    pub fn actor(&self) -> ActorRef<GovernorMsg> {
+    pub fn actor(&self) -> ractor::ActorCell {
         self.address
             .actor()
             .expect("a handle exists only once its Governor was spawned")
+            .get_cell()
     }
 
     /// Stops the Governor on purpose (its supervisor, if any, does not restart it).

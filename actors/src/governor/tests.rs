@@ -491,7 +491,7 @@ async fn a_dead_holders_grants_return_at_once_and_leases_as_memory_is_freed() {
 async fn caller_gone_at_every_await_point_leaves_zero_orphaned_bytes() {
     let g = governor(1000).await;
     let h = g.register_holder("kv", 0, None).await.unwrap();
-    let actor = g.actor().clone();
+    let actor = g.address.actor().unwrap();
     let req = move || request(h, 100, 0, Some(Duration::from_secs(1)));
 
     // 1. Gone before the Governor answers the reserve.
