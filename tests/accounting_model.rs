@@ -4,8 +4,8 @@
 
 use procmem::host::HostMechanism;
 use procmem::{
-    DeviceMemoryMechanism, MemoryError, MemoryRole, ReserveRequest, VirtualAllocation,
-    VirtualBuffer,
+    DeviceMemoryMechanism, MemoryError, MemoryRole, VirtualAllocation, VirtualBuffer,
+    VirtualRequest,
 };
 use proptest::prelude::*;
 
@@ -69,7 +69,7 @@ impl World {
         let raws = (0..RAWS)
             .map(|_| {
                 backing
-                    .reserve(&ReserveRequest {
+                    .reserve(&VirtualRequest {
                         bytes: GRANULES * g,
                         role: MemoryRole::Workspace,
                     })

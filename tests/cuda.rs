@@ -8,8 +8,8 @@ use common::rerun_in_child;
 
 use procmem::cuda::{driver_present, CudaDevice, CudaMechanism};
 use procmem::{
-    DeviceMemoryMechanism, MapAccess, MemoryError, MemoryRole, ReserveRequest, VirtualBacking,
-    VirtualBuffer,
+    DeviceMemoryMechanism, MapAccess, MemoryError, MemoryRole, VirtualBacking, VirtualBuffer,
+    VirtualRequest,
 };
 
 /// Says why a test is skipped, straight to stderr so the test harness does not swallow it.
@@ -113,7 +113,7 @@ fn cuda_failed_growth_rolls_back_every_mapping() {
     let backing = m.backing();
     let g = VirtualBacking::granularity(backing.as_ref());
     let mut a = backing
-        .reserve(&ReserveRequest {
+        .reserve(&VirtualRequest {
             bytes: 16 * g,
             role: MemoryRole::KvCache,
         })
@@ -160,13 +160,13 @@ fn cuda_shared_block_maps_at_two_addresses_read_only_where_asked() {
     let device = Arc::clone(m.device());
     let block = shared.create_block(g).unwrap();
     let mut writer = backing
-        .reserve(&ReserveRequest {
+        .reserve(&VirtualRequest {
             bytes: 2 * g,
             role: MemoryRole::KvCache,
         })
         .unwrap();
     let mut reader = backing
-        .reserve(&ReserveRequest {
+        .reserve(&VirtualRequest {
             bytes: 2 * g,
             role: MemoryRole::KvCache,
         })
@@ -207,7 +207,7 @@ fn read_only_child(how: &str) {
     let g = VirtualBacking::granularity(backing.as_ref());
     let device = Arc::clone(m.device());
     let block = shared.create_block(g).unwrap();
-    let request = ReserveRequest {
+    let request = VirtualRequest {
         bytes: g,
         role: MemoryRole::KvCache,
     };

@@ -5,10 +5,10 @@
 use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
 
-use procmem::host::{host_bytes, host_bytes_mut, HostMechanism};
+use procmem::host::{allocation_bytes, allocation_bytes_mut, HostMechanism};
 use procmem::{
     AllocationRequest, CommitModel, DeviceMemoryMechanism, FreeError, MapAccess, MemoryError,
-    MemoryRole, ReserveRequest, VirtualAllocation, VirtualBuffer,
+    MemoryRole, VirtualAllocation, VirtualBuffer, VirtualRequest,
 };
 
 mod common;
@@ -22,7 +22,7 @@ fn reserve(m: &HostMechanism, granules: u64) -> VirtualAllocation {
     let g = procmem::granularity();
     m.virtual_backing()
         .unwrap()
-        .reserve(&ReserveRequest {
+        .reserve(&VirtualRequest {
             bytes: granules * g,
             role: MemoryRole::KvCache,
         })
@@ -248,8 +248,8 @@ fn the_eager_allocator_says_so_and_takes_every_byte_at_allocate() {
         "populated at allocate"
     );
     assert_eq!((a.mechanism(), a.context()), (m.id(), m.context()));
-    host_bytes_mut(&mut a).unwrap().fill(5);
-    assert!(host_bytes(&a).unwrap().iter().all(|b| *b == 5));
+    allocation_bytes_mut(&mut a).unwrap().fill(5);
+    assert!(allocation_bytes(&a).unwrap().iter().all(|b| *b == 5));
     assert_eq!(alloc.free(a).unwrap(), 11 * g);
 }
 
@@ -290,7 +290,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
     };
     let before = snapshot(&buf, &raw);
 
-    let zero = ReserveRequest {
+    let zero = VirtualRequest {
         bytes: 0,
         role: MemoryRole::KvCache,
     };
@@ -298,7 +298,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
         backing.reserve(&zero),
         Err(MemoryError::ZeroSize { .. })
     ));
-    let odd = ReserveRequest {
+    let odd = VirtualRequest {
         bytes: g + 1,
         role: MemoryRole::KvCache,
     };
@@ -306,7 +306,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
         backing.reserve(&odd),
         Err(MemoryError::Misaligned { .. })
     ));
-    let huge = ReserveRequest {
+    let huge = VirtualRequest {
         bytes: u64::MAX - g + 1,
         role: MemoryRole::KvCache,
     };

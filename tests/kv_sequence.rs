@@ -11,7 +11,7 @@ use procmem::host::HostMechanism;
 use procmem::kv::{gqa_decode, KvError, KvSequence, KvShape};
 use procmem::{
     CommitResult, DecommitResult, DeviceKey, DeviceMemoryMechanism, HostBacking, MapAccess,
-    MechanismId, MemoryError, ReserveRequest, VirtualAllocation, VirtualBacking,
+    MechanismId, MemoryError, VirtualAllocation, VirtualBacking, VirtualRequest,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -53,7 +53,7 @@ impl VirtualBacking for FailingBacking {
     fn granularity(&self) -> u64 {
         VirtualBacking::granularity(self.inner.as_ref())
     }
-    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError> {
+    fn reserve(&self, request: &VirtualRequest) -> Result<VirtualAllocation, MemoryError> {
         self.inner.reserve(request)
     }
     fn commit_range(

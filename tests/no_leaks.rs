@@ -46,7 +46,7 @@ fn nothing_is_left_behind() {
         }
         let backing = host.virtual_backing().unwrap();
         let mut raw = backing
-            .reserve(&procmem::ReserveRequest {
+            .reserve(&procmem::VirtualRequest {
                 bytes: 16 * g,
                 role: MemoryRole::KvCache,
             })

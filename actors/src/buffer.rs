@@ -27,7 +27,7 @@ pub struct DeviceBuffer {
 /// The allocation, shared only with host kernels reading it while they run (see
 /// [`CpuStream::submit_reading`](crate::stream::CpuStream::submit_reading)): a kernel's share
 /// is dropped before its fence completes, so by the time the deferred free runs the share is
-/// the only one. The bytes a kernel reads come from `procmem::host::host_bytes`, the one
+/// the only one. The bytes a kernel reads come from `procmem::host::allocation_bytes`, the one
 /// constructor of host slices, on a share that keeps the mapping alive.
 pub(crate) struct Shared(pub(crate) Arc<DeviceAllocation>);
 
@@ -136,7 +136,7 @@ impl DeviceBuffer {
     /// The bytes on the host, after waiting for every stream that used them.
     pub fn host_bytes(&self) -> Result<&[u8], MemoryError> {
         self.host_wait_idle();
-        procmem::host::host_bytes(self.allocation())
+        procmem::host::allocation_bytes(self.allocation())
     }
 
     /// The bytes on the host, writable, after waiting for every stream that used them.
@@ -146,7 +146,7 @@ impl DeviceBuffer {
         // Every kernel that read it is done (its fence completed), so no share is left.
         let allocation =
             Arc::get_mut(&mut fenced.item_mut().0).ok_or(MemoryError::InUse { op: "written" })?;
-        procmem::host::host_bytes_mut(allocation)
+        procmem::host::allocation_bytes_mut(allocation)
     }
 }
 

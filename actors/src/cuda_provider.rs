@@ -10,7 +10,7 @@ use procmem::fenced::RecordUse;
 use procmem::MemoryError;
 
 use crate::deferred_free::{DeferredQueue, StreamRegistry};
-use crate::provider::{Opened, Provider, ProviderKind, ProviderStream, StreamControl};
+use crate::provider::{OpenedDevice, Provider, ProviderKind, ProviderStream, StreamControl};
 use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
@@ -149,9 +149,9 @@ impl ProviderKind for Cuda {
     const NAME: &'static str = "CudaProvider";
 
     /// Without a CUDA driver this is `MemoryError::NoCudaDriver` and nothing starts.
-    fn open(config: CudaProviderConfig) -> Result<Opened<Self>, MemoryError> {
+    fn open(config: CudaProviderConfig) -> Result<OpenedDevice<Self>, MemoryError> {
         let mechanism = CudaMechanism::new(config.ordinal, config.prefill_handles)?;
-        Ok(Opened {
+        Ok(OpenedDevice {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,

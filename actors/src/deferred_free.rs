@@ -149,9 +149,9 @@ pub(crate) enum DeferredFreeMsg {
         /// What was done.
         reply: RpcReplyPort<DrainReport>,
     },
-    /// Counters.
+    /// What waits and what was freed, for `DeferredQueue::stats`.
     Stats {
-        /// The counters.
+        /// Answered with the counters.
         reply: RpcReplyPort<DeferredStats>,
     },
 }
@@ -207,7 +207,8 @@ impl Shared {
     }
 }
 
-/// Its state.
+/// A deferred-free actor's state: its stream's timeline (for the fault gate's retries) and
+/// what it shares with the wakers it sets.
 pub(crate) struct DeferredFreeState {
     timeline: Arc<dyn Timeline>,
     shared: Arc<Shared>,

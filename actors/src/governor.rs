@@ -166,7 +166,7 @@ pub(crate) enum GovernorMsg {
     SetCapacity {
         /// New capacity in bytes.
         bytes: u64,
-        /// Done.
+        /// Answered once the new capacity is in the books.
         reply: Option<RpcReplyPort<()>>,
     },
     /// The books and the queue.
@@ -709,7 +709,7 @@ impl GovernorState {
                 let grant = Grant::new(Arc::clone(&self.address), grant);
                 if let Err(MessagingErr::SendErr(Ok(grant))) = reply.send(Ok(grant)) {
                     let grant = grant.defuse();
-                    let _ = self.ledger.cancel(grant.charge.holder, grant.id);
+                    let _ = self.ledger.cancel(grant.claim.holder, grant.id);
                     tracing::debug!(grant = %grant.id, "reserve reply undeliverable; grant rolled back");
                 }
             }

@@ -131,29 +131,31 @@ pub struct AttendItem {
 /// The store's books at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KvStoreStats {
-    /// Open sequences.
+    /// Sequences open now (active or preempted).
     pub sequences: usize,
-    /// Of those, preempted.
+    /// Of those, preempted (their KV is saved or dropped; `restore` brings them back).
     pub preempted: usize,
-    /// Tokens held in memory.
+    /// Tokens whose K/V the active sequences hold in memory.
     pub tokens: usize,
-    /// Physical bytes owned by sequences alone.
+    /// Bytes mapped for active sequences alone (their own chunks, not the shared prompt
+    /// blocks they map).
     pub exclusive_bytes: u64,
-    /// Cached prefix blocks (entries) and their bytes.
+    /// Shared prompt blocks in the prefix cache (complete or being filled).
     pub prefix_entries: usize,
-    /// Bytes of cached prefix blocks.
+    /// Bytes of those blocks (all layers, K and V).
     pub prefix_bytes: u64,
-    /// Bytes the store's leases hold.
+    /// Bytes the store's leases hold with the Governor, memory still waiting for its fences
+    /// included: equals the Governor's leased bytes for this holder.
     pub leased_bytes: u64,
-    /// Physical bytes of the store's memfd, as the kernel counts them.
+    /// Bytes of the store's memory the kernel reports resident (its memfd backing).
     pub os_resident_bytes: u64,
-    /// Sequences preempted so far.
+    /// Sequences preempted so far, either mode.
     pub preemptions: u64,
-    /// Prompt tokens served from shared blocks so far.
+    /// Prompt tokens whose K/V came from shared blocks at `open`, so far.
     pub prefix_hit_tokens: u64,
-    /// Pressure tickets answered and bytes they freed.
+    /// Pressure tickets answered so far.
     pub tickets: u64,
-    /// Bytes freed by pressure.
+    /// Bytes freed in answer to those tickets, so far.
     pub freed_by_pressure: u64,
 }
 
@@ -187,7 +189,7 @@ pub(crate) enum KvStoreMsg {
     Prepare {
         /// The sequences.
         seqs: Vec<SeqId>,
-        /// Done.
+        /// Answered once every sequence has room for its next token, or with why not.
         reply: RpcReplyPort<Result<(), KvStoreError>>,
     },
     /// Writes each item's new K/V for `layer` and runs its attention on the stream.
@@ -211,9 +213,9 @@ pub(crate) enum KvStoreMsg {
         /// The sequence.
         seq: SeqId,
     },
-    /// The books.
+    /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
-        /// The books.
+        /// Answered with the counters.
         reply: RpcReplyPort<KvStoreStats>,
     },
     /// Panics the actor (tests of supervision and cleanup).

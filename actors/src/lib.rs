@@ -100,8 +100,8 @@ pub use manager::{
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem;
 pub use provider::{
-    Cpu, CpuProvider, CpuProviderConfig, Provider, ProviderError, ProviderKind, ProviderStream,
-    WrongContext,
+    Cpu, CpuProvider, CpuProviderConfig, OpenedDevice, Provider, ProviderError, ProviderKind,
+    ProviderStream, WrongContext,
 };
 pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,

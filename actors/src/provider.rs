@@ -66,7 +66,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
     const NAME: &'static str;
 
     /// Opens the device's mechanism (before any actor starts, so the error is typed).
-    fn open(config: Self::Config) -> Result<Opened<Self>, MemoryError>;
+    fn open(config: Self::Config) -> Result<OpenedDevice<Self>, MemoryError>;
 
     /// Starts stream `id`, whose completions go to `deferred`.
     fn start_stream(
@@ -77,7 +77,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
 }
 
 /// An opened device, ready for its provider actor.
-pub struct Opened<K: ProviderKind> {
+pub struct OpenedDevice<K: ProviderKind> {
     /// The mechanism.
     pub mechanism: K::Mechanism,
     /// The context its allocations belong to.
@@ -152,14 +152,14 @@ impl<K> Default for ExecutionProvider<K> {
 impl<K: ProviderKind> Actor for ExecutionProvider<K> {
     type Msg = ProviderMsg<K>;
     type State = Arc<ProviderContext<K>>;
-    type Arguments = Opened<K>;
+    type Arguments = OpenedDevice<K>;
 
     async fn pre_start(
         &self,
         myself: ActorRef<ProviderMsg<K>>,
-        opened: Opened<K>,
+        opened: OpenedDevice<K>,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let Opened {
+        let OpenedDevice {
             mechanism,
             context: id,
             streams: count,
@@ -376,9 +376,9 @@ impl ProviderKind for Cpu {
     type Stream = CpuStream;
     const NAME: &'static str = "CpuProvider";
 
-    fn open(config: CpuProviderConfig) -> Result<Opened<Self>, MemoryError> {
+    fn open(config: CpuProviderConfig) -> Result<OpenedDevice<Self>, MemoryError> {
         let mechanism = HostMechanism::new()?;
-        Ok(Opened {
+        Ok(OpenedDevice {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,

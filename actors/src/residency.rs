@@ -66,7 +66,7 @@ pub struct ResidencyStats {
     /// Device bytes charged.
     pub device_bytes: u64,
     /// Host-tier bytes held.
-    pub host_bytes: u64,
+    pub offloaded_bytes: u64,
     /// Offloads so far.
     pub offloads: u64,
     /// Reloads so far.
@@ -87,7 +87,7 @@ pub(crate) enum ResidencyMsg {
         weights: Vec<u8>,
         /// Pinned layers are never offloaded.
         pinned: bool,
-        /// Done.
+        /// Answered once the layer is in device memory, or with why not.
         reply: RpcReplyPort<Result<(), ResidencyError>>,
     },
     /// Runs `f` over a layer's weights on the stream, reloading them first if offloaded.
@@ -106,9 +106,9 @@ pub(crate) enum ResidencyMsg {
         /// Its placement.
         reply: RpcReplyPort<Option<Placement>>,
     },
-    /// Counters.
+    /// Where the layers are and what moved, for `ResidencyHandle::stats`.
     Stats {
-        /// The counters.
+        /// Answered with the counters.
         reply: RpcReplyPort<ResidencyStats>,
     },
 }
@@ -414,7 +414,8 @@ impl ResidencyState {
                 }
                 Slot::Host { copy, .. } => {
                     s.offloaded_layers += 1;
-                    s.host_bytes += copy.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+                    s.offloaded_bytes +=
+                        copy.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
                 }
             }
         }
@@ -507,7 +508,7 @@ impl ResidencyHandle {
             .map_err(|_| ResidencyError::Unavailable)
     }
 
-    /// Counters.
+    /// Where the layers are now, the bytes on each tier, and the offloads and reloads so far.
     pub async fn stats(&self) -> Result<ResidencyStats, ResidencyError> {
         ractor::call!(self.actor, |r| ResidencyMsg::Stats { reply: r })
             .map_err(|_| ResidencyError::Unavailable)

@@ -278,7 +278,7 @@ impl CpuStream {
         self.submit(&uses, move || {
             let bytes: Vec<&[u8]> = shares
                 .iter()
-                .filter_map(|a| procmem::host::host_bytes(a).ok())
+                .filter_map(|a| procmem::host::allocation_bytes(a).ok())
                 .collect();
             kernel(&bytes);
         })

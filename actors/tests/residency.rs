@@ -83,7 +83,7 @@ async fn cold_layers_offload_under_pressure_and_reload_intact() {
     assert!(stats.offloads >= 1);
     assert_eq!(
         host.snapshot().await.unwrap().books.leased,
-        stats.host_bytes,
+        stats.offloaded_bytes,
         "host copies are charged to the host tier"
     );
     let books = device.snapshot().await.unwrap().books;

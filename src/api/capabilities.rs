@@ -8,7 +8,7 @@ use super::allocation::{AllocationRequest, DeviceAllocation};
 use super::error::{FreeError, MemoryError};
 use super::ids::{ContextId, DeviceKey, MechanismId};
 use super::virtual_allocation::{
-    CommitResult, DecommitResult, MapAccess, PhysicalBlock, ReserveRequest, VirtualAllocation,
+    CommitResult, DecommitResult, MapAccess, PhysicalBlock, VirtualAllocation, VirtualRequest,
 };
 
 /// When an allocator takes physical memory.
@@ -51,7 +51,7 @@ pub trait VirtualBacking: Send + Sync {
     /// Minimum mapping unit in bytes, as the OS or driver reports it.
     fn granularity(&self) -> u64;
     /// Reserves address space with nothing behind it.
-    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError>;
+    fn reserve(&self, request: &VirtualRequest) -> Result<VirtualAllocation, MemoryError>;
     /// Installs exclusively owned physical memory behind `range` (granule-aligned, all of it
     /// reserved). On error nothing of `range` stays mapped.
     fn commit_range(

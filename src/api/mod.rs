@@ -30,6 +30,6 @@ pub use ids::{
     BlockId, ChargeId, ContextId, DeviceKey, DeviceKind, MechanismId, MemoryRole, MemoryTier,
 };
 pub use virtual_allocation::{
-    CommitResult, DecommitResult, MapAccess, PhysicalBlock, ReserveRequest, SharedView,
-    VirtualAllocation,
+    CommitResult, DecommitResult, MapAccess, PhysicalBlock, SharedView, VirtualAllocation,
+    VirtualRequest,
 };

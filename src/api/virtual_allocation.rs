@@ -11,7 +11,7 @@ use super::ids::{BlockId, DeviceKey, MechanismId, MemoryRole};
 
 /// A request to reserve virtual address space.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReserveRequest {
+pub struct VirtualRequest {
     /// Length of the range, a whole number of granules.
     pub bytes: u64,
     /// What the range will hold.

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use super::driver::{AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
 use crate::api::{
     CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
-    MemoryError, PhysicalBlock, ReserveRequest, SharedMapping, SharedView, VirtualAllocation,
-    VirtualBacking,
+    MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
+    VirtualRequest,
 };
 
 /// Physical handles of one granule each, kept for reuse.
@@ -193,7 +193,7 @@ impl VirtualBacking for CudaVmmBacking {
         self.granularity
     }
 
-    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError> {
+    fn reserve(&self, request: &VirtualRequest) -> Result<VirtualAllocation, MemoryError> {
         GranuleMap::validate_len(request.bytes, self.granularity)?;
         let range = self.pool.device.reserve(request.bytes, self.granularity)?;
         let ptr = range.ptr();

@@ -165,7 +165,7 @@ impl DeviceAllocator for HostAllocator {
 }
 
 /// The bytes of a host allocation.
-pub fn host_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryError> {
+pub fn allocation_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryError> {
     require_host(allocation)?;
     // SAFETY: a host allocation maps `addr..addr + bytes` read-write until it is released,
     // which consumes the handle, so the borrow of `allocation` keeps the bytes mapped.
@@ -173,9 +173,9 @@ pub fn host_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryError> {
 }
 
 /// The bytes of a host allocation, writable.
-pub fn host_bytes_mut(allocation: &mut DeviceAllocation) -> Result<&mut [u8], MemoryError> {
+pub fn allocation_bytes_mut(allocation: &mut DeviceAllocation) -> Result<&mut [u8], MemoryError> {
     require_host(allocation)?;
-    // SAFETY: as in `host_bytes`; `&mut` makes this the only reference.
+    // SAFETY: as in `allocation_bytes`; `&mut` makes this the only reference.
     Ok(unsafe { sys::slice_mut(allocation.addr(), allocation.bytes()) })
 }
 

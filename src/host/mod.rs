@@ -4,5 +4,5 @@
 mod allocator;
 mod mechanism;
 
-pub use allocator::{host_bytes, host_bytes_mut, HostAllocator};
+pub use allocator::{allocation_bytes, allocation_bytes_mut, HostAllocator};
 pub use mechanism::HostMechanism;

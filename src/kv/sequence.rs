@@ -10,10 +10,10 @@ use thiserror::Error;
 
 use super::shape::{mapped_bytes_for, KvShape, ShapeError};
 use crate::api::{
-    GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, ReserveRequest, SharedMapping,
-    VirtualAllocation, VirtualBacking,
+    GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping,
+    VirtualAllocation, VirtualBacking, VirtualRequest,
 };
-use crate::virtual_memory::{host_bytes, host_bytes_mut};
+use crate::virtual_memory::{range_bytes, range_bytes_mut};
 
 /// Why a KV operation was refused; the sequence is as it was.
 #[derive(Debug, Error)]
@@ -88,7 +88,7 @@ impl KvSequence {
         let bytes = shape.buffer_bytes(g);
         let buffers = (0..shape.buffers())
             .map(|_| {
-                backing.reserve(&ReserveRequest {
+                backing.reserve(&VirtualRequest {
                     bytes,
                     role: MemoryRole::KvCache,
                 })
@@ -263,7 +263,7 @@ impl KvSequence {
             if read_only_share {
                 return Err(KvError::SharedBlock(pos));
             }
-            let bytes = host_bytes_mut(buffer, start..start + tb)?;
+            let bytes = range_bytes_mut(buffer, start..start + tb)?;
             bytes.copy_from_slice(bytemuck::cast_slice(data));
         }
         Ok(())
@@ -283,7 +283,7 @@ impl KvSequence {
 
     fn floats(&self, buffer: usize, tokens: usize) -> Result<&[f32], KvError> {
         let len = tokens as u64 * self.shape.token_bytes();
-        let bytes = host_bytes(&self.buffers[buffer], 0..len)?;
+        let bytes = range_bytes(&self.buffers[buffer], 0..len)?;
         Ok(bytemuck::cast_slice(bytes))
     }
 
@@ -336,10 +336,10 @@ impl KvSequence {
                 .find(|(o, v)| *o <= start && start < o + v.block.bytes())
                 .map(|(o, v)| (o, v.block.bytes()));
             let Some((offset, len)) = view else { continue };
-            let saved = host_bytes(&self.buffers[b], offset..offset + len)?.to_vec();
+            let saved = range_bytes(&self.buffers[b], offset..offset + len)?.to_vec();
             backing.decommit_range(&mut self.buffers[b], offset..offset + len)?;
             backing.commit_range(&mut self.buffers[b], offset..offset + len)?;
-            host_bytes_mut(&mut self.buffers[b], offset..offset + len)?.copy_from_slice(&saved);
+            range_bytes_mut(&mut self.buffers[b], offset..offset + len)?.copy_from_slice(&saved);
             taken += len;
         }
         Ok(taken)

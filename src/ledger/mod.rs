@@ -71,7 +71,7 @@ pub type Priority = u32;
 
 /// Approved bytes and who they belong to: the content of a grant or a lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Charge {
+pub struct Claim {
     /// The holder the bytes are approved for.
     pub holder: HolderId,
     /// The pool they come from.
@@ -84,20 +84,20 @@ pub struct Charge {
 
 /// A grant as issued: its identity and its charge.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
+pub struct GrantRecord {
     /// Its identity; present it to commit or cancel.
     pub id: GrantId,
     /// What it approves.
-    pub charge: Charge,
+    pub claim: Claim,
 }
 
 /// A lease as issued.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
+pub struct LeaseRecord {
     /// Its identity; present it to release.
     pub id: LeaseId,
     /// What it holds.
-    pub charge: Charge,
+    pub claim: Claim,
 }
 
 /// The books of one authority at one moment.
@@ -181,7 +181,7 @@ pub struct Retired {
 }
 
 /// `charge`, if `holder` is the one it was issued to.
-fn presented_by(charge: &Charge, holder: HolderId) -> Result<&Charge, LedgerError> {
+fn presented_by(charge: &Claim, holder: HolderId) -> Result<&Claim, LedgerError> {
     if charge.holder == holder {
         Ok(charge)
     } else {
@@ -202,8 +202,8 @@ pub struct Ledger {
     authorities: BTreeMap<AuthorityId, AuthorityBooks>,
     tiers: BTreeMap<(DeviceKey, MemoryTier), AuthorityId>,
     holders: BTreeMap<HolderId, HolderBooks>,
-    grants: BTreeMap<GrantId, Charge>,
-    leases: BTreeMap<LeaseId, Charge>,
+    grants: BTreeMap<GrantId, Claim>,
+    leases: BTreeMap<LeaseId, Claim>,
 }
 
 impl Default for Ledger {
@@ -375,13 +375,13 @@ impl Ledger {
         authority: AuthorityId,
         role: MemoryRole,
         bytes: u64,
-    ) -> Result<Grant, LedgerError> {
+    ) -> Result<GrantRecord, LedgerError> {
         self.check_reserve(holder, authority, bytes)?;
         if !self.fits(authority, bytes)? {
             return Err(LedgerError::Denied(Box::new(self.denial(authority, bytes))));
         }
         let id = GrantId(self.fresh());
-        let charge = Charge {
+        let charge = Claim {
             holder,
             authority,
             role,
@@ -393,7 +393,7 @@ impl Ledger {
             .provisional += bytes;
         self.holders.get_mut(&holder).expect("checked").provisional += bytes;
         self.grants.insert(id, charge.clone());
-        Ok(Grant { id, charge })
+        Ok(GrantRecord { id, claim: charge })
     }
 
     /// Every check of [`Ledger::reserve`] except room: a live holder of that authority asking
@@ -441,7 +441,7 @@ impl Ledger {
             .saturating_sub(a.capacity))
     }
 
-    fn owned_grant(&self, holder: HolderId, grant: GrantId) -> Result<&Charge, LedgerError> {
+    fn owned_grant(&self, holder: HolderId, grant: GrantId) -> Result<&Claim, LedgerError> {
         let charge = self
             .grants
             .get(&grant)
@@ -457,7 +457,7 @@ impl Ledger {
         holder: HolderId,
         grant: GrantId,
         actual: u64,
-    ) -> Result<Lease, LedgerError> {
+    ) -> Result<LeaseRecord, LedgerError> {
         let charge = self.owned_grant(holder, grant)?.clone();
         if actual == 0 {
             return Err(LedgerError::ZeroBytes);
@@ -481,12 +481,12 @@ impl Ledger {
         h.provisional -= charge.bytes;
         h.leased += actual;
         let id = LeaseId(self.fresh());
-        let lease = Charge {
+        let lease = Claim {
             bytes: actual,
             ..charge
         };
         self.leases.insert(id, lease.clone());
-        Ok(Lease { id, charge: lease })
+        Ok(LeaseRecord { id, claim: lease })
     }
 
     /// Returns a grant unused; reports the bytes returned.
@@ -548,12 +548,12 @@ impl Ledger {
     }
 
     /// The lease's current charge, if it exists.
-    pub fn lease(&self, lease: LeaseId) -> Option<&Charge> {
+    pub fn lease(&self, lease: LeaseId) -> Option<&Claim> {
         self.leases.get(&lease)
     }
 
     /// The grant's charge, if it is still provisional.
-    pub fn grant(&self, grant: GrantId) -> Option<&Charge> {
+    pub fn grant(&self, grant: GrantId) -> Option<&Claim> {
         self.grants.get(&grant)
     }
 
@@ -748,7 +748,7 @@ impl Ledger {
             .checked_add(provisional)
             .ok_or(LedgerError::ZeroBytes)?;
         books.leased = books.leased.saturating_add(leased);
-        let charge = |role: MemoryRole, bytes: u64| Charge {
+        let charge = |role: MemoryRole, bytes: u64| Claim {
             holder: report.holder,
             authority,
             role,

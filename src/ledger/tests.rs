@@ -49,7 +49,7 @@ fn commit_tops_up_only_if_there_is_room() {
     }
     assert_eq!(l.snapshot(a).unwrap(), before, "the grant stays as it was");
     let lease = l.commit(kv, g.id, 500).unwrap();
-    assert_eq!(lease.charge.bytes, 500);
+    assert_eq!(lease.claim.bytes, 500);
     assert_eq!(l.snapshot(a).unwrap().approved(), 1000);
     l.check_invariants().unwrap();
 }
@@ -301,7 +301,7 @@ proptest! {
                         Ok(g) => {
                             m.grants.insert(grant_ids.len(), (h, bytes));
                             grant_ids.push(g.id);
-                            Outcome::Ok(g.charge.bytes)
+                            Outcome::Ok(g.claim.bytes)
                         }
                         // A retired holder with nothing left is forgotten entirely.
                         Err(LedgerError::UnknownHolder(_)) if m.retired[h] => Outcome::Err("retired"),
@@ -323,7 +323,7 @@ proptest! {
                             let (owner, _) = m.grants.remove(&g).unwrap();
                             m.leases.insert(lease_ids.len(), (owner, actual));
                             lease_ids.push(lease.id);
-                            Outcome::Ok(lease.charge.bytes)
+                            Outcome::Ok(lease.claim.bytes)
                         }
                         Err(e) => Outcome::Err(kind(&e)),
                     };

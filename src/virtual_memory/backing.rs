@@ -9,8 +9,8 @@ use super::range::VirtualRange;
 use super::{granularity, smaps, sys};
 use crate::api::{
     CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
-    MemoryError, PhysicalBlock, ReserveRequest, SharedMapping, SharedView, VirtualAllocation,
-    VirtualBacking,
+    MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
+    VirtualRequest,
 };
 
 /// The memfd region behind one reservation: file offset = region start + virtual offset.
@@ -112,7 +112,7 @@ impl VirtualBacking for HostBacking {
         self.granularity
     }
 
-    fn reserve(&self, request: &ReserveRequest) -> Result<VirtualAllocation, MemoryError> {
+    fn reserve(&self, request: &VirtualRequest) -> Result<VirtualAllocation, MemoryError> {
         GranuleMap::validate_len(request.bytes, self.granularity)?;
         let range = VirtualRange::reserve(request.bytes)?;
         let file_base = self.pool.carve(request.bytes)?;

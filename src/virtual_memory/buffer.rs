@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use super::sys;
 use crate::api::{
-    CommitResult, DecommitResult, DeviceKind, MemoryError, MemoryRole, ReserveRequest,
-    VirtualAllocation, VirtualBacking,
+    CommitResult, DecommitResult, DeviceKind, MemoryError, MemoryRole, VirtualAllocation,
+    VirtualBacking, VirtualRequest,
 };
 
 /// A buffer whose base address never moves: the whole capacity is reserved up front and
@@ -25,7 +25,7 @@ impl VirtualBuffer {
         role: MemoryRole,
     ) -> Result<Self, MemoryError> {
         let bytes = round_up(capacity, backing.granularity())?;
-        let allocation = backing.reserve(&ReserveRequest { bytes, role })?;
+        let allocation = backing.reserve(&VirtualRequest { bytes, role })?;
         Ok(VirtualBuffer {
             backing,
             allocation,

@@ -18,7 +18,10 @@ fn check_host(allocation: &VirtualAllocation) -> Result<(), MemoryError> {
 
 /// Bytes `range` of a host reservation; every granule it touches must be backed (committed
 /// or a shared block, read-only ones included).
-pub fn host_bytes(allocation: &VirtualAllocation, range: Range<u64>) -> Result<&[u8], MemoryError> {
+pub fn range_bytes(
+    allocation: &VirtualAllocation,
+    range: Range<u64>,
+) -> Result<&[u8], MemoryError> {
     check_host(allocation)?;
     if range.is_empty() {
         return Ok(&[]);
@@ -35,7 +38,7 @@ pub fn host_bytes(allocation: &VirtualAllocation, range: Range<u64>) -> Result<&
 
 /// Bytes `range` of a host reservation, writable; every granule it touches must be exclusively
 /// committed or a shared block mapped read-write.
-pub fn host_bytes_mut(
+pub fn range_bytes_mut(
     allocation: &mut VirtualAllocation,
     range: Range<u64>,
 ) -> Result<&mut [u8], MemoryError> {

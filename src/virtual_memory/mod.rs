@@ -28,7 +28,7 @@ pub(crate) mod sys;
 #[cfg(target_os = "linux")]
 pub use backing::HostBacking;
 #[cfg(target_os = "linux")]
-pub use host_access::{host_bytes, host_bytes_mut};
+pub use host_access::{range_bytes, range_bytes_mut};
 #[cfg(target_os = "linux")]
 pub use range::VirtualRange;
 

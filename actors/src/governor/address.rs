@@ -144,10 +144,10 @@ impl Address {
         }
     }
 
-    pub(crate) fn grant_issued(&self, grant: &ledger::Grant) {
+    pub(crate) fn grant_issued(&self, grant: &ledger::GrantRecord) {
         let mut r = self.record();
         Self::saw(&mut r, grant.id.get());
-        let c = &grant.charge;
+        let c = &grant.claim;
         r.grants.insert(grant.id, (c.holder, c.role, c.bytes));
     }
 
@@ -166,11 +166,11 @@ impl Address {
     }
 
     /// The grant became the lease (a commit): one step, so a restart never counts both.
-    pub(crate) fn grant_committed(&self, grant: GrantId, lease: &ledger::Lease) {
+    pub(crate) fn grant_committed(&self, grant: GrantId, lease: &ledger::LeaseRecord) {
         let mut r = self.record();
         r.grants.remove(&grant);
         Self::saw(&mut r, lease.id.get());
-        let c = &lease.charge;
+        let c = &lease.claim;
         r.leases.insert(lease.id, (c.holder, c.role, c.bytes));
     }
 

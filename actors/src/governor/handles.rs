@@ -38,12 +38,12 @@ async fn answer<T>(
 #[must_use = "a grant dropped unused is returned to the Governor"]
 pub struct Grant {
     address: Arc<Address>,
-    grant: Option<ledger::Grant>,
+    grant: Option<ledger::GrantRecord>,
 }
 
 impl Grant {
     /// Issued by the Governor at `address`; recorded there before it leaves the actor.
-    pub(super) fn new(address: Arc<Address>, grant: ledger::Grant) -> Self {
+    pub(super) fn new(address: Arc<Address>, grant: ledger::GrantRecord) -> Self {
         address.grant_issued(&grant);
         Grant {
             address,
@@ -51,7 +51,7 @@ impl Grant {
         }
     }
 
-    fn inner(&self) -> &ledger::Grant {
+    fn inner(&self) -> &ledger::GrantRecord {
         self.grant.as_ref().expect("a live grant")
     }
 
@@ -62,16 +62,16 @@ impl Grant {
 
     /// Bytes approved.
     pub fn bytes(&self) -> u64 {
-        self.inner().charge.bytes
+        self.inner().claim.bytes
     }
 
     /// The holder it was issued to.
     pub fn holder(&self) -> HolderId {
-        self.inner().charge.holder
+        self.inner().claim.holder
     }
 
     /// Stops this handle from returning the grant; the caller now keeps the books right.
-    pub(super) fn defuse(mut self) -> ledger::Grant {
+    pub(super) fn defuse(mut self) -> ledger::GrantRecord {
         let grant = self.grant.take().expect("a live grant");
         let _ = self.address.grant_gone(grant.id, None);
         grant
@@ -114,7 +114,7 @@ impl Grant {
         let sent = self.address.grant_gone(
             grant.id,
             Some(GovernorMsg::Cancel {
-                holder: grant.charge.holder,
+                holder: grant.claim.holder,
                 grant: grant.id,
                 reply: Some(tx.into()),
             }),
@@ -129,7 +129,7 @@ impl Drop for Grant {
             let _ = self.address.grant_gone(
                 grant.id,
                 Some(GovernorMsg::Cancel {
-                    holder: grant.charge.holder,
+                    holder: grant.claim.holder,
                     grant: grant.id,
                     reply: None,
                 }),
@@ -170,14 +170,18 @@ pub struct Lease {
 impl Lease {
     /// Committed from `grant` by the Governor at `address`; recorded there (in the grant's
     /// place) before it leaves the actor.
-    pub(super) fn committed(address: Arc<Address>, grant: GrantId, lease: ledger::Lease) -> Self {
+    pub(super) fn committed(
+        address: Arc<Address>,
+        grant: GrantId,
+        lease: ledger::LeaseRecord,
+    ) -> Self {
         address.grant_committed(grant, &lease);
         Lease {
             address,
             id: lease.id,
-            holder: lease.charge.holder,
-            role: lease.charge.role,
-            remaining: lease.charge.bytes,
+            holder: lease.claim.holder,
+            role: lease.claim.role,
+            remaining: lease.claim.bytes,
         }
     }
 
