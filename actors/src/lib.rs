@@ -66,6 +66,8 @@
 //! ```
 #![deny(missing_docs, unreachable_pub, unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]
+// One convention for modules: `foo.rs` beside `foo/`, never `foo/mod.rs`.
+#![deny(clippy::mod_module_files)]
 
 mod buffer;
 mod charge;
