@@ -271,7 +271,9 @@ impl<T: Release + ?Sized, R: Refund> Drop for Fenced<T, R> {
         if self.item.is_none() {
             return;
         }
-        metrics::counter!("procmem_deferred_free_orphans_total").increment(1);
+        crate::metrics::DEFERRED_FREE_ORPHANS_TOTAL
+            .counter(&[])
+            .increment(1);
         let orphan = self.take();
         orphan.chain(
             None,

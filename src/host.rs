@@ -5,4 +5,4 @@ mod allocator;
 mod mechanism;
 
 pub use allocator::{allocation_bytes, allocation_bytes_mut, HostAllocator};
-pub use mechanism::HostMechanism;
+pub use mechanism::{machine_memory_bytes, HostMechanism};

@@ -46,6 +46,7 @@ pub mod fenced;
 pub mod host;
 pub mod kv;
 pub mod ledger;
+pub mod metrics;
 #[allow(unsafe_code)]
 pub mod virtual_memory;
 

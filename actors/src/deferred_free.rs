@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use ::metrics::{Counter, Gauge, Histogram};
 use procmem::fence::{Fence, StreamId, Timeline, TimelineFence};
 use procmem::fenced::{Fenced, Gate, Released};
+use procmem::metrics;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::charge::Charge;
@@ -227,7 +228,7 @@ impl Actor for DeferredFree {
         timeline: Arc<dyn Timeline>,
     ) -> Result<DeferredFreeState, ActorProcessingErr> {
         let stream = timeline.stream();
-        let label = [("stream", stream.get().to_string())];
+        let label = stream.get().to_string();
         Ok(DeferredFreeState {
             timeline,
             shared: Arc::new(Shared {
@@ -238,9 +239,9 @@ impl Actor for DeferredFree {
                 failures: AtomicU64::new(0),
                 forwarded: AtomicU64::new(0),
                 latencies: Mutex::new(Vec::new()),
-                depth: gauge!("procmem_deferred_free_queue_depth", &label),
-                freed_bytes_total: counter!("procmem_deferred_free_bytes_total", &label),
-                latency: histogram!("procmem_deferred_free_fence_to_refund_seconds", &label),
+                depth: metrics::DEFERRED_FREE_QUEUE_DEPTH.gauge(&[&label]),
+                freed_bytes_total: metrics::DEFERRED_FREE_BYTES_TOTAL.counter(&[&label]),
+                latency: metrics::DEFERRED_FREE_FENCE_TO_REFUND_SECONDS.histogram(&[&label]),
             }),
         })
     }

@@ -96,8 +96,8 @@ pub use kv_store::{
     Restored, SeqId,
 };
 pub use manager::{
-    machine_memory_bytes, Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding,
-    MemoryManager, MemoryManagerBuilder, ShutdownReport,
+    Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,
+    MemoryManagerBuilder, ShutdownReport,
 };
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem;

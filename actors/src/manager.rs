@@ -36,9 +36,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use metrics::gauge;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use procmem::ledger::{AuthorityId, HolderId, Priority};
+use procmem::metrics;
 use procmem::{
     AllocationRequest, CommitModel, DeviceKey, DeviceKind, DeviceMemoryMechanism, MemoryTier,
 };
@@ -267,14 +267,6 @@ pub struct MemoryManagerBuilder {
     streams: usize,
 }
 
-/// Physical memory of this machine, from `/proc/meminfo`.
-pub fn machine_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 impl MemoryManagerBuilder {
     /// The host authority's budget in bytes.
     pub fn host_budget(mut self, bytes: u64) -> Self {
@@ -321,7 +313,7 @@ impl MemoryManagerBuilder {
     }
 
     async fn start(self, started: &mut Started) -> Result<MemoryManager, ManagerError> {
-        let machine = machine_memory_bytes().unwrap_or(u64::MAX);
+        let machine = procmem::host::machine_memory_bytes().unwrap_or(u64::MAX);
         let host_budget = self.host_budget.unwrap_or(machine / 2);
         if host_budget == 0 || host_budget > machine {
             return Err(ManagerError::InvalidBudget {
@@ -475,111 +467,6 @@ impl Started {
     }
 }
 
-/// Help text for every metric this crate and the core crate emit.
-fn describe_metrics() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    let gauges = [
-        (
-            "procmem_governor_capacity_bytes",
-            "Bytes the authority may approve.",
-        ),
-        (
-            "procmem_governor_approved_bytes",
-            "Bytes approved: provisional plus committed.",
-        ),
-        (
-            "procmem_governor_provisional_bytes",
-            "Bytes granted but not yet committed.",
-        ),
-        (
-            "procmem_governor_committed_bytes",
-            "Bytes committed to leases.",
-        ),
-        (
-            "procmem_authority_os_resident_bytes",
-            "Physical bytes behind the authority, as the OS reports them.",
-        ),
-        (
-            "procmem_authority_drift_bytes",
-            "Committed bytes in the ledger minus physical bytes the OS reports.",
-        ),
-    ];
-    for (name, help) in gauges {
-        describe_gauge!(name, Unit::Bytes, help);
-    }
-    describe_gauge!(
-        "procmem_governor_waiting_requests",
-        Unit::Count,
-        "Requests waiting for room."
-    );
-    describe_gauge!(
-        "procmem_deferred_free_queue_depth",
-        Unit::Count,
-        "Allocations waiting for their fences, per stream."
-    );
-    let counters = [
-        ("procmem_governor_grants_total", "Grants issued."),
-        (
-            "procmem_governor_denials_total",
-            "Requests denied, at once or at their deadline.",
-        ),
-        (
-            "procmem_governor_waits_total",
-            "Requests that waited for room.",
-        ),
-        (
-            "procmem_governor_pressure_tickets_total",
-            "Pressure tickets sent to holders.",
-        ),
-        (
-            "procmem_backing_map_calls_total",
-            "Commit (map) calls on a virtual backing.",
-        ),
-        (
-            "procmem_backing_unmap_calls_total",
-            "Decommit (unmap) calls on a virtual backing.",
-        ),
-        (
-            "procmem_holder_failures_total",
-            "Holder actors that crashed.",
-        ),
-        (
-            "procmem_deferred_free_orphans_total",
-            "Allocations whose deferred-free queue was gone, freed after their fences by a thread.",
-        ),
-    ];
-    for (name, help) in counters {
-        describe_counter!(name, Unit::Count, help);
-    }
-    describe_counter!(
-        "procmem_governor_pressure_freed_bytes_total",
-        Unit::Bytes,
-        "Bytes holders reported freed for pressure tickets."
-    );
-    describe_counter!(
-        "procmem_deferred_free_bytes_total",
-        Unit::Bytes,
-        "Bytes freed after their fences, per stream."
-    );
-    let histograms = [
-        (
-            "procmem_backing_map_seconds",
-            "Latency of commit (map) calls.",
-        ),
-        (
-            "procmem_backing_unmap_seconds",
-            "Latency of decommit (unmap) calls.",
-        ),
-        (
-            "procmem_deferred_free_fence_to_refund_seconds",
-            "From fence completion to the Governor refund.",
-        ),
-    ];
-    for (name, help) in histograms {
-        describe_histogram!(name, Unit::Seconds, help);
-    }
-}
-
 fn install_metrics(addr: SocketAddr) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
     let metrics_error = |why: String| ManagerError::Metrics { addr, why };
     let (recorder, exporter) = PrometheusBuilder::new()
@@ -587,8 +474,8 @@ fn install_metrics(addr: SocketAddr) -> Result<(PrometheusHandle, JoinHandle<()>
         .build()
         .map_err(|e| metrics_error(e.to_string()))?;
     let handle = recorder.handle();
-    metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
-    describe_metrics();
+    ::metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
+    metrics::describe_all();
     let exporter = tokio::spawn(async move {
         if let Err(error) = exporter.await {
             tracing::error!(?error, "metrics exporter stopped");
@@ -619,9 +506,12 @@ async fn sample(inner: std::sync::Weak<Inner>) {
             let (Ok(snapshot), Some(os)) = (a.governor.snapshot().await, inner.os_bytes(a)) else {
                 continue;
             };
-            let label = [("authority", a.name.clone())];
-            gauge!("procmem_authority_os_resident_bytes", &label).set(os as f64);
-            gauge!("procmem_authority_drift_bytes", &label)
+            let label = [a.name.as_str()];
+            metrics::AUTHORITY_OS_RESIDENT_BYTES
+                .gauge(&label)
+                .set(os as f64);
+            metrics::AUTHORITY_DRIFT_BYTES
+                .gauge(&label)
                 .set(snapshot.books.leased as f64 - os as f64);
         }
     }
@@ -639,8 +529,7 @@ impl Inner {
             .iter()
             .all(|(d, _)| d.kind == DeviceKind::Host)
         {
-            let m = self.host.mechanism();
-            Some(m.backing().resident_bytes().ok()? + m.host_allocator().resident_total().ok()?)
+            self.host.mechanism().resident_bytes().ok()
         } else {
             None
         }
@@ -940,7 +829,7 @@ impl Actor for HolderSupervisor {
     ) -> Result<(), ActorProcessingErr> {
         if let SupervisionEvent::ActorFailed(who, reason) = event {
             tracing::error!(actor = ?who.get_id(), %reason, "holder crashed; its memory is freed after its fences");
-            metrics::counter!("procmem_holder_failures_total").increment(1);
+            metrics::HOLDER_FAILURES_TOTAL.counter(&[]).increment(1);
         }
         Ok(())
     }

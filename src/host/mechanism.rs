@@ -46,6 +46,24 @@ impl HostMechanism {
     pub fn host_allocator(&self) -> &HostAllocator {
         &self.allocator
     }
+
+    /// Physical bytes behind everything this mechanism holds, as the kernel reports them:
+    /// the memfd pages of its virtual backing and the resident pages of its eager
+    /// allocations (the OS side of an authority's drift).
+    pub fn resident_bytes(&self) -> Result<u64, MemoryError> {
+        let backing = self.backing.resident_bytes()?;
+        let eager = self.allocator.resident_total()?;
+        Ok(backing.saturating_add(eager))
+    }
+}
+
+/// Physical memory of this machine (`MemTotal` in `/proc/meminfo`), or `None` where it cannot
+/// be read.
+pub fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
 }
 
 impl DeviceMemoryMechanism for HostMechanism {

@@ -169,8 +169,11 @@ impl VirtualBacking for HostBacking {
             return Err(e);
         }
         allocation.granules.set(granules, GranuleState::Committed);
-        metrics::counter!("procmem_backing_map_calls_total", "backing" => "host").increment(1);
-        metrics::histogram!("procmem_backing_map_seconds", "backing" => "host")
+        crate::metrics::BACKING_MAP_CALLS_TOTAL
+            .counter(&["host"])
+            .increment(1);
+        crate::metrics::BACKING_MAP_SECONDS
+            .histogram(&["host"])
             .record(started.elapsed().as_secs_f64());
         Ok(CommitResult {
             committed_bytes: len,
@@ -210,8 +213,11 @@ impl VirtualBacking for HostBacking {
             allocation.shared.remove(&offset);
         }
         allocation.granules.set(granules, GranuleState::Reserved);
-        metrics::counter!("procmem_backing_unmap_calls_total", "backing" => "host").increment(1);
-        metrics::histogram!("procmem_backing_unmap_seconds", "backing" => "host")
+        crate::metrics::BACKING_UNMAP_CALLS_TOTAL
+            .counter(&["host"])
+            .increment(1);
+        crate::metrics::BACKING_UNMAP_SECONDS
+            .histogram(&["host"])
             .record(started.elapsed().as_secs_f64());
         match first_error {
             Some(e) => Err(e),

@@ -1,6 +1,12 @@
 //! The Governor's metrics, registered once per authority (Prometheus naming).
 
-use metrics::{counter, gauge, Counter, Gauge};
+use ::metrics::{Counter, Gauge};
+use procmem::metrics::{
+    GOVERNOR_APPROVED_BYTES, GOVERNOR_CAPACITY_BYTES, GOVERNOR_COMMITTED_BYTES,
+    GOVERNOR_DENIALS_TOTAL, GOVERNOR_GRANTS_TOTAL, GOVERNOR_PRESSURE_FREED_BYTES_TOTAL,
+    GOVERNOR_PRESSURE_TICKETS_TOTAL, GOVERNOR_PROVISIONAL_BYTES, GOVERNOR_WAITING_REQUESTS,
+    GOVERNOR_WAITS_TOTAL,
+};
 
 pub(super) struct GovernorMetrics {
     capacity: Gauge,
@@ -17,18 +23,18 @@ pub(super) struct GovernorMetrics {
 
 impl GovernorMetrics {
     pub(super) fn new(authority: &str) -> Self {
-        let label = || [("authority", authority.to_string())];
+        let label = [authority];
         GovernorMetrics {
-            capacity: gauge!("procmem_governor_capacity_bytes", &label()),
-            approved: gauge!("procmem_governor_approved_bytes", &label()),
-            provisional: gauge!("procmem_governor_provisional_bytes", &label()),
-            committed: gauge!("procmem_governor_committed_bytes", &label()),
-            waiting: gauge!("procmem_governor_waiting_requests", &label()),
-            grants: counter!("procmem_governor_grants_total", &label()),
-            denials: counter!("procmem_governor_denials_total", &label()),
-            waits: counter!("procmem_governor_waits_total", &label()),
-            tickets: counter!("procmem_governor_pressure_tickets_total", &label()),
-            freed_by_pressure: counter!("procmem_governor_pressure_freed_bytes_total", &label()),
+            capacity: GOVERNOR_CAPACITY_BYTES.gauge(&label),
+            approved: GOVERNOR_APPROVED_BYTES.gauge(&label),
+            provisional: GOVERNOR_PROVISIONAL_BYTES.gauge(&label),
+            committed: GOVERNOR_COMMITTED_BYTES.gauge(&label),
+            waiting: GOVERNOR_WAITING_REQUESTS.gauge(&label),
+            grants: GOVERNOR_GRANTS_TOTAL.counter(&label),
+            denials: GOVERNOR_DENIALS_TOTAL.counter(&label),
+            waits: GOVERNOR_WAITS_TOTAL.counter(&label),
+            tickets: GOVERNOR_PRESSURE_TICKETS_TOTAL.counter(&label),
+            freed_by_pressure: GOVERNOR_PRESSURE_FREED_BYTES_TOTAL.counter(&label),
         }
     }
 

@@ -98,7 +98,8 @@ impl Actor for GovernorSupervisor {
             return Ok(());
         }
         state.restarts += 1;
-        metrics::counter!("procmem_governor_restarts_total", "authority" => state.config.name.clone())
+        procmem::metrics::GOVERNOR_RESTARTS_TOTAL
+            .counter(&[&state.config.name])
             .increment(1);
         tracing::warn!(authority = %state.config.name, restarts = state.restarts, %why, "governor died; restarted with the holders' books");
         Ok(())

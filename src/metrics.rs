@@ -1,0 +1,338 @@
+//! Every metric this project emits, in one place: its name, type, unit, labels and help text.
+//!
+//! The call sites that record a metric and the registration that describes it to the
+//! recorder (`describe_all`) both read these constants, so a name and its help text exist
+//! once. Names follow Prometheus conventions: base units (`_bytes`, `_seconds`) and `_total`
+//! on counters.
+
+use metrics::Unit;
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// A value now.
+    Gauge,
+    /// A distribution of observations.
+    Histogram,
+}
+
+impl Kind {
+    /// The Prometheus type name.
+    pub const fn prometheus(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+}
+
+/// One metric's description.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric {
+    /// Its name.
+    pub name: &'static str,
+    /// Its kind.
+    pub kind: Kind,
+    /// Its unit.
+    pub unit: Unit,
+    /// The labels every series of it carries.
+    pub labels: &'static [&'static str],
+    /// What it measures.
+    pub help: &'static str,
+}
+
+const fn metric(
+    name: &'static str,
+    kind: Kind,
+    unit: Unit,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> Metric {
+    Metric {
+        name,
+        kind,
+        unit,
+        labels,
+        help,
+    }
+}
+
+const AUTHORITY: &[&str] = &["authority"];
+const STREAM: &[&str] = &["stream"];
+const BACKING: &[&str] = &["backing"];
+
+/// Bytes the authority may approve.
+pub const GOVERNOR_CAPACITY_BYTES: Metric = metric(
+    "procmem_governor_capacity_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes the authority may approve.",
+);
+/// Bytes approved: provisional plus committed.
+pub const GOVERNOR_APPROVED_BYTES: Metric = metric(
+    "procmem_governor_approved_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes approved: provisional plus committed.",
+);
+/// Bytes granted but not yet committed.
+pub const GOVERNOR_PROVISIONAL_BYTES: Metric = metric(
+    "procmem_governor_provisional_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes granted but not yet committed.",
+);
+/// Bytes committed to leases.
+pub const GOVERNOR_COMMITTED_BYTES: Metric = metric(
+    "procmem_governor_committed_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes committed to leases.",
+);
+/// Requests waiting for room.
+pub const GOVERNOR_WAITING_REQUESTS: Metric = metric(
+    "procmem_governor_waiting_requests",
+    Kind::Gauge,
+    Unit::Count,
+    AUTHORITY,
+    "Requests waiting for room.",
+);
+/// Grants issued.
+pub const GOVERNOR_GRANTS_TOTAL: Metric = metric(
+    "procmem_governor_grants_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Grants issued.",
+);
+/// Requests denied, at once or at their deadline.
+pub const GOVERNOR_DENIALS_TOTAL: Metric = metric(
+    "procmem_governor_denials_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Requests denied, at once or at their deadline.",
+);
+/// Requests that waited for room.
+pub const GOVERNOR_WAITS_TOTAL: Metric = metric(
+    "procmem_governor_waits_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Requests that waited for room.",
+);
+/// Pressure tickets sent to holders.
+pub const GOVERNOR_PRESSURE_TICKETS_TOTAL: Metric = metric(
+    "procmem_governor_pressure_tickets_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Pressure tickets sent to holders.",
+);
+/// Bytes holders reported freed for pressure tickets.
+pub const GOVERNOR_PRESSURE_FREED_BYTES_TOTAL: Metric = metric(
+    "procmem_governor_pressure_freed_bytes_total",
+    Kind::Counter,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes holders reported freed for pressure tickets.",
+);
+/// Times the Governor died and was restarted with the holders' books.
+pub const GOVERNOR_RESTARTS_TOTAL: Metric = metric(
+    "procmem_governor_restarts_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Times the Governor died and was restarted with the holders' books.",
+);
+/// Physical bytes behind the authority, as the OS reports them.
+pub const AUTHORITY_OS_RESIDENT_BYTES: Metric = metric(
+    "procmem_authority_os_resident_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Physical bytes behind the authority, as the OS reports them.",
+);
+/// Committed bytes in the ledger minus physical bytes the OS reports.
+pub const AUTHORITY_DRIFT_BYTES: Metric = metric(
+    "procmem_authority_drift_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Committed bytes in the ledger minus physical bytes the OS reports.",
+);
+/// Allocations waiting for their fences, per stream.
+pub const DEFERRED_FREE_QUEUE_DEPTH: Metric = metric(
+    "procmem_deferred_free_queue_depth",
+    Kind::Gauge,
+    Unit::Count,
+    STREAM,
+    "Allocations waiting for their fences, per stream.",
+);
+/// Bytes freed after their fences, per stream.
+pub const DEFERRED_FREE_BYTES_TOTAL: Metric = metric(
+    "procmem_deferred_free_bytes_total",
+    Kind::Counter,
+    Unit::Bytes,
+    STREAM,
+    "Bytes freed after their fences, per stream.",
+);
+/// From fence completion to the Governor refund.
+pub const DEFERRED_FREE_FENCE_TO_REFUND_SECONDS: Metric = metric(
+    "procmem_deferred_free_fence_to_refund_seconds",
+    Kind::Histogram,
+    Unit::Seconds,
+    STREAM,
+    "From fence completion to the Governor refund.",
+);
+/// Allocations whose deferred-free queue was gone, freed after their fences on their own.
+pub const DEFERRED_FREE_ORPHANS_TOTAL: Metric = metric(
+    "procmem_deferred_free_orphans_total",
+    Kind::Counter,
+    Unit::Count,
+    &[],
+    "Allocations whose deferred-free queue was gone, freed after their fences on their own.",
+);
+/// Commit (map) calls on a virtual backing.
+pub const BACKING_MAP_CALLS_TOTAL: Metric = metric(
+    "procmem_backing_map_calls_total",
+    Kind::Counter,
+    Unit::Count,
+    BACKING,
+    "Commit (map) calls on a virtual backing.",
+);
+/// Latency of commit (map) calls.
+pub const BACKING_MAP_SECONDS: Metric = metric(
+    "procmem_backing_map_seconds",
+    Kind::Histogram,
+    Unit::Seconds,
+    BACKING,
+    "Latency of commit (map) calls.",
+);
+/// Decommit (unmap) calls on a virtual backing.
+pub const BACKING_UNMAP_CALLS_TOTAL: Metric = metric(
+    "procmem_backing_unmap_calls_total",
+    Kind::Counter,
+    Unit::Count,
+    BACKING,
+    "Decommit (unmap) calls on a virtual backing.",
+);
+/// Latency of decommit (unmap) calls.
+pub const BACKING_UNMAP_SECONDS: Metric = metric(
+    "procmem_backing_unmap_seconds",
+    Kind::Histogram,
+    Unit::Seconds,
+    BACKING,
+    "Latency of decommit (unmap) calls.",
+);
+/// Holder actors that crashed.
+pub const HOLDER_FAILURES_TOTAL: Metric = metric(
+    "procmem_holder_failures_total",
+    Kind::Counter,
+    Unit::Count,
+    &[],
+    "Holder actors that crashed.",
+);
+
+/// Every metric, in the order the README's table lists them.
+pub const ALL: &[Metric] = &[
+    GOVERNOR_CAPACITY_BYTES,
+    GOVERNOR_APPROVED_BYTES,
+    GOVERNOR_PROVISIONAL_BYTES,
+    GOVERNOR_COMMITTED_BYTES,
+    GOVERNOR_WAITING_REQUESTS,
+    GOVERNOR_GRANTS_TOTAL,
+    GOVERNOR_DENIALS_TOTAL,
+    GOVERNOR_WAITS_TOTAL,
+    GOVERNOR_PRESSURE_TICKETS_TOTAL,
+    GOVERNOR_PRESSURE_FREED_BYTES_TOTAL,
+    GOVERNOR_RESTARTS_TOTAL,
+    AUTHORITY_OS_RESIDENT_BYTES,
+    AUTHORITY_DRIFT_BYTES,
+    DEFERRED_FREE_QUEUE_DEPTH,
+    DEFERRED_FREE_BYTES_TOTAL,
+    DEFERRED_FREE_FENCE_TO_REFUND_SECONDS,
+    DEFERRED_FREE_ORPHANS_TOTAL,
+    BACKING_MAP_CALLS_TOTAL,
+    BACKING_MAP_SECONDS,
+    BACKING_UNMAP_CALLS_TOTAL,
+    BACKING_UNMAP_SECONDS,
+    HOLDER_FAILURES_TOTAL,
+];
+
+impl Metric {
+    /// Its counter with these label values (in the order of [`Metric::labels`]).
+    pub fn counter(&self, values: &[&str]) -> metrics::Counter {
+        metrics::counter!(self.name, self.label_pairs(values))
+    }
+
+    /// Its gauge with these label values.
+    pub fn gauge(&self, values: &[&str]) -> metrics::Gauge {
+        metrics::gauge!(self.name, self.label_pairs(values))
+    }
+
+    /// Its histogram with these label values.
+    pub fn histogram(&self, values: &[&str]) -> metrics::Histogram {
+        metrics::histogram!(self.name, self.label_pairs(values))
+    }
+
+    fn label_pairs(&self, values: &[&str]) -> Vec<metrics::Label> {
+        debug_assert_eq!(values.len(), self.labels.len(), "{}", self.name);
+        self.labels
+            .iter()
+            .zip(values)
+            .map(|(k, v)| metrics::Label::new(*k, v.to_string()))
+            .collect()
+    }
+
+    /// Describes it to the installed recorder (its unit and help text).
+    pub fn describe(&self) {
+        match self.kind {
+            Kind::Counter => metrics::describe_counter!(self.name, self.unit, self.help),
+            Kind::Gauge => metrics::describe_gauge!(self.name, self.unit, self.help),
+            Kind::Histogram => metrics::describe_histogram!(self.name, self.unit, self.help),
+        }
+    }
+}
+
+/// Describes every metric to the installed recorder.
+pub fn describe_all() {
+    for m in ALL {
+        m.describe();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions_and_are_unique() {
+        let mut names: Vec<_> = ALL.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len(), "a name listed twice");
+        for m in ALL {
+            assert!(m.name.starts_with("procmem_"), "{}", m.name);
+            assert_eq!(
+                m.kind == Kind::Counter,
+                m.name.ends_with("_total"),
+                "{}",
+                m.name
+            );
+            match m.unit {
+                Unit::Bytes => assert!(m.name.contains("_bytes"), "{}", m.name),
+                Unit::Seconds => assert!(m.name.ends_with("_seconds"), "{}", m.name),
+                _ => {}
+            }
+            assert!(m.help.ends_with('.'), "{}", m.name);
+        }
+    }
+}
