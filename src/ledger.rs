@@ -274,6 +274,41 @@ impl Ledger {
         self.tiers.get(&(device, tier)).copied()
     }
 
+    /// The (device, tier) pairs `authority` pays for.
+    pub fn tiers_of(&self, authority: AuthorityId) -> Vec<(DeviceKey, MemoryTier)> {
+        self.tiers
+            .iter()
+            .filter(|(_, a)| **a == authority)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Fresh books for one authority of this ledger: the same authority (identity, name,
+    /// capacity) and its tier bindings, nothing approved, and identifiers of their own (none
+    /// it issues is known to this ledger or to another authority's books). A process keeps
+    /// its topology as one ledger of every authority and gives each Governor the books of
+    /// one, split off it.
+    pub fn books_for(&self, authority: AuthorityId) -> Result<Ledger, LedgerError> {
+        let books = self.authority(authority)?;
+        let mut split = Ledger::new();
+        split.authorities.insert(
+            authority,
+            AuthorityBooks {
+                name: books.name.clone(),
+                capacity: books.capacity,
+                provisional: 0,
+                leased: 0,
+            },
+        );
+        split.tiers = self
+            .tiers
+            .iter()
+            .filter(|(_, a)| **a == authority)
+            .map(|(k, a)| (*k, *a))
+            .collect();
+        Ok(split)
+    }
+
     /// Registers a holder of `authority`.
     pub fn register_holder(
         &mut self,

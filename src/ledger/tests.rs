@@ -477,3 +477,42 @@ fn a_denial_for_another_ledgers_authority_says_so_without_panicking() {
     assert_eq!((d.capacity, d.approved, d.free()), (0, 0, 0));
     assert!(d.to_string().contains("unknown authority"), "{d}");
 }
+
+#[test]
+fn books_split_off_a_topology_keep_the_authority_and_issue_their_own_ids() {
+    let mut topology = Ledger::new();
+    let host = topology.add_authority("host", 100);
+    let gpu = topology.add_authority("cuda:0", 50);
+    topology
+        .bind_tier(DeviceKey::HOST, MemoryTier::Host, host)
+        .unwrap();
+    topology
+        .bind_tier(DeviceKey::cuda(0), MemoryTier::Device, gpu)
+        .unwrap();
+    let mut host_books = topology.books_for(host).unwrap();
+    let mut gpu_books = topology.books_for(gpu).unwrap();
+    assert_eq!(
+        host_books.authority_for(DeviceKey::HOST, MemoryTier::Host),
+        Some(host)
+    );
+    assert_eq!(
+        host_books.authority_for(DeviceKey::cuda(0), MemoryTier::Device),
+        None,
+        "only its own tiers"
+    );
+    assert_eq!(host_books.totals(host), Some((100, 0, 0)));
+    assert_eq!(host_books.totals(gpu), None, "only its own authority");
+    // Identifiers of one authority's books are unknown to the other's.
+    let h = host_books.register_holder(host, "kv", 0).unwrap();
+    let g = gpu_books.register_holder(gpu, "weights", 0).unwrap();
+    let grant = host_books
+        .reserve(h, host, MemoryRole::KvCache, 10)
+        .unwrap();
+    assert!(gpu_books.cancel(g, grant.id).is_err());
+    assert!(matches!(
+        topology.books_for(Ledger::new().add_authority("elsewhere", 1)),
+        Err(LedgerError::UnknownAuthority(_))
+    ));
+    host_books.check_invariants().unwrap();
+    gpu_books.check_invariants().unwrap();
+}

@@ -7,7 +7,7 @@ use procmem::ledger::{
     self, AuthorityId, GrantId, HolderId, LeaseId, Ledger, LedgerError, Priority, Retired,
 };
 use procmem::MemoryRole;
-use ractor::{Actor, ActorRef, RpcReplyPort};
+use ractor::{Actor, RpcReplyPort};
 use tokio::task::JoinHandle;
 
 use super::address::Address;
@@ -364,9 +364,19 @@ impl GovernorHandle {
     /// hold, before any other message reaches it. Returns the handle and the supervisor.
     pub async fn spawn_supervised(
         config: GovernorConfig,
-    ) -> Result<(Self, ActorRef<()>), ractor::SpawnErr> {
+    ) -> Result<(Self, ractor::ActorCell), ractor::SpawnErr> {
         let mut ledger = Ledger::new();
         let authority = ledger.add_authority(config.name.clone(), config.capacity);
+        Self::spawn_supervised_books(ledger, authority, config).await
+    }
+
+    /// The same, keeping the books of `authority` in `ledger` (split off a topology with
+    /// [`Ledger::books_for`], so the authority's identity is the topology's).
+    pub(crate) async fn spawn_supervised_books(
+        ledger: Ledger,
+        authority: AuthorityId,
+        config: GovernorConfig,
+    ) -> Result<(Self, ractor::ActorCell), ractor::SpawnErr> {
         let address = Arc::new(Address::new());
         let (supervisor, _) = Actor::spawn(
             None,
@@ -374,7 +384,7 @@ impl GovernorHandle {
             (ledger, authority, config, Arc::clone(&address)),
         )
         .await?;
-        Ok((GovernorHandle { address, authority }, supervisor))
+        Ok((GovernorHandle { address, authority }, supervisor.get_cell()))
     }
 
     /// The Governor actor serving the authority now (for tests that kill it, and for

@@ -1,0 +1,241 @@
+//! Building a manager: the metrics recorder first, then the providers, the authorities (a
+//! Governor each, over books split off one topology), the holders' supervisor; a build that
+//! fails part-way stops what it started.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use procmem::{DeviceKey, MemoryTier};
+use ractor::{Actor, ActorCell};
+use tokio::task::JoinHandle;
+
+use super::binding::DynProvider;
+use super::supervisor::HolderSupervisor;
+use super::topology::Topology;
+use super::{sample, Inner, ManagerError, MemoryManager};
+use crate::cuda_provider::{CudaProvider, CudaProviderConfig};
+use crate::governor::{GovernorConfig, GovernorHandle};
+use crate::provider::{CpuProvider, CpuProviderConfig};
+
+/// Builds a [`MemoryManager`].
+#[derive(Debug, Clone, Default)]
+pub struct MemoryManagerBuilder {
+    host_budget: Option<u64>,
+    cuda: Option<(u32, u64)>,
+    unified: Option<bool>,
+    metrics_addr: Option<SocketAddr>,
+    streams: usize,
+}
+
+impl MemoryManagerBuilder {
+    /// The host authority's budget in bytes (half the machine's memory unless set).
+    pub fn host_budget(mut self, bytes: u64) -> Self {
+        self.host_budget = Some(bytes);
+        self
+    }
+
+    /// Adds CUDA device `ordinal` with a device budget (used where a driver is present).
+    pub fn cuda_device(mut self, ordinal: u32, budget: u64) -> Self {
+        self.cuda = Some((ordinal, budget));
+        self
+    }
+
+    /// Whether host and device memory are one pool (overrides detection).
+    pub fn unified(mut self, unified: bool) -> Self {
+        self.unified = Some(unified);
+        self
+    }
+
+    /// Serves Prometheus metrics on `addr` at `/metrics` (off unless set).
+    pub fn metrics_addr(mut self, addr: SocketAddr) -> Self {
+        self.metrics_addr = Some(addr);
+        self
+    }
+
+    /// CPU streams (at least one).
+    pub fn streams(mut self, n: usize) -> Self {
+        self.streams = n;
+        self
+    }
+
+    /// Starts everything on the current tokio runtime. On failure everything this call
+    /// started is stopped again (the metrics recorder, once installed, stays: a process has
+    /// one).
+    pub async fn build(self) -> Result<MemoryManager, ManagerError> {
+        let mut started = Started::default();
+        match self.start(&mut started).await {
+            Ok(manager) => Ok(manager),
+            Err(error) => {
+                started.stop().await;
+                Err(error)
+            }
+        }
+    }
+
+    fn host_budget_checked(&self) -> Result<u64, ManagerError> {
+        let machine = procmem::host::machine_memory_bytes().unwrap_or(u64::MAX);
+        let host_budget = self.host_budget.unwrap_or(machine / 2);
+        if host_budget == 0 || host_budget > machine {
+            return Err(ManagerError::InvalidBudget {
+                what: "host",
+                bytes: host_budget,
+                why: if host_budget == 0 {
+                    "a budget of zero admits nothing".into()
+                } else {
+                    format!("the machine has {machine} bytes")
+                },
+            });
+        }
+        if matches!(self.cuda, Some((_, 0))) {
+            return Err(ManagerError::InvalidBudget {
+                what: "cuda",
+                bytes: 0,
+                why: "a budget of zero admits nothing".into(),
+            });
+        }
+        Ok(host_budget)
+    }
+
+    async fn start(self, started: &mut Started) -> Result<MemoryManager, ManagerError> {
+        let host_budget = self.host_budget_checked()?;
+        // The recorder first: every actor takes its metric handles as it starts, and handles
+        // taken before the recorder exists go to a no-op recorder for good.
+        let metrics = match self.metrics_addr {
+            Some(addr) => {
+                let (handle, exporter) = install_metrics(addr)?;
+                started.exporter = Some(exporter);
+                Some(handle)
+            }
+            None => None,
+        };
+        // CUDA where asked: without a driver this is a typed error, never a silent fallback.
+        let cuda = match self.cuda {
+            Some((ordinal, budget)) => {
+                let provider = CudaProvider::spawn(CudaProviderConfig {
+                    ordinal,
+                    ..CudaProviderConfig::default()
+                })
+                .await?;
+                started.providers.push(Arc::new(provider.clone()));
+                let detected = provider
+                    .mechanism()
+                    .device()
+                    .is_integrated()
+                    .unwrap_or(false);
+                Some((ordinal, budget, provider, self.unified.unwrap_or(detected)))
+            }
+            None => None,
+        };
+        // The topology: host, and the device either as a tier of the host's pool (unified
+        // memory) or as an authority of its own.
+        let mut topology = Topology::default();
+        let mut host_tiers = vec![(DeviceKey::HOST, MemoryTier::Host)];
+        let mut device_authority = None;
+        if let Some((ordinal, budget, _, unified)) = &cuda {
+            let device = (DeviceKey::cuda(*ordinal), MemoryTier::Device);
+            if *unified {
+                host_tiers.push(device);
+            } else {
+                device_authority = Some((DeviceKey::cuda(*ordinal).to_string(), *budget, device));
+            }
+        }
+        let host_id = topology.add("host", host_budget, &host_tiers)?;
+        let mut authorities = vec![(host_id, "host".to_string(), host_budget)];
+        if let Some((name, budget, tier)) = device_authority {
+            let id = topology.add(&name, budget, &[tier])?;
+            authorities.push((id, name, budget));
+        }
+        // Supervised: a Governor that dies is restarted with the holders' books.
+        for (id, name, budget) in authorities {
+            let books = topology.books_for(id)?;
+            let config = GovernorConfig::new(name.clone(), budget);
+            let (governor, supervisor) = GovernorHandle::spawn_supervised_books(books, id, config)
+                .await
+                .map_err(|source| ManagerError::Spawn {
+                    what: "Governor",
+                    source,
+                })?;
+            started.governors.push(governor.clone());
+            started.actors.push(supervisor);
+            topology.serve(&name, governor);
+        }
+        let host = CpuProvider::spawn(CpuProviderConfig {
+            streams: self.streams.max(1),
+            registry: None,
+        })
+        .await?;
+        started.providers.push(Arc::new(host.clone()));
+        let (supervisor, _) = Actor::spawn(None, HolderSupervisor, ())
+            .await
+            .map_err(|source| ManagerError::Spawn {
+                what: "holder supervisor",
+                source,
+            })?;
+        started.actors.push(supervisor.get_cell());
+        let mut providers: Vec<Arc<dyn DynProvider>> = vec![Arc::new(host.clone())];
+        if let Some((_, _, cuda, _)) = cuda {
+            providers.push(Arc::new(cuda));
+        }
+        let inner = Arc::new(Inner {
+            topology,
+            host,
+            providers,
+            admitting: Arc::new(AtomicBool::new(true)),
+            supervisor,
+            metrics,
+            exporter: Mutex::new(started.exporter.take()),
+            holders: Mutex::new(Vec::new()),
+            sampler: Mutex::new(None),
+        });
+        let sampler = tokio::spawn(sample(Arc::downgrade(&inner)));
+        *inner.sampler.lock().unwrap_or_else(|p| p.into_inner()) = Some(sampler);
+        *started = Started::default();
+        Ok(MemoryManager { inner })
+    }
+}
+
+/// What a `build` that fails part-way has started, to be stopped again.
+#[derive(Default)]
+pub(super) struct Started {
+    exporter: Option<JoinHandle<()>>,
+    providers: Vec<Arc<dyn DynProvider>>,
+    governors: Vec<GovernorHandle>,
+    actors: Vec<ActorCell>,
+}
+
+impl Started {
+    async fn stop(self) {
+        for provider in self.providers {
+            let _ = provider.shutdown().await;
+            provider.actor().stop(None);
+        }
+        for governor in self.governors {
+            governor.stop();
+        }
+        for actor in self.actors {
+            actor.stop(None);
+        }
+        if let Some(exporter) = self.exporter {
+            exporter.abort();
+        }
+    }
+}
+
+fn install_metrics(addr: SocketAddr) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
+    let metrics_error = |why: String| ManagerError::Metrics { addr, why };
+    let (recorder, exporter) = PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .build()
+        .map_err(|e| metrics_error(e.to_string()))?;
+    let handle = recorder.handle();
+    ::metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
+    procmem::metrics::describe_all();
+    let exporter = tokio::spawn(async move {
+        if let Err(error) = exporter.await {
+            tracing::error!(?error, "metrics exporter stopped");
+        }
+    });
+    Ok((handle, exporter))
+}
