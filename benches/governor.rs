@@ -158,21 +158,7 @@ enum ChunkMsg {
     Refill(RpcReplyPort<bool>),
 }
 
-impl From<PressureTicket> for ChunkMsg {
-    fn from(t: PressureTicket) -> Self {
-        ChunkMsg::Ticket(t)
-    }
-}
-
-impl TryFrom<ChunkMsg> for PressureTicket {
-    type Error = ();
-    fn try_from(m: ChunkMsg) -> Result<Self, ()> {
-        match m {
-            ChunkMsg::Ticket(t) => Ok(t),
-            _ => Err(()),
-        }
-    }
-}
+procmem_actors::holder_mailbox!(ChunkMsg::Ticket);
 
 struct ChunkState {
     governor: GovernorHandle,

@@ -10,7 +10,7 @@ use procmem::fenced::RecordUse;
 use procmem::MemoryError;
 
 use crate::deferred_free::{DeferredQueue, StreamRegistry};
-use crate::provider::{OpenedDevice, Provider, ProviderKind, ProviderStream, StreamControl};
+use crate::provider::{OpenedDevice, Provider, ProviderKind};
 use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
@@ -169,21 +169,14 @@ impl ProviderKind for Cuda {
     }
 }
 
-impl StreamControl for CudaStreamHandle {
+impl CudaStreamHandle {
+    /// Stops accepting work and joins the event thread once everything submitted was seen.
     fn stop_and_join(&self) {
         self.inner.core.stop_and_join();
     }
 }
 
-impl ProviderStream for CudaStreamHandle {
-    fn timeline(&self) -> Arc<dyn Timeline> {
-        CudaStreamHandle::timeline(self)
-    }
-
-    fn deferred_free(&self) -> &DeferredQueue {
-        CudaStreamHandle::deferred_free(self)
-    }
-}
+crate::provider::provider_stream!(CudaStreamHandle);
 
 /// The CUDA execution provider: a device's mechanism and CUDA streams.
 pub type CudaProvider = Provider<Cuda>;

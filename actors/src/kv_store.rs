@@ -24,6 +24,7 @@ use tokio::time::{Duration, Instant};
 use crate::charge::{Charge, Tally};
 use crate::deferred_free::{DeferredRelease, PendingFree};
 use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
+use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::provider::CpuProvider;
 use crate::stream::CpuStream;
@@ -216,7 +217,7 @@ pub(crate) enum KvStoreMsg {
     /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
         /// Answered with the counters.
-        reply: RpcReplyPort<KvStoreStats>,
+        reply: RpcReplyPort<Result<KvStoreStats, KvStoreError>>,
     },
     /// Panics the actor (tests of supervision and cleanup).
     #[cfg(feature = "fault-injection")]
@@ -230,21 +231,7 @@ pub(crate) enum KvStoreMsg {
     },
 }
 
-impl From<PressureTicket> for KvStoreMsg {
-    fn from(t: PressureTicket) -> Self {
-        KvStoreMsg::Ticket(t)
-    }
-}
-
-impl TryFrom<KvStoreMsg> for PressureTicket {
-    type Error = ();
-    fn try_from(m: KvStoreMsg) -> Result<Self, ()> {
-        match m {
-            KvStoreMsg::Ticket(t) => Ok(t),
-            _ => Err(()),
-        }
-    }
-}
+crate::holder_mailbox!(KvStoreMsg::Ticket);
 
 /// One whole prompt block, shared by every sequence whose prompt starts the same way. Its
 /// lease bytes go back only when the last sequence mapping it has been freed.
@@ -460,7 +447,7 @@ impl Actor for KvStore {
                 }
             }
             KvStoreMsg::Stats { reply } => {
-                let _ = reply.send(state.stats());
+                let _ = reply.send(Ok(state.stats()));
             }
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
@@ -1343,67 +1330,62 @@ impl KvStoreState {
 /// A cheap, cloneable handle to a KV store.
 #[derive(Debug, Clone)]
 pub struct KvStoreHandle {
-    actor: ActorRef<KvStoreMsg>,
+    holder: HolderRef<KvStoreMsg>,
 }
 
 impl KvStoreHandle {
-    /// Starts a store registered as a holder with `governor`, backed by `provider`.
+    /// Starts a store registered as a holder with `governor`, backed by `provider`. A store
+    /// that cannot start says why (a bad shape is `KvStoreError::Kv`).
     pub async fn spawn(
         config: KvStoreConfig,
         governor: GovernorHandle,
         provider: CpuProvider,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        let (actor, join) = Actor::spawn(
-            None,
-            KvStore,
-            KvStoreArgs {
-                config,
-                governor,
-                provider,
-            },
-        )
-        .await
-        .map_err(|e| crate::startup_error(e, KvStoreError::Start))?;
-        Ok((KvStoreHandle { actor }, join))
+        Self::start(config, governor, provider, None).await
     }
 
-    /// Starts a store supervised by `supervisor` (its failure is reported there, not fatal).
+    /// The same, supervised by `supervisor` (its failure is reported there, not fatal).
     pub async fn spawn_supervised(
         config: KvStoreConfig,
         governor: GovernorHandle,
         provider: CpuProvider,
         supervisor: ractor::ActorCell,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        Self::start(config, governor, provider, Some(supervisor)).await
+    }
+
+    async fn start(
+        config: KvStoreConfig,
+        governor: GovernorHandle,
+        provider: CpuProvider,
+        supervisor: Option<ractor::ActorCell>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         let args = KvStoreArgs {
             config,
             governor,
             provider,
         };
-        let (actor, join) = Actor::spawn_linked(None, KvStore, args, supervisor)
-            .await
-            .map_err(|e| crate::startup_error(e, KvStoreError::Start))?;
-        Ok((KvStoreHandle { actor }, join))
+        let (holder, join) =
+            HolderRef::spawn(KvStore, args, supervisor, KvStoreError::Start).await?;
+        Ok((KvStoreHandle { holder }, join))
     }
 
     /// The store's actor, to supervise, stop or kill it (it takes no message from outside).
     pub fn actor(&self) -> ractor::ActorCell {
-        self.actor.get_cell()
+        self.holder.cell()
     }
 
     /// Makes the store's actor panic at its next message (tests of supervision).
     #[cfg(feature = "fault-injection")]
     pub fn crash(&self) {
-        let _ = self.actor.cast(KvStoreMsg::Crash);
+        self.holder.cast(KvStoreMsg::Crash);
     }
 
     async fn ask<T: Send + 'static>(
         &self,
         build: impl FnOnce(RpcReplyPort<Result<T, KvStoreError>>) -> KvStoreMsg,
     ) -> Result<T, KvStoreError> {
-        match self.actor.call(build, None).await {
-            Ok(ractor::rpc::CallResult::Success(r)) => r,
-            _ => Err(KvStoreError::Unavailable),
-        }
+        self.holder.ask(build, KvStoreError::Unavailable).await
     }
 
     /// Opens a sequence for `prompt`; cached whole prompt blocks are mapped shared.
@@ -1448,12 +1430,11 @@ impl KvStoreHandle {
 
     /// Closes a sequence.
     pub fn close(&self, seq: SeqId) {
-        let _ = self.actor.cast(KvStoreMsg::Close { seq });
+        self.holder.cast(KvStoreMsg::Close { seq });
     }
 
-    /// The store's books.
+    /// What the store holds now and what it did so far (see [`KvStoreStats`]).
     pub async fn stats(&self) -> Result<KvStoreStats, KvStoreError> {
-        ractor::call!(self.actor, |r| KvStoreMsg::Stats { reply: r })
-            .map_err(|_| KvStoreError::Unavailable)
+        self.ask(|reply| KvStoreMsg::Stats { reply }).await
     }
 }

@@ -74,6 +74,7 @@ mod charge;
 mod cuda_provider;
 mod deferred_free;
 mod governor;
+mod holder;
 mod kv_store;
 mod manager;
 mod pressure;
@@ -109,22 +110,3 @@ pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,
 };
 pub use stream::{CpuStream, StreamError};
-
-/// What a failed spawn of one of this crate's actors says: the error its startup returned
-/// when that is an `E` (a bad shape, a Governor that refused the holder), otherwise the spawn
-/// error itself (a panic during startup), wrapped by `other`.
-pub(crate) fn startup_error<E>(
-    error: ractor::SpawnErr,
-    other: impl FnOnce(ractor::SpawnErr) -> E,
-) -> E
-where
-    E: std::error::Error + Send + Sync + 'static,
-{
-    match error {
-        ractor::SpawnErr::StartupFailed(inner) => match inner.downcast::<E>() {
-            Ok(e) => *e,
-            Err(inner) => other(ractor::SpawnErr::StartupFailed(inner)),
-        },
-        e => other(e),
-    }
-}

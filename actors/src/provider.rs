@@ -99,6 +99,29 @@ mod sealed {
 
 pub(crate) use sealed::StreamControl;
 
+/// Makes a stream type a [`ProviderStream`] from its own `timeline`, `deferred_free` and
+/// `stop_and_join` methods (every kind of stream has them).
+macro_rules! provider_stream {
+    ($stream:ty) => {
+        impl $crate::provider::StreamControl for $stream {
+            fn stop_and_join(&self) {
+                <$stream>::stop_and_join(self);
+            }
+        }
+
+        impl $crate::provider::ProviderStream for $stream {
+            fn timeline(&self) -> std::sync::Arc<dyn procmem::fence::Timeline> {
+                <$stream>::timeline(self)
+            }
+
+            fn deferred_free(&self) -> &$crate::deferred_free::DeferredQueue {
+                <$stream>::deferred_free(self)
+            }
+        }
+    };
+}
+pub(crate) use provider_stream;
+
 /// A stream of some provider: a timeline and the deferred-free actor its completions go to.
 pub trait ProviderStream:
     sealed::StreamControl + Clone + Send + Sync + std::fmt::Debug + 'static
@@ -395,21 +418,7 @@ impl ProviderKind for Cpu {
     }
 }
 
-impl StreamControl for CpuStream {
-    fn stop_and_join(&self) {
-        CpuStream::stop_and_join(self);
-    }
-}
-
-impl ProviderStream for CpuStream {
-    fn timeline(&self) -> Arc<dyn Timeline> {
-        CpuStream::timeline(self)
-    }
-
-    fn deferred_free(&self) -> &DeferredQueue {
-        CpuStream::deferred_free(self)
-    }
-}
+provider_stream!(CpuStream);
 
 /// The CPU execution provider: the host mechanism and CPU streams.
 pub type CpuProvider = Provider<Cpu>;

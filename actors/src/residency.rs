@@ -12,6 +12,7 @@ use tokio::time::{Duration, Instant};
 
 use crate::buffer::DeviceBuffer;
 use crate::governor::{GovernorHandle, Lease, ReserveRequest};
+use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::provider::{CpuProvider, ProviderError};
 
@@ -104,30 +105,16 @@ pub(crate) enum ResidencyMsg {
         /// The layer.
         layer: usize,
         /// Its placement.
-        reply: RpcReplyPort<Option<Placement>>,
+        reply: RpcReplyPort<Result<Option<Placement>, ResidencyError>>,
     },
     /// Where the layers are and what moved, for `ResidencyHandle::stats`.
     Stats {
         /// Answered with the counters.
-        reply: RpcReplyPort<ResidencyStats>,
+        reply: RpcReplyPort<Result<ResidencyStats, ResidencyError>>,
     },
 }
 
-impl From<PressureTicket> for ResidencyMsg {
-    fn from(t: PressureTicket) -> Self {
-        ResidencyMsg::Ticket(t)
-    }
-}
-
-impl TryFrom<ResidencyMsg> for PressureTicket {
-    type Error = ();
-    fn try_from(m: ResidencyMsg) -> Result<Self, ()> {
-        match m {
-            ResidencyMsg::Ticket(t) => Ok(t),
-            _ => Err(()),
-        }
-    }
-}
+crate::holder_mailbox!(ResidencyMsg::Ticket);
 
 enum Slot {
     Device(DeviceBuffer),
@@ -252,10 +239,10 @@ impl Actor for ModelResidency {
                             Slot::Device(_) => Placement::Device,
                             Slot::Host { .. } => Placement::Host,
                         });
-                let _ = reply.send(placement);
+                let _ = reply.send(Ok(placement));
             }
             ResidencyMsg::Stats { reply } => {
-                let _ = reply.send(state.stats());
+                let _ = reply.send(Ok(state.stats()));
             }
         }
         Ok(())
@@ -426,7 +413,7 @@ impl ResidencyState {
 /// A cheap, cloneable handle to model residency.
 #[derive(Debug, Clone)]
 pub struct ResidencyHandle {
-    actor: ActorRef<ResidencyMsg>,
+    holder: HolderRef<ResidencyMsg>,
 }
 
 impl ResidencyHandle {
@@ -434,36 +421,36 @@ impl ResidencyHandle {
     pub async fn spawn(
         args: ResidencyArgs,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
-        let (actor, join) = Actor::spawn(None, ModelResidency, args)
-            .await
-            .map_err(|e| crate::startup_error(e, ResidencyError::Start))?;
-        Ok((ResidencyHandle { actor }, join))
+        Self::start(args, None).await
     }
 
-    /// Starts residency supervised by `supervisor` (its failure is reported there, not fatal).
+    /// The same, supervised by `supervisor` (its failure is reported there, not fatal).
     pub async fn spawn_supervised(
         args: ResidencyArgs,
         supervisor: ractor::ActorCell,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
-        let (actor, join) = Actor::spawn_linked(None, ModelResidency, args, supervisor)
-            .await
-            .map_err(|e| crate::startup_error(e, ResidencyError::Start))?;
-        Ok((ResidencyHandle { actor }, join))
+        Self::start(args, Some(supervisor)).await
+    }
+
+    async fn start(
+        args: ResidencyArgs,
+        supervisor: Option<ractor::ActorCell>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), ResidencyError> {
+        let (holder, join) =
+            HolderRef::spawn(ModelResidency, args, supervisor, ResidencyError::Start).await?;
+        Ok((ResidencyHandle { holder }, join))
     }
 
     /// Its actor, to supervise, stop or kill it (it takes no message from outside).
     pub fn actor(&self) -> ractor::ActorCell {
-        self.actor.get_cell()
+        self.holder.cell()
     }
 
-    async fn ask(
+    async fn ask<T: Send + 'static>(
         &self,
-        build: impl FnOnce(RpcReplyPort<Result<(), ResidencyError>>) -> ResidencyMsg,
-    ) -> Result<(), ResidencyError> {
-        match self.actor.call(build, None).await {
-            Ok(ractor::rpc::CallResult::Success(r)) => r,
-            _ => Err(ResidencyError::Unavailable),
-        }
+        build: impl FnOnce(RpcReplyPort<Result<T, ResidencyError>>) -> ResidencyMsg,
+    ) -> Result<T, ResidencyError> {
+        self.holder.ask(build, ResidencyError::Unavailable).await
     }
 
     /// Loads a layer's weights into device memory.
@@ -504,13 +491,12 @@ impl ResidencyHandle {
 
     /// Where a layer is.
     pub async fn placement(&self, layer: usize) -> Result<Option<Placement>, ResidencyError> {
-        ractor::call!(self.actor, |r| ResidencyMsg::Placement { layer, reply: r })
-            .map_err(|_| ResidencyError::Unavailable)
+        self.ask(|reply| ResidencyMsg::Placement { layer, reply })
+            .await
     }
 
     /// Where the layers are now, the bytes on each tier, and the offloads and reloads so far.
     pub async fn stats(&self) -> Result<ResidencyStats, ResidencyError> {
-        ractor::call!(self.actor, |r| ResidencyMsg::Stats { reply: r })
-            .map_err(|_| ResidencyError::Unavailable)
+        self.ask(|reply| ResidencyMsg::Stats { reply }).await
     }
 }

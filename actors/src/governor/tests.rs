@@ -32,21 +32,7 @@ enum HolderMsg {
     Panic,
 }
 
-impl From<PressureTicket> for HolderMsg {
-    fn from(t: PressureTicket) -> Self {
-        HolderMsg::Ticket(t)
-    }
-}
-
-impl TryFrom<HolderMsg> for PressureTicket {
-    type Error = ();
-    fn try_from(m: HolderMsg) -> Result<Self, ()> {
-        match m {
-            HolderMsg::Ticket(t) => Ok(t),
-            _ => Err(()),
-        }
-    }
-}
+crate::holder_mailbox!(HolderMsg::Ticket);
 
 struct HolderState {
     behavior: Behavior,
@@ -393,18 +379,7 @@ async fn holders_of_different_kinds_take_tickets_through_one_message_type() {
     enum OtherMsg {
         Pressure(PressureTicket),
     }
-    impl From<PressureTicket> for OtherMsg {
-        fn from(t: PressureTicket) -> Self {
-            OtherMsg::Pressure(t)
-        }
-    }
-    impl TryFrom<OtherMsg> for PressureTicket {
-        type Error = ();
-        fn try_from(m: OtherMsg) -> Result<Self, ()> {
-            let OtherMsg::Pressure(t) = m;
-            Ok(t)
-        }
-    }
+    crate::holder_mailbox!(OtherMsg::Pressure);
     impl Actor for OtherKind {
         type Msg = OtherMsg;
         type State = Option<Lease>;
