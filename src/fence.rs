@@ -6,10 +6,12 @@
 //! woken when it does: a [`Waker`] runs on the thread that completes the value, so nothing
 //! that waits on a fence has to poll.
 
+mod queue;
+
+pub use queue::FenceQueue;
+
 use std::fmt;
 use std::time::{Duration, Instant};
-
-use crate::deferred::FenceQueue;
 
 // Under `--cfg procmem_loom` the timeline's synchronisation is loom's, so its model tests
 // explore every interleaving of completers and waiters.

@@ -25,7 +25,7 @@ pub struct DeviceBuffer {
 }
 
 /// The allocation, shared only with host kernels reading it while they run (see
-/// [`CpuStream::submit_reading`](crate::stream::CpuStream::submit_reading)): a kernel's share
+/// [`CpuStream::submit_reading`](crate::CpuStream::submit_reading)): a kernel's share
 /// is dropped before its fence completes, so by the time the deferred free runs the share is
 /// the only one. The bytes a kernel reads come from `procmem::host::allocation_bytes`, the one
 /// constructor of host slices, on a share that keeps the mapping alive.
@@ -44,7 +44,7 @@ impl Release for Shared {
 }
 
 /// A raw view of a buffer for device kernels: an address and a length on one device. Host
-/// kernels read through [`CpuStream::submit_reading`](crate::stream::CpuStream::submit_reading)
+/// kernels read through [`CpuStream::submit_reading`](crate::CpuStream::submit_reading)
 /// instead, which hands them slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferView {

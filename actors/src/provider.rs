@@ -2,7 +2,7 @@
 //! own deferred-free actor, supervised by the provider actor. One generic actor and handle,
 //! [`Provider`], serves every kind; a [`ProviderKind`] says what differs: the mechanism and
 //! how a stream starts. The CPU kind is here ([`CpuProvider`]); the CUDA kind is in
-//! [`cuda_provider`](crate::cuda_provider).
+//! [`CudaProvider`](crate::CudaProvider).
 
 use std::marker::PhantomData;
 use std::sync::Arc;

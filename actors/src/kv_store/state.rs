@@ -1,0 +1,309 @@
+//! The store's bookkeeping: grants obtained off the mailbox, retiring a sequence's memory
+//! to the deferred-free path, answering pressure tickets with whole units, preemption and
+//! the counters.
+
+use super::*;
+
+impl KvStoreState {
+    /// Blocks a sequence was filling for the cache will never be complete once it is gone:
+    /// they leave the cache (their memory goes with the last mapping).
+    pub(super) fn abandon_filling(&mut self, filling: Vec<(u64, usize)>) {
+        for (key, _) in filling {
+            if self.prefixes.get(&key).is_some_and(|p| !p.complete) {
+                self.prefixes.remove(&key);
+            }
+        }
+    }
+
+    pub(super) fn in_flight(&self, entry: &SeqEntry) -> bool {
+        entry.busy
+            || entry.stepping
+            || entry
+                .last_fence
+                .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    }
+
+    /// Sends a sequence's memory to the deferred-free queue with its last fence.
+    pub(super) fn retire(&mut self, entry: SeqEntry) {
+        let SeqEntry {
+            state,
+            charge,
+            prefixes,
+            last_fence,
+            ..
+        } = entry;
+        let SeqState::Active(seq) = state else {
+            return;
+        };
+        let memory = SeqMemory { seq, prefixes };
+        let pending = PendingFree::new(Box::new(memory), Some(charge));
+        if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline())) {
+            pending.record_use(use_);
+        }
+        // If the queue is gone the message is dropped, and a dropped `PendingFree` still frees
+        // only after its fence, woken by its completion.
+        self.stream.deferred_free().enqueue(pending);
+    }
+
+    pub(super) fn begin(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        bytes: u64,
+        priority: Priority,
+        pending: Pending,
+    ) {
+        let txn = self.next_txn;
+        self.next_txn += 1;
+        self.pending.insert(txn, pending);
+        let governor = self.governor.clone();
+        let request = ReserveRequest {
+            holder: self.holder,
+            role: MemoryRole::KvCache,
+            bytes,
+            priority,
+            deadline: Some(Instant::now() + self.config.wait),
+        };
+        let me = myself.clone();
+        // Waiting for room happens off the mailbox, so tickets keep being answered meanwhile.
+        tokio::spawn(async move {
+            let grant = governor.reserve(request).await;
+            let _ = me.cast(KvStoreMsg::Granted { txn, grant });
+        });
+    }
+
+    pub(super) async fn granted(&mut self, txn: u64, grant: Result<Grant, GovernorError>) {
+        let Some(pending) = self.pending.remove(&txn) else {
+            return;
+        };
+        match grant {
+            Err(e) => self.fail(pending, e.into()),
+            Ok(grant) => match pending {
+                p @ Pending::Open { .. } => self.finish_open(p, Some(grant)).await,
+                p @ Pending::Prepare { .. } => self.finish_prepare(p, grant).await,
+                p @ Pending::Restore { .. } => self.finish_restore(p, grant).await,
+            },
+        }
+    }
+
+    pub(super) fn fail(&mut self, pending: Pending, error: KvStoreError) {
+        match pending {
+            Pending::Open { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Pending::Prepare { seqs, reply, .. } => {
+                for (seq, _) in seqs {
+                    if let Some(e) = self.seqs.get_mut(&seq) {
+                        e.busy = false;
+                    }
+                }
+                let _ = reply.send(Err(error));
+            }
+            Pending::Restore {
+                seq,
+                tokens,
+                saved,
+                reply,
+                ..
+            } => {
+                if let Some(e) = self.seqs.get_mut(&seq) {
+                    e.busy = false;
+                    e.state = SeqState::Preempted {
+                        mode: PreemptMode::Swap,
+                        tokens,
+                        saved: Some(saved),
+                    };
+                }
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+
+    /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
+    /// free to go as soon as that kernel's fence completes.
+    pub(super) fn waits_only_for_its_fence(&self, entry: &SeqEntry) -> bool {
+        !entry.busy
+            && !entry.stepping
+            && matches!(entry.state, SeqState::Active(_))
+            && entry
+                .last_fence
+                .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    }
+
+    /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
+    /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
+    /// in use by the device), so the report has nothing pending a fence. `rechecks`: how many
+    /// times this ticket was already put off.
+    pub(super) fn answer(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        ticket: PressureTicket,
+        rechecks: u32,
+    ) {
+        let _span = tracing::debug_span!(
+            "pressure_ticket",
+            ticket = ticket.id.get(),
+            wanted = ticket.bytes_wanted
+        )
+        .entered();
+        let prefixes: Vec<PrefixCandidate<u64>> = self
+            .prefixes
+            .iter()
+            .map(|(key, p)| PrefixCandidate {
+                key: *key,
+                bytes: p.prefix.bytes,
+                last_used: p.last_used,
+                // Only the cache holds it: nobody maps it (an incomplete one lost its writer).
+                referenced: Arc::strong_count(&p.prefix) > 1,
+            })
+            .collect();
+        let sequences: Vec<SequenceCandidate<SeqId>> = self
+            .seqs
+            .iter()
+            .filter_map(|(id, e)| match &e.state {
+                SeqState::Active(m) => Some(SequenceCandidate {
+                    id: *id,
+                    bytes: m.exclusive_bytes(),
+                    priority: e.priority,
+                    in_flight: self.in_flight(e),
+                }),
+                SeqState::Preempted { .. } => None,
+            })
+            .collect();
+        let available: u64 = prefixes
+            .iter()
+            .filter(|p| !p.referenced)
+            .map(|p| p.bytes)
+            .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
+            .sum();
+        let soon_free = self
+            .seqs
+            .values()
+            .filter(|e| self.waits_only_for_its_fence(e))
+            .filter_map(|e| e.last_fence)
+            .min_by_key(|f| f.value);
+        if let Some(fence) = soon_free.filter(|_| {
+            available == 0
+                && rechecks < TICKET_RECHECKS
+                && tokio::time::Instant::now() < ticket.deadline
+        }) {
+            // Nothing can go now, but a sequence whose last kernel is finishing can go once
+            // its fence completes: its completion wakes the store to look again (a few times
+            // at most) rather than answer "nothing" and not be asked again in this round.
+            // Nothing polls. (The Governor has one ticket out at a time and moves on at the
+            // ticket's deadline.)
+            let me = myself.clone();
+            self.stream.timeline().on_complete(
+                fence.value,
+                Box::new(move |_| {
+                    let _ = me.cast(KvStoreMsg::RecheckTicket {
+                        ticket,
+                        rechecks: rechecks + 1,
+                    });
+                }),
+            );
+            return;
+        }
+        let mut freed = 0;
+        // Every eligible unit in the policy's order; stop once enough is really freed (a unit
+        // whose free fails frees nothing and the next one is taken).
+        for victim in choose_victims(u64::MAX, &prefixes, &sequences) {
+            if freed >= ticket.bytes_wanted {
+                break;
+            }
+            match victim {
+                Victim::Prefix(key) => {
+                    if procmem::fault::hit("kv.evict").is_err() {
+                        continue;
+                    }
+                    if let Some(p) = self.prefixes.remove(&key) {
+                        freed += p.prefix.bytes;
+                    }
+                }
+                Victim::Sequence(id) => freed += self.preempt(id),
+            }
+        }
+        self.stats.tickets += 1;
+        self.stats.freed_by_pressure += freed;
+        tracing::debug!(
+            wanted = ticket.bytes_wanted,
+            freed,
+            "KV store answered a pressure ticket"
+        );
+        ticket.report(freed, 0);
+    }
+
+    /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
+    /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed.
+    pub(super) fn preempt(&mut self, id: SeqId) -> u64 {
+        if procmem::fault::hit("kv.evict").is_err() {
+            return 0;
+        }
+        let _span =
+            tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
+        let mode = self.config.preempt;
+        let Some(entry) = self.seqs.get_mut(&id) else {
+            return 0;
+        };
+        let SeqState::Active(memory) = &entry.state else {
+            return 0;
+        };
+        let tokens = memory.tokens();
+        let saved = match mode {
+            PreemptMode::Swap => Some(
+                (0..memory.shape().layers)
+                    .map(|l| {
+                        (
+                            memory.keys(l).map(<[f32]>::to_vec).unwrap_or_default(),
+                            memory.values(l).map(<[f32]>::to_vec).unwrap_or_default(),
+                        )
+                    })
+                    .collect(),
+            ),
+            PreemptMode::Recompute => None,
+        };
+        let old = std::mem::replace(
+            &mut entry.state,
+            SeqState::Preempted {
+                mode,
+                tokens,
+                saved,
+            },
+        );
+        let prefixes = std::mem::take(&mut entry.prefixes);
+        let filling = std::mem::take(&mut entry.filling);
+        let SeqState::Active(memory) = old else {
+            unreachable!("checked above")
+        };
+        let freed = memory.exclusive_bytes();
+        let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
+        // Not in flight: no fence to wait for, so the mechanism frees it here and now, and
+        // only then does what paid for it go back.
+        let _ = DeferredRelease::release(Box::new(SeqMemory {
+            seq: memory,
+            prefixes,
+        }));
+        drop(charge);
+        self.abandon_filling(filling);
+        self.stats.preemptions += 1;
+        freed
+    }
+
+    pub(super) fn stats(&self) -> KvStoreStats {
+        let mut stats = self.stats.clone();
+        stats.sequences = self.seqs.len();
+        for e in self.seqs.values() {
+            match &e.state {
+                SeqState::Active(m) => {
+                    stats.tokens += m.tokens();
+                    stats.exclusive_bytes += m.exclusive_bytes();
+                }
+                SeqState::Preempted { .. } => stats.preempted += 1,
+            }
+        }
+        stats.prefix_entries = self.prefixes.len();
+        stats.prefix_bytes = self.prefixes.values().map(|p| p.prefix.bytes).sum();
+        stats.leased_bytes = self.tally.bytes();
+        stats.os_resident_bytes = self.backing.resident_bytes().unwrap_or(0);
+        stats
+    }
+}

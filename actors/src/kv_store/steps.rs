@@ -1,0 +1,567 @@
+//! A request's steps in the store: open (prefix lookup, shared blocks), prepare (one grant
+//! for the step, map, commit, publish), attend (write the token's K/V, run attention on the
+//! stream) and restore (bring a preempted sequence back).
+
+use super::*;
+
+impl KvStoreState {
+    pub(super) async fn open(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seq: SeqId,
+        prompt: Vec<u32>,
+        priority: Priority,
+        reply: RpcReplyPort<Result<Opened, KvStoreError>>,
+    ) {
+        let opening = self
+            .pending
+            .values()
+            .any(|p| matches!(p, Pending::Open { seq: s, .. } if *s == seq));
+        if self.seqs.contains_key(&seq) || opening {
+            let _ = reply.send(Err(KvStoreError::AlreadyOpen(seq)));
+            return;
+        }
+        let shape = self.config.shape;
+        let g = procmem::granularity();
+        let bt = shape.block_tokens(g);
+        let mut keys = Vec::new();
+        let mut h = 0;
+        for block in prompt.chunks_exact(bt) {
+            h = chain_hash(h, block);
+            keys.push(h);
+        }
+        let hits = keys
+            .iter()
+            .take_while(|k| self.prefixes.get(k).is_some_and(|p| p.complete))
+            .count();
+        // Blocks after the hits are created for this sequence to fill; one already being
+        // filled by another sequence is shared only once complete, so stop there.
+        let new_keys: Vec<u64> = keys[hits..]
+            .iter()
+            .take_while(|k| !self.prefixes.contains_key(k))
+            .copied()
+            .collect();
+        let memory =
+            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            };
+        let entry = SeqEntry {
+            state: SeqState::Active(memory),
+            charge: Charge::counted(&self.tally),
+            priority,
+            prefixes: Vec::new(),
+            filling: Vec::new(),
+            last_fence: None,
+            busy: false,
+            stepping: false,
+        };
+        let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
+        let hits: Vec<(u64, Arc<SharedPrefix>)> = keys[..hits]
+            .iter()
+            .map(|k| (*k, Arc::clone(&self.prefixes[k].prefix)))
+            .collect();
+        let pending = Pending::Open {
+            seq,
+            entry: Box::new(entry),
+            hits,
+            new_keys,
+            bytes,
+            reply,
+        };
+        if bytes == 0 {
+            self.finish_open(pending, None).await;
+        } else {
+            self.begin(myself, bytes, priority, pending);
+        }
+    }
+
+    pub(super) async fn finish_open(&mut self, pending: Pending, grant: Option<Grant>) {
+        let Pending::Open {
+            seq,
+            mut entry,
+            hits,
+            new_keys,
+            bytes,
+            reply,
+        } = pending
+        else {
+            return;
+        };
+        let shape = self.config.shape;
+        let g = procmem::granularity();
+        let bt = shape.block_tokens(g);
+        let mut charge = Charge::counted(&self.tally);
+        if let Some(grant) = grant {
+            match grant.commit(bytes).await {
+                Ok(lease) => charge.add(lease),
+                Err(refused) => {
+                    let _ = reply.send(Err(refused.error.into()));
+                    return;
+                }
+            }
+        }
+        let mapping: &dyn SharedMapping = self.backing.as_ref();
+        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        let mut fresh = Vec::with_capacity(new_keys.len());
+        for _ in &new_keys {
+            let blocks: Result<Vec<_>, _> = (0..shape.buffers())
+                .map(|_| mapping.create_block(shape.block_bytes(g)))
+                .collect();
+            match blocks {
+                Ok(blocks) => fresh.push(Arc::new(SharedPrefix {
+                    blocks,
+                    bytes: block_bytes,
+                    // The open committed exactly one block's bytes per new key.
+                    _charge: charge.split(block_bytes).unwrap_or_default(),
+                })),
+                Err(e) => {
+                    // The blocks made so far are dropped and their charges released as they
+                    // go; what was not used yet goes back with `charge`.
+                    drop(fresh);
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            }
+        }
+        drop(charge);
+        let hit_count = hits.len();
+        let mut used: Vec<Arc<SharedPrefix>> = Vec::with_capacity(hit_count + fresh.len());
+        for (key, prefix) in hits {
+            if let Some(p) = self.prefixes.get_mut(&key) {
+                p.last_used = self.clock;
+            }
+            used.push(prefix);
+        }
+        let access: Vec<MapAccess> = std::iter::repeat_n(MapAccess::ReadOnly, used.len())
+            .chain(std::iter::repeat_n(MapAccess::ReadWrite, fresh.len()))
+            .collect();
+        used.extend(fresh.iter().cloned());
+        if !used.is_empty() {
+            let blocks: Vec<PhysicalBlock> =
+                used.iter().flat_map(|p| p.blocks.iter().cloned()).collect();
+            let SeqState::Active(memory) = &mut entry.state else {
+                unreachable!("a new sequence is active")
+            };
+            let attached = memory.attach_prefix(
+                self.backing.as_ref(),
+                mapping,
+                &blocks,
+                &access,
+                hit_count * bt,
+            );
+            if let Err(e) = attached {
+                drop(blocks);
+                drop(used);
+                drop(fresh);
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        }
+        for (i, (key, prefix)) in new_keys.iter().zip(&fresh).enumerate() {
+            self.prefixes.insert(
+                *key,
+                CachedPrefix {
+                    prefix: Arc::clone(prefix),
+                    complete: false,
+                    last_used: self.clock,
+                },
+            );
+            entry.filling.push((*key, (hit_count + i + 1) * bt));
+        }
+        entry.prefixes = used;
+        let cached = hit_count * bt;
+        self.stats.prefix_hit_tokens += cached as u64;
+        self.seqs.insert(seq, *entry);
+        let _ = reply.send(Ok(Opened {
+            cached_tokens: cached,
+        }));
+    }
+
+    pub(super) fn prepare(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seqs: Vec<SeqId>,
+        reply: RpcReplyPort<Result<(), KvStoreError>>,
+    ) {
+        let mut plan = Vec::with_capacity(seqs.len());
+        let mut bytes = 0;
+        let mut priority = 0;
+        for seq in &seqs {
+            let Some(entry) = self.seqs.get(seq) else {
+                let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+                return;
+            };
+            if entry.busy {
+                let _ = reply.send(Err(KvStoreError::Busy(*seq)));
+                return;
+            }
+            let memory = match &entry.state {
+                SeqState::Active(m) => m,
+                SeqState::Preempted { mode, .. } => {
+                    let _ = reply.send(Err(KvStoreError::Preempted(*seq, *mode)));
+                    return;
+                }
+            };
+            if memory.tokens() >= memory.shape().max_tokens {
+                let _ = reply.send(Err(KvError::Full(memory.shape().max_tokens).into()));
+                return;
+            }
+            let per = memory.growth_for(1);
+            bytes += per * memory.shape().buffers() as u64;
+            priority = priority.max(entry.priority);
+            plan.push((*seq, per));
+        }
+        if bytes == 0 {
+            for (seq, _) in &plan {
+                self.seqs.get_mut(seq).expect("checked").stepping = true;
+            }
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        for (seq, _) in &plan {
+            self.seqs.get_mut(seq).expect("checked").busy = true;
+        }
+        self.begin(
+            myself,
+            bytes,
+            priority,
+            Pending::Prepare {
+                seqs: plan,
+                bytes,
+                reply,
+            },
+        );
+    }
+
+    /// The grow transaction: map every sequence's growth (undoing all on any failure),
+    /// commit the one charge, then publish.
+    pub(super) async fn finish_prepare(&mut self, pending: Pending, grant: Grant) {
+        let Pending::Prepare { seqs, bytes, reply } = pending else {
+            return;
+        };
+        let backing = Arc::clone(&self.backing);
+        let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
+        let mut failure: Option<KvStoreError> = None;
+        for (seq, per) in &seqs {
+            let Some(SeqEntry {
+                state: SeqState::Active(memory),
+                ..
+            }) = self.seqs.get_mut(seq)
+            else {
+                continue;
+            };
+            if *per == 0 {
+                continue;
+            }
+            match memory.map_growth(backing.as_ref(), *per) {
+                Ok(g) => mapped.push((*seq, g)),
+                Err(e) => {
+                    failure = Some(e.into());
+                    break;
+                }
+            }
+        }
+        let actual: u64 = mapped.iter().map(|(_, g)| g.bytes()).sum();
+        let mut committed = Charge::counted(&self.tally);
+        if failure.is_none() && actual > 0 {
+            if let Err(e) = procmem::fault::hit("kv.grow.commit") {
+                failure = Some(e.into());
+                drop(grant);
+            } else {
+                match grant.commit(actual).await {
+                    Ok(lease) => committed.add(lease),
+                    Err(refused) => failure = Some(refused.error.into()),
+                }
+            }
+        } else {
+            drop(grant);
+        }
+        if failure.is_none() {
+            if let Err(e) = procmem::fault::hit("kv.grow.publish") {
+                failure = Some(e.into());
+            }
+        }
+        let _ = bytes;
+        for (seq, growth) in mapped {
+            if let Some(SeqEntry {
+                state: SeqState::Active(memory),
+                charge,
+                ..
+            }) = self.seqs.get_mut(&seq)
+            {
+                if failure.is_some() {
+                    let _ = memory.abandon(backing.as_ref(), growth);
+                } else {
+                    // Each sequence keeps the part of the step's lease that pays for its growth.
+                    if let Some(part) = committed.split(growth.bytes()) {
+                        charge.absorb(part);
+                    }
+                    memory.publish(growth);
+                }
+            }
+        }
+        // On failure everything was unmapped above; only now does the charge go back.
+        drop(committed);
+        let ok = failure.is_none();
+        for (seq, _) in &seqs {
+            if let Some(e) = self.seqs.get_mut(seq) {
+                e.busy = false;
+                e.stepping = ok;
+            }
+        }
+        let _ = reply.send(match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        });
+    }
+
+    #[allow(unsafe_code)]
+    pub(super) fn attend(
+        &mut self,
+        layer: usize,
+        items: Vec<AttendItem>,
+        reply: RpcReplyPort<Result<Vec<Vec<f32>>, KvStoreError>>,
+    ) {
+        let shape = self.config.shape;
+        // Validate everything before writing anything.
+        for item in &items {
+            match self.seqs.get(&item.seq).map(|e| &e.state) {
+                None => {
+                    let _ = reply.send(Err(KvStoreError::Unknown(item.seq)));
+                    return;
+                }
+                Some(SeqState::Preempted { mode, .. }) => {
+                    let _ = reply.send(Err(KvStoreError::Preempted(item.seq, *mode)));
+                    return;
+                }
+                Some(SeqState::Active(m)) => {
+                    if m.tokens() + 1 > m.mapped_tokens() {
+                        let _ = reply.send(Err(KvError::NotMapped(m.tokens()).into()));
+                        return;
+                    }
+                    if item.q.len() != shape.q_heads * shape.head_dim {
+                        let _ = reply.send(Err(KvError::WrongLength {
+                            expected: shape.q_heads * shape.head_dim,
+                            got: item.q.len(),
+                        }
+                        .into()));
+                        return;
+                    }
+                }
+            }
+        }
+        let mut work = Vec::with_capacity(items.len());
+        for item in &items {
+            let entry = self.seqs.get_mut(&item.seq).expect("validated");
+            let SeqState::Active(memory) = &mut entry.state else {
+                unreachable!("validated")
+            };
+            let pos = memory.tokens();
+            if let Err(e) = memory.write(layer, pos, &item.k, &item.v) {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+            let n = pos + 1;
+            let (k, v) = match (memory.keys_upto(layer, n), memory.values_upto(layer, n)) {
+                (Ok(k), Ok(v)) => (k.as_ptr() as usize, v.as_ptr() as usize),
+                (Err(e), _) | (_, Err(e)) => {
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            };
+            work.push((k, v, n, item.q.clone()));
+        }
+        let floats = shape.token_floats();
+        let kernel = move || {
+            let outputs: Vec<Vec<f32>> = work
+                .iter()
+                .map(|(k, v, n, q)| {
+                    // SAFETY: the store records this kernel's fence on every sequence before
+                    // anything can free it; victims exclude sequences in flight and retired
+                    // memory waits for the fence, so `n` tokens stay mapped and unwritten.
+                    let (k, v) = unsafe {
+                        (
+                            std::slice::from_raw_parts(*k as *const f32, n * floats),
+                            std::slice::from_raw_parts(*v as *const f32, n * floats),
+                        )
+                    };
+                    let mut out = vec![0f32; q.len()];
+                    gqa_decode(
+                        q,
+                        k,
+                        v,
+                        *n,
+                        shape.q_heads,
+                        shape.kv_heads,
+                        shape.head_dim,
+                        &mut out,
+                    );
+                    out
+                })
+                .collect();
+            let _ = reply.send(Ok(outputs));
+        };
+        let fence = match self.stream.submit(&[], kernel) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(%e, "attention kernel not submitted");
+                return;
+            }
+        };
+        let last_layer = layer + 1 == shape.layers;
+        for item in &items {
+            let entry = self.seqs.get_mut(&item.seq).expect("validated");
+            entry.last_fence = Some(fence);
+            if last_layer {
+                entry.stepping = false;
+                if let SeqState::Active(memory) = &mut entry.state {
+                    let _ = memory.advance();
+                    let tokens = memory.tokens();
+                    let done: Vec<u64> = entry
+                        .filling
+                        .iter()
+                        .filter(|(_, end)| *end <= tokens)
+                        .map(|(k, _)| *k)
+                        .collect();
+                    entry.filling.retain(|(_, end)| *end > tokens);
+                    for key in done {
+                        if let Some(p) = self.prefixes.get_mut(&key) {
+                            p.complete = true;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn restore(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seq: SeqId,
+        reply: RpcReplyPort<Result<Restored, KvStoreError>>,
+    ) {
+        let shape = self.config.shape;
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            return;
+        };
+        if let SeqState::Active(m) = &entry.state {
+            let _ = reply.send(Ok(Restored::Swapped { tokens: m.tokens() }));
+            return;
+        }
+        let memory =
+            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
+                Ok(m) => m,
+                Err(e) => {
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            };
+        let per_buffer = memory.growth_for(match &entry.state {
+            SeqState::Preempted { tokens, .. } => *tokens,
+            SeqState::Active(_) => 0,
+        });
+        let SeqState::Preempted {
+            mode,
+            tokens,
+            saved,
+        } = std::mem::replace(&mut entry.state, SeqState::Active(memory))
+        else {
+            unreachable!("checked above")
+        };
+        let saved = match (mode, saved) {
+            (PreemptMode::Swap, Some(saved)) if tokens > 0 => saved,
+            _ => {
+                let _ = reply.send(Ok(Restored::Recompute { tokens }));
+                return;
+            }
+        };
+        entry.busy = true;
+        let priority = entry.priority;
+        self.begin(
+            myself,
+            per_buffer * shape.buffers() as u64,
+            priority,
+            Pending::Restore {
+                seq,
+                per_buffer,
+                tokens,
+                saved,
+                reply,
+            },
+        );
+    }
+
+    pub(super) async fn finish_restore(&mut self, pending: Pending, grant: Grant) {
+        let Pending::Restore {
+            seq,
+            per_buffer,
+            tokens,
+            saved,
+            reply,
+        } = pending
+        else {
+            return;
+        };
+        let backing = Arc::clone(&self.backing);
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            return;
+        };
+        let SeqState::Active(memory) = &mut entry.state else {
+            unreachable!("a restoring sequence is active")
+        };
+        let result: Result<(), KvStoreError> = async {
+            let growth = memory.map_growth(backing.as_ref(), per_buffer)?;
+            match grant.commit(growth.bytes()).await {
+                Ok(lease) => entry.charge.add(lease),
+                Err(refused) => {
+                    memory.abandon(backing.as_ref(), growth)?;
+                    return Err(refused.error.into());
+                }
+            }
+            memory.publish(growth);
+            let floats = memory.token_floats();
+            for pos in 0..tokens {
+                for (layer, (k, v)) in saved.iter().enumerate() {
+                    memory.write(
+                        layer,
+                        pos,
+                        &k[pos * floats..(pos + 1) * floats],
+                        &v[pos * floats..(pos + 1) * floats],
+                    )?;
+                }
+                memory.advance()?;
+            }
+            Ok(())
+        }
+        .await;
+        let entry = self.seqs.get_mut(&seq).expect("present above");
+        entry.busy = false;
+        match result {
+            Ok(()) => {
+                let _ = reply.send(Ok(Restored::Swapped { tokens }));
+            }
+            Err(e) => {
+                // Back to preempted with the saved copy; the partial memory is freed.
+                let old = std::mem::replace(
+                    &mut entry.state,
+                    SeqState::Preempted {
+                        mode: PreemptMode::Swap,
+                        tokens,
+                        saved: Some(saved),
+                    },
+                );
+                let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
+                // The memory first, then what paid for it.
+                drop(old);
+                drop(charge);
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+}
