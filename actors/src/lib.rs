@@ -110,3 +110,8 @@ pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,
 };
 pub use stream::{CpuStream, StreamError};
+
+// The README's embedding example compiles and runs as a doctest of this crate.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
