@@ -18,10 +18,18 @@ fn the_readme_lists_every_metric_as_defined() {
             missing.push(row);
         }
     }
-    assert!(missing.is_empty(), "README rows missing or stale:\n{}", missing.join("\n"));
+    assert!(
+        missing.is_empty(),
+        "README rows missing or stale:\n{}",
+        missing.join("\n")
+    );
     let rows = readme
         .lines()
         .filter(|l| l.starts_with("| `procmem_"))
         .count();
-    assert_eq!(rows, procmem::metrics::ALL.len(), "a README row names no metric");
+    assert_eq!(
+        rows,
+        procmem::metrics::ALL.len(),
+        "a README row names no metric"
+    );
 }

@@ -242,20 +242,7 @@ impl Lease {
     /// keep their order). Refuses zero or more than the lease holds, changing nothing.
     pub fn release(&mut self, bytes: u64) -> Result<(), GovernorError> {
         self.take(bytes)?;
-        // The account changes with the message, under one lock: a Governor that died and is
-        // being restarted rebuilds its books from the account, so a release it never received
-        // is still counted once.
-        let sent = self.address.lease_released(
-            self.id,
-            bytes,
-            Some(GovernorMsg::Release {
-                holder: self.holder,
-                lease: self.id,
-                bytes,
-                reply: None,
-            }),
-        );
-        if sent.is_err() {
+        if self.send_release(bytes, None).is_err() {
             tracing::debug!(lease = %self.id, bytes, "governor down; the release is in the account");
         }
         Ok(())
@@ -283,33 +270,35 @@ impl Lease {
             return Ok(0);
         }
         let (tx, rx) = ractor::concurrency::oneshot();
-        let sent = self.address.lease_released(
+        let sent = self.send_release(bytes, Some(tx.into()));
+        answer(sent, rx).await?.map(|_| bytes).map_err(Into::into)
+    }
+
+    /// Tells the Governor `bytes` came back. The account changes with the message, under the
+    /// address's gate: a Governor that died and is being restarted rebuilds its books from the
+    /// account, so a release it never received is still counted once.
+    fn send_release(
+        &self,
+        bytes: u64,
+        reply: Option<RpcReplyPort<Result<u64, LedgerError>>>,
+    ) -> Result<(), ractor::MessagingErr<GovernorMsg>> {
+        self.address.lease_released(
             self.id,
             bytes,
             Some(GovernorMsg::Release {
                 holder: self.holder,
                 lease: self.id,
                 bytes,
-                reply: Some(tx.into()),
+                reply,
             }),
-        );
-        answer(sent, rx).await?.map(|_| bytes).map_err(Into::into)
+        )
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         if self.remaining > 0 {
-            let _ = self.address.lease_released(
-                self.id,
-                self.remaining,
-                Some(GovernorMsg::Release {
-                    holder: self.holder,
-                    lease: self.id,
-                    bytes: self.remaining,
-                    reply: None,
-                }),
-            );
+            let _ = self.send_release(self.remaining, None);
         }
     }
 }
