@@ -1,13 +1,16 @@
 //! KV cache policy and memory, without actors: geometry, the GQA decode operator, one
-//! sequence's virtually contiguous K/V buffers with two-phase growth, and victim choice.
+//! sequence's virtually contiguous K/V buffers with two-phase growth, the prefix cache's
+//! rules, and victim choice.
 
 pub mod gqa;
+pub mod prefix;
 #[cfg(target_os = "linux")]
 pub mod sequence;
 pub mod shape;
 pub mod victims;
 
 pub use gqa::gqa_decode;
+pub use prefix::{chain_hash, BlockState, Lookup, PrefixCache, Writer};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
 pub use shape::{KvShape, ShapeError};

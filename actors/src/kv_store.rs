@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, PrefixCandidate,
-    SequenceCandidate, Victim,
+    choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, PrefixCache,
+    PrefixCandidate, SequenceCandidate, Victim, Writer,
 };
 use procmem::ledger::{HolderId, Priority};
 use procmem::{HostBacking, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping};
@@ -86,6 +86,9 @@ pub enum KvStoreError {
     /// The sequence has a step being prepared.
     #[error("sequence {0} is busy with another step")]
     Busy(SeqId),
+    /// One batch named the sequence twice; nothing was done.
+    #[error("sequence {0} is named twice in one batch")]
+    Duplicate(SeqId),
     /// The store is not running.
     #[error("the KV store is not running")]
     Unavailable,
@@ -252,13 +255,6 @@ impl Drop for SharedPrefix {
     }
 }
 
-/// A cache entry: the shared block and whether its writer has filled it yet.
-struct CachedPrefix {
-    prefix: Arc<SharedPrefix>,
-    complete: bool,
-    last_used: u64,
-}
-
 /// A sequence's memory on its way out: freed by its mechanism after its fences; its charge
 /// (the refund of its [`PendingFree`]) goes back after that.
 struct SeqMemory {
@@ -288,6 +284,9 @@ enum SeqState {
 }
 
 struct SeqEntry {
+    /// This incarnation of the sequence: unique for the store's life, unlike the id, which a
+    /// caller may close and open again while work for the old one is still pending.
+    writer: Writer,
     state: SeqState,
     /// Pays for the sequence's own memory (not the shared prefixes it maps).
     charge: Charge,
@@ -313,12 +312,14 @@ enum Pending {
         reply: RpcReplyPort<Result<Opened, KvStoreError>>,
     },
     Prepare {
-        seqs: Vec<(SeqId, u64)>,
+        /// Each sequence, its incarnation and its growth per buffer.
+        seqs: Vec<(SeqId, Writer, u64)>,
         bytes: u64,
         reply: RpcReplyPort<Result<(), KvStoreError>>,
     },
     Restore {
         seq: SeqId,
+        writer: Writer,
         per_buffer: u64,
         tokens: usize,
         saved: SavedKv,
@@ -336,7 +337,9 @@ pub(crate) struct KvStoreState {
     /// What every charge of this store holds, those waiting for their fences included.
     tally: Tally,
     seqs: HashMap<SeqId, SeqEntry>,
-    prefixes: HashMap<u64, CachedPrefix>,
+    prefixes: PrefixCache<Arc<SharedPrefix>>,
+    /// The next sequence incarnation.
+    next_writer: Writer,
     pending: HashMap<u64, Pending>,
     next_txn: u64,
     clock: u64,
@@ -355,18 +358,6 @@ pub(crate) struct KvStoreArgs {
     pub governor: GovernorHandle,
     /// The execution provider whose host mechanism backs it and whose stream runs attention.
     pub provider: CpuProvider,
-}
-
-fn chain_hash(prev: u64, tokens: &[u32]) -> u64 {
-    // FNV-1a over the previous block's hash and this block's token ids.
-    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ prev.rotate_left(17);
-    for t in tokens {
-        for b in t.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
 }
 
 impl Actor for KvStore {
@@ -408,7 +399,8 @@ impl Actor for KvStore {
             holder,
             tally: Tally::default(),
             seqs: HashMap::new(),
-            prefixes: HashMap::new(),
+            prefixes: PrefixCache::default(),
+            next_writer: 1,
             pending: HashMap::new(),
             next_txn: 1,
             clock: 0,
@@ -444,8 +436,8 @@ impl Actor for KvStore {
             } => state.attend(layer, items, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq } => {
-                if let Some(mut entry) = state.seqs.remove(&seq) {
-                    state.abandon_filling(std::mem::take(&mut entry.filling));
+                if let Some(entry) = state.seqs.remove(&seq) {
+                    state.prefixes.abandon(entry.writer);
                     state.retire(entry);
                 }
             }

@@ -27,6 +27,9 @@ pub struct ResidencyConfig {
     pub wait: Duration,
 }
 
+/// Layers residency keeps at most (far beyond any model's).
+const MAX_LAYERS: usize = 1 << 16;
+
 /// Why residency refused.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -37,6 +40,14 @@ pub enum ResidencyError {
     /// No such layer.
     #[error("layer {0} is not loaded")]
     NoSuchLayer(usize),
+    /// A layer index beyond what a model has; nothing was loaded.
+    #[error("layer {layer} is out of range: at most {max} layers")]
+    LayerOutOfRange {
+        /// The index given.
+        layer: usize,
+        /// Layers residency keeps at most.
+        max: usize,
+    },
     /// The holder is not running.
     #[error("model residency is not running")]
     Unavailable,
@@ -278,6 +289,13 @@ impl ResidencyState {
         weights: &[u8],
         pinned: bool,
     ) -> Result<(), ResidencyError> {
+        // The index sizes a table: refuse one no model has before anything is allocated.
+        if layer >= MAX_LAYERS {
+            return Err(ResidencyError::LayerOutOfRange {
+                layer,
+                max: MAX_LAYERS,
+            });
+        }
         let buffer = self.device_buffer(weights).await?;
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);

@@ -478,3 +478,209 @@ async fn a_failed_start_names_its_cause() {
         "{err:?}"
     );
 }
+
+/// Holds every free byte of `g` until the returned lease is dropped, so what asks next waits.
+async fn hold_everything(g: &GovernorHandle) -> procmem_actors::Lease {
+    let holder = g.register_holder("blocker", 10, None).await.unwrap();
+    let free = g.snapshot().await.unwrap().books.free();
+    g.reserve(ReserveRequest {
+        holder,
+        role: MemoryRole::Workspace,
+        bytes: free,
+        priority: 10,
+        deadline: None,
+    })
+    .await
+    .unwrap()
+    .commit(free)
+    .await
+    .unwrap()
+}
+
+/// The books and the OS agree, and the store's own count agrees with both.
+async fn books_match_the_os(g: &GovernorHandle, kv: &KvStoreHandle, others: u64) {
+    let start = std::time::Instant::now();
+    loop {
+        let s = kv.stats().await.unwrap();
+        let ledger = leased(g).await - others;
+        if s.os_resident_bytes == s.exclusive_bytes + s.prefix_bytes
+            && s.leased_bytes == ledger
+            && ledger == s.os_resident_bytes
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "ledger {ledger} vs store {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Defect (issue 13, 1): two opens of one prompt whose grants were both pending each created
+/// the block for the same key; the second replaced the first in the cache, and the first
+/// then marked the block under the key complete: a third request attended over a block
+/// nobody wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_opens_of_one_prompt_never_serve_an_unwritten_block() {
+    let (g, _p, kv) = setup(64 << 20, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(2 * bt) as u32).collect();
+    let blocker = hold_everything(&g).await;
+    let (a, b, ()) = tokio::join!(
+        kv.open(1, prompt.clone(), 0),
+        async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            kv.open(2, prompt.clone(), 0).await
+        },
+        async move {
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            drop(blocker);
+        }
+    );
+    assert_eq!(a.unwrap().cached_tokens, 0);
+    assert_eq!(b.unwrap().cached_tokens, 0);
+    // Sequence 1 writes the prompt; sequence 2 writes nothing.
+    for pos in 0..prompt.len() {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    let c = kv.open(3, prompt.clone(), 0).await.unwrap();
+    assert_eq!(
+        c.cached_tokens,
+        2 * bt,
+        "the blocks sequence 1 wrote are shared"
+    );
+    let got = step(&kv, &[(3, 2 * bt)]).await.unwrap();
+    for layer in 0..SHAPE.layers {
+        let mut reference = Reference::default();
+        for pos in 0..2 * bt {
+            let mut it = item(1, pos, layer);
+            it.seq = 3;
+            reference.step(&it, layer);
+        }
+        let expect = reference.step(&item(3, 2 * bt, layer), layer);
+        assert!(
+            same_bits(&got[layer][0], &expect),
+            "layer {layer}: attended over what sequence 1 wrote"
+        );
+    }
+    books_match_the_os(&g, &kv, 0).await;
+}
+
+/// Defect (issue 13, 3): one attend batch naming a sequence twice advanced it twice (one
+/// token written, two counted). Such a batch is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_naming_a_sequence_twice_is_refused_and_changes_nothing() {
+    let (_g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    kv.prepare(vec![1, 1]).await.unwrap_err();
+    kv.prepare(vec![1]).await.unwrap();
+    for layer in 0..SHAPE.layers {
+        let twice = kv
+            .attend(layer, vec![item(1, 0, layer), item(1, 0, layer)])
+            .await;
+        assert!(twice.is_err(), "layer {layer}: {twice:?}");
+        kv.attend(layer, vec![item(1, 0, layer)]).await.unwrap();
+    }
+    assert_eq!(kv.stats().await.unwrap().tokens, 1);
+}
+
+/// Defect (issue 13, 4): an open whose caller gave up stayed open and charged, and a retry got
+/// `AlreadyOpen`; a prepare whose caller gave up left its sequence "stepping" for good, so it
+/// was never a victim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_whose_caller_gave_up_leave_nothing_behind() {
+    let (g, _p, kv) = setup(64 << 20, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(2 * bt) as u32).collect();
+    let blocker = hold_everything(&g).await;
+    let gave_up = tokio::time::timeout(Duration::from_millis(20), kv.open(1, prompt.clone(), 0));
+    assert!(gave_up.await.is_err(), "the open waits for room");
+    drop(blocker);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = kv.open(1, prompt.clone(), 0).await;
+    assert!(retry.is_ok(), "{retry:?}");
+    // The prompt fills the two blocks it claimed; the next token needs memory of its own.
+    for pos in 0..prompt.len() {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    books_match_the_os(&g, &kv, 0).await;
+
+    // A prepare whose caller leaves while its grant waits.
+    let blocker = hold_everything(&g).await;
+    let gave_up = tokio::time::timeout(Duration::from_millis(20), kv.prepare(vec![1]));
+    assert!(gave_up.await.is_err(), "the prepare waits for room");
+    drop(blocker);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The sequence is not in a step: pressure may take it.
+    let held = kv.stats().await.unwrap().exclusive_bytes;
+    let s = g.snapshot().await.unwrap();
+    g.set_capacity(s.books.approved()).await.unwrap();
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    let grant = g
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Workspace,
+            bytes: held,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+        })
+        .await;
+    assert!(
+        grant.is_ok(),
+        "the abandoned step's sequence was evicted: {grant:?}"
+    );
+}
+
+/// Defect (issue 13, 2): a restore pending across a close and a re-open of the same id wrote
+/// the old request's KV into the new sequence (and a failed one dropped the new sequence's
+/// memory without its charge).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_pending_across_close_and_reopen_never_touches_the_new_sequence() {
+    let (g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    for pos in 0..40 {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    // Pressure preempts it (swap).
+    let held = kv.stats().await.unwrap().exclusive_bytes;
+    g.set_capacity(held).await.unwrap();
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    let grant = g
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Workspace,
+            bytes: held,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+        })
+        .await
+        .unwrap();
+    assert_eq!(kv.stats().await.unwrap().preempted, 1);
+    // Its restore waits for room; meanwhile the id is closed and opened again.
+    let restore = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.restore(1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    kv.close(1);
+    kv.open(1, vec![], 0).await.unwrap();
+    drop(grant);
+    g.set_capacity(1 << 30).await.unwrap();
+    let old = restore.await.unwrap();
+    assert!(old.is_err(), "the old request's restore ends: {old:?}");
+    let s = kv.stats().await.unwrap();
+    assert_eq!((s.sequences, s.preempted, s.tokens), (1, 0, 0), "{s:?}");
+    // The new sequence decodes from zero like any other.
+    let mut reference = Reference::default();
+    for pos in 0..3 {
+        let got = step(&kv, &[(1, pos)]).await.unwrap();
+        for layer in 0..SHAPE.layers {
+            assert!(same_bits(
+                &got[layer][0],
+                &reference.step(&item(1, pos, layer), layer)
+            ));
+        }
+    }
+    books_match_the_os(&g, &kv, 0).await;
+}

@@ -107,3 +107,42 @@ async fn futures_placements(res: &ResidencyHandle) -> Vec<Option<Placement>> {
     }
     out
 }
+
+/// Defect (issue 13, 6): a load at a huge layer index sized the layer table from it and
+/// overflowed (`usize::MAX`) or aborted the process on the allocation. It is a typed error,
+/// nothing is charged, and residency goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
+    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 30))
+        .await
+        .unwrap();
+    let provider = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let config = ResidencyConfig {
+        name: "weights".into(),
+        priority: 1,
+        wait: Duration::from_millis(100),
+    };
+    let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
+        config,
+        device: device.clone(),
+        host: None,
+        provider,
+    })
+    .await
+    .unwrap();
+    for layer in [usize::MAX, usize::MAX / 2, 1 << 40, 1 << 16] {
+        let refused = res.load(layer, weights(0), false).await;
+        assert!(
+            matches!(
+                refused,
+                Err(procmem_actors::ResidencyError::LayerOutOfRange { .. })
+            ),
+            "layer {layer}: {refused:?}"
+        );
+    }
+    assert_eq!(device.snapshot().await.unwrap().books.leased, 0);
+    res.load(3, weights(3), false).await.unwrap();
+    assert_eq!(res.stats().await.unwrap().resident_layers, 1);
+}

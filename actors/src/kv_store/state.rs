@@ -5,16 +5,6 @@
 use super::*;
 
 impl KvStoreState {
-    /// Blocks a sequence was filling for the cache will never be complete once it is gone:
-    /// they leave the cache (their memory goes with the last mapping).
-    pub(super) fn abandon_filling(&mut self, filling: Vec<(u64, usize)>) {
-        for (key, _) in filling {
-            if self.prefixes.get(&key).is_some_and(|p| !p.complete) {
-                self.prefixes.remove(&key);
-            }
-        }
-    }
-
     pub(super) fn in_flight(&self, entry: &SeqEntry) -> bool {
         entry.busy
             || entry.stepping
@@ -87,12 +77,14 @@ impl KvStoreState {
 
     pub(super) fn fail(&mut self, pending: Pending, error: KvStoreError) {
         match pending {
-            Pending::Open { reply, .. } => {
+            Pending::Open { entry, reply, .. } => {
+                // Its claims go: no block will be made for them.
+                self.prefixes.abandon(entry.writer);
                 let _ = reply.send(Err(error));
             }
             Pending::Prepare { seqs, reply, .. } => {
-                for (seq, _) in seqs {
-                    if let Some(e) = self.seqs.get_mut(&seq) {
+                for (seq, writer, _) in seqs {
+                    if let Some(e) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) {
                         e.busy = false;
                     }
                 }
@@ -100,12 +92,13 @@ impl KvStoreState {
             }
             Pending::Restore {
                 seq,
+                writer,
                 tokens,
                 saved,
                 reply,
                 ..
             } => {
-                if let Some(e) = self.seqs.get_mut(&seq) {
+                if let Some(e) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) {
                     e.busy = false;
                     e.state = SeqState::Preempted {
                         mode: PreemptMode::Swap,
@@ -147,13 +140,13 @@ impl KvStoreState {
         .entered();
         let prefixes: Vec<PrefixCandidate<u64>> = self
             .prefixes
-            .iter()
-            .map(|(key, p)| PrefixCandidate {
-                key: *key,
-                bytes: p.prefix.bytes,
-                last_used: p.last_used,
-                // Only the cache holds it: nobody maps it (an incomplete one lost its writer).
-                referenced: Arc::strong_count(&p.prefix) > 1,
+            .blocks()
+            .map(|(key, block, last_used, _)| PrefixCandidate {
+                key,
+                bytes: block.bytes,
+                last_used,
+                // Only the cache holds it: nobody maps it (its writer included).
+                referenced: Arc::strong_count(block) > 1,
             })
             .collect();
         let sequences: Vec<SequenceCandidate<SeqId>> = self
@@ -215,8 +208,8 @@ impl KvStoreState {
                     if procmem::fault::hit("kv.evict").is_err() {
                         continue;
                     }
-                    if let Some(p) = self.prefixes.remove(&key) {
-                        freed += p.prefix.bytes;
+                    if let Some(block) = self.prefixes.remove(key) {
+                        freed += block.bytes;
                     }
                 }
                 Victim::Sequence(id) => freed += self.preempt(id),
@@ -270,7 +263,9 @@ impl KvStoreState {
             },
         );
         let prefixes = std::mem::take(&mut entry.prefixes);
-        let filling = std::mem::take(&mut entry.filling);
+        // The blocks it had not finished writing leave the cache with it.
+        entry.filling.clear();
+        let writer = entry.writer;
         let SeqState::Active(memory) = old else {
             unreachable!("checked above")
         };
@@ -283,7 +278,7 @@ impl KvStoreState {
             prefixes,
         }));
         drop(charge);
-        self.abandon_filling(filling);
+        self.prefixes.abandon(writer);
         self.stats.preemptions += 1;
         freed
     }
@@ -300,8 +295,8 @@ impl KvStoreState {
                 SeqState::Preempted { .. } => stats.preempted += 1,
             }
         }
-        stats.prefix_entries = self.prefixes.len();
-        stats.prefix_bytes = self.prefixes.values().map(|p| p.prefix.bytes).sum();
+        stats.prefix_entries = self.prefixes.blocks().count();
+        stats.prefix_bytes = self.prefixes.blocks().map(|(_, b, _, _)| b.bytes).sum();
         stats.leased_bytes = self.tally.bytes();
         stats.os_resident_bytes = self.backing.resident_bytes().unwrap_or(0);
         stats

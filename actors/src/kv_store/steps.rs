@@ -24,23 +24,6 @@ impl KvStoreState {
         let shape = self.config.shape;
         let g = procmem::granularity();
         let bt = shape.block_tokens(g);
-        let mut keys = Vec::new();
-        let mut h = 0;
-        for block in prompt.chunks_exact(bt) {
-            h = chain_hash(h, block);
-            keys.push(h);
-        }
-        let hits = keys
-            .iter()
-            .take_while(|k| self.prefixes.get(k).is_some_and(|p| p.complete))
-            .count();
-        // Blocks after the hits are created for this sequence to fill; one already being
-        // filled by another sequence is shared only once complete, so stop there.
-        let new_keys: Vec<u64> = keys[hits..]
-            .iter()
-            .take_while(|k| !self.prefixes.contains_key(k))
-            .copied()
-            .collect();
         let memory =
             match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
                 Ok(s) => s,
@@ -49,7 +32,16 @@ impl KvStoreState {
                     return;
                 }
             };
+        let writer = self.next_writer;
+        self.next_writer += 1;
+        // Complete blocks with the same tokens are shared; the blocks after them that nobody
+        // has are claimed for this sequence to write now, before its grant, so a second open
+        // of the same prompt meanwhile shares nothing from them on instead of making them
+        // again.
+        let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
+        let new_keys = lookup.claimed;
         let entry = SeqEntry {
+            writer,
             state: SeqState::Active(memory),
             charge: Charge::counted(&self.tally),
             priority,
@@ -60,10 +52,7 @@ impl KvStoreState {
             stepping: false,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
-        let hits: Vec<(u64, Arc<SharedPrefix>)> = keys[..hits]
-            .iter()
-            .map(|k| (*k, Arc::clone(&self.prefixes[k].prefix)))
-            .collect();
+        let hits = lookup.hits;
         let pending = Pending::Open {
             seq,
             entry: Box::new(entry),
@@ -99,6 +88,7 @@ impl KvStoreState {
             match grant.commit(bytes).await {
                 Ok(lease) => charge.add(lease),
                 Err(refused) => {
+                    self.prefixes.abandon(entry.writer);
                     let _ = reply.send(Err(refused.error.into()));
                     return;
                 }
@@ -122,6 +112,7 @@ impl KvStoreState {
                     // The blocks made so far are dropped and their charges released as they
                     // go; what was not used yet goes back with `charge`.
                     drop(fresh);
+                    self.prefixes.abandon(entry.writer);
                     let _ = reply.send(Err(e.into()));
                     return;
                 }
@@ -130,10 +121,7 @@ impl KvStoreState {
         drop(charge);
         let hit_count = hits.len();
         let mut used: Vec<Arc<SharedPrefix>> = Vec::with_capacity(hit_count + fresh.len());
-        for (key, prefix) in hits {
-            if let Some(p) = self.prefixes.get_mut(&key) {
-                p.last_used = self.clock;
-            }
+        for (_, prefix) in hits {
             used.push(prefix);
         }
         let access: Vec<MapAccess> = std::iter::repeat_n(MapAccess::ReadOnly, used.len())
@@ -157,28 +145,37 @@ impl KvStoreState {
                 drop(blocks);
                 drop(used);
                 drop(fresh);
+                self.prefixes.abandon(entry.writer);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
         }
         for (i, (key, prefix)) in new_keys.iter().zip(&fresh).enumerate() {
-            self.prefixes.insert(
-                *key,
-                CachedPrefix {
-                    prefix: Arc::clone(prefix),
-                    complete: false,
-                    last_used: self.clock,
-                },
-            );
-            entry.filling.push((*key, (hit_count + i + 1) * bt));
+            // Claimed at open by this writer, and only it fills a claim.
+            if self
+                .prefixes
+                .fill(*key, entry.writer, Arc::clone(prefix))
+                .is_ok()
+            {
+                entry.filling.push((*key, (hit_count + i + 1) * bt));
+            }
         }
         entry.prefixes = used;
         let cached = hit_count * bt;
-        self.stats.prefix_hit_tokens += cached as u64;
+        let writer = entry.writer;
         self.seqs.insert(seq, *entry);
-        let _ = reply.send(Ok(Opened {
-            cached_tokens: cached,
-        }));
+        let delivered = reply
+            .send(Ok(Opened {
+                cached_tokens: cached,
+            }))
+            .is_ok();
+        if delivered {
+            self.stats.prefix_hit_tokens += cached as u64;
+        } else if let Some(entry) = self.seqs.remove(&seq).filter(|e| e.writer == writer) {
+            // The caller gave up: nobody will use or close the sequence, so it goes now.
+            self.prefixes.abandon(entry.writer);
+            self.retire(entry);
+        }
     }
 
     pub(super) fn prepare(
@@ -190,6 +187,10 @@ impl KvStoreState {
         let mut plan = Vec::with_capacity(seqs.len());
         let mut bytes = 0;
         let mut priority = 0;
+        if let Some(twice) = first_duplicate(&seqs) {
+            let _ = reply.send(Err(KvStoreError::Duplicate(twice)));
+            return;
+        }
         for seq in &seqs {
             let Some(entry) = self.seqs.get(seq) else {
                 let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
@@ -213,16 +214,17 @@ impl KvStoreState {
             let per = memory.growth_for(1);
             bytes += per * memory.shape().buffers() as u64;
             priority = priority.max(entry.priority);
-            plan.push((*seq, per));
+            plan.push((*seq, entry.writer, per));
         }
         if bytes == 0 {
-            for (seq, _) in &plan {
-                self.seqs.get_mut(seq).expect("checked").stepping = true;
+            // A caller that gave up starts no step: its sequences stay evictable.
+            let delivered = reply.send(Ok(())).is_ok();
+            for (seq, _, _) in &plan {
+                self.seqs.get_mut(seq).expect("checked").stepping = delivered;
             }
-            let _ = reply.send(Ok(()));
             return;
         }
-        for (seq, _) in &plan {
+        for (seq, _, _) in &plan {
             self.seqs.get_mut(seq).expect("checked").busy = true;
         }
         self.begin(
@@ -246,11 +248,12 @@ impl KvStoreState {
         let backing = Arc::clone(&self.backing);
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
         let mut failure: Option<KvStoreError> = None;
-        for (seq, per) in &seqs {
+        for (seq, writer, per) in &seqs {
+            // A sequence closed (and maybe opened again) since the prepare is not this one.
             let Some(SeqEntry {
                 state: SeqState::Active(memory),
                 ..
-            }) = self.seqs.get_mut(seq)
+            }) = self.seqs.get_mut(seq).filter(|e| e.writer == *writer)
             else {
                 continue;
             };
@@ -307,16 +310,19 @@ impl KvStoreState {
         // On failure everything was unmapped above; only now does the charge go back.
         drop(committed);
         let ok = failure.is_none();
-        for (seq, _) in &seqs {
-            if let Some(e) = self.seqs.get_mut(seq) {
+        // A caller that gave up starts no step: its sequences stay evictable.
+        let delivered = reply
+            .send(match failure {
+                Some(e) => Err(e),
+                None => Ok(()),
+            })
+            .is_ok();
+        for (seq, writer, _) in &seqs {
+            if let Some(e) = self.seqs.get_mut(seq).filter(|e| e.writer == *writer) {
                 e.busy = false;
-                e.stepping = ok;
+                e.stepping = ok && delivered;
             }
         }
-        let _ = reply.send(match failure {
-            Some(e) => Err(e),
-            None => Ok(()),
-        });
     }
 
     #[allow(unsafe_code)]
@@ -327,7 +333,13 @@ impl KvStoreState {
         reply: RpcReplyPort<Result<Vec<Vec<f32>>, KvStoreError>>,
     ) {
         let shape = self.config.shape;
-        // Validate everything before writing anything.
+        // Validate everything before writing anything: a sequence named twice would be written
+        // once and counted twice.
+        let seqs: Vec<SeqId> = items.iter().map(|i| i.seq).collect();
+        if let Some(twice) = first_duplicate(&seqs) {
+            let _ = reply.send(Err(KvStoreError::Duplicate(twice)));
+            return;
+        }
         for item in &items {
             match self.seqs.get(&item.seq).map(|e| &e.state) {
                 None => {
@@ -429,9 +441,8 @@ impl KvStoreState {
                         .collect();
                     entry.filling.retain(|(_, end)| *end > tokens);
                     for key in done {
-                        if let Some(p) = self.prefixes.get_mut(&key) {
-                            p.complete = true;
-                        }
+                        // Only the block this sequence filled; nobody else's under the key.
+                        self.prefixes.complete(key, entry.writer);
                     }
                 }
             }
@@ -449,6 +460,10 @@ impl KvStoreState {
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
+        if entry.busy {
+            let _ = reply.send(Err(KvStoreError::Busy(seq)));
+            return;
+        }
         if let SeqState::Active(m) = &entry.state {
             let _ = reply.send(Ok(Restored::Swapped { tokens: m.tokens() }));
             return;
@@ -481,13 +496,14 @@ impl KvStoreState {
             }
         };
         entry.busy = true;
-        let priority = entry.priority;
+        let (priority, writer) = (entry.priority, entry.writer);
         self.begin(
             myself,
             per_buffer * shape.buffers() as u64,
             priority,
             Pending::Restore {
                 seq,
+                writer,
                 per_buffer,
                 tokens,
                 saved,
@@ -499,6 +515,7 @@ impl KvStoreState {
     pub(super) async fn finish_restore(&mut self, pending: Pending, grant: Grant) {
         let Pending::Restore {
             seq,
+            writer,
             per_buffer,
             tokens,
             saved,
@@ -508,12 +525,16 @@ impl KvStoreState {
             return;
         };
         let backing = Arc::clone(&self.backing);
-        let Some(entry) = self.seqs.get_mut(&seq) else {
+        // The sequence the restore was for; closed meanwhile (even if its id was opened again)
+        // it is gone, and the grant goes back with its saved copy.
+        let Some(entry) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) else {
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
         let SeqState::Active(memory) = &mut entry.state else {
-            unreachable!("a restoring sequence is active")
+            // Restoring keeps the sequence active; anything else is not this restore's.
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            return;
         };
         let result: Result<(), KvStoreError> = async {
             let growth = memory.map_growth(backing.as_ref(), per_buffer)?;
@@ -564,4 +585,10 @@ impl KvStoreState {
             }
         }
     }
+}
+
+/// The first id named twice in `seqs`.
+fn first_duplicate(seqs: &[SeqId]) -> Option<SeqId> {
+    let mut seen = std::collections::HashSet::with_capacity(seqs.len());
+    seqs.iter().copied().find(|s| !seen.insert(*s))
 }
