@@ -7,6 +7,7 @@ pub mod prefix;
 #[cfg(target_os = "linux")]
 pub mod sequence;
 pub mod shape;
+pub mod table;
 pub mod victims;
 
 pub use gqa::gqa_decode;
@@ -14,4 +15,5 @@ pub use prefix::{chain_hash, BlockState, Lookup, PrefixCache, Writer};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
 pub use shape::{KvShape, ShapeError};
+pub use table::{first_duplicate, Phase, PreemptMode, SeqId, SeqRecord, SequenceTable, TableError};
 pub use victims::{choose_victims, PrefixCandidate, SequenceCandidate, Victim};

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, PrefixCache,
-    PrefixCandidate, SequenceCandidate, Victim, Writer,
+    choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, Phase, PrefixCache,
+    PrefixCandidate, SequenceCandidate, SequenceTable, TableError, Victim, Writer,
 };
 use procmem::ledger::{HolderId, Priority};
 use procmem::{HostBacking, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping};
@@ -32,17 +32,10 @@ use crate::stream::CpuStream;
 mod state;
 mod steps;
 
+pub use procmem::kv::PreemptMode;
+
 /// A sequence's identity, chosen by the caller.
 pub type SeqId = u64;
-
-/// What happens to a sequence chosen as a victim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PreemptMode {
-    /// Copy its KV to host memory first; restoring copies it back.
-    Swap,
-    /// Drop its KV; the caller recomputes it by replaying the tokens.
-    Recompute,
-}
 
 /// How to start a KV store.
 #[derive(Debug, Clone)]
@@ -89,6 +82,9 @@ pub enum KvStoreError {
     /// One batch named the sequence twice; nothing was done.
     #[error("sequence {0} is named twice in one batch")]
     Duplicate(SeqId),
+    /// The sequence is not between a prepare and its last layer.
+    #[error("sequence {0} is not in a step: prepare it first")]
+    NotInStep(SeqId),
     /// The store is not running.
     #[error("the KV store is not running")]
     Unavailable,
@@ -98,6 +94,19 @@ pub enum KvStoreError {
     /// The store's actor could not be started (it panicked while starting).
     #[error("the KV store could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
+}
+
+impl From<TableError> for KvStoreError {
+    fn from(e: TableError) -> Self {
+        match e {
+            TableError::Unknown(s) => KvStoreError::Unknown(s),
+            TableError::AlreadyOpen(s) => KvStoreError::AlreadyOpen(s),
+            TableError::Duplicate(s) => KvStoreError::Duplicate(s),
+            TableError::Busy(s) => KvStoreError::Busy(s),
+            TableError::Preempted(s, m) => KvStoreError::Preempted(s, m),
+            TableError::NotInStep(s) => KvStoreError::NotInStep(s),
+        }
+    }
 }
 
 /// What opening a sequence found.
@@ -274,36 +283,24 @@ impl DeferredRelease for SeqMemory {
 
 type SavedKv = Vec<(Vec<f32>, Vec<f32>)>;
 
-enum SeqState {
-    Active(KvSequence),
-    Preempted {
-        mode: PreemptMode,
-        tokens: usize,
-        saved: Option<SavedKv>,
-    },
-}
-
+/// A sequence's memory; its phase, incarnation, priority and the blocks it writes are in the
+/// store's [`SequenceTable`].
 struct SeqEntry {
-    /// This incarnation of the sequence: unique for the store's life, unlike the id, which a
-    /// caller may close and open again while work for the old one is still pending.
-    writer: Writer,
-    state: SeqState,
+    /// Its KV memory; `None` while it is preempted.
+    memory: Option<KvSequence>,
+    /// Its KV copied out while it is preempted by swap.
+    saved: Option<SavedKv>,
     /// Pays for the sequence's own memory (not the shared prefixes it maps).
     charge: Charge,
-    priority: Priority,
     prefixes: Vec<Arc<SharedPrefix>>,
-    /// Blocks this sequence is filling for the cache: (key, token count that completes it).
-    filling: Vec<(u64, usize)>,
     last_fence: Option<Fence>,
-    /// A grant for this sequence's next token is being obtained.
-    busy: bool,
-    /// Between a successful prepare and the last layer's attention: the engine is using it.
-    stepping: bool,
 }
 
 enum Pending {
     Open {
         seq: SeqId,
+        writer: Writer,
+        priority: Priority,
         entry: Box<SeqEntry>,
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
         hits: Vec<(u64, Arc<SharedPrefix>)>,
@@ -336,10 +333,11 @@ pub(crate) struct KvStoreState {
     holder: HolderId,
     /// What every charge of this store holds, those waiting for their fences included.
     tally: Tally,
+    /// Every sequence's phase and bookkeeping.
+    table: SequenceTable,
+    /// Every sequence's memory.
     seqs: HashMap<SeqId, SeqEntry>,
     prefixes: PrefixCache<Arc<SharedPrefix>>,
-    /// The next sequence incarnation.
-    next_writer: Writer,
     pending: HashMap<u64, Pending>,
     next_txn: u64,
     clock: u64,
@@ -399,8 +397,8 @@ impl Actor for KvStore {
             holder,
             tally: Tally::default(),
             seqs: HashMap::new(),
+            table: SequenceTable::new(),
             prefixes: PrefixCache::default(),
-            next_writer: 1,
             pending: HashMap::new(),
             next_txn: 1,
             clock: 0,
@@ -435,12 +433,7 @@ impl Actor for KvStore {
                 reply,
             } => state.attend(layer, items, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
-            KvStoreMsg::Close { seq } => {
-                if let Some(entry) = state.seqs.remove(&seq) {
-                    state.prefixes.abandon(entry.writer);
-                    state.retire(entry);
-                }
-            }
+            KvStoreMsg::Close { seq } => state.close(seq),
             KvStoreMsg::Stats { reply } => {
                 let _ = reply.send(Ok(state.stats()));
             }

@@ -5,24 +5,40 @@
 use super::*;
 
 impl KvStoreState {
-    pub(super) fn in_flight(&self, entry: &SeqEntry) -> bool {
-        entry.busy
-            || entry.stepping
-            || entry
-                .last_fence
-                .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    /// Whether a kernel that used `entry` may still be running.
+    fn fence_pending(&self, entry: &SeqEntry) -> bool {
+        entry
+            .last_fence
+            .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    }
+
+    /// Closes `seq`: its blocks not yet written leave the cache, its memory goes after its
+    /// fences. An open on its way is forgotten (it finds the id closed when it ends).
+    pub(super) fn close(&mut self, seq: SeqId) {
+        if let Some(record) = self.table.close(seq) {
+            self.prefixes.abandon(record.writer);
+        }
+        if let Some(entry) = self.seqs.remove(&seq) {
+            self.retire(entry);
+        }
+    }
+
+    /// An open that failed: its claims go and the id is free again.
+    pub(super) fn forget_open(&mut self, seq: SeqId, writer: Writer) {
+        self.prefixes.abandon(writer);
+        self.table.end_open(seq, writer, 0, None);
     }
 
     /// Sends a sequence's memory to the deferred-free queue with its last fence.
     pub(super) fn retire(&mut self, entry: SeqEntry) {
         let SeqEntry {
-            state,
+            memory,
             charge,
             prefixes,
             last_fence,
             ..
         } = entry;
-        let SeqState::Active(seq) = state else {
+        let Some(seq) = memory else {
             return;
         };
         let memory = SeqMemory { seq, prefixes };
@@ -77,34 +93,31 @@ impl KvStoreState {
 
     pub(super) fn fail(&mut self, pending: Pending, error: KvStoreError) {
         match pending {
-            Pending::Open { entry, reply, .. } => {
+            Pending::Open {
+                seq, writer, reply, ..
+            } => {
                 // Its claims go: no block will be made for them.
-                self.prefixes.abandon(entry.writer);
+                self.forget_open(seq, writer);
                 let _ = reply.send(Err(error));
             }
             Pending::Prepare { seqs, reply, .. } => {
-                for (seq, writer, _) in seqs {
-                    if let Some(e) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) {
-                        e.busy = false;
-                    }
-                }
+                let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
+                self.table.end_growth(&batch, false);
                 let _ = reply.send(Err(error));
             }
             Pending::Restore {
                 seq,
                 writer,
-                tokens,
                 saved,
                 reply,
                 ..
             } => {
-                if let Some(e) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) {
-                    e.busy = false;
-                    e.state = SeqState::Preempted {
-                        mode: PreemptMode::Swap,
-                        tokens,
-                        saved: Some(saved),
-                    };
+                let ours = self.table.end_restore(seq, writer, false);
+                if let Some(e) = self.seqs.get_mut(&seq).filter(|_| ours) {
+                    // Preempted again, with its saved copy; the empty memory reserved for the
+                    // restore goes.
+                    e.saved = Some(saved);
+                    e.memory = None;
                 }
                 let _ = reply.send(Err(error));
             }
@@ -113,13 +126,8 @@ impl KvStoreState {
 
     /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
     /// free to go as soon as that kernel's fence completes.
-    pub(super) fn waits_only_for_its_fence(&self, entry: &SeqEntry) -> bool {
-        !entry.busy
-            && !entry.stepping
-            && matches!(entry.state, SeqState::Active(_))
-            && entry
-                .last_fence
-                .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    pub(super) fn waits_only_for_its_fence(&self, seq: SeqId, entry: &SeqEntry) -> bool {
+        self.table.evictable(seq) && entry.memory.is_some() && self.fence_pending(entry)
     }
 
     /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
@@ -150,16 +158,17 @@ impl KvStoreState {
             })
             .collect();
         let sequences: Vec<SequenceCandidate<SeqId>> = self
-            .seqs
+            .table
             .iter()
-            .filter_map(|(id, e)| match &e.state {
-                SeqState::Active(m) => Some(SequenceCandidate {
-                    id: *id,
-                    bytes: m.exclusive_bytes(),
-                    priority: e.priority,
-                    in_flight: self.in_flight(e),
-                }),
-                SeqState::Preempted { .. } => None,
+            .filter_map(|(id, r)| {
+                let e = self.seqs.get(&id)?;
+                let memory = e.memory.as_ref()?;
+                Some(SequenceCandidate {
+                    id,
+                    bytes: memory.exclusive_bytes(),
+                    priority: r.priority,
+                    in_flight: !self.table.evictable(id) || self.fence_pending(e),
+                })
             })
             .collect();
         let available: u64 = prefixes
@@ -170,9 +179,9 @@ impl KvStoreState {
             .sum();
         let soon_free = self
             .seqs
-            .values()
-            .filter(|e| self.waits_only_for_its_fence(e))
-            .filter_map(|e| e.last_fence)
+            .iter()
+            .filter(|(id, e)| self.waits_only_for_its_fence(**id, e))
+            .filter_map(|(_, e)| e.last_fence)
             .min_by_key(|f| f.value);
         if let Some(fence) = soon_free.filter(|_| {
             available == 0
@@ -234,14 +243,16 @@ impl KvStoreState {
         let _span =
             tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
         let mode = self.config.preempt;
-        let Some(entry) = self.seqs.get_mut(&id) else {
-            return 0;
-        };
-        let SeqState::Active(memory) = &entry.state else {
+        let Some(memory) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) else {
             return 0;
         };
         let tokens = memory.tokens();
-        let saved = match mode {
+        let Some(writer) = self.table.preempt(id, mode, tokens) else {
+            return 0;
+        };
+        let entry = self.seqs.get_mut(&id).expect("checked above");
+        let memory = entry.memory.take().expect("checked above");
+        entry.saved = match mode {
             PreemptMode::Swap => Some(
                 (0..memory.shape().layers)
                     .map(|l| {
@@ -254,21 +265,7 @@ impl KvStoreState {
             ),
             PreemptMode::Recompute => None,
         };
-        let old = std::mem::replace(
-            &mut entry.state,
-            SeqState::Preempted {
-                mode,
-                tokens,
-                saved,
-            },
-        );
         let prefixes = std::mem::take(&mut entry.prefixes);
-        // The blocks it had not finished writing leave the cache with it.
-        entry.filling.clear();
-        let writer = entry.writer;
-        let SeqState::Active(memory) = old else {
-            unreachable!("checked above")
-        };
         let freed = memory.exclusive_bytes();
         let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
         // Not in flight: no fence to wait for, so the mechanism frees it here and now, and
@@ -278,6 +275,7 @@ impl KvStoreState {
             prefixes,
         }));
         drop(charge);
+        // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
         self.stats.preemptions += 1;
         freed
@@ -285,14 +283,13 @@ impl KvStoreState {
 
     pub(super) fn stats(&self) -> KvStoreStats {
         let mut stats = self.stats.clone();
-        stats.sequences = self.seqs.len();
-        for e in self.seqs.values() {
-            match &e.state {
-                SeqState::Active(m) => {
-                    stats.tokens += m.tokens();
-                    stats.exclusive_bytes += m.exclusive_bytes();
-                }
-                SeqState::Preempted { .. } => stats.preempted += 1,
+        stats.sequences = self.table.len();
+        for (id, r) in self.table.iter() {
+            if matches!(r.phase, Phase::Preempted { .. }) {
+                stats.preempted += 1;
+            } else if let Some(m) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) {
+                stats.tokens += m.tokens();
+                stats.exclusive_bytes += m.exclusive_bytes();
             }
         }
         stats.prefix_entries = self.prefixes.blocks().count();

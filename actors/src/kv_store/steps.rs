@@ -13,14 +13,6 @@ impl KvStoreState {
         priority: Priority,
         reply: RpcReplyPort<Result<Opened, KvStoreError>>,
     ) {
-        let opening = self
-            .pending
-            .values()
-            .any(|p| matches!(p, Pending::Open { seq: s, .. } if *s == seq));
-        if self.seqs.contains_key(&seq) || opening {
-            let _ = reply.send(Err(KvStoreError::AlreadyOpen(seq)));
-            return;
-        }
         let shape = self.config.shape;
         let g = procmem::granularity();
         let bt = shape.block_tokens(g);
@@ -32,8 +24,13 @@ impl KvStoreState {
                     return;
                 }
             };
-        let writer = self.next_writer;
-        self.next_writer += 1;
+        let writer = match self.table.begin_open(seq) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
         // Complete blocks with the same tokens are shared; the blocks after them that nobody
         // has are claimed for this sequence to write now, before its grant, so a second open
         // of the same prompt meanwhile shares nothing from them on instead of making them
@@ -41,20 +38,18 @@ impl KvStoreState {
         let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
         let new_keys = lookup.claimed;
         let entry = SeqEntry {
-            writer,
-            state: SeqState::Active(memory),
+            memory: Some(memory),
+            saved: None,
             charge: Charge::counted(&self.tally),
-            priority,
             prefixes: Vec::new(),
-            filling: Vec::new(),
             last_fence: None,
-            busy: false,
-            stepping: false,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
         let hits = lookup.hits;
         let pending = Pending::Open {
             seq,
+            writer,
+            priority,
             entry: Box::new(entry),
             hits,
             new_keys,
@@ -71,6 +66,8 @@ impl KvStoreState {
     pub(super) async fn finish_open(&mut self, pending: Pending, grant: Option<Grant>) {
         let Pending::Open {
             seq,
+            writer,
+            priority,
             mut entry,
             hits,
             new_keys,
@@ -88,7 +85,7 @@ impl KvStoreState {
             match grant.commit(bytes).await {
                 Ok(lease) => charge.add(lease),
                 Err(refused) => {
-                    self.prefixes.abandon(entry.writer);
+                    self.forget_open(seq, writer);
                     let _ = reply.send(Err(refused.error.into()));
                     return;
                 }
@@ -112,7 +109,7 @@ impl KvStoreState {
                     // The blocks made so far are dropped and their charges released as they
                     // go; what was not used yet goes back with `charge`.
                     drop(fresh);
-                    self.prefixes.abandon(entry.writer);
+                    self.forget_open(seq, writer);
                     let _ = reply.send(Err(e.into()));
                     return;
                 }
@@ -131,8 +128,8 @@ impl KvStoreState {
         if !used.is_empty() {
             let blocks: Vec<PhysicalBlock> =
                 used.iter().flat_map(|p| p.blocks.iter().cloned()).collect();
-            let SeqState::Active(memory) = &mut entry.state else {
-                unreachable!("a new sequence is active")
+            let Some(memory) = entry.memory.as_mut() else {
+                unreachable!("a sequence being opened has its memory")
             };
             let attached = memory.attach_prefix(
                 self.backing.as_ref(),
@@ -145,25 +142,28 @@ impl KvStoreState {
                 drop(blocks);
                 drop(used);
                 drop(fresh);
-                self.prefixes.abandon(entry.writer);
+                self.forget_open(seq, writer);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
         }
+        let mut filling = Vec::with_capacity(fresh.len());
         for (i, (key, prefix)) in new_keys.iter().zip(&fresh).enumerate() {
             // Claimed at open by this writer, and only it fills a claim.
-            if self
-                .prefixes
-                .fill(*key, entry.writer, Arc::clone(prefix))
-                .is_ok()
-            {
-                entry.filling.push((*key, (hit_count + i + 1) * bt));
+            if self.prefixes.fill(*key, writer, Arc::clone(prefix)).is_ok() {
+                filling.push((*key, (hit_count + i + 1) * bt));
             }
         }
         entry.prefixes = used;
-        let cached = hit_count * bt;
-        let writer = entry.writer;
+        if !self.table.end_open(seq, writer, priority, Some(filling)) {
+            // Closed while it was being opened.
+            self.prefixes.abandon(writer);
+            self.retire(*entry);
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            return;
+        }
         self.seqs.insert(seq, *entry);
+        let cached = hit_count * bt;
         let delivered = reply
             .send(Ok(Opened {
                 cached_tokens: cached,
@@ -171,10 +171,9 @@ impl KvStoreState {
             .is_ok();
         if delivered {
             self.stats.prefix_hit_tokens += cached as u64;
-        } else if let Some(entry) = self.seqs.remove(&seq).filter(|e| e.writer == writer) {
+        } else {
             // The caller gave up: nobody will use or close the sequence, so it goes now.
-            self.prefixes.abandon(entry.writer);
-            self.retire(entry);
+            self.close(seq);
         }
     }
 
@@ -184,49 +183,37 @@ impl KvStoreState {
         seqs: Vec<SeqId>,
         reply: RpcReplyPort<Result<(), KvStoreError>>,
     ) {
-        let mut plan = Vec::with_capacity(seqs.len());
-        let mut bytes = 0;
-        let mut priority = 0;
-        if let Some(twice) = first_duplicate(&seqs) {
-            let _ = reply.send(Err(KvStoreError::Duplicate(twice)));
-            return;
-        }
-        for seq in &seqs {
-            let Some(entry) = self.seqs.get(seq) else {
-                let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
-                return;
-            };
-            if entry.busy {
-                let _ = reply.send(Err(KvStoreError::Busy(*seq)));
+        let batch = match self.table.begin_step(&seqs) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
                 return;
             }
-            let memory = match &entry.state {
-                SeqState::Active(m) => m,
-                SeqState::Preempted { mode, .. } => {
-                    let _ = reply.send(Err(KvStoreError::Preempted(*seq, *mode)));
-                    return;
-                }
+        };
+        let mut plan = Vec::with_capacity(batch.len());
+        let mut bytes = 0u64;
+        let mut priority = 0;
+        for (seq, writer) in &batch {
+            let Some(memory) = self.seqs.get(seq).and_then(|e| e.memory.as_ref()) else {
+                let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+                return;
             };
             if memory.tokens() >= memory.shape().max_tokens {
                 let _ = reply.send(Err(KvError::Full(memory.shape().max_tokens).into()));
                 return;
             }
             let per = memory.growth_for(1);
-            bytes += per * memory.shape().buffers() as u64;
-            priority = priority.max(entry.priority);
-            plan.push((*seq, entry.writer, per));
+            bytes = bytes.saturating_add(per.saturating_mul(memory.shape().buffers() as u64));
+            priority = priority.max(self.table.get(*seq).map_or(0, |r| r.priority));
+            plan.push((*seq, *writer, per));
         }
         if bytes == 0 {
             // A caller that gave up starts no step: its sequences stay evictable.
             let delivered = reply.send(Ok(())).is_ok();
-            for (seq, _, _) in &plan {
-                self.seqs.get_mut(seq).expect("checked").stepping = delivered;
-            }
+            self.table.end_growth(&batch, delivered);
             return;
         }
-        for (seq, _, _) in &plan {
-            self.seqs.get_mut(seq).expect("checked").busy = true;
-        }
+        self.table.growing(&batch);
         self.begin(
             myself,
             bytes,
@@ -250,11 +237,10 @@ impl KvStoreState {
         let mut failure: Option<KvStoreError> = None;
         for (seq, writer, per) in &seqs {
             // A sequence closed (and maybe opened again) since the prepare is not this one.
-            let Some(SeqEntry {
-                state: SeqState::Active(memory),
-                ..
-            }) = self.seqs.get_mut(seq).filter(|e| e.writer == *writer)
-            else {
+            if self.table.get(*seq).map(|r| r.writer) != Some(*writer) {
+                continue;
+            }
+            let Some(memory) = self.seqs.get_mut(seq).and_then(|e| e.memory.as_mut()) else {
                 continue;
             };
             if *per == 0 {
@@ -291,7 +277,7 @@ impl KvStoreState {
         let _ = bytes;
         for (seq, growth) in mapped {
             if let Some(SeqEntry {
-                state: SeqState::Active(memory),
+                memory: Some(memory),
                 charge,
                 ..
             }) = self.seqs.get_mut(&seq)
@@ -317,12 +303,8 @@ impl KvStoreState {
                 None => Ok(()),
             })
             .is_ok();
-        for (seq, writer, _) in &seqs {
-            if let Some(e) = self.seqs.get_mut(seq).filter(|e| e.writer == *writer) {
-                e.busy = false;
-                e.stepping = ok && delivered;
-            }
-        }
+        let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
+        self.table.end_growth(&batch, ok && delivered);
     }
 
     #[allow(unsafe_code)]
@@ -336,21 +318,17 @@ impl KvStoreState {
         // Validate everything before writing anything: a sequence named twice would be written
         // once and counted twice.
         let seqs: Vec<SeqId> = items.iter().map(|i| i.seq).collect();
-        if let Some(twice) = first_duplicate(&seqs) {
-            let _ = reply.send(Err(KvStoreError::Duplicate(twice)));
+        if let Err(e) = self.table.check_layer(&seqs) {
+            let _ = reply.send(Err(e.into()));
             return;
         }
         for item in &items {
-            match self.seqs.get(&item.seq).map(|e| &e.state) {
+            match self.seqs.get(&item.seq).and_then(|e| e.memory.as_ref()) {
                 None => {
                     let _ = reply.send(Err(KvStoreError::Unknown(item.seq)));
                     return;
                 }
-                Some(SeqState::Preempted { mode, .. }) => {
-                    let _ = reply.send(Err(KvStoreError::Preempted(item.seq, *mode)));
-                    return;
-                }
-                Some(SeqState::Active(m)) => {
+                Some(m) => {
                     if m.tokens() + 1 > m.mapped_tokens() {
                         let _ = reply.send(Err(KvError::NotMapped(m.tokens()).into()));
                         return;
@@ -368,8 +346,7 @@ impl KvStoreState {
         }
         let mut work = Vec::with_capacity(items.len());
         for item in &items {
-            let entry = self.seqs.get_mut(&item.seq).expect("validated");
-            let SeqState::Active(memory) = &mut entry.state else {
+            let Some(memory) = self.seqs.get_mut(&item.seq).and_then(|e| e.memory.as_mut()) else {
                 unreachable!("validated")
             };
             let pos = memory.tokens();
@@ -428,22 +405,19 @@ impl KvStoreState {
         for item in &items {
             let entry = self.seqs.get_mut(&item.seq).expect("validated");
             entry.last_fence = Some(fence);
-            if last_layer {
-                entry.stepping = false;
-                if let SeqState::Active(memory) = &mut entry.state {
-                    let _ = memory.advance();
-                    let tokens = memory.tokens();
-                    let done: Vec<u64> = entry
-                        .filling
-                        .iter()
-                        .filter(|(_, end)| *end <= tokens)
-                        .map(|(k, _)| *k)
-                        .collect();
-                    entry.filling.retain(|(_, end)| *end > tokens);
-                    for key in done {
-                        // Only the block this sequence filled; nobody else's under the key.
-                        self.prefixes.complete(key, entry.writer);
-                    }
+            if !last_layer {
+                continue;
+            }
+            let Some(memory) = entry.memory.as_mut() else {
+                continue;
+            };
+            let _ = memory.advance();
+            let tokens = memory.tokens();
+            let writer = self.table.get(item.seq).map(|r| r.writer);
+            for key in self.table.end_step(item.seq, tokens) {
+                // Only the block this sequence filled; nobody else's under the key.
+                if let Some(writer) = writer {
+                    self.prefixes.complete(key, writer);
                 }
             }
         }
@@ -456,47 +430,49 @@ impl KvStoreState {
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     ) {
         let shape = self.config.shape;
-        let Some(entry) = self.seqs.get_mut(&seq) else {
-            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
-            return;
+        let (writer, mode, tokens) = match self.table.begin_restore(seq) {
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+            Ok(None) => {
+                // Not preempted: nothing to bring back.
+                let tokens = self
+                    .seqs
+                    .get(&seq)
+                    .and_then(|e| e.memory.as_ref())
+                    .map_or(0, KvSequence::tokens);
+                let _ = reply.send(Ok(Restored::Swapped { tokens }));
+                return;
+            }
+            Ok(Some(found)) => found,
         };
-        if entry.busy {
-            let _ = reply.send(Err(KvStoreError::Busy(seq)));
-            return;
-        }
-        if let SeqState::Active(m) = &entry.state {
-            let _ = reply.send(Ok(Restored::Swapped { tokens: m.tokens() }));
-            return;
-        }
         let memory =
             match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
                 Ok(m) => m,
                 Err(e) => {
+                    self.table.end_restore(seq, writer, false);
                     let _ = reply.send(Err(e.into()));
                     return;
                 }
             };
-        let per_buffer = memory.growth_for(match &entry.state {
-            SeqState::Preempted { tokens, .. } => *tokens,
-            SeqState::Active(_) => 0,
-        });
-        let SeqState::Preempted {
-            mode,
-            tokens,
-            saved,
-        } = std::mem::replace(&mut entry.state, SeqState::Active(memory))
-        else {
-            unreachable!("checked above")
-        };
-        let saved = match (mode, saved) {
+        let per_buffer = memory.growth_for(tokens);
+        let entry = self
+            .seqs
+            .get_mut(&seq)
+            .expect("a preempted sequence has an entry");
+        let saved = match (mode, entry.saved.take()) {
             (PreemptMode::Swap, Some(saved)) if tokens > 0 => saved,
             _ => {
+                // Nothing was kept (or nothing to keep): the sequence starts again, empty.
+                entry.memory = Some(memory);
+                self.table.end_restore(seq, writer, true);
                 let _ = reply.send(Ok(Restored::Recompute { tokens }));
                 return;
             }
         };
-        entry.busy = true;
-        let (priority, writer) = (entry.priority, entry.writer);
+        entry.memory = Some(memory);
+        let priority = self.table.get(seq).map_or(0, |r| r.priority);
         self.begin(
             myself,
             per_buffer * shape.buffers() as u64,
@@ -527,12 +503,15 @@ impl KvStoreState {
         let backing = Arc::clone(&self.backing);
         // The sequence the restore was for; closed meanwhile (even if its id was opened again)
         // it is gone, and the grant goes back with its saved copy.
-        let Some(entry) = self.seqs.get_mut(&seq).filter(|e| e.writer == writer) else {
+        let ours = self
+            .table
+            .get(seq)
+            .is_some_and(|r| r.writer == writer && matches!(r.phase, Phase::Restoring { .. }));
+        let Some(entry) = self.seqs.get_mut(&seq).filter(|_| ours) else {
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
-        let SeqState::Active(memory) = &mut entry.state else {
-            // Restoring keeps the sequence active; anything else is not this restore's.
+        let Some(memory) = entry.memory.as_mut() else {
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
@@ -561,34 +540,23 @@ impl KvStoreState {
             Ok(())
         }
         .await;
-        let entry = self.seqs.get_mut(&seq).expect("present above");
-        entry.busy = false;
         match result {
             Ok(()) => {
+                self.table.end_restore(seq, writer, true);
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
             }
             Err(e) => {
-                // Back to preempted with the saved copy; the partial memory is freed.
-                let old = std::mem::replace(
-                    &mut entry.state,
-                    SeqState::Preempted {
-                        mode: PreemptMode::Swap,
-                        tokens,
-                        saved: Some(saved),
-                    },
-                );
+                // Back to preempted with the saved copy; the partial memory is freed, then
+                // what paid for it.
+                let entry = self.seqs.get_mut(&seq).expect("present above");
+                entry.saved = Some(saved);
+                let old = entry.memory.take();
                 let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
-                // The memory first, then what paid for it.
                 drop(old);
                 drop(charge);
+                self.table.end_restore(seq, writer, false);
                 let _ = reply.send(Err(e));
             }
         }
     }
-}
-
-/// The first id named twice in `seqs`.
-fn first_duplicate(seqs: &[SeqId]) -> Option<SeqId> {
-    let mut seen = std::collections::HashSet::with_capacity(seqs.len());
-    seqs.iter().copied().find(|s| !seen.insert(*s))
 }
