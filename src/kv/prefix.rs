@@ -204,6 +204,11 @@ impl<B: Clone> PrefixCache<B> {
             .filter_map(|(k, e)| e.block.as_ref().map(|b| (*k, b, e.last_used, e.state)))
     }
 
+    /// Every entry's state, claims included.
+    pub fn states(&self) -> impl Iterator<Item = (u64, BlockState)> + '_ {
+        self.entries.iter().map(|(k, e)| (*k, e.state))
+    }
+
     /// Entries, claims included.
     pub fn len(&self) -> usize {
         self.entries.len()
