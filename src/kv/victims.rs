@@ -2,8 +2,15 @@
 //!
 //! Freeing scattered tokens frees nothing (pages stay mapped), so victims are whole units:
 //! cached prefixes nobody maps any more (least recently used first), then whole sequences,
-//! lowest priority first and, among equals, the largest. A sequence whose kernel is in flight
-//! is never chosen.
+//! lowest priority first and, among equals, the most recently admitted first (as vLLM does).
+//! A sequence whose kernel is in flight is never chosen.
+//!
+//! Why the newest first: the oldest admitted sequence (of the lowest priority) is then chosen
+//! only when nothing else is left, so it always makes progress and finishes, and its memory
+//! goes back; a sequence restored after a preemption keeps its admission place, so it is not
+//! taken again ahead of sequences admitted after it (no two sequences evict each other in
+//! turn). Choosing the largest first, as this did before, threw away the most work and let
+//! victims take turns for ever.
 
 /// A cached prefix the store could drop.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,8 +34,10 @@ pub struct SequenceCandidate<S> {
     pub bytes: u64,
     /// Its priority (higher is more important).
     pub priority: u32,
-    /// Whether a kernel using it has not completed.
+    /// Whether a kernel or a step uses it now.
     pub in_flight: bool,
+    /// Its place in admission order (larger is more recent).
+    pub admitted: u64,
 }
 
 /// One unit to free.
@@ -64,7 +73,11 @@ pub fn choose_victims<K: Clone, S: Clone>(
         .iter()
         .filter(|s| !s.in_flight && s.bytes > 0)
         .collect();
-    seqs.sort_by(|a, b| a.priority.cmp(&b.priority).then(b.bytes.cmp(&a.bytes)));
+    seqs.sort_by(|a, b| {
+        a.priority
+            .cmp(&b.priority)
+            .then(b.admitted.cmp(&a.admitted))
+    });
     for s in seqs {
         if covered >= wanted {
             break;
@@ -94,6 +107,8 @@ mod tests {
             bytes,
             priority,
             in_flight,
+            // Ids are given in admission order here.
+            admitted: u64::from(id),
         }
     }
 
@@ -112,16 +127,17 @@ mod tests {
     }
 
     #[test]
-    fn sequences_lowest_priority_first_never_in_flight() {
+    fn sequences_lowest_priority_first_newest_first_never_in_flight() {
         let seqs = [
             s(1, 100, 5, false),
             s(2, 300, 1, true),
-            s(3, 200, 1, false),
-            s(4, 400, 1, false),
+            s(3, 400, 1, false),
+            s(4, 200, 1, false),
         ];
         assert_eq!(
             choose_victims::<u32, u32>(500, &[], &seqs),
-            vec![Victim::Sequence(4), Victim::Sequence(3)]
+            vec![Victim::Sequence(4), Victim::Sequence(3)],
+            "the newest of the lowest priority first, whatever its size"
         );
         let all = choose_victims::<u32, u32>(u64::MAX, &[], &seqs);
         assert!(

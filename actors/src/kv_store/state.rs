@@ -168,6 +168,7 @@ impl KvStoreState {
                     bytes: memory.exclusive_bytes(),
                     priority: r.priority,
                     in_flight: !self.table.evictable(id) || self.fence_pending(e),
+                    admitted: r.admitted,
                 })
             })
             .collect();
