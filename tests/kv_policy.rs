@@ -4,7 +4,8 @@
 //! sequences; after every operation both agree on every answer and every state, and:
 //! - no block is both cached and being written, nor written by two writers, and every block
 //!   being written belongs to a live sequence that lists it;
-//! - no sequence in a step (or waiting for its grant) is ever a victim;
+//! - no sequence in a step or a restore is ever a victim, and while sequences wait for
+//!   grants only ones admitted after the oldest waiter are (never the oldest);
 //! - a block completes only when the sequence that claimed it has written its last token.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -214,6 +215,8 @@ enum RefBlock {
 
 struct RefSeq {
     incarnation: u64,
+    /// Admission order.
+    admitted: u64,
     phase: RefPhase,
     tokens: usize,
     /// (token prefix of the block, token count that completes it)
@@ -229,9 +232,26 @@ struct Reference {
     prepares: VecDeque<Vec<(SeqId, u64)>>,
     restores: BTreeMap<SeqId, u64>,
     next: u64,
+    admissions: u64,
 }
 
 impl Reference {
+    /// Pressure may take a sequence (idle, or itself waiting for its step's grant) newer than
+    /// some sequence waiting for a grant, or any idle one when nothing waits.
+    fn may_take(&self, phase: RefPhase, admitted: u64) -> bool {
+        let waiters: Vec<u64> = self
+            .seqs
+            .values()
+            .filter(|o| matches!(o.phase, RefPhase::Growing | RefPhase::Restoring))
+            .map(|o| o.admitted)
+            .collect();
+        match phase {
+            RefPhase::Idle if waiters.is_empty() => true,
+            RefPhase::Idle | RefPhase::Growing => waiters.iter().any(|w| admitted > *w),
+            _ => false,
+        }
+    }
+
     fn forget_writer(&mut self, inc: u64) {
         self.blocks
             .retain(|_, b| *b != RefBlock::Claimed(inc) && *b != RefBlock::Filling(inc));
@@ -287,10 +307,12 @@ impl Reference {
                     self.blocks.insert(prefix.clone(), RefBlock::Filling(inc));
                     filling.push((prefix, (hits + i + 1) * BT));
                 }
+                self.admissions += 1;
                 self.seqs.insert(
                     *seq,
                     RefSeq {
                         incarnation: inc,
+                        admitted: self.admissions,
                         phase: RefPhase::Idle,
                         tokens: hits * BT,
                         filling,
@@ -326,7 +348,14 @@ impl Reference {
                 None => Answer::Nothing,
                 Some(b) => {
                     for (s, inc) in b {
-                        if let Some(r) = self.seqs.get_mut(&s).filter(|r| r.incarnation == inc) {
+                        let live = |r: &&mut RefSeq| {
+                            r.incarnation == inc
+                                && matches!(
+                                    r.phase,
+                                    RefPhase::Idle | RefPhase::Growing | RefPhase::Stepping
+                                )
+                        };
+                        if let Some(r) = self.seqs.get_mut(&s).filter(live) {
                             r.phase = if *ok {
                                 RefPhase::Stepping
                             } else {
@@ -362,8 +391,9 @@ impl Reference {
                 }
                 Answer::Completed(completed)
             }
-            Op::Pressure(seq) => match self.seqs.get_mut(seq) {
-                Some(r) if r.phase == RefPhase::Idle => {
+            Op::Pressure(seq) => match self.seqs.get(seq).map(|r| (r.phase, r.admitted)) {
+                Some((phase, admitted)) if self.may_take(phase, admitted) => {
+                    let r = self.seqs.get_mut(seq).expect("present");
                     r.phase = RefPhase::Preempted;
                     r.filling.clear();
                     let inc = r.incarnation;
@@ -442,8 +472,10 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
             prop_assert_eq!(store.tokens.get(seq).copied().unwrap_or(0), r.tokens);
         }
         prop_assert_eq!(rec.filling.len(), r.filling.len(), "seq {}", seq);
-        // Never a victim while a step or a grant uses it.
-        prop_assert_eq!(store.table.evictable(*seq), r.phase == RefPhase::Idle);
+        // Never a victim while a step or a restore uses it; one waiting for its grant only
+        // when an older one waits too.
+        let evictable = reference.may_take(r.phase, r.admitted);
+        prop_assert_eq!(store.table.evictable(*seq), evictable, "seq {}", seq);
     }
     // Blocks: the same number in each state.
     let count =

@@ -339,6 +339,8 @@ pub(crate) struct KvStoreState {
     seqs: HashMap<SeqId, SeqEntry>,
     prefixes: PrefixCache<Arc<SharedPrefix>>,
     pending: HashMap<u64, Pending>,
+    /// The task waiting for each pending transaction's grant, to call it off.
+    reserving: HashMap<u64, tokio::task::AbortHandle>,
     next_txn: u64,
     clock: u64,
     stats: KvStoreStats,
@@ -400,6 +402,7 @@ impl Actor for KvStore {
             table: SequenceTable::new(),
             prefixes: PrefixCache::default(),
             pending: HashMap::new(),
+            reserving: HashMap::new(),
             next_txn: 1,
             clock: 0,
             stats: KvStoreStats::default(),

@@ -49,12 +49,10 @@ pub enum Phase {
 }
 
 impl Phase {
-    /// Whether a step or a grant is using it: such a sequence is never a victim.
+    /// Whether a step or a restore is using it: such a sequence is never a victim (one only
+    /// waiting for its step's grant may be; see [`SequenceTable::evictable`]).
     pub fn in_use(self) -> bool {
-        matches!(
-            self,
-            Phase::Growing | Phase::Stepping | Phase::Restoring { .. }
-        )
+        matches!(self, Phase::Stepping | Phase::Restoring { .. })
     }
 }
 
@@ -230,9 +228,24 @@ impl SequenceTable {
     fn set_phase(&mut self, batch: &[(SeqId, Writer)], phase: Phase) {
         for (seq, writer) in batch {
             if let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) {
-                r.phase = phase;
+                // A sequence preempted while its step waited stays preempted.
+                if matches!(r.phase, Phase::Idle | Phase::Growing | Phase::Stepping) {
+                    r.phase = phase;
+                }
             }
         }
+    }
+
+    /// The first sequence of `batch` that pressure took while the step waited for its grant
+    /// (the step then fails as a whole), with how it was preempted.
+    pub fn preempted_in(&self, batch: &[(SeqId, Writer)]) -> Option<(SeqId, PreemptMode)> {
+        batch.iter().find_map(|(seq, writer)| {
+            let r = self.seqs.get(seq).filter(|r| r.writer == *writer)?;
+            match r.phase {
+                Phase::Preempted { mode, .. } => Some((*seq, mode)),
+                _ => None,
+            }
+        })
     }
 
     /// Whether `batch` may run a layer: each open, stepping, named once.
@@ -266,17 +279,40 @@ impl SequenceTable {
         done
     }
 
-    /// Whether pressure may take `seq` now: open, idle, and (the store says) no kernel of
-    /// its is still running.
+    /// Whether pressure may take `seq` now. While a sequence of this store waits for a
+    /// grant (its step's or its restore's), only sequences admitted after the oldest such
+    /// waiter may go, idle or themselves only waiting for their step's grant: a store never
+    /// evicts an older sequence for a newer one's sake, so the oldest always progresses and
+    /// nothing is evicted in circles, and when every holder waits for a grant the newest
+    /// gives way (giving way to its own step would help nobody). With no waiter here (the
+    /// pressure is another holder's), any idle sequence may go. Never one in a step or a
+    /// restore. The store adds that no kernel of its may still be running.
     pub fn evictable(&self, seq: SeqId) -> bool {
-        self.seqs.get(&seq).is_some_and(|r| r.phase == Phase::Idle)
+        let Some(r) = self.seqs.get(&seq) else {
+            return false;
+        };
+        let oldest_waiter = self
+            .seqs
+            .values()
+            .filter(|o| matches!(o.phase, Phase::Growing | Phase::Restoring { .. }))
+            .map(|o| o.admitted)
+            .min();
+        match (r.phase, oldest_waiter) {
+            (Phase::Idle, None) => true,
+            (Phase::Idle | Phase::Growing, Some(w)) => r.admitted > w,
+            _ => false,
+        }
     }
 
-    /// Pressure took `seq` (idle) holding `tokens`: it is preempted, and the prefix blocks it
-    /// was writing will never be finished by it. Returns its incarnation (to abandon those
-    /// blocks), or `None` if it was not evictable.
+    /// Pressure took `seq` (evictable) holding `tokens`: it is preempted, and the prefix
+    /// blocks it was writing will never be finished by it (a step whose grant then lands
+    /// fails with `Preempted`). Returns its incarnation (to abandon those blocks), or `None`
+    /// if it was not evictable.
     pub fn preempt(&mut self, seq: SeqId, mode: PreemptMode, tokens: usize) -> Option<Writer> {
-        let r = self.seqs.get_mut(&seq).filter(|r| r.phase == Phase::Idle)?;
+        if !self.evictable(seq) {
+            return None;
+        }
+        let r = self.seqs.get_mut(&seq)?;
         r.phase = Phase::Preempted { mode, tokens };
         r.filling.clear();
         Some(r.writer)
@@ -346,7 +382,7 @@ mod tests {
         assert_eq!(t.begin_step(&[1]), Err(TableError::Busy(1)));
         assert!(
             !t.evictable(1),
-            "a sequence waiting for its grant is in use"
+            "the oldest sequence waiting for its grant never gives way to itself"
         );
         t.end_growth(&batch, true);
         assert_eq!(t.check_layer(&[1, 1]), Err(TableError::Duplicate(1)));
@@ -355,6 +391,26 @@ mod tests {
         assert!(t.end_step(1, 1).is_empty());
         assert_eq!(t.check_layer(&[1]), Err(TableError::NotInStep(1)));
         assert!(t.evictable(1));
+    }
+
+    #[test]
+    fn a_newer_sequence_waiting_for_its_grant_gives_way_to_an_older_one() {
+        let mut t = SequenceTable::new();
+        for seq in [1, 2] {
+            let w = t.begin_open(seq).unwrap();
+            t.end_open(seq, w, 0, Some(vec![]));
+        }
+        let batch = t.begin_step(&[1, 2]).unwrap();
+        t.growing(&batch);
+        assert!(!t.evictable(1), "the oldest waiter keeps its place");
+        assert!(t.evictable(2), "the newer waiter may give way");
+        let w2 = t.get(2).unwrap().writer;
+        assert_eq!(t.preempt(2, PreemptMode::Swap, 3), Some(w2));
+        assert_eq!(t.preempt(1, PreemptMode::Swap, 3), None);
+        assert_eq!(t.preempted_in(&batch), Some((2, PreemptMode::Swap)));
+        t.end_growth(&batch, false);
+        assert!(matches!(t.get(2).unwrap().phase, Phase::Preempted { .. }));
+        assert_eq!(t.get(1).unwrap().phase, Phase::Idle);
     }
 
     #[test]

@@ -71,14 +71,39 @@ impl KvStoreState {
         };
         let me = myself.clone();
         // Waiting for room happens off the mailbox, so tickets keep being answered meanwhile.
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let grant = governor.reserve(request).await;
             let _ = me.cast(KvStoreMsg::Granted { txn, grant });
         });
+        self.reserving.insert(txn, task.abort_handle());
+    }
+
+    /// A step whose sequence `seq` pressure took while it waited for its grant: the wait is
+    /// called off (the request leaves the Governor's queue; a grant already on its way goes
+    /// back as its handle drops) and the step fails with `Preempted`, so the caller can step
+    /// the others without it at once instead of waiting for room for all of them.
+    fn call_off_step_of(&mut self, seq: SeqId, writer: Writer, mode: PreemptMode) {
+        let txn = self.pending.iter().find_map(|(txn, p)| match p {
+            Pending::Prepare { seqs, .. }
+                if seqs.iter().any(|(s, w, _)| *s == seq && *w == writer) =>
+            {
+                Some(*txn)
+            }
+            _ => None,
+        });
+        let Some(txn) = txn else { return };
+        if let Some(task) = self.reserving.remove(&txn) {
+            task.abort();
+        }
+        if let Some(pending) = self.pending.remove(&txn) {
+            self.fail(pending, KvStoreError::Preempted(seq, mode));
+        }
     }
 
     pub(super) async fn granted(&mut self, txn: u64, grant: Result<Grant, GovernorError>) {
+        self.reserving.remove(&txn);
         let Some(pending) = self.pending.remove(&txn) else {
+            // Called off meanwhile: the grant, if any, goes back as it drops here.
             return;
         };
         match grant {
@@ -222,7 +247,16 @@ impl KvStoreState {
                         freed += block.bytes;
                     }
                 }
-                Victim::Sequence(id) => freed += self.preempt(id),
+                Victim::Sequence(id) => {
+                    let steps = self.pending.len();
+                    freed += self.preempt(id);
+                    if self.pending.len() < steps {
+                        // A step of this store was called off: what the ticket wanted may
+                        // have been for it. Stop here; if others still lack room the
+                        // Governor asks again.
+                        break;
+                    }
+                }
             }
         }
         self.stats.tickets += 1;
@@ -248,9 +282,16 @@ impl KvStoreState {
             return 0;
         };
         let tokens = memory.tokens();
+        let was_growing = self
+            .table
+            .get(id)
+            .is_some_and(|r| r.phase == Phase::Growing);
         let Some(writer) = self.table.preempt(id, mode, tokens) else {
             return 0;
         };
+        if was_growing {
+            self.call_off_step_of(id, writer, mode);
+        }
         let entry = self.seqs.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
         entry.saved = match mode {

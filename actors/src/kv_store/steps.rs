@@ -232,6 +232,16 @@ impl KvStoreState {
         let Pending::Prepare { seqs, bytes, reply } = pending else {
             return;
         };
+        let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
+        // Pressure may take a newer sequence while the step waits for its grant (when every
+        // holder waits for a grant, someone must give way): the step fails as a whole, its
+        // grant goes back, and the caller steps the others and restores that one later.
+        if let Some((taken, mode)) = self.table.preempted_in(&batch) {
+            drop(grant);
+            self.table.end_growth(&batch, false);
+            let _ = reply.send(Err(KvStoreError::Preempted(taken, mode)));
+            return;
+        }
         let backing = Arc::clone(&self.backing);
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
         let mut failure: Option<KvStoreError> = None;
@@ -303,7 +313,6 @@ impl KvStoreState {
                 None => Ok(()),
             })
             .is_ok();
-        let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
         self.table.end_growth(&batch, ok && delivered);
     }
 
