@@ -8,7 +8,7 @@ log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input) =="
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" |
-    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|^governor_restart:.*|^model_check:.*|test result: FAILED.*"
+    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|^governor_restart:.*|^model_check:.*|^kv_progress:.*|test result: FAILED.*"
 tests_rc=${PIPESTATUS[0]}
 # A test's stderr can land in the middle of the harness's own line: take the figures from
 # anywhere on a line.

@@ -256,18 +256,26 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_finishes_under_a_half_a_quarter_and_an_eighth_of_its_demand() {
+    let mut finished = 0;
+    let mut runs = 0;
     for mode in [PreemptMode::Swap, PreemptMode::Recompute] {
         for fraction in [2, 4, 8] {
             let figures = run(fraction, mode).await;
+            runs += 1;
+            finished += figures.len();
             let preemptions: Vec<u64> = figures.iter().map(|f| f.preemptions).collect();
             let replayed: Vec<u64> = figures.iter().map(|f| f.replayed_steps).collect();
             eprintln!(
-                "FIGURE kv_progress 1/{fraction} {mode:?}: {REQUESTS}/{REQUESTS} finished; \
-                 preemptions per request {preemptions:?} (total {}); replayed steps per request \
-                 {replayed:?} (total {})",
+                "kv_progress: 1/{fraction} of demand, {mode:?}: {REQUESTS}/{REQUESTS} finished, \
+                 outputs equal; preemptions per request {preemptions:?} (total {}); replayed \
+                 steps per request {replayed:?} (total {})",
                 preemptions.iter().sum::<u64>(),
                 replayed.iter().sum::<u64>()
             );
         }
     }
+    eprintln!(
+        "FIGURE kv_progress_requests_finished {finished}/{}",
+        runs * REQUESTS as usize
+    );
 }
