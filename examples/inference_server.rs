@@ -27,6 +27,14 @@ enum Device {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum Preempt {
+    /// A preempted sequence's KV is copied out and copied back on restore.
+    Swap,
+    /// A preempted sequence's KV is dropped and recomputed by replaying its tokens.
+    Recompute,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum ModelSize {
     /// 4 layers, 8 query heads over 2 KV heads, head dimension 32.
     Small,
@@ -44,10 +52,13 @@ struct Args {
     /// Requests decoded at once.
     #[arg(long, default_value_t = 12)]
     concurrency: usize,
-    /// Memory budget of the host authority (bytes, or with KiB/MiB/GiB); `auto` is the
-    /// weights plus half of the peak KV demand.
+    /// Memory budget of the host authority: bytes (or with KiB/MiB/GiB), or the weights plus
+    /// a fraction of the peak KV demand (`0.125x`); `auto` is `0.5x`.
     #[arg(long, default_value = "auto")]
     budget: String,
+    /// What happens to a sequence preempted under pressure.
+    #[arg(long, value_enum, default_value_t = Preempt::Swap)]
+    preempt: Preempt,
     /// Model size.
     #[arg(long, value_enum, default_value_t = ModelSize::Small)]
     model_size: ModelSize,
@@ -188,6 +199,8 @@ struct Request {
     pos: usize,
     x: Vec<f32>,
     priority: u32,
+    /// When the store admitted it (its place in the store's victim order).
+    admitted: u64,
 }
 
 impl Request {
@@ -208,6 +221,7 @@ struct Counters {
     generated: u64,
     finished: u64,
     shed: u64,
+    parked: u64,
     restores: u64,
     peak_ledger: u64,
     peak_os: u64,
@@ -279,10 +293,21 @@ async fn serve(args: Args) -> Result<(), String> {
     let per_seq = model.shape.buffers() as u64
         * (max_tokens as u64 * model.shape.token_bytes()).next_multiple_of(page);
     let peak_kv = per_seq * args.concurrency as u64;
-    let budget = if args.budget == "auto" {
-        weights_bytes + peak_kv / 2
-    } else {
-        parse_bytes(&args.budget)?
+    let budget = match args.budget.trim() {
+        "auto" => weights_bytes + peak_kv / 2,
+        b if b.ends_with('x') => {
+            let f: f64 = b[..b.len() - 1]
+                .trim()
+                .parse()
+                .map_err(|_| format!("'{b}' is not a fraction of peak demand (try 0.125x)"))?;
+            if !(f.is_finite() && f > 0.0) {
+                return Err(format!(
+                    "'{b}' is not a fraction of peak demand (try 0.125x)"
+                ));
+            }
+            weights_bytes.saturating_add((f * peak_kv as f64) as u64)
+        }
+        b => parse_bytes(b)?,
     };
     if budget > 0 && weights_bytes + per_seq > budget {
         return Err(format!(
@@ -332,7 +357,10 @@ async fn serve(args: Args) -> Result<(), String> {
             priority: 0,
             shape: model.shape,
             chunk_granules: 1,
-            preempt: PreemptMode::Swap,
+            preempt: match args.preempt {
+                Preempt::Swap => PreemptMode::Swap,
+                Preempt::Recompute => PreemptMode::Recompute,
+            },
             wait: Duration::from_millis(250),
         })
         .await
@@ -360,10 +388,17 @@ async fn serve(args: Args) -> Result<(), String> {
                 pos: 0,
                 x: Vec::new(),
                 priority: (id % 3) as u32,
+                admitted: 0,
             }
         })
         .collect();
     let mut active: Vec<Request> = Vec::new();
+    // Requests preempted while their step waited: they leave the batch and are restored,
+    // oldest first, once a step went through and there is room beside the batch's growth.
+    let mut parked: Vec<Request> = Vec::new();
+    let mut admissions = 0u64;
+    let mut last_stepped = true;
+    let growth_per_seq = model.shape.buffers() as u64 * page;
     let mut c = Counters::default();
     let start = Instant::now();
     let mut last_report = Instant::now();
@@ -374,10 +409,48 @@ async fn serve(args: Args) -> Result<(), String> {
         .governor(DeviceKey::HOST, procmem_actors::procmem::MemoryTier::Host)
         .expect("the host authority")
         .clone();
-    while !queue.is_empty() || !active.is_empty() {
+    while !queue.is_empty() || !active.is_empty() || !parked.is_empty() {
+        // Restore parked requests first, oldest first, into room the batch does not need for
+        // its next step (restoring into the batch's memory would only evict it again).
+        if last_stepped || active.is_empty() {
+            let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
+            let mut room = free.saturating_sub(active.len() as u64 * growth_per_seq);
+            parked.sort_by_key(|r| r.admitted);
+            while let Some(r) = parked.first() {
+                // Swap brings its tokens back at once; recompute grows them again by replay.
+                let tokens = match args.preempt {
+                    Preempt::Swap => r.pos,
+                    Preempt::Recompute => r.known(),
+                };
+                let need = model.shape.buffers() as u64
+                    * (tokens as u64 * model.shape.token_bytes()).next_multiple_of(page);
+                // With nothing running, the oldest is restored whatever the room: its restore
+                // makes room by pressure (cached prefixes nobody maps go first).
+                if need > room && !active.is_empty() {
+                    break;
+                }
+                room = room.saturating_sub(need);
+                let mut r = parked.remove(0);
+                match kv.restore(r.id).await {
+                    Ok(Restored::Swapped { tokens }) => r.pos = tokens,
+                    // The KV was dropped: replay the known tokens from the start.
+                    Ok(Restored::Recompute { .. }) => r.pos = 0,
+                    Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
+                    Err(e) => {
+                        tracing::debug!(%e, seq = r.id, "no room to restore yet");
+                        parked.insert(0, r);
+                        break;
+                    }
+                }
+                c.restores += 1;
+                active.push(r);
+            }
+        }
         // Admit while there is room for another whole sequence, or while fewer than half the
         // slots run (then the open itself makes room: cached prefixes nobody uses are evicted).
-        while active.len() < args.concurrency {
+        // Parked requests go before new ones (as vLLM does with swapped requests): admitting
+        // new work while admitted work waits would only take the room it needs.
+        while parked.is_empty() && active.len() < args.concurrency {
             let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
             if active.len() >= args.concurrency / 2 && free < per_seq {
                 break;
@@ -388,6 +461,8 @@ async fn serve(args: Args) -> Result<(), String> {
             match kv.open(r.id, r.prompt.clone(), r.priority).await {
                 Ok(opened) => {
                     r.pos = opened.cached_tokens;
+                    admissions += 1;
+                    r.admitted = admissions;
                     active.push(r);
                     idle_refusals = 0;
                 }
@@ -407,7 +482,17 @@ async fn serve(args: Args) -> Result<(), String> {
                 }
             }
         }
-        let outcome = step(&model, &kv, &weights, &mut active, &mut c, &mut queue).await?;
+        let outcome = step(
+            &model,
+            &kv,
+            &weights,
+            &mut active,
+            &mut parked,
+            &mut c,
+            &mut queue,
+        )
+        .await?;
+        last_stepped = matches!(outcome, Stepped::Ok);
         // Restores can chase each other (restoring one preempts another idle one); if the
         // batch keeps failing to step, shed a request so the rest make progress.
         stalls = if matches!(outcome, Stepped::Ok) {
@@ -432,7 +517,7 @@ async fn serve(args: Args) -> Result<(), String> {
                     ));
                 }
             }
-            Stepped::Shed | Stepped::Restored => {}
+            Stepped::Shed | Stepped::Parked => {}
         }
         active.retain(|r| {
             let done = r.generated.len() >= args.max_new_tokens;
@@ -482,6 +567,7 @@ async fn serve(args: Args) -> Result<(), String> {
     println!("  {:<34} {:>14}", "tokens generated", c.generated);
     println!("  {:<34} {:>14}", "requests finished", c.finished);
     println!("  {:<34} {:>14}", "requests preempted (shed)", c.shed);
+    println!("  {:<34} {:>14}", "requests parked by preemption", c.parked);
     println!(
         "  {:<34} {:>14}",
         "sequences preempted by pressure", kv_stats.preemptions
@@ -552,7 +638,7 @@ fn shed(
 enum Stepped {
     Ok,
     Shed,
-    Restored,
+    Parked,
 }
 
 /// One decode step for every active request: room for the next token (one grant for the
@@ -563,6 +649,7 @@ async fn step(
     kv: &KvStoreHandle,
     weights: &ResidencyHandle,
     active: &mut Vec<Request>,
+    parked: &mut Vec<Request>,
     c: &mut Counters,
     queue: &mut VecDeque<Request>,
 ) -> Result<Stepped, String> {
@@ -574,17 +661,11 @@ async fn step(
     match kv.prepare(ids).await {
         Ok(()) => {}
         Err(KvStoreError::Preempted(seq, _)) => {
+            // Pressure took it: the rest of the batch steps without it; it is restored later.
             let idx = active.iter().position(|r| r.id == seq).expect("active");
-            match kv.restore(seq).await {
-                Ok(Restored::Swapped { tokens }) => active[idx].pos = tokens,
-                Ok(Restored::Recompute { .. }) => active[idx].pos = 0,
-                Err(e) => {
-                    tracing::debug!(%e, seq, "no room to restore; shedding it");
-                    shed(kv, active, idx, queue, c);
-                }
-            }
-            c.restores += 1;
-            return Ok(Stepped::Restored);
+            parked.push(active.remove(idx));
+            c.parked += 1;
+            return Ok(Stepped::Parked);
         }
         Err(KvStoreError::Governor(
             GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
