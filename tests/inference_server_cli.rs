@@ -120,7 +120,7 @@ fn bad_input_exits_2_with_a_clear_message() {
         ),
         (&["--requests", "18446744073709551616"], "invalid value"),
         (&["--budget", "0x"], "not a fraction of peak demand"),
-        (&["--budget", "-1x"], "not a fraction of peak demand"),
+        (&["--budget=-1x"], "not a fraction of peak demand"),
         (&["--budget", "nanx"], "not a fraction of peak demand"),
         (&["--budget", "1e400x"], "not a fraction of peak demand"),
         (&["--budget", "0.01x"], "more than the budget"),
