@@ -17,6 +17,8 @@ use procmem_actors::{
     KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored,
 };
 
+mod common;
+
 const SHAPE: KvShape = KvShape {
     layers: 2,
     q_heads: 4,
@@ -28,30 +30,8 @@ const REQUESTS: u64 = 16;
 /// Tokens each request decodes: two growth chunks of one page per buffer.
 const TOKENS: usize = 64;
 
-fn floats(seed: u64, pos: usize, layer: usize, which: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        ^ ((pos as u64) << 20)
-        ^ ((layer as u64) << 40)
-        ^ (which << 56)
-        ^ 0x2545_f491_4f6c_dd1d;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn item(seq: u64, pos: usize, layer: usize) -> AttendItem {
-    let tf = SHAPE.token_floats();
-    AttendItem {
-        seq,
-        q: floats(seq, pos, layer, 0, SHAPE.q_heads * SHAPE.head_dim),
-        k: floats(seq, pos, layer, 1, tf),
-        v: floats(seq, pos, layer, 2, tf),
-    }
+    common::kv_item(&SHAPE, seq, pos, layer)
 }
 
 /// Every output of an unpressured run: (seq, pos, layer) -> attention output.

@@ -14,6 +14,8 @@ use procmem_actors::{
     KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,
 };
 
+mod common;
+
 const SHAPE: KvShape = KvShape {
     layers: 2,
     q_heads: 4,
@@ -23,32 +25,10 @@ const SHAPE: KvShape = KvShape {
 };
 const PAGE: u64 = 4096;
 
-/// Deterministic floats for (sequence, position, layer, which): replaying a sequence gives
-/// the very same K/V, as a real model would.
-fn floats(seed: u64, pos: usize, layer: usize, which: u64, n: usize) -> Vec<f32> {
-    let mut x = seed
-        ^ ((pos as u64) << 20)
-        ^ ((layer as u64) << 40)
-        ^ (which << 56)
-        ^ 0x9e37_79b9_7f4a_7c15;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
+/// Deterministic K/V for (sequence, position, layer): replaying a sequence gives the very same
+/// K/V, as a real model would.
 fn item(seq: u64, pos: usize, layer: usize) -> AttendItem {
-    let tf = SHAPE.token_floats();
-    AttendItem {
-        seq,
-        q: floats(seq, pos, layer, 0, SHAPE.q_heads * SHAPE.head_dim),
-        k: floats(seq, pos, layer, 1, tf),
-        v: floats(seq, pos, layer, 2, tf),
-    }
+    common::kv_item(&SHAPE, seq, pos, layer)
 }
 
 /// The same decode over plain vectors.

@@ -87,3 +87,37 @@ pub unsafe fn read_by_address<'a>(view: &procmem_actors::BufferView) -> &'a [u8]
     // SAFETY: the caller's preconditions.
     unsafe { std::slice::from_raw_parts(view.addr as usize as *const u8, view.len as usize) }
 }
+
+/// Deterministic floats for (sequence, position, layer, which): replaying a sequence gives
+/// the very same K/V, as a real model would.
+pub fn kv_floats(seed: u64, pos: usize, layer: usize, which: u64, n: usize) -> Vec<f32> {
+    let mut x = seed
+        ^ ((pos as u64) << 20)
+        ^ ((layer as u64) << 40)
+        ^ (which << 56)
+        ^ 0x9e37_79b9_7f4a_7c15;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// One token's attention input for `seq` at `pos` and `layer` of `shape`.
+pub fn kv_item(
+    shape: &procmem_actors::procmem::kv::KvShape,
+    seq: u64,
+    pos: usize,
+    layer: usize,
+) -> procmem_actors::AttendItem {
+    let tf = shape.token_floats();
+    procmem_actors::AttendItem {
+        seq,
+        q: kv_floats(seq, pos, layer, 0, shape.q_heads * shape.head_dim),
+        k: kv_floats(seq, pos, layer, 1, tf),
+        v: kv_floats(seq, pos, layer, 2, tf),
+    }
+}
