@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
@@ -290,8 +291,12 @@ async fn serve(args: Args) -> Result<(), String> {
     let page = procmem_actors::procmem::granularity();
     let weights_bytes =
         model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(page);
-    let per_seq = model.shape.buffers() as u64
-        * (max_tokens as u64 * model.shape.token_bytes()).next_multiple_of(page);
+    // KV bytes of one sequence holding `tokens` (every buffer grows a page at a time).
+    let kv_bytes = |tokens: usize| {
+        model.shape.buffers() as u64
+            * mapped_bytes_for(tokens, model.shape.token_bytes(), page, u64::MAX)
+    };
+    let per_seq = kv_bytes(max_tokens);
     let peak_kv = per_seq * args.concurrency as u64;
     let budget = match args.budget.trim() {
         "auto" => weights_bytes + peak_kv / 2,
@@ -422,8 +427,7 @@ async fn serve(args: Args) -> Result<(), String> {
                     Preempt::Swap => r.pos,
                     Preempt::Recompute => r.known(),
                 };
-                let need = model.shape.buffers() as u64
-                    * (tokens as u64 * model.shape.token_bytes()).next_multiple_of(page);
+                let need = kv_bytes(tokens);
                 // With nothing running, the oldest is restored whatever the room: its restore
                 // makes room by pressure (cached prefixes nobody maps go first).
                 if need > room && !active.is_empty() {

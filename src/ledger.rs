@@ -302,10 +302,9 @@ impl Ledger {
             },
         );
         split.tiers = self
-            .tiers
-            .iter()
-            .filter(|(_, a)| **a == authority)
-            .map(|(k, a)| (*k, *a))
+            .tiers_of(authority)
+            .into_iter()
+            .map(|k| (k, authority))
             .collect();
         Ok(split)
     }

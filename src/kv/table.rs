@@ -48,14 +48,6 @@ pub enum Phase {
     },
 }
 
-impl Phase {
-    /// Whether a step or a restore is using it: such a sequence is never a victim (one only
-    /// waiting for its step's grant may be; see [`SequenceTable::evictable`]).
-    pub fn in_use(self) -> bool {
-        matches!(self, Phase::Stepping | Phase::Restoring { .. })
-    }
-}
-
 /// Why the table refused; nothing changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum TableError {
@@ -136,11 +128,6 @@ impl SequenceTable {
     /// True when no sequence is open.
     pub fn is_empty(&self) -> bool {
         self.seqs.is_empty()
-    }
-
-    /// The incarnation being opened under `seq`, if an open is on its way.
-    pub fn opening(&self, seq: SeqId) -> Option<Writer> {
-        self.opening.get(&seq).copied()
     }
 
     /// Starts opening `seq`: its incarnation. Refused if the id is open or being opened.
@@ -356,12 +343,6 @@ impl SequenceTable {
     pub fn close(&mut self, seq: SeqId) -> Option<SeqRecord> {
         self.opening.remove(&seq);
         self.seqs.remove(&seq)
-    }
-
-    /// Takes every record (the store is stopping).
-    pub fn drain(&mut self) -> Vec<(SeqId, SeqRecord)> {
-        self.opening.clear();
-        self.seqs.drain().collect()
     }
 }
 

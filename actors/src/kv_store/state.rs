@@ -4,6 +4,15 @@
 
 use super::*;
 
+/// What one preemption did.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Taken {
+    /// Bytes freed.
+    pub(super) freed: u64,
+    /// A step the sequence was waiting in was called off.
+    pub(super) called_off_step: bool,
+}
+
 impl KvStoreState {
     /// Whether a kernel that used `entry` may still be running.
     fn fence_pending(&self, entry: &SeqEntry) -> bool {
@@ -82,7 +91,8 @@ impl KvStoreState {
     /// called off (the request leaves the Governor's queue; a grant already on its way goes
     /// back as its handle drops) and the step fails with `Preempted`, so the caller can step
     /// the others without it at once instead of waiting for room for all of them.
-    fn call_off_step_of(&mut self, seq: SeqId, writer: Writer, mode: PreemptMode) {
+    /// Returns whether a step was called off.
+    fn call_off_step_of(&mut self, seq: SeqId, writer: Writer, mode: PreemptMode) -> bool {
         let txn = self.pending.iter().find_map(|(txn, p)| match p {
             Pending::Prepare { seqs, .. }
                 if seqs.iter().any(|(s, w, _)| *s == seq && *w == writer) =>
@@ -91,12 +101,16 @@ impl KvStoreState {
             }
             _ => None,
         });
-        let Some(txn) = txn else { return };
+        let Some(txn) = txn else { return false };
         if let Some(task) = self.reserving.remove(&txn) {
             task.abort();
         }
-        if let Some(pending) = self.pending.remove(&txn) {
-            self.fail(pending, KvStoreError::Preempted(seq, mode));
+        match self.pending.remove(&txn) {
+            Some(pending) => {
+                self.fail(pending, KvStoreError::Preempted(seq, mode));
+                true
+            }
+            None => false,
         }
     }
 
@@ -248,9 +262,9 @@ impl KvStoreState {
                     }
                 }
                 Victim::Sequence(id) => {
-                    let steps = self.pending.len();
-                    freed += self.preempt(id);
-                    if self.pending.len() < steps {
+                    let taken = self.preempt(id);
+                    freed += taken.freed;
+                    if taken.called_off_step {
                         // A step of this store was called off: what the ticket wanted may
                         // have been for it. Stop here; if others still lack room the
                         // Governor asks again.
@@ -270,16 +284,17 @@ impl KvStoreState {
     }
 
     /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
-    /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed.
-    pub(super) fn preempt(&mut self, id: SeqId) -> u64 {
+    /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed and
+    /// whether a step it was waiting in was called off.
+    pub(super) fn preempt(&mut self, id: SeqId) -> Taken {
         if procmem::fault::hit("kv.evict").is_err() {
-            return 0;
+            return Taken::default();
         }
         let _span =
             tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
         let mode = self.config.preempt;
         let Some(memory) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) else {
-            return 0;
+            return Taken::default();
         };
         let tokens = memory.tokens();
         let was_growing = self
@@ -287,11 +302,9 @@ impl KvStoreState {
             .get(id)
             .is_some_and(|r| r.phase == Phase::Growing);
         let Some(writer) = self.table.preempt(id, mode, tokens) else {
-            return 0;
+            return Taken::default();
         };
-        if was_growing {
-            self.call_off_step_of(id, writer, mode);
-        }
+        let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let entry = self.seqs.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
         entry.saved = match mode {
@@ -320,7 +333,10 @@ impl KvStoreState {
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
         self.stats.preemptions += 1;
-        freed
+        Taken {
+            freed,
+            called_off_step,
+        }
     }
 
     pub(super) fn stats(&self) -> KvStoreStats {

@@ -16,14 +16,7 @@ impl KvStoreState {
         let shape = self.config.shape;
         let g = procmem::granularity();
         let bt = shape.block_tokens(g);
-        let memory =
-            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = reply.send(Err(e.into()));
-                    return;
-                }
-            };
+        // A refused id reserves nothing.
         let writer = match self.table.begin_open(seq) {
             Ok(w) => w,
             Err(e) => {
@@ -31,6 +24,15 @@ impl KvStoreState {
                 return;
             }
         };
+        let memory =
+            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.table.end_open(seq, writer, 0, None);
+                    let _ = reply.send(Err(e.into()));
+                    return;
+                }
+            };
         // Complete blocks with the same tokens are shared; the blocks after them that nobody
         // has are claimed for this sequence to write now, before its grant, so a second open
         // of the same prompt meanwhile shares nothing from them on instead of making them
