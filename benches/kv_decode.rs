@@ -5,7 +5,10 @@
 //! - `virtual`: this project, one flat virtually contiguous buffer per layer grown in chunks;
 //! - `preallocated`: a flat buffer of the maximum length (the speed limit, the memory worst case);
 //! - `staging_copy`: fixed-size pages gathered into a contiguous staging buffer every step;
-//! - `vec_doubling`: a contiguous `Vec` reallocated and copied when full.
+//! - `vec_doubling`: a contiguous `Vec` reallocated and copied when full;
+//! - `step_api`: the same operator driven through the KV store actor's step API (a prepare
+//!   under the Governor, each layer's write and attention as a kernel on the CPU stream over
+//!   the step's memory, the step completed with its fence): what a server pays for the store.
 //!
 //! For each context the KV is first filled to `context - WINDOW` tokens, then `WINDOW` decode
 //! steps (append this token's K/V, attend over everything) are timed. Bytes copied are
@@ -19,8 +22,12 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use procmem::host::HostMechanism;
-use procmem::kv::{gqa_decode, KvSequence, KvShape};
+use procmem::kv::{gqa_decode, KvDtype, KvSequence, KvShape};
 use procmem::VirtualBacking;
+use procmem_actors::{
+    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStep,
+    KvStoreConfig, KvStoreHandle, PreemptMode,
+};
 use serde_json::json;
 
 use common::write_report;
@@ -73,8 +80,8 @@ impl Strategy for Virtual {
     }
     fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
         let (k, v) = (
-            self.seq.keys(layer).unwrap(),
-            self.seq.values(layer).unwrap(),
+            self.seq.keys::<f32>(layer).unwrap(),
+            self.seq.values::<f32>(layer).unwrap(),
         );
         gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
     }
@@ -86,6 +93,108 @@ impl Strategy for Virtual {
     }
     fn peak_resident(&self) -> u64 {
         self.host.backing().resident_bytes().unwrap()
+    }
+}
+
+/// The KV store actor driven through steps, from a plain thread (as a server's decode loop
+/// would call it from its runtime).
+struct StepApi {
+    rt: tokio::runtime::Runtime,
+    kv: KvStoreHandle,
+    /// Kept so the store's Governor and provider live as long as it.
+    _keep: (GovernorHandle, CpuProvider),
+    step: Option<KvStep>,
+    /// This token's K/V per layer, written when the layer attends (or at `advance`).
+    pending: Vec<Option<Row>>,
+}
+
+/// One token's K and V for one layer.
+type Row = (Vec<f32>, Vec<f32>);
+
+impl StepApi {
+    fn new(shape: KvShape) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (kv, keep) = rt.block_on(async {
+            let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 40))
+                .await
+                .unwrap();
+            let p = CpuProvider::spawn(CpuProviderConfig::default())
+                .await
+                .unwrap();
+            let config = KvStoreConfig {
+                name: "kv".into(),
+                priority: 0,
+                shape,
+                chunk_granules: CHUNK_GRANULES,
+                preempt: PreemptMode::Swap,
+                wait: std::time::Duration::from_secs(5),
+            };
+            let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+                .await
+                .unwrap();
+            kv.open(1, Vec::new(), 0).await.unwrap();
+            (kv, (g, p))
+        });
+        StepApi {
+            rt,
+            kv,
+            _keep: keep,
+            step: None,
+            pending: vec![None; LAYERS],
+        }
+    }
+}
+
+impl Strategy for StepApi {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        if self.step.is_none() {
+            self.step = Some(self.rt.block_on(self.kv.prepare(vec![1])).unwrap());
+        }
+        self.pending[layer] = Some((k.to_vec(), v.to_vec()));
+    }
+    fn advance(&mut self) {
+        let step = self.step.take().expect("a step was prepared");
+        let unwritten: Vec<(usize, Row)> = self
+            .pending
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(l, p)| p.take().map(|kv| (l, kv)))
+            .collect();
+        if !unwritten.is_empty() {
+            step.submit(move |kv| {
+                for (layer, (k, v)) in &unwritten {
+                    kv.write(0, *layer, k, v).unwrap();
+                }
+            })
+            .unwrap();
+        }
+        self.rt.block_on(step.finish()).unwrap();
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
+        let (k, v) = self.pending[layer].take().expect("appended first");
+        let step = self.step.as_ref().expect("a step was prepared");
+        let item = AttendItem {
+            seq: 1,
+            q: q.to_vec(),
+            k,
+            v,
+        };
+        let got = self.rt.block_on(step.attend(layer, vec![item])).unwrap();
+        out.copy_from_slice(&got[0]);
+    }
+    fn growth_copied(&self) -> u64 {
+        0
+    }
+    fn gather_copied(&self) -> u64 {
+        0
+    }
+    fn peak_resident(&self) -> u64 {
+        // KV only grows here: what the kernel counts at the end is the peak.
+        self.rt.block_on(self.kv.stats()).unwrap().os_resident_bytes
     }
 }
 
@@ -246,9 +355,11 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
         max_tokens,
+        dtype: KvDtype::F32,
     };
     let filled = |n: usize| vec![0.5f32; n];
     match name {
+        "step_api" => Box::new(StepApi::new(shape)),
         "virtual" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
@@ -285,7 +396,13 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
 }
 
 fn main() {
-    let names = ["virtual", "preallocated", "staging_copy", "vec_doubling"];
+    let names = [
+        "virtual",
+        "step_api",
+        "preallocated",
+        "staging_copy",
+        "vec_doubling",
+    ];
     let k = data(TF, 1);
     let v = data(TF, 2);
     let q = data(Q_HEADS * HEAD_DIM, 3);
@@ -346,7 +463,8 @@ fn main() {
         }
         let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
         eprintln!(
-            "context {context}: virtual/preallocated {:.3}, virtual/staging_copy {:.2}, virtual/vec_doubling {:.3}",
+            "context {context}: step_api/virtual {:.3}, virtual/preallocated {:.3}, virtual/staging_copy {:.2}, virtual/vec_doubling {:.3}",
+            get("step_api") / get("virtual"),
             get("virtual") / get("preallocated"),
             get("virtual") / get("staging_copy"),
             get("virtual") / get("vec_doubling"),

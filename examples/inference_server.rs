@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvElement, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
-    AttendItem, GovernorError, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager,
-    PreemptMode, ResidencyConfig, ResidencyHandle, Restored,
+    GovernorError, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager, PreemptMode,
+    ResidencyConfig, ResidencyHandle, Restored, StepKv,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -33,6 +33,14 @@ enum Preempt {
     Swap,
     /// A preempted sequence's KV is dropped and recomputed by replaying its tokens.
     Recompute,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Dtype {
+    /// 32-bit floats.
+    F32,
+    /// 16-bit floats, as servers usually keep KV.
+    F16,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -63,6 +71,9 @@ struct Args {
     /// Model size.
     #[arg(long, value_enum, default_value_t = ModelSize::Small)]
     model_size: ModelSize,
+    /// Element type of the KV cache.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    kv_dtype: Dtype,
     /// Prompt length in tokens (half the requests share its first three quarters).
     #[arg(long, default_value_t = 64)]
     prompt_len: usize,
@@ -98,7 +109,7 @@ struct Model {
 }
 
 impl Model {
-    fn new(size: ModelSize, max_tokens: usize) -> Self {
+    fn new(size: ModelSize, max_tokens: usize, dtype: Dtype) -> Self {
         let (layers, q_heads, kv_heads, head_dim) = match size {
             ModelSize::Small => (4, 8, 2, 32),
             ModelSize::Medium => (8, 16, 4, 64),
@@ -109,6 +120,10 @@ impl Model {
             kv_heads,
             head_dim,
             max_tokens,
+            dtype: match dtype {
+                Dtype::F32 => KvDtype::F32,
+                Dtype::F16 => KvDtype::F16,
+            },
         };
         Model {
             shape,
@@ -287,7 +302,7 @@ async fn serve(args: Args) -> Result<(), String> {
         return Err("--device cuda: this example's KV store and weights run on the host provider only so far".into());
     }
     let max_tokens = args.prompt_len + args.max_new_tokens;
-    let model = Model::new(args.model_size, max_tokens);
+    let model = Model::new(args.model_size, max_tokens, args.kv_dtype);
     let page = procmem_actors::procmem::granularity();
     let weights_bytes =
         model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(page);
@@ -662,8 +677,8 @@ async fn step(
     }
     let group: Vec<usize> = (0..active.len()).collect();
     let ids: Vec<u64> = active.iter().map(|r| r.id).collect();
-    match kv.prepare(ids).await {
-        Ok(()) => {}
+    let step = match kv.prepare(ids).await {
+        Ok(step) => step,
         Err(KvStoreError::Preempted(seq, _)) => {
             // Pressure took it: the rest of the batch steps without it; it is restored later.
             let idx = active.iter().position(|r| r.id == seq).expect("active");
@@ -682,7 +697,7 @@ async fn step(
             return Ok(Stepped::Shed);
         }
         Err(e) => return Err(e.to_string()),
-    }
+    };
     let group = &group[..];
     let h = model.hidden;
     let kvd = model.kv_dim;
@@ -705,17 +720,8 @@ async fn step(
             })
             .await
             .map_err(|e| e.to_string())?;
-        let items: Vec<AttendItem> = group
-            .iter()
-            .zip(qkv)
-            .map(|(&i, (q, k, v))| AttendItem {
-                seq: active[i].id,
-                q,
-                k,
-                v,
-            })
-            .collect();
-        let attended = kv.attend(layer, items).await.map_err(|e| e.to_string())?;
+        // The step's sequences are in `active` order: the i-th of the batch is the step's i-th.
+        let attended = attend(&step, model.shape, layer, qkv).await?;
         let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
         let next = weights
             .with_weights(layer, move |w| {
@@ -740,6 +746,9 @@ async fn step(
             active[i].x = x;
         }
     }
+    // Every layer's K/V of the new tokens is written by the kernels the last fence covers.
+    let fence = step.last_fence().ok_or("a step with no kernel")?;
+    step.complete(fence).await.map_err(|e| e.to_string())?;
     for &i in group {
         let r = &mut active[i];
         if r.pos + 1 >= r.known() {
@@ -750,4 +759,53 @@ async fn step(
         r.pos += 1;
     }
     Ok(Stepped::Ok)
+}
+
+/// The server's own attention kernel for one layer, on the step's stream: it writes each
+/// sequence's new K/V row into the flat buffers (in the KV's element type) and runs the GQA
+/// decode over every row so far, reading the buffers in place.
+async fn attend(
+    step: &KvStep,
+    shape: KvShape,
+    layer: usize,
+    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+) -> Result<Vec<Vec<f32>>, String> {
+    fn run<T: KvElement>(
+        kv: &mut StepKv<'_>,
+        shape: KvShape,
+        layer: usize,
+        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
+        let mut outs = Vec::with_capacity(qkv.len());
+        for (i, (q, k, v)) in qkv.iter().enumerate() {
+            kv.write(i, layer, &narrow(k), &narrow(v))
+                .map_err(|e| e.to_string())?;
+            let keys = kv.keys::<T>(i, layer).map_err(|e| e.to_string())?;
+            let values = kv.values::<T>(i, layer).map_err(|e| e.to_string())?;
+            let mut out = vec![0f32; q.len()];
+            gqa_decode(
+                q,
+                keys,
+                values,
+                keys.len() / shape.token_elems(),
+                shape.q_heads,
+                shape.kv_heads,
+                shape.head_dim,
+                &mut out,
+            );
+            outs.push(out);
+        }
+        Ok(outs)
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let _ = tx.send(match shape.dtype {
+            KvDtype::F32 => run::<f32>(kv, shape, layer, &qkv),
+            KvDtype::F16 => run::<f16>(kv, shape, layer, &qkv),
+        });
+    })
+    .map_err(|e| e.to_string())?;
+    rx.await
+        .map_err(|_| "the attention kernel panicked".to_string())?
 }

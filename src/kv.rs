@@ -2,6 +2,7 @@
 //! sequence's virtually contiguous K/V buffers with two-phase growth, the prefix cache's
 //! rules, and victim choice.
 
+pub mod elem;
 pub mod gqa;
 pub mod prefix;
 #[cfg(target_os = "linux")]
@@ -10,10 +11,13 @@ pub mod shape;
 pub mod table;
 pub mod victims;
 
+pub use elem::{KvElement, KvView, LayerViews};
 pub use gqa::gqa_decode;
+/// The 16-bit float KV may be kept in.
+pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Lookup, PrefixCache, Writer};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
-pub use shape::{KvShape, ShapeError};
+pub use shape::{KvDtype, KvShape, ShapeError};
 pub use table::{first_duplicate, Phase, PreemptMode, SeqId, SeqRecord, SequenceTable, TableError};
 pub use victims::{choose_victims, PrefixCandidate, SequenceCandidate, Victim};

@@ -144,20 +144,21 @@ impl Store {
                     Answer::Done
                 }
             },
-            Op::Step(seq) => match self.table.check_layer(&[*seq]) {
-                Err(e) => Answer::Refused(e),
-                Ok(()) => {
-                    let tokens = self.tokens.entry(*seq).or_default();
-                    *tokens += 1;
-                    let writer = self.table.get(*seq).expect("checked").writer;
-                    let done = self.table.end_step(*seq, *tokens);
-                    let completed = done
-                        .into_iter()
-                        .filter(|k| self.cache.complete(*k, writer))
-                        .count();
-                    Answer::Completed(completed)
+            Op::Step(seq) => {
+                let writer = self.table.get(*seq).map_or(0, |r| r.writer);
+                let tokens = self.tokens.get(seq).copied().unwrap_or(0) + 1;
+                match self.table.end_step(*seq, writer, tokens) {
+                    Err(e) => Answer::Refused(e),
+                    Ok(done) => {
+                        self.tokens.insert(*seq, tokens);
+                        let completed = done
+                            .into_iter()
+                            .filter(|k| self.cache.complete(*k, writer))
+                            .count();
+                        Answer::Completed(completed)
+                    }
                 }
-            },
+            }
             Op::Pressure(seq) => {
                 let tokens = self.tokens.get(seq).copied().unwrap_or(0);
                 match self.table.preempt(*seq, PreemptMode::Swap, tokens) {
@@ -331,6 +332,10 @@ impl Reference {
                 for s in batch {
                     if let Err(e) = self.usable(*s) {
                         return Answer::Refused(e);
+                    }
+                    if self.seqs[s].phase == RefPhase::Stepping {
+                        // One step at a time: its memory is with the step.
+                        return Answer::Refused(TableError::Busy(*s));
                     }
                 }
                 let b = batch

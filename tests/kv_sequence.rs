@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use procmem::host::HostMechanism;
-use procmem::kv::{gqa_decode, KvError, KvSequence, KvShape};
+use procmem::kv::{gqa_decode, KvDtype, KvError, KvSequence, KvShape};
 use procmem::{
     CommitResult, DecommitResult, DeviceKey, DeviceMemoryMechanism, HostBacking, MapAccess,
     MechanismId, MemoryError, VirtualAllocation, VirtualBacking, VirtualRequest,
@@ -20,6 +20,7 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 1100,
+    dtype: KvDtype::F32,
 };
 
 /// Deterministic pseudo-random floats in [-1, 1).
@@ -105,7 +106,7 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
     let mut seq = KvSequence::reserve(backing.as_ref(), SHAPE, 4).unwrap();
     let mut reference: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); SHAPE.layers];
     let mut rng = Lcg(7);
-    let tf = SHAPE.token_floats();
+    let tf = SHAPE.token_elems();
     let base: Vec<u64> = seq.buffers().iter().map(|b| b.addr()).collect();
     for step in 0..1000 {
         let kv: Vec<_> = (0..SHAPE.layers)
@@ -122,8 +123,8 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
             let mut theirs = vec![0f32; q.len()];
             gqa_decode(
                 &q,
-                seq.keys(layer).unwrap(),
-                seq.values(layer).unwrap(),
+                seq.keys::<f32>(layer).unwrap(),
+                seq.values::<f32>(layer).unwrap(),
                 step + 1,
                 SHAPE.q_heads,
                 SHAPE.kv_heads,
@@ -172,7 +173,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
         };
         let mut seq = KvSequence::reserve(&failing, SHAPE, 1).unwrap();
         let mut rng = Lcg(fail_at as u64);
-        let tf = SHAPE.token_floats();
+        let tf = SHAPE.token_elems();
         let block = SHAPE.block_tokens(procmem::granularity());
         for _ in 0..block {
             let kv: Vec<_> = (0..SHAPE.layers)
@@ -180,7 +181,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
                 .collect();
             append(&mut seq, &failing, &kv).unwrap();
         }
-        let before_keys = seq.keys(1).unwrap().to_vec();
+        let before_keys = seq.keys::<f32>(1).unwrap().to_vec();
         let before = (
             seq.tokens(),
             seq.mapped_bytes(),
@@ -204,7 +205,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
         );
         assert_eq!(before, after, "failure at commit {fail_at} left a trace");
         assert!(
-            seq.keys(1).unwrap() == &before_keys[..],
+            seq.keys::<f32>(1).unwrap() == &before_keys[..],
             "the old view is intact and readable"
         );
         failing.fail_at.store(usize::MAX, Ordering::SeqCst);
@@ -223,7 +224,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
     let block_tokens = SHAPE.block_tokens(g);
     let blocks_n = 3;
     let prefix_tokens = block_tokens * blocks_n;
-    let tf = SHAPE.token_floats();
+    let tf = SHAPE.token_elems();
     let mut rng = Lcg(99);
     let prefix_kv: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..prefix_tokens)
         .map(|_| {
@@ -277,7 +278,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
         "sharing cost nothing physical"
     );
     assert!(
-        readers[0].keys(0).unwrap() == writer.keys(0).unwrap(),
+        readers[0].keys::<f32>(0).unwrap() == writer.keys::<f32>(0).unwrap(),
         "readers see the writer's prefix"
     );
 
@@ -313,21 +314,21 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
     assert_eq!(backing.resident_bytes().unwrap(), before + expected_copy);
     let prefix_floats = prefix_tokens * tf;
     assert!(
-        readers[0].keys(0).unwrap()[..prefix_floats] == writer.keys(0).unwrap()[..],
+        readers[0].keys::<f32>(0).unwrap()[..prefix_floats] == writer.keys::<f32>(0).unwrap()[..],
         "the copy holds the same bytes"
     );
     readers[0].write(0, pos, &new_k, &new_k).unwrap();
     let start = pos * tf;
     assert!(
-        readers[0].keys(0).unwrap()[start..start + tf] == new_k[..],
+        readers[0].keys::<f32>(0).unwrap()[start..start + tf] == new_k[..],
         "the writer of the copy sees its write"
     );
     assert!(
-        writer.keys(0).unwrap()[start..start + tf] != new_k[..],
+        writer.keys::<f32>(0).unwrap()[start..start + tf] != new_k[..],
         "the writer's view is unchanged"
     );
     assert!(
-        readers[1].keys(0).unwrap()[start..start + tf] != new_k[..],
+        readers[1].keys::<f32>(0).unwrap()[start..start + tf] != new_k[..],
         "other readers are unchanged"
     );
 

@@ -2,8 +2,8 @@
 //!
 //! Each sequence has a K and a V buffer per layer, virtually contiguous and backed only as far
 //! as tokens exist. A step grows every sequence in the batch under **one** Governor grant
-//! (reserve → map → publish → commit), then each layer's attention runs on the CPU stream
-//! over the flat buffers. Whole prompt blocks are shared between sequences read-only; under
+//! (reserve → map → publish → commit) and is lent to the server as a [`KvStep`]: views of
+//! the flat buffers and the stream its kernels run on, until it ends with a fence. Whole prompt blocks are shared between sequences read-only; under
 //! pressure the store gives back whole units: unreferenced cached prefixes first (least
 //! recently used), then whole sequences that have no kernel in flight, lowest priority first,
 //! swapped to host memory or dropped for recomputation.
@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use procmem::fence::{Fence, TimelineFence};
+use procmem::fence::{Fence, StreamId, TimelineFence};
 use procmem::kv::{
-    choose_victims, gqa_decode, KvError, KvSequence, KvShape, PendingGrowth, Phase, PrefixCache,
+    choose_victims, KvError, KvSequence, KvShape, PendingGrowth, Phase, PrefixCache,
     PrefixCandidate, SequenceCandidate, SequenceTable, TableError, Victim, Writer,
 };
 use procmem::ledger::{HolderId, Priority};
@@ -27,10 +27,14 @@ use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::provider::CpuProvider;
-use crate::stream::CpuStream;
+use crate::stream::{CpuStream, StreamError};
 
 mod state;
+mod step;
 mod steps;
+
+pub use step::{KvStep, StepKv};
+use step::{StepMemory, StepSeq};
 
 pub use procmem::kv::PreemptMode;
 
@@ -88,6 +92,16 @@ pub enum KvStoreError {
     /// The store is not running.
     #[error("the KV store is not running")]
     Unavailable,
+    /// The step's stream refused the kernel.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
+    /// A kernel of the step panicked before it answered.
+    #[error("a kernel of the step panicked")]
+    KernelFailed,
+    /// A step was completed with a fence of another stream than its own: the store cannot
+    /// know when that work ends. The step ended as if dropped (its token does not count).
+    #[error("the fence is of {0}, not of the step's stream")]
+    ForeignFence(StreamId),
     /// Its provider has no stream to run attention on.
     #[error("the KV store's provider refused: {0}")]
     Provider(#[from] crate::provider::ProviderError),
@@ -205,17 +219,37 @@ pub(crate) enum KvStoreMsg {
     Prepare {
         /// The sequences.
         seqs: Vec<SeqId>,
-        /// Answered once every sequence has room for its next token, or with why not.
-        reply: RpcReplyPort<Result<(), KvStoreError>>,
+        /// Answered with the step once every sequence has room for its next token, or with
+        /// why not.
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
-    /// Writes each item's new K/V for `layer` and runs its attention on the stream.
-    Attend {
-        /// The layer.
-        layer: usize,
-        /// One per sequence.
-        items: Vec<AttendItem>,
-        /// The attention outputs (`q_heads × head_dim` each), in item order.
-        reply: RpcReplyPort<Result<Vec<Vec<f32>>, KvStoreError>>,
+    /// A step ended (completed, or dropped): its memory comes back after its kernels.
+    StepEnded {
+        /// Its number.
+        step: u64,
+        /// Its memory.
+        memory: Arc<StepMemory>,
+        /// The fence the server completed it with.
+        fence: Option<Fence>,
+        /// Whether its new tokens count.
+        advance: bool,
+        /// Answered once the memory is back.
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    },
+    /// The fence the store recorded after a step's kernels completed (internal).
+    StepReturned {
+        /// Its number.
+        step: u64,
+        /// Its memory.
+        memory: Arc<StepMemory>,
+        /// The store's fence after the step's kernels.
+        marker: Option<Fence>,
+        /// Whether its new tokens count.
+        advance: bool,
+        /// The server's fence if it was of another stream.
+        foreign: Option<StreamId>,
+        /// Answered now.
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
     },
     /// Brings a preempted sequence back.
     Restore {
@@ -281,7 +315,8 @@ impl DeferredRelease for SeqMemory {
     }
 }
 
-type SavedKv = Vec<(Vec<f32>, Vec<f32>)>;
+/// A swapped-out sequence's rows, per buffer (K then V for each layer), as bytes.
+type SavedKv = Vec<Vec<u8>>;
 
 /// A sequence's memory; its phase, incarnation, priority and the blocks it writes are in the
 /// store's [`SequenceTable`].
@@ -294,6 +329,8 @@ struct SeqEntry {
     charge: Charge,
     prefixes: Vec<Arc<SharedPrefix>>,
     last_fence: Option<Fence>,
+    /// While a step has its memory: the tokens and bytes it held when lent (for the stats).
+    away: Option<(usize, u64)>,
 }
 
 enum Pending {
@@ -312,7 +349,7 @@ enum Pending {
         /// Each sequence, its incarnation and its growth per buffer.
         seqs: Vec<(SeqId, Writer, u64)>,
         bytes: u64,
-        reply: RpcReplyPort<Result<(), KvStoreError>>,
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
         seq: SeqId,
@@ -430,11 +467,21 @@ impl Actor for KvStore {
                 reply,
             } => state.open(&myself, seq, prompt, priority, reply).await,
             KvStoreMsg::Prepare { seqs, reply } => state.prepare(&myself, seqs, reply),
-            KvStoreMsg::Attend {
-                layer,
-                items,
+            KvStoreMsg::StepEnded {
+                step,
+                memory,
+                fence,
+                advance,
                 reply,
-            } => state.attend(layer, items, reply),
+            } => state.step_ended(&myself, step, memory, fence, advance, reply),
+            KvStoreMsg::StepReturned {
+                step,
+                memory,
+                marker,
+                advance,
+                foreign,
+                reply,
+            } => state.step_returned(&myself, step, memory, marker, advance, foreign, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq } => state.close(seq),
             KvStoreMsg::Stats { reply } => {
@@ -442,7 +489,7 @@ impl Actor for KvStore {
             }
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
-            KvStoreMsg::Granted { txn, grant } => state.granted(txn, grant).await,
+            KvStoreMsg::Granted { txn, grant } => state.granted(&myself, txn, grant).await,
         }
         Ok(())
     }
@@ -536,23 +583,10 @@ impl KvStoreHandle {
         .await
     }
 
-    /// Makes room for one more token in each sequence, under one grant.
-    pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<(), KvStoreError> {
+    /// Makes room for one more token in each sequence, under one grant, and lends them to
+    /// the caller as a step (see [`KvStep`]). Refused as a whole, changing nothing.
+    pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
         self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await
-    }
-
-    /// Writes each item's K/V for `layer` and runs attention on the stream.
-    pub async fn attend(
-        &self,
-        layer: usize,
-        items: Vec<AttendItem>,
-    ) -> Result<Vec<Vec<f32>>, KvStoreError> {
-        self.ask(|reply| KvStoreMsg::Attend {
-            layer,
-            items,
-            reply,
-        })
-        .await
     }
 
     /// Brings a preempted sequence back.

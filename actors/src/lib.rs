@@ -93,8 +93,8 @@ pub use governor::{
     ReserveRequest,
 };
 pub use kv_store::{
-    AttendItem, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened, PreemptMode,
-    Restored, SeqId,
+    AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened,
+    PreemptMode, Restored, SeqId, StepKv,
 };
 pub use manager::{
     Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,

@@ -14,6 +14,7 @@
 //!     priority: 0,
 //!     shape: procmem_actors::procmem::kv::KvShape {
 //!         layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
+//!         dtype: procmem_actors::procmem::kv::KvDtype::F16,
 //!     },
 //!     chunk_granules: 16,
 //!     preempt: procmem_actors::PreemptMode::Swap,

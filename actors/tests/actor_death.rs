@@ -18,7 +18,7 @@ use crossbeam_channel::{bounded, Sender};
 use procmem_actors::procmem::fault;
 use procmem_actors::procmem::fence::Fence;
 use procmem_actors::procmem::fenced::RecordUse;
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
@@ -345,12 +345,14 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 128,
+    dtype: KvDtype::F32,
 };
 
 enum Msg {
     Open(u64),
     Prepare(Vec<u64>),
     Attend(usize, Vec<u64>),
+    Finish,
     Close(u64),
 }
 
@@ -360,6 +362,7 @@ fn script() -> Vec<Msg> {
         s.push(Msg::Prepare(vec![1, 2]));
         s.push(Msg::Attend(0, vec![1, 2]));
         s.push(Msg::Attend(1, vec![1, 2]));
+        s.push(Msg::Finish);
     }
     s.push(Msg::Close(1));
     s
@@ -444,7 +447,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
     if let HolderDeath::PanicAt(n) = death {
         fault::arm(holder.point(), n);
     }
-    let tf = SHAPE.token_floats();
+    let tf = SHAPE.token_elems();
     let item = |s: u64| AttendItem {
         seq: s,
         q: vec![0.1; 64],
@@ -452,6 +455,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
         v: vec![0.3; tf],
     };
     let mut kv_script = script().into_iter();
+    let mut step = None;
     for i in 0..holder.steps() {
         if let HolderDeath::KillBefore(k) = death {
             if k == i {
@@ -462,11 +466,18 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
         if let Some(kv) = &kv {
             let _ = match kv_script.next().unwrap() {
                 Msg::Open(s) => kv.open(s, vec![], 0).await.map(drop),
-                Msg::Prepare(s) => kv.prepare(s).await,
-                Msg::Attend(l, s) => kv
-                    .attend(l, s.into_iter().map(item).collect())
-                    .await
-                    .map(drop),
+                Msg::Prepare(s) => kv.prepare(s).await.map(|st| step = Some(st)),
+                Msg::Attend(l, s) => match &step {
+                    Some(st) => st
+                        .attend(l, s.into_iter().map(item).collect())
+                        .await
+                        .map(drop),
+                    None => Ok(()),
+                },
+                Msg::Finish => match step.take() {
+                    Some(st) => st.finish().await,
+                    None => Ok(()),
+                },
                 Msg::Close(s) => {
                     kv.close(s);
                     Ok(())
@@ -491,8 +502,10 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
         .into_iter()
         .find(|(p, _)| *p == holder.point())
         .map_or(0, |(_, n)| n);
-    // Whatever happened above, the holder goes now: everything it held must come back.
+    // Whatever happened above, the holder goes now: everything it held must come back, the
+    // memory a step of it still held once the step is dropped.
     kill();
+    drop(step);
     let settled = settles_to_zero(&g, &p).await;
     let _ = p.shutdown().await;
     (settled, fired, messages)

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use procmem_actors::procmem::fault;
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig,
@@ -24,6 +24,7 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 256,
+    dtype: KvDtype::F32,
 };
 
 fn figure(name: &str, passed: usize, total: usize) {
@@ -31,7 +32,7 @@ fn figure(name: &str, passed: usize, total: usize) {
 }
 
 fn item(seq: u64, pos: usize, layer: usize) -> AttendItem {
-    let tf = SHAPE.token_floats();
+    let tf = SHAPE.token_elems();
     let f = |w: u64| {
         (0..tf)
             .map(|i| {
@@ -75,14 +76,15 @@ async fn world() -> World {
 }
 
 async fn step(w: &World, seqs: &[u64], pos: usize) -> Result<(), String> {
-    w.kv.prepare(seqs.to_vec())
-        .await
-        .map_err(|e| e.to_string())?;
+    let step =
+        w.kv.prepare(seqs.to_vec())
+            .await
+            .map_err(|e| e.to_string())?;
     for layer in 0..SHAPE.layers {
         let items = seqs.iter().map(|s| item(*s, pos, layer)).collect();
-        w.kv.attend(layer, items).await.map_err(|e| e.to_string())?;
+        step.attend(layer, items).await.map_err(|e| e.to_string())?;
     }
-    Ok(())
+    step.finish().await.map_err(|e| e.to_string())
 }
 
 /// No provisional bytes, and what the Governor leases is what the kernel holds.

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use procmem_actors::procmem::kv::{gqa_decode, KvShape};
+use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
     KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored,
@@ -25,6 +25,7 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 256,
+    dtype: KvDtype::F32,
 };
 const REQUESTS: u64 = 16;
 /// Tokens each request decodes: two growth chunks of one page per buffer.
@@ -176,10 +177,11 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
         if batch.is_empty() {
             continue;
         }
-        match kv.prepare(batch.clone()).await {
-            Ok(()) => {
+        let step = match kv.prepare(batch.clone()).await {
+            Ok(step) => {
                 skip_newest = 0;
                 stepped = true;
+                step
             }
             Err(KvStoreError::Preempted(seq, _)) => {
                 let r = &mut reqs[seq as usize];
@@ -197,13 +199,13 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
                 continue;
             }
             Err(e) => panic!("prepare: {e}"),
-        }
+        };
         for layer in 0..SHAPE.layers {
             let items = batch
                 .iter()
                 .map(|s| item(*s, reqs[*s as usize].pos, layer))
                 .collect();
-            let outs = kv.attend(layer, items).await.unwrap();
+            let outs = step.attend(layer, items).await.unwrap();
             for (s, o) in batch.iter().zip(outs) {
                 let pos = reqs[*s as usize].pos;
                 let expect = &want[&(*s, pos, layer)];
@@ -216,6 +218,7 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
                 );
             }
         }
+        step.finish().await.unwrap();
         for s in &batch {
             let r = &mut reqs[*s as usize];
             r.pos += 1;

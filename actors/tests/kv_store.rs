@@ -4,9 +4,10 @@
 #![allow(clippy::needless_range_loop)]
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use procmem_actors::procmem::kv::{gqa_decode, KvShape};
+use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
@@ -22,6 +23,7 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 512,
+    dtype: KvDtype::F32,
 };
 const PAGE: u64 = 4096;
 
@@ -42,7 +44,7 @@ impl Reference {
         let e = self.kv.entry((it.seq, layer)).or_default();
         e.0.extend_from_slice(&it.k);
         e.1.extend_from_slice(&it.v);
-        let n = e.0.len() / SHAPE.token_floats();
+        let n = e.0.len() / SHAPE.token_elems();
         let mut out = vec![0f32; it.q.len()];
         gqa_decode(
             &it.q,
@@ -90,12 +92,13 @@ async fn step(
     kv: &KvStoreHandle,
     seqs: &[(u64, usize)],
 ) -> Result<Vec<Vec<Vec<f32>>>, KvStoreError> {
-    kv.prepare(seqs.iter().map(|(s, _)| *s).collect()).await?;
+    let step = kv.prepare(seqs.iter().map(|(s, _)| *s).collect()).await?;
     let mut out = Vec::new();
     for layer in 0..SHAPE.layers {
         let items = seqs.iter().map(|(s, p)| item(*s, *p, layer)).collect();
-        out.push(kv.attend(layer, items).await?);
+        out.push(step.attend(layer, items).await?);
     }
+    step.finish().await?;
     Ok(out)
 }
 
@@ -259,10 +262,10 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
             .unwrap()
             .submit(&[], move || wait.recv().unwrap())
             .unwrap();
-        kv.prepare(vec![3]).await.unwrap();
+        let held_step = Arc::new(kv.prepare(vec![3]).await.unwrap());
         let in_flight = {
-            let kv = kv.clone();
-            tokio::spawn(async move { kv.attend(0, vec![item(3, 40, 0)]).await })
+            let step = Arc::clone(&held_step);
+            tokio::spawn(async move { step.attend(0, vec![item(3, 40, 0)]).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
         // Another holder needs almost everything: the Governor asks the store.
@@ -289,7 +292,8 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
         );
         open.send(()).unwrap();
         in_flight.await.unwrap().unwrap();
-        kv.attend(1, vec![item(3, 40, 1)]).await.unwrap();
+        held_step.attend(1, vec![item(3, 40, 1)]).await.unwrap();
+        Arc::into_inner(held_step).unwrap().finish().await.unwrap();
         let st = kv.stats().await.unwrap();
         assert_eq!(
             st.preempted, stats.preempted,
@@ -361,11 +365,13 @@ async fn a_crashed_store_frees_its_memory_after_its_fences_and_the_books_follow(
         .unwrap()
         .submit(&[], move || wait.recv().unwrap())
         .unwrap();
-    kv.prepare(vec![1]).await.unwrap();
+    let step = Arc::new(kv.prepare(vec![1]).await.unwrap());
     let pending = {
-        let kv = kv.clone();
-        tokio::spawn(async move { kv.attend(0, vec![item(1, 50, 0)]).await })
+        let step = Arc::clone(&step);
+        tokio::spawn(async move { step.attend(0, vec![item(1, 50, 0)]).await })
     };
+    // The step is abandoned: its memory stays held until the kernel it queued has run.
+    drop(step);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let held = leased(&g).await - 12345;
     assert!(held > 0);
@@ -554,14 +560,15 @@ async fn a_batch_naming_a_sequence_twice_is_refused_and_changes_nothing() {
     let (_g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
     kv.open(1, vec![], 0).await.unwrap();
     kv.prepare(vec![1, 1]).await.unwrap_err();
-    kv.prepare(vec![1]).await.unwrap();
+    let step = kv.prepare(vec![1]).await.unwrap();
     for layer in 0..SHAPE.layers {
-        let twice = kv
+        let twice = step
             .attend(layer, vec![item(1, 0, layer), item(1, 0, layer)])
             .await;
         assert!(twice.is_err(), "layer {layer}: {twice:?}");
-        kv.attend(layer, vec![item(1, 0, layer)]).await.unwrap();
+        step.attend(layer, vec![item(1, 0, layer)]).await.unwrap();
     }
+    step.finish().await.unwrap();
     assert_eq!(kv.stats().await.unwrap().tokens, 1);
 }
 

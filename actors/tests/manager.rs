@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
 use procmem_actors::{
     AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
@@ -17,6 +17,7 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 256,
+    dtype: KvDtype::F32,
 };
 
 fn kv_config() -> KvStoreConfig {
@@ -31,7 +32,7 @@ fn kv_config() -> KvStoreConfig {
 }
 
 fn item(seq: u64) -> AttendItem {
-    let tf = SHAPE.token_floats();
+    let tf = SHAPE.token_elems();
     AttendItem {
         seq,
         q: vec![0.5; SHAPE.q_heads * SHAPE.head_dim],
@@ -42,10 +43,11 @@ fn item(seq: u64) -> AttendItem {
 
 async fn decode(kv: &procmem_actors::KvStoreHandle, seq: u64, steps: usize) {
     for _ in 0..steps {
-        kv.prepare(vec![seq]).await.unwrap();
+        let step = kv.prepare(vec![seq]).await.unwrap();
         for layer in 0..SHAPE.layers {
-            kv.attend(layer, vec![item(seq)]).await.unwrap();
+            step.attend(layer, vec![item(seq)]).await.unwrap();
         }
+        step.finish().await.unwrap();
     }
 }
 

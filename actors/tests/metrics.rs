@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, PreemptMode};
 
 fn free_port() -> SocketAddr {
@@ -77,6 +77,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         kv_heads: 2,
         head_dim: 16,
         max_tokens: 256,
+        dtype: KvDtype::F32,
     };
     let kv = memory
         .kv_store(KvStoreConfig {
@@ -90,9 +91,9 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         .await
         .unwrap();
     kv.open(1, vec![], 0).await.unwrap();
-    let tf = shape.token_floats();
+    let tf = shape.token_elems();
     for _ in 0..64 {
-        kv.prepare(vec![1]).await.unwrap();
+        let step = kv.prepare(vec![1]).await.unwrap();
         for layer in 0..2 {
             let it = AttendItem {
                 seq: 1,
@@ -100,8 +101,9 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
                 k: vec![0.2; tf],
                 v: vec![0.3; tf],
             };
-            kv.attend(layer, vec![it]).await.unwrap();
+            step.attend(layer, vec![it]).await.unwrap();
         }
+        step.finish().await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
     let text = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))

@@ -3,23 +3,32 @@
 //! The operator knows nothing of blocks or mappings: it reads `tokens × kv_heads × head_dim`
 //! floats per buffer, laid out position-major, exactly as an ONNX GroupQueryAttention's
 //! past inputs. The same code runs over a virtual buffer and over a `Vec`, so their outputs
-//! can be compared bit for bit.
+//! can be compared bit for bit. K and V may be kept as `f32` or `f16` ([`KvElement`]); the
+//! query and the output are `f32`, and `f16` rows are widened to `f32` as they are read.
+
+use super::elem::KvElement;
+use super::shape::KvDtype;
 
 /// One decode step for one layer: `q` is `q_heads × head_dim`, `k` and `v` are
 /// `tokens × kv_heads × head_dim`, `out` receives `q_heads × head_dim`. Query head `h`
 /// attends with KV head `h / (q_heads / kv_heads)`; scores are scaled by `1/sqrt(head_dim)`
 /// and softmax is max-subtracted.
 #[allow(clippy::too_many_arguments)]
-pub fn gqa_decode(
+pub fn gqa_decode<T: KvElement>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     tokens: usize,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
     out: &mut [f32],
 ) {
+    if T::DTYPE == KvDtype::F16 {
+        return gqa_widening(q, k, v, tokens, q_heads, kv_heads, head_dim, out);
+    }
+    // `T` is `f32` here: the cast is the identity.
+    let (k, v): (&[f32], &[f32]) = (bytemuck::cast_slice(k), bytemuck::cast_slice(v));
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above; the body is safe Rust.
@@ -77,18 +86,7 @@ fn gqa_body(
             scores[h * tokens + t] = dot(&q[h * head_dim..][..head_dim], kh) * scale;
         }
     }
-    for s in scores.chunks_exact_mut(tokens.max(1)).take(q_heads) {
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        for x in s.iter_mut() {
-            *x *= inv;
-        }
-    }
+    softmax_rows(&mut scores, tokens, q_heads);
     out.fill(0.0);
     for t in 0..tokens {
         let row = &v[t * stride..][..stride];
@@ -99,6 +97,71 @@ fn gqa_body(
                 scores[h * tokens + t],
                 vh,
             );
+        }
+    }
+}
+
+/// The operator over 16-bit KV: each row is widened to `f32` once, then used as the `f32`
+/// operator uses it (same order of operations).
+#[allow(clippy::too_many_arguments)]
+fn gqa_widening<T: KvElement>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(q.len(), q_heads * head_dim, "q is q_heads x head_dim");
+    assert!(k.len() >= tokens * kv_heads * head_dim && v.len() >= tokens * kv_heads * head_dim);
+    assert_eq!(out.len(), q_heads * head_dim);
+    let group = q_heads / kv_heads;
+    let stride = kv_heads * head_dim;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut row = vec![0f32; stride];
+    let widen = |dst: &mut [f32], src: &[T]| {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    };
+    let mut scores = vec![0f32; q_heads * tokens];
+    for t in 0..tokens {
+        widen(&mut row, &k[t * stride..][..stride]);
+        for h in 0..q_heads {
+            let kh = &row[(h / group) * head_dim..][..head_dim];
+            scores[h * tokens + t] = dot(&q[h * head_dim..][..head_dim], kh) * scale;
+        }
+    }
+    softmax_rows(&mut scores, tokens, q_heads);
+    out.fill(0.0);
+    for t in 0..tokens {
+        widen(&mut row, &v[t * stride..][..stride]);
+        for h in 0..q_heads {
+            let vh = &row[(h / group) * head_dim..][..head_dim];
+            axpy(
+                &mut out[h * head_dim..][..head_dim],
+                scores[h * tokens + t],
+                vh,
+            );
+        }
+    }
+}
+
+/// Max-subtracted softmax over each of `heads` rows of `tokens` scores.
+#[inline(always)]
+fn softmax_rows(scores: &mut [f32], tokens: usize, heads: usize) {
+    for s in scores.chunks_exact_mut(tokens.max(1)).take(heads) {
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in s.iter_mut() {
+            *x *= inv;
         }
     }
 }
@@ -161,6 +224,27 @@ mod tests {
             (out[2] - 3.0).abs() < 1e-3 && (out[3] - 4.0).abs() < 1e-3,
             "{out:?}"
         );
+    }
+
+    #[test]
+    fn f16_kv_gives_the_f32_result_of_its_widened_values() {
+        // Values exactly representable in f16: the two paths see the same numbers.
+        let (q_heads, kv_heads, d, tokens) = (4, 2, 8, 5);
+        let k32: Vec<f32> = (0..tokens * kv_heads * d)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+            .collect();
+        let v32: Vec<f32> = (0..tokens * kv_heads * d)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let k16: Vec<half::f16> = k32.iter().map(|x| half::f16::from_f32(*x)).collect();
+        let v16: Vec<half::f16> = v32.iter().map(|x| half::f16::from_f32(*x)).collect();
+        let q: Vec<f32> = (0..q_heads * d).map(|i| (i as f32).sin()).collect();
+        let (mut a, mut b) = (vec![0f32; q_heads * d], vec![0f32; q_heads * d]);
+        gqa_decode(&q, &k32, &v32, tokens, q_heads, kv_heads, d, &mut a);
+        gqa_decode(&q, &k16, &v16, tokens, q_heads, kv_heads, d, &mut b);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{a:?} vs {b:?}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 
 use thiserror::Error;
 
-use super::shape::{mapped_bytes_for, KvShape, ShapeError};
+use super::elem::{KvElement, KvView, LayerViews};
+use super::shape::{mapped_bytes_for, KvDtype, KvShape, ShapeError};
 use crate::api::{
     GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping,
     VirtualAllocation, VirtualBacking, VirtualRequest,
@@ -38,13 +39,24 @@ pub enum KvError {
     #[error("layer {0} does not exist")]
     NoSuchLayer(usize),
     /// A K or V vector of the wrong length.
-    #[error("expected {expected} floats, got {got}")]
+    #[error("expected {expected} elements, got {got}")]
     WrongLength {
         /// Floats expected.
         expected: usize,
         /// Floats given.
         got: usize,
     },
+    /// Elements of another type than the shape's.
+    #[error("the KV is kept as {kept:?}, not {asked:?}")]
+    WrongType {
+        /// The shape's element type.
+        kept: KvDtype,
+        /// The type asked for.
+        asked: KvDtype,
+    },
+    /// No sequence at that index of a step.
+    #[error("the step has no sequence at index {0}")]
+    BadIndex(usize),
     /// Shared blocks can only be attached to an empty sequence, in whole blocks.
     #[error("shared prefix blocks attach to an empty sequence, whole blocks per buffer")]
     BadPrefix,
@@ -230,24 +242,42 @@ impl KvSequence {
         Ok(())
     }
 
-    fn check_layer(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+    fn check_layer<T: KvElement>(&self, layer: usize, k: &[T], v: &[T]) -> Result<(), KvError> {
         if layer >= self.shape.layers {
             return Err(KvError::NoSuchLayer(layer));
         }
-        for x in [k, v] {
-            if x.len() != self.shape.token_floats() {
+        self.check_type::<T>()?;
+        for x in [k.len(), v.len()] {
+            if x != self.shape.token_elems() {
                 return Err(KvError::WrongLength {
-                    expected: self.shape.token_floats(),
-                    got: x.len(),
+                    expected: self.shape.token_elems(),
+                    got: x,
                 });
             }
         }
         Ok(())
     }
 
+    fn check_type<T: KvElement>(&self) -> Result<(), KvError> {
+        if T::DTYPE == self.shape.dtype {
+            Ok(())
+        } else {
+            Err(KvError::WrongType {
+                kept: self.shape.dtype,
+                asked: T::DTYPE,
+            })
+        }
+    }
+
     /// Writes one token's K and V for `layer` at position `pos` (the next position, or an
     /// earlier one being rewritten). The position must be mapped and not in a shared block.
-    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+    pub fn write<T: KvElement>(
+        &mut self,
+        layer: usize,
+        pos: usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), KvError> {
         self.check_layer(layer, k, v)?;
         let tb = self.shape.token_bytes();
         let start = pos as u64 * tb;
@@ -281,7 +311,8 @@ impl KvSequence {
         Ok(())
     }
 
-    fn floats(&self, buffer: usize, tokens: usize) -> Result<&[f32], KvError> {
+    fn elems<T: KvElement>(&self, buffer: usize, tokens: usize) -> Result<&[T], KvError> {
+        self.check_type::<T>()?;
         let len = tokens as u64 * self.shape.token_bytes();
         let bytes = range_bytes(&self.buffers[buffer], 0..len)?;
         Ok(bytemuck::cast_slice(bytes))
@@ -289,15 +320,15 @@ impl KvSequence {
 
     /// Layer `layer`'s keys for the first `tokens` positions (which must be mapped): lets a
     /// step read the token it is writing before [`KvSequence::advance`] counts it.
-    pub fn keys_upto(&self, layer: usize, tokens: usize) -> Result<&[f32], KvError> {
+    pub fn keys_upto<T: KvElement>(&self, layer: usize, tokens: usize) -> Result<&[T], KvError> {
         self.check_upto(layer, tokens)?;
-        self.floats(2 * layer, tokens)
+        self.elems(2 * layer, tokens)
     }
 
     /// Layer `layer`'s values for the first `tokens` positions.
-    pub fn values_upto(&self, layer: usize, tokens: usize) -> Result<&[f32], KvError> {
+    pub fn values_upto<T: KvElement>(&self, layer: usize, tokens: usize) -> Result<&[T], KvError> {
         self.check_upto(layer, tokens)?;
-        self.floats(2 * layer + 1, tokens)
+        self.elems(2 * layer + 1, tokens)
     }
 
     fn check_upto(&self, layer: usize, tokens: usize) -> Result<(), KvError> {
@@ -310,14 +341,67 @@ impl KvSequence {
         Ok(())
     }
 
-    /// Layer `layer`'s past keys: `tokens × kv_heads × head_dim` floats, one flat slice.
-    pub fn keys(&self, layer: usize) -> Result<&[f32], KvError> {
+    /// Layer `layer`'s past keys: `tokens × kv_heads × head_dim` elements, one flat slice.
+    pub fn keys<T: KvElement>(&self, layer: usize) -> Result<&[T], KvError> {
         self.keys_upto(layer, self.tokens)
     }
 
     /// Layer `layer`'s past values, laid out as the keys.
-    pub fn values(&self, layer: usize) -> Result<&[f32], KvError> {
+    pub fn values<T: KvElement>(&self, layer: usize) -> Result<&[T], KvError> {
         self.values_upto(layer, self.tokens)
+    }
+
+    /// Buffer `buffer`'s first `tokens` rows as bytes, whatever the element type: what a
+    /// swap copies out.
+    pub fn buffer_bytes(&self, buffer: usize, tokens: usize) -> Result<&[u8], KvError> {
+        if buffer >= self.buffers.len() {
+            return Err(KvError::NoSuchLayer(buffer / 2));
+        }
+        if tokens > self.mapped_tokens() {
+            return Err(KvError::NotMapped(tokens.saturating_sub(1)));
+        }
+        Ok(range_bytes(
+            &self.buffers[buffer],
+            0..tokens as u64 * self.shape.token_bytes(),
+        )?)
+    }
+
+    /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back); the
+    /// rows must be mapped and writable.
+    pub fn write_buffer_bytes(&mut self, buffer: usize, bytes: &[u8]) -> Result<(), KvError> {
+        let tb = self.shape.token_bytes();
+        if buffer >= self.buffers.len() {
+            return Err(KvError::NoSuchLayer(buffer / 2));
+        }
+        if bytes.len() as u64 % tb != 0 {
+            return Err(KvError::WrongLength {
+                expected: (bytes.len() as u64).next_multiple_of(tb) as usize,
+                got: bytes.len(),
+            });
+        }
+        if bytes.len() as u64 > self.mapped {
+            return Err(KvError::NotMapped((self.mapped / tb) as usize));
+        }
+        range_bytes_mut(&mut self.buffers[buffer], 0..bytes.len() as u64)?.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Where layer `layer`'s K and V lie for a kernel, `tokens` rows of each (at most what is
+    /// mapped): the reservations' own addresses, valid while the sequence keeps its memory.
+    pub fn views(&self, layer: usize, tokens: usize) -> Result<LayerViews, KvError> {
+        self.check_upto(layer, tokens)?;
+        let view = |b: &VirtualAllocation| KvView {
+            addr: b.addr(),
+            tokens,
+            dtype: self.shape.dtype,
+            token_stride: self.shape.token_bytes(),
+            head_stride: self.shape.head_dim as u64 * self.shape.dtype.bytes(),
+            device: b.device(),
+        };
+        Ok(LayerViews {
+            k: view(&self.buffers[2 * layer]),
+            v: view(&self.buffers[2 * layer + 1]),
+        })
     }
 
     /// Replaces the shared block holding position `pos` (in every buffer) with a private
@@ -363,8 +447,8 @@ impl KvSequence {
         self.tokens = self.tokens.min(tokens);
     }
 
-    /// Elements per token, for callers sizing vectors.
-    pub fn token_floats(&self) -> usize {
-        self.shape.token_floats()
+    /// Elements per token in one buffer, for callers sizing vectors.
+    pub fn token_elems(&self) -> usize {
+        self.shape.token_elems()
     }
 }

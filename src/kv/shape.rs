@@ -3,8 +3,25 @@
 
 use thiserror::Error;
 
-/// Bytes of one element (KV is kept as `f32`).
-pub const ELEM_BYTES: u64 = 4;
+/// The element type KV is kept in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// 16-bit IEEE float (`half::f16`), as servers usually keep KV.
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes of one element.
+    pub const fn bytes(self) -> u64 {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+}
 
 /// Why a KV shape cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -46,6 +63,8 @@ pub struct KvShape {
     pub head_dim: usize,
     /// Longest sequence, in tokens: the address space each buffer reserves.
     pub max_tokens: usize,
+    /// The element type of K and V.
+    pub dtype: KvDtype,
 }
 
 impl KvShape {
@@ -76,7 +95,7 @@ impl KvShape {
             .kv_heads
             .checked_mul(self.head_dim)
             .and_then(|f| u64::try_from(f).ok())
-            .and_then(|f| f.checked_mul(ELEM_BYTES))
+            .and_then(|f| f.checked_mul(self.dtype.bytes()))
             .ok_or(ShapeError::Overflow)?;
         self.q_heads
             .checked_mul(self.head_dim)
@@ -100,14 +119,14 @@ impl KvShape {
         Ok(())
     }
 
-    /// Floats per token in one K (or V) buffer.
-    pub fn token_floats(&self) -> usize {
+    /// Elements per token in one K (or V) buffer.
+    pub fn token_elems(&self) -> usize {
         self.kv_heads * self.head_dim
     }
 
     /// Bytes per token in one K (or V) buffer.
     pub fn token_bytes(&self) -> u64 {
-        self.token_floats() as u64 * ELEM_BYTES
+        self.token_elems() as u64 * self.dtype.bytes()
     }
 
     /// Buffers per sequence: a K and a V per layer.
@@ -188,6 +207,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
             max_tokens: 1000,
+            dtype: KvDtype::F32,
         }
     }
 
@@ -198,6 +218,12 @@ mod tests {
         assert_eq!(s.buffer_bytes(4096), 128_000u64.next_multiple_of(4096));
         assert_eq!(s.block_tokens(4096), 32);
         assert_eq!(s.block_bytes(4096), 4096);
+        let half = KvShape {
+            dtype: KvDtype::F16,
+            ..s
+        };
+        assert_eq!(half.token_bytes(), 64);
+        assert_eq!(half.block_tokens(4096), 64);
         let wide = KvShape {
             kv_heads: 8,
             head_dim: 256,

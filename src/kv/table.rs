@@ -30,7 +30,8 @@ pub enum Phase {
     Idle,
     /// A prepare's grant is on its way.
     Growing,
-    /// Between a prepare that succeeded and its last layer: the server's kernels use it.
+    /// Between a prepare that succeeded and the end of its step (completed or dropped, and
+    /// the kernels it submitted done): the server's kernels use it.
     Stepping,
     /// Pressure took its memory; `tokens` were saved (swap) or dropped (recompute).
     Preempted {
@@ -181,8 +182,8 @@ impl SequenceTable {
         }
     }
 
-    /// Starts a step for `batch`: every sequence must be open, idle (or already stepping
-    /// with its memory in place), and named once. Refused as a whole, changing nothing.
+    /// Starts a step for `batch`: every sequence must be open, idle (not in a step already),
+    /// and named once. Refused as a whole, changing nothing.
     /// Returns each sequence's incarnation; mark them with [`SequenceTable::growing`] if a
     /// grant must be waited for.
     pub fn begin_step(&self, batch: &[SeqId]) -> Result<Vec<(SeqId, Writer)>, TableError> {
@@ -191,7 +192,11 @@ impl SequenceTable {
         }
         batch
             .iter()
-            .map(|s| self.usable(*s).map(|r| (*s, r.writer)))
+            .map(|s| match self.usable(*s) {
+                Ok(r) if r.phase == Phase::Stepping => Err(TableError::Busy(*s)),
+                Ok(r) => Ok((*s, r.writer)),
+                Err(e) => Err(e),
+            })
             .collect()
     }
 
@@ -235,26 +240,24 @@ impl SequenceTable {
         })
     }
 
-    /// Whether `batch` may run a layer: each open, stepping, named once.
-    pub fn check_layer(&self, batch: &[SeqId]) -> Result<(), TableError> {
-        if let Some(twice) = first_duplicate(batch) {
-            return Err(TableError::Duplicate(twice));
+    /// The step of `seq` as `writer` ended (completed or dropped) and its memory is back: it
+    /// is idle again and holds `tokens`. Returns the prefix blocks it has now written
+    /// completely (to mark complete). Refused, changing nothing, if that incarnation is gone
+    /// (`Unknown`: closed meanwhile) or not in a step.
+    pub fn end_step(
+        &mut self,
+        seq: SeqId,
+        writer: Writer,
+        tokens: usize,
+    ) -> Result<Vec<u64>, TableError> {
+        let r = self.usable(seq)?;
+        if r.writer != writer {
+            return Err(TableError::Unknown(seq));
         }
-        for seq in batch {
-            let r = self.usable(*seq)?;
-            if r.phase != Phase::Stepping {
-                return Err(TableError::NotInStep(*seq));
-            }
+        if r.phase != Phase::Stepping {
+            return Err(TableError::NotInStep(seq));
         }
-        Ok(())
-    }
-
-    /// `seq`'s step ended with its last layer: it is idle again and holds `tokens`. Returns
-    /// the prefix blocks it has now written completely (to mark complete).
-    pub fn end_step(&mut self, seq: SeqId, tokens: usize) -> Vec<u64> {
-        let Some(r) = self.seqs.get_mut(&seq) else {
-            return Vec::new();
-        };
+        let r = self.seqs.get_mut(&seq).expect("usable");
         r.phase = Phase::Idle;
         let done = r
             .filling
@@ -263,7 +266,7 @@ impl SequenceTable {
             .map(|(k, _)| *k)
             .collect();
         r.filling.retain(|(_, end)| *end > tokens);
-        done
+        Ok(done)
     }
 
     /// Whether pressure may take `seq` now. While a sequence of this store waits for a
@@ -366,11 +369,15 @@ mod tests {
             "the oldest sequence waiting for its grant never gives way to itself"
         );
         t.end_growth(&batch, true);
-        assert_eq!(t.check_layer(&[1, 1]), Err(TableError::Duplicate(1)));
-        t.check_layer(&[1]).unwrap();
+        assert_eq!(
+            t.begin_step(&[1]),
+            Err(TableError::Busy(1)),
+            "one step at a time"
+        );
         assert!(!t.evictable(1), "a stepping sequence is never a victim");
-        assert!(t.end_step(1, 1).is_empty());
-        assert_eq!(t.check_layer(&[1]), Err(TableError::NotInStep(1)));
+        assert_eq!(t.end_step(1, w1 + 1, 1), Err(TableError::Unknown(1)));
+        assert_eq!(t.end_step(1, w1, 1), Ok(vec![]));
+        assert_eq!(t.end_step(1, w1, 1), Err(TableError::NotInStep(1)));
         assert!(t.evictable(1));
     }
 
@@ -424,9 +431,9 @@ mod tests {
         t.end_open(1, w, 0, Some(vec![(10, 4), (11, 8)]));
         let b = t.begin_step(&[1]).unwrap();
         t.end_growth(&b, true);
-        assert!(t.end_step(1, 3).is_empty());
+        assert_eq!(t.end_step(1, w, 3), Ok(vec![]));
         t.end_growth(&b, true);
-        assert_eq!(t.end_step(1, 4), vec![10]);
+        assert_eq!(t.end_step(1, w, 4), Ok(vec![10]));
         assert_eq!(t.get(1).unwrap().filling, vec![(11, 8)]);
         assert_eq!(t.preempt(1, PreemptMode::Recompute, 4), Some(w));
         assert!(

@@ -114,7 +114,12 @@ impl KvStoreState {
         }
     }
 
-    pub(super) async fn granted(&mut self, txn: u64, grant: Result<Grant, GovernorError>) {
+    pub(super) async fn granted(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        txn: u64,
+        grant: Result<Grant, GovernorError>,
+    ) {
         self.reserving.remove(&txn);
         let Some(pending) = self.pending.remove(&txn) else {
             // Called off meanwhile: the grant, if any, goes back as it drops here.
@@ -124,7 +129,7 @@ impl KvStoreState {
             Err(e) => self.fail(pending, e.into()),
             Ok(grant) => match pending {
                 p @ Pending::Open { .. } => self.finish_open(p, Some(grant)).await,
-                p @ Pending::Prepare { .. } => self.finish_prepare(p, grant).await,
+                p @ Pending::Prepare { .. } => self.finish_prepare(myself, p, grant).await,
                 p @ Pending::Restore { .. } => self.finish_restore(p, grant).await,
             },
         }
@@ -309,12 +314,12 @@ impl KvStoreState {
         let memory = entry.memory.take().expect("checked above");
         entry.saved = match mode {
             PreemptMode::Swap => Some(
-                (0..memory.shape().layers)
-                    .map(|l| {
-                        (
-                            memory.keys(l).map(<[f32]>::to_vec).unwrap_or_default(),
-                            memory.values(l).map(<[f32]>::to_vec).unwrap_or_default(),
-                        )
+                (0..memory.shape().buffers())
+                    .map(|b| {
+                        memory
+                            .buffer_bytes(b, tokens)
+                            .map(<[u8]>::to_vec)
+                            .unwrap_or_default()
                     })
                     .collect(),
             ),
@@ -345,9 +350,14 @@ impl KvStoreState {
         for (id, r) in self.table.iter() {
             if matches!(r.phase, Phase::Preempted { .. }) {
                 stats.preempted += 1;
-            } else if let Some(m) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) {
-                stats.tokens += m.tokens();
-                stats.exclusive_bytes += m.exclusive_bytes();
+            } else if let Some(e) = self.seqs.get(&id) {
+                let (tokens, bytes) = match (&e.memory, e.away) {
+                    (Some(m), _) => (m.tokens(), m.exclusive_bytes()),
+                    (None, Some(away)) => away,
+                    (None, None) => (0, 0),
+                };
+                stats.tokens += tokens;
+                stats.exclusive_bytes += bytes;
             }
         }
         stats.prefix_entries = self.prefixes.blocks().count();

@@ -1,6 +1,6 @@
 //! A request's steps in the store: open (prefix lookup, shared blocks), prepare (one grant
-//! for the step, map, commit, publish), attend (write the token's K/V, run attention on the
-//! stream) and restore (bring a preempted sequence back).
+//! for the step, map, commit, publish, then lend the memory as a step), the step's end (the
+//! memory back after the store's own fence) and restore (bring a preempted sequence back).
 
 use super::*;
 
@@ -45,6 +45,7 @@ impl KvStoreState {
             charge: Charge::counted(&self.tally),
             prefixes: Vec::new(),
             last_fence: None,
+            away: None,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
         let hits = lookup.hits;
@@ -183,7 +184,7 @@ impl KvStoreState {
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
         seqs: Vec<SeqId>,
-        reply: RpcReplyPort<Result<(), KvStoreError>>,
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
         let batch = match self.table.begin_step(&seqs) {
             Ok(b) => b,
@@ -210,9 +211,7 @@ impl KvStoreState {
             plan.push((*seq, *writer, per));
         }
         if bytes == 0 {
-            // A caller that gave up starts no step: its sequences stay evictable.
-            let delivered = reply.send(Ok(())).is_ok();
-            self.table.end_growth(&batch, delivered);
+            self.lend(myself, &batch, reply);
             return;
         }
         self.table.growing(&batch);
@@ -230,7 +229,12 @@ impl KvStoreState {
 
     /// The grow transaction: map every sequence's growth (undoing all on any failure),
     /// commit the one charge, then publish.
-    pub(super) async fn finish_prepare(&mut self, pending: Pending, grant: Grant) {
+    pub(super) async fn finish_prepare(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        pending: Pending,
+        grant: Grant,
+    ) {
         let Pending::Prepare { seqs, bytes, reply } = pending else {
             return;
         };
@@ -307,130 +311,183 @@ impl KvStoreState {
         }
         // On failure everything was unmapped above; only now does the charge go back.
         drop(committed);
-        let ok = failure.is_none();
-        // A caller that gave up starts no step: its sequences stay evictable.
-        let delivered = reply
-            .send(match failure {
-                Some(e) => Err(e),
-                None => Ok(()),
-            })
-            .is_ok();
-        self.table.end_growth(&batch, ok && delivered);
+        match failure {
+            Some(e) => {
+                self.table.end_growth(&batch, false);
+                let _ = reply.send(Err(e));
+            }
+            None => self.lend(myself, &batch, reply),
+        }
     }
 
-    #[allow(unsafe_code)]
-    pub(super) fn attend(
+    /// Lends the memory of `batch` (grown, each still this incarnation unless closed
+    /// meanwhile) to the caller as a step. A caller that gave up drops the step, which ends
+    /// it: its sequences come back idle after the store's fence.
+    fn lend(
         &mut self,
-        layer: usize,
-        items: Vec<AttendItem>,
-        reply: RpcReplyPort<Result<Vec<Vec<f32>>, KvStoreError>>,
+        myself: &ActorRef<KvStoreMsg>,
+        batch: &[(SeqId, Writer)],
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
-        let shape = self.config.shape;
-        // Validate everything before writing anything: a sequence named twice would be written
-        // once and counted twice.
-        let seqs: Vec<SeqId> = items.iter().map(|i| i.seq).collect();
-        if let Err(e) = self.table.check_layer(&seqs) {
-            let _ = reply.send(Err(e.into()));
+        let live: Vec<(SeqId, Writer)> = batch
+            .iter()
+            .copied()
+            .filter(|(s, w)| self.table.get(*s).is_some_and(|r| r.writer == *w))
+            .collect();
+        if let Some((seq, _)) = batch.iter().find(|b| !live.contains(b)) {
+            // Closed while its grant was on its way: the step is refused as a whole.
+            self.table.end_growth(batch, false);
+            let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
             return;
         }
-        for item in &items {
-            match self.seqs.get(&item.seq).and_then(|e| e.memory.as_ref()) {
-                None => {
-                    let _ = reply.send(Err(KvStoreError::Unknown(item.seq)));
-                    return;
-                }
-                Some(m) => {
-                    if m.tokens() + 1 > m.mapped_tokens() {
-                        let _ = reply.send(Err(KvError::NotMapped(m.tokens()).into()));
-                        return;
-                    }
-                    if item.q.len() != shape.q_heads * shape.head_dim {
-                        let _ = reply.send(Err(KvError::WrongLength {
-                            expected: shape.q_heads * shape.head_dim,
-                            got: item.q.len(),
-                        }
-                        .into()));
-                        return;
-                    }
-                }
-            }
+        let mut lent = Vec::with_capacity(live.len());
+        for (seq, writer) in live {
+            let entry = self
+                .seqs
+                .get_mut(&seq)
+                .expect("an open sequence has an entry");
+            let memory = entry
+                .memory
+                .take()
+                .expect("a sequence in a step has its memory");
+            entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
+            lent.push(StepSeq {
+                seq,
+                writer,
+                memory,
+                prefixes: std::mem::take(&mut entry.prefixes),
+                charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
+            });
         }
-        let mut work = Vec::with_capacity(items.len());
-        for item in &items {
-            let Some(memory) = self.seqs.get_mut(&item.seq).and_then(|e| e.memory.as_mut()) else {
-                unreachable!("validated")
-            };
-            let pos = memory.tokens();
-            if let Err(e) = memory.write(layer, pos, &item.k, &item.v) {
-                let _ = reply.send(Err(e.into()));
+        self.table.end_growth(batch, true);
+        let id = self.next_txn;
+        self.next_txn += 1;
+        let step = KvStep::new(
+            id,
+            myself.clone(),
+            self.config.shape,
+            lent,
+            self.stream.clone(),
+        );
+        // A caller that gave up drops the step here, which ends it (nothing counts).
+        let _ = reply.send(step.map_err(KvStoreError::from));
+    }
+
+    /// A step ended: the store records its own fence after everything submitted on the
+    /// stream so far (every kernel of the step among them) and takes the memory back when it
+    /// completes.
+    pub(super) fn step_ended(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        step: u64,
+        memory: Arc<StepMemory>,
+        fence: Option<Fence>,
+        advance: bool,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let foreign = fence.map(|f| f.stream).filter(|s| *s != self.stream.id());
+        let done = fence
+            .is_some_and(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
+        if done && Arc::strong_count(&memory) == 1 {
+            // The server's fence has completed and no kernel of the step holds its memory
+            // any more (a kernel's share goes before its fence completes): it is back now.
+            self.step_returned(myself, step, memory, fence, advance, None, reply);
+            return;
+        }
+        match self.stream.submit(&[], || {}) {
+            Ok(marker) => {
+                let me = myself.clone();
+                self.stream.timeline().on_complete(
+                    marker.value,
+                    Box::new(move |_| {
+                        // A store gone by now drops the message, and the memory with it: its
+                        // kernels are done.
+                        let _ = me.cast(KvStoreMsg::StepReturned {
+                            step,
+                            memory,
+                            marker: Some(marker),
+                            advance,
+                            foreign,
+                            reply,
+                        });
+                    }),
+                );
+            }
+            // A closed stream runs nothing any more (its queued kernels were dropped with it).
+            Err(_) => self.step_returned(myself, step, memory, None, advance, foreign, reply),
+        }
+    }
+
+    /// The store's fence after a step completed: each sequence takes its memory back (and
+    /// counts its new token if the step was completed); one closed meanwhile is freed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step_returned(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        step: u64,
+        memory: Arc<StepMemory>,
+        marker: Option<Fence>,
+        advance: bool,
+        foreign: Option<StreamId>,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let seqs = match memory.take() {
+            Ok(seqs) => seqs,
+            Err(memory) => {
+                // A kernel still holds a share (it cannot have been submitted after the end):
+                // look again after the next fence.
+                tracing::warn!(step, "step memory still shared after its fence");
+                self.step_ended(myself, step, memory, None, advance, reply);
                 return;
             }
-            let n = pos + 1;
-            let (k, v) = match (memory.keys_upto(layer, n), memory.values_upto(layer, n)) {
-                (Ok(k), Ok(v)) => (k.as_ptr() as usize, v.as_ptr() as usize),
-                (Err(e), _) | (_, Err(e)) => {
-                    let _ = reply.send(Err(e.into()));
-                    return;
-                }
-            };
-            work.push((k, v, n, item.q.clone()));
-        }
-        let floats = shape.token_floats();
-        let kernel = move || {
-            let outputs: Vec<Vec<f32>> = work
-                .iter()
-                .map(|(k, v, n, q)| {
-                    // SAFETY: the store records this kernel's fence on every sequence before
-                    // anything can free it; victims exclude sequences in flight and retired
-                    // memory waits for the fence, so `n` tokens stay mapped and unwritten.
-                    let (k, v) = unsafe {
-                        (
-                            std::slice::from_raw_parts(*k as *const f32, n * floats),
-                            std::slice::from_raw_parts(*v as *const f32, n * floats),
-                        )
-                    };
-                    let mut out = vec![0f32; q.len()];
-                    gqa_decode(
-                        q,
-                        k,
-                        v,
-                        *n,
-                        shape.q_heads,
-                        shape.kv_heads,
-                        shape.head_dim,
-                        &mut out,
-                    );
-                    out
-                })
-                .collect();
-            let _ = reply.send(Ok(outputs));
         };
-        let fence = match self.stream.submit(&[], kernel) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::error!(%e, "attention kernel not submitted");
-                return;
-            }
-        };
-        let last_layer = layer + 1 == shape.layers;
-        for item in &items {
-            let entry = self.seqs.get_mut(&item.seq).expect("validated");
-            entry.last_fence = Some(fence);
-            if !last_layer {
-                continue;
-            }
-            let Some(memory) = entry.memory.as_mut() else {
+        let advance = advance && foreign.is_none();
+        for StepSeq {
+            seq,
+            writer,
+            mut memory,
+            prefixes,
+            charge,
+        } in seqs
+        {
+            let ours = self
+                .table
+                .get(seq)
+                .is_some_and(|r| r.writer == writer && r.phase == Phase::Stepping);
+            let entry = self.seqs.get_mut(&seq).filter(|_| ours);
+            let Some(entry) = entry else {
+                // Closed while the step had it (maybe opened again): freed now.
+                self.retire(SeqEntry {
+                    memory: Some(memory),
+                    saved: None,
+                    charge,
+                    prefixes,
+                    last_fence: marker,
+                    away: None,
+                });
                 continue;
             };
-            let _ = memory.advance();
+            if advance {
+                let _ = memory.advance();
+            }
             let tokens = memory.tokens();
-            let writer = self.table.get(item.seq).map(|r| r.writer);
-            for key in self.table.end_step(item.seq, tokens) {
-                // Only the block this sequence filled; nobody else's under the key.
-                if let Some(writer) = writer {
+            entry.memory = Some(memory);
+            entry.prefixes = prefixes;
+            entry.charge = charge;
+            entry.last_fence = marker;
+            entry.away = None;
+            if let Ok(done) = self.table.end_step(seq, writer, tokens) {
+                for key in done {
+                    // Only the block this sequence filled; nobody else's under the key.
                     self.prefixes.complete(key, writer);
                 }
             }
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(match foreign {
+                Some(stream) => Err(KvStoreError::ForeignFence(stream)),
+                None => Ok(()),
+            });
         }
     }
 
@@ -536,16 +593,10 @@ impl KvStoreState {
                 }
             }
             memory.publish(growth);
-            let floats = memory.token_floats();
-            for pos in 0..tokens {
-                for (layer, (k, v)) in saved.iter().enumerate() {
-                    memory.write(
-                        layer,
-                        pos,
-                        &k[pos * floats..(pos + 1) * floats],
-                        &v[pos * floats..(pos + 1) * floats],
-                    )?;
-                }
+            for (buffer, rows) in saved.iter().enumerate() {
+                memory.write_buffer_bytes(buffer, rows)?;
+            }
+            for _ in 0..tokens {
                 memory.advance()?;
             }
             Ok(())

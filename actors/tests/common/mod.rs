@@ -113,7 +113,7 @@ pub fn kv_item(
     pos: usize,
     layer: usize,
 ) -> procmem_actors::AttendItem {
-    let tf = shape.token_floats();
+    let tf = shape.token_elems();
     procmem_actors::AttendItem {
         seq,
         q: kv_floats(seq, pos, layer, 0, shape.q_heads * shape.head_dim),

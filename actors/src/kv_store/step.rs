@@ -1,0 +1,367 @@
+//! A step as the server drives it: the prepared sequences' memory, lent to the server until
+//! the step ends, with a view of every layer's flat K and V and the stream to run on.
+//!
+//! While a step is out its sequences' memory (and what pays for it) is *in the step*, not in
+//! the store: no victim choice, close or restore can touch it. Kernels submitted through
+//! [`KvStep::submit`] share it, so it cannot be freed before the last of them ran. When the
+//! step ends ([`KvStep::complete`], [`KvStep::finish`], or dropped) the store records a fence
+//! of its own on the step's stream after everything submitted, and takes the memory back once
+//! that fence completes; a sequence closed meanwhile is freed then.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use procmem::fence::Fence;
+use procmem::kv::{
+    gqa_decode, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews, Writer,
+};
+use ractor::{ActorRef, MessagingErr, RpcReplyPort};
+
+use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId, SharedPrefix};
+use crate::charge::Charge;
+use crate::stream::{CpuStream, StreamError};
+
+/// One sequence's memory while a step has it.
+pub(super) struct StepSeq {
+    pub(super) seq: SeqId,
+    pub(super) writer: Writer,
+    /// Dropped first: unmapped before the blocks it maps and before its charge goes back.
+    pub(super) memory: KvSequence,
+    pub(super) prefixes: Vec<Arc<SharedPrefix>>,
+    pub(super) charge: Charge,
+}
+
+/// The memory of a step's sequences, shared by the step and every kernel it submitted.
+pub(crate) struct StepMemory {
+    seqs: Mutex<Vec<StepSeq>>,
+}
+
+impl StepMemory {
+    pub(super) fn new(seqs: Vec<StepSeq>) -> Arc<Self> {
+        Arc::new(StepMemory {
+            seqs: Mutex::new(seqs),
+        })
+    }
+
+    /// A kernel that panicked holding the lock left the memory as it was (writes are whole
+    /// rows), so a poisoned lock is still used.
+    fn lock(&self) -> MutexGuard<'_, Vec<StepSeq>> {
+        self.seqs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The sequences back, once no kernel holds the memory any more.
+    pub(super) fn take(self: Arc<Self>) -> Result<Vec<StepSeq>, Arc<Self>> {
+        Arc::try_unwrap(self).map(|m| m.seqs.into_inner().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The memory of a step, as a host kernel sees it: sequence `i` is the step's `i`-th, its new
+/// token goes at [`StepKv::position`], and reads cover every token up to and including it.
+pub struct StepKv<'a> {
+    seqs: &'a mut [StepSeq],
+}
+
+impl StepKv<'_> {
+    /// Sequences in the step.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// True for a step of no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    fn get(&self, i: usize) -> Result<&StepSeq, KvError> {
+        self.seqs.get(i).ok_or(KvError::BadIndex(i))
+    }
+
+    /// The id of sequence `i`.
+    pub fn seq(&self, i: usize) -> Option<SeqId> {
+        self.seqs.get(i).map(|s| s.seq)
+    }
+
+    /// Where sequence `i`'s new token goes (the tokens it held before the step).
+    pub fn position(&self, i: usize) -> Option<usize> {
+        self.seqs.get(i).map(|s| s.memory.tokens())
+    }
+
+    /// Writes the new token's K and V of layer `layer` of sequence `i` (`kv_heads × head_dim`
+    /// elements each, of the shape's element type).
+    pub fn write<T: KvElement>(
+        &mut self,
+        i: usize,
+        layer: usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), KvError> {
+        let s = self.seqs.get_mut(i).ok_or(KvError::BadIndex(i))?;
+        let pos = s.memory.tokens();
+        s.memory.write(layer, pos, k, v)
+    }
+
+    /// Layer `layer`'s keys of sequence `i`, the new token's row included.
+    pub fn keys<T: KvElement>(&self, i: usize, layer: usize) -> Result<&[T], KvError> {
+        let m = &self.get(i)?.memory;
+        m.keys_upto(layer, m.tokens() + 1)
+    }
+
+    /// Layer `layer`'s values of sequence `i`, the new token's row included.
+    pub fn values<T: KvElement>(&self, i: usize, layer: usize) -> Result<&[T], KvError> {
+        let m = &self.get(i)?.memory;
+        m.values_upto(layer, m.tokens() + 1)
+    }
+}
+
+/// One decode step of a batch of sequences, lent by [`KvStoreHandle::prepare`]: room for one
+/// more token in each is mapped and paid for, and until the step ends none of them can be
+/// taken by pressure.
+///
+/// For each sequence and layer, [`KvStep::views`] says where its flat K and V lie (address,
+/// rows, element type, strides) for the server's own kernels, valid until the step's fence.
+/// Host kernels run on [`KvStep::stream`] through [`KvStep::submit`], which hands them the
+/// memory as typed slices ([`StepKv`]). End the step with [`KvStep::complete`] (the new token
+/// counts) once every layer's K/V is written, or drop it (nothing counts; its memory is still
+/// held until every kernel it submitted ran).
+///
+/// [`KvStoreHandle::prepare`]: super::KvStoreHandle::prepare
+pub struct KvStep {
+    id: u64,
+    store: ActorRef<KvStoreMsg>,
+    shape: KvShape,
+    seqs: Vec<SeqId>,
+    positions: Vec<usize>,
+    /// `[sequence][layer]`.
+    views: Vec<Vec<LayerViews>>,
+    memory: Option<Arc<StepMemory>>,
+    stream: CpuStream,
+    last_fence: Mutex<Option<Fence>>,
+}
+
+impl std::fmt::Debug for KvStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvStep")
+            .field("id", &self.id)
+            .field("seqs", &self.seqs)
+            .field("positions", &self.positions)
+            .field("stream", &self.stream.id())
+            .finish()
+    }
+}
+
+impl KvStep {
+    pub(super) fn new(
+        id: u64,
+        store: ActorRef<KvStoreMsg>,
+        shape: KvShape,
+        seqs: Vec<StepSeq>,
+        stream: CpuStream,
+    ) -> Result<Self, KvError> {
+        let views = seqs
+            .iter()
+            .map(|s| {
+                (0..shape.layers)
+                    .map(|l| s.memory.views(l, s.memory.tokens() + 1))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(KvStep {
+            id,
+            store,
+            shape,
+            positions: seqs.iter().map(|s| s.memory.tokens()).collect(),
+            seqs: seqs.iter().map(|s| s.seq).collect(),
+            views,
+            memory: Some(StepMemory::new(seqs)),
+            stream,
+            last_fence: Mutex::new(None),
+        })
+    }
+
+    /// The sequences, in the order they were prepared.
+    pub fn seqs(&self) -> &[SeqId] {
+        &self.seqs
+    }
+
+    /// Where each sequence's new token goes (its tokens before the step).
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// The model's KV geometry (element type included).
+    pub fn shape(&self) -> &KvShape {
+        &self.shape
+    }
+
+    /// Where layer `layer` of the `i`-th sequence lies: `position + 1` rows of K and of V,
+    /// the new token's last. Valid until the step's fence; `None` past the batch or the model.
+    pub fn views(&self, i: usize, layer: usize) -> Option<LayerViews> {
+        self.views.get(i)?.get(layer).copied()
+    }
+
+    /// The stream the step's kernels run on; the step's fence must be one of its fences.
+    pub fn stream(&self) -> &CpuStream {
+        &self.stream
+    }
+
+    /// The fence of the last kernel submitted through [`KvStep::submit`].
+    pub fn last_fence(&self) -> Option<Fence> {
+        *self
+            .last_fence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn memory(&self) -> &Arc<StepMemory> {
+        self.memory.as_ref().expect("a live step has its memory")
+    }
+
+    /// Runs `kernel` on the step's stream, after the work submitted before it, with the step's
+    /// memory as typed slices. Returns its fence.
+    pub fn submit<F>(&self, kernel: F) -> Result<Fence, StreamError>
+    where
+        F: FnOnce(&mut StepKv<'_>) + Send + 'static,
+    {
+        let memory = Arc::clone(self.memory());
+        let fence = self.stream.submit(&[], move || {
+            let mut seqs = memory.lock();
+            kernel(&mut StepKv { seqs: &mut seqs });
+        })?;
+        *self
+            .last_fence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(fence);
+        Ok(fence)
+    }
+
+    /// The built-in operator as one user of the step: writes each item's K/V for `layer`
+    /// (converted to the shape's element type) and runs the GQA decode over every token on
+    /// the stream. Items name sequences of the step, each at most once.
+    pub async fn attend(
+        &self,
+        layer: usize,
+        items: Vec<AttendItem>,
+    ) -> Result<Vec<Vec<f32>>, KvStoreError> {
+        let shape = self.shape;
+        if layer >= shape.layers {
+            return Err(KvError::NoSuchLayer(layer).into());
+        }
+        let mut index = Vec::with_capacity(items.len());
+        for item in &items {
+            let i = self
+                .seqs
+                .iter()
+                .position(|s| *s == item.seq)
+                .ok_or(KvStoreError::NotInStep(item.seq))?;
+            if index.contains(&i) {
+                return Err(KvStoreError::Duplicate(item.seq));
+            }
+            index.push(i);
+            let q = shape.q_heads * shape.head_dim;
+            for (expected, got) in [
+                (q, item.q.len()),
+                (shape.token_elems(), item.k.len()),
+                (shape.token_elems(), item.v.len()),
+            ] {
+                if expected != got {
+                    return Err(KvError::WrongLength { expected, got }.into());
+                }
+            }
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.submit(move |kv| {
+            let result = match shape.dtype {
+                KvDtype::F32 => attend_all::<f32>(kv, shape, layer, &index, &items),
+                KvDtype::F16 => attend_all::<procmem::kv::f16>(kv, shape, layer, &index, &items),
+            };
+            let _ = tx.send(result);
+        })?;
+        rx.await
+            .map_err(|_| KvStoreError::KernelFailed)?
+            .map_err(KvStoreError::from)
+    }
+
+    /// Ends the step: every sequence holds its new token, written by the kernels that `fence`
+    /// (of the step's stream) covers. Returns once the store has the memory back (after
+    /// `fence`, and after every kernel submitted through the step). A fence of another stream
+    /// is refused (`ForeignFence`): the step then ends as if dropped.
+    pub async fn complete(mut self, fence: Fence) -> Result<(), KvStoreError> {
+        self.end(Some(fence), true).await
+    }
+
+    /// [`KvStep::complete`] with the fence of the last kernel submitted through the step.
+    pub async fn finish(mut self) -> Result<(), KvStoreError> {
+        let fence = self.last_fence();
+        self.end(fence, true).await
+    }
+
+    async fn end(&mut self, fence: Option<Fence>, advance: bool) -> Result<(), KvStoreError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let port: RpcReplyPort<Result<(), KvStoreError>> = tx.into();
+        self.send_end(fence, advance, Some(port));
+        rx.await.unwrap_or(Err(KvStoreError::Unavailable))
+    }
+
+    fn send_end(
+        &mut self,
+        fence: Option<Fence>,
+        advance: bool,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let Some(memory) = self.memory.take() else {
+            return;
+        };
+        let msg = KvStoreMsg::StepEnded {
+            step: self.id,
+            memory,
+            fence,
+            advance,
+            reply,
+        };
+        if let Err(MessagingErr::SendErr(KvStoreMsg::StepEnded { memory, reply, .. })) =
+            self.store.cast(msg)
+        {
+            // The store is gone: the memory is freed when the last kernel holding it has run
+            // (each holds a share), then what paid for it goes back.
+            drop(memory);
+            if let Some(reply) = reply {
+                let _ = reply.send(Err(KvStoreError::Unavailable));
+            }
+        }
+    }
+}
+
+impl Drop for KvStep {
+    fn drop(&mut self) {
+        // Not completed: nothing counts, and the memory goes back after the kernels it served.
+        self.send_end(None, false, None);
+    }
+}
+
+fn attend_all<T: KvElement>(
+    kv: &mut StepKv<'_>,
+    shape: KvShape,
+    layer: usize,
+    index: &[usize],
+    items: &[AttendItem],
+) -> Result<Vec<Vec<f32>>, KvError> {
+    let convert = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
+    let mut outputs = Vec::with_capacity(items.len());
+    for (&i, item) in index.iter().zip(items) {
+        kv.write(i, layer, &convert(&item.k), &convert(&item.v))?;
+        let (k, v) = (kv.keys::<T>(i, layer)?, kv.values::<T>(i, layer)?);
+        let tokens = k.len() / shape.token_elems();
+        let mut out = vec![0f32; item.q.len()];
+        gqa_decode(
+            &item.q,
+            k,
+            v,
+            tokens,
+            shape.q_heads,
+            shape.kv_heads,
+            shape.head_dim,
+            &mut out,
+        );
+        outputs.push(out);
+    }
+    Ok(outputs)
+}

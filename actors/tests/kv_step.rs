@@ -1,0 +1,362 @@
+//! The step API as a careless or hostile server uses it: steps dropped, completed with a
+//! fence of another stream, held across a close and a re-open of the same id, prepared twice,
+//! kernels that panic; views that must point where the memory is; 16-bit KV end to end.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{kv_floats, system};
+use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
+use procmem_actors::procmem::DeviceKey;
+use procmem_actors::{
+    CpuProvider, CpuProviderConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
+    PreemptMode, Restored,
+};
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 512,
+    dtype: KvDtype::F32,
+};
+
+async fn store(shape: KvShape, capacity: u64) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
+    let (g, p) = system(capacity, 1).await;
+    let config = KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape,
+        chunk_granules: 2,
+        preempt: PreemptMode::Swap,
+        wait: Duration::from_millis(300),
+    };
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap();
+    (g, p, kv)
+}
+
+/// Waits until the store's books, the Governor's and the kernel's agree.
+async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::KvStoreStats {
+    let start = std::time::Instant::now();
+    loop {
+        let s = kv.stats().await.unwrap();
+        let ledger = g.snapshot().await.unwrap().books.leased;
+        if s.leased_bytes == ledger && ledger == s.os_resident_bytes {
+            return s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "ledger {ledger} vs store {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// One whole step for `seq` at `pos` through the server's own kernel: returns each layer's
+/// attention output.
+async fn own_step(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<Vec<f32>> {
+    let step = kv.prepare(vec![seq]).await.unwrap();
+    let mut outs = Vec::new();
+    for layer in 0..SHAPE.layers {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let k = kv_floats(seq, pos, layer, 1, SHAPE.token_elems());
+        let v = kv_floats(seq, pos, layer, 2, SHAPE.token_elems());
+        let q = kv_floats(seq, pos, layer, 0, SHAPE.q_heads * SHAPE.head_dim);
+        step.submit(move |kv| {
+            kv.write(0, layer, &k, &v).unwrap();
+            let (keys, values) = (
+                kv.keys::<f32>(0, layer).unwrap(),
+                kv.values(0, layer).unwrap(),
+            );
+            let mut out = vec![0f32; q.len()];
+            gqa_decode(&q, keys, values, pos + 1, 4, 2, 16, &mut out);
+            tx.send(out).unwrap();
+        })
+        .unwrap();
+        outs.push(rx.await.unwrap());
+    }
+    step.finish().await.unwrap();
+    outs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn views_point_at_the_memory_the_kernel_reads() {
+    let (_g, _p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    kv.open(2, vec![], 0).await.unwrap();
+    for pos in 0..5 {
+        own_step(&kv, 1, pos).await;
+    }
+    let step = kv.prepare(vec![2, 1]).await.unwrap();
+    assert_eq!(step.seqs(), &[2, 1]);
+    assert_eq!(step.positions(), &[0, 5]);
+    assert!(step.views(2, 0).is_none() && step.views(0, SHAPE.layers).is_none());
+    let views: Vec<_> = (0..2)
+        .flat_map(|i| (0..SHAPE.layers).map(move |l| (i, l)))
+        .map(|(i, l)| (i, l, step.views(i, l).unwrap()))
+        .collect();
+    for (i, _, v) in &views {
+        assert_eq!(v.k.tokens, step.positions()[*i] + 1);
+        assert_eq!(v.k.dtype, KvDtype::F32);
+        assert_eq!(v.k.token_stride, SHAPE.token_bytes());
+        assert_eq!(v.k.head_stride, 16 * 4);
+        assert_eq!(v.k.device, DeviceKey::HOST);
+        assert_ne!(v.k.addr, v.v.addr);
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let mut seen = Vec::new();
+        for (i, l, v) in &views {
+            let keys = kv.keys::<f32>(*i, *l).unwrap();
+            let values = kv.values::<f32>(*i, *l).unwrap();
+            seen.push(
+                keys.as_ptr() as u64 == v.k.addr
+                    && values.as_ptr() as u64 == v.v.addr
+                    && (keys.len() * 4) as u64 == v.k.bytes(),
+            );
+        }
+        tx.send(seen).unwrap();
+    })
+    .unwrap();
+    assert!(rx.await.unwrap().iter().all(|x| *x));
+    // A write of the wrong type or length, or to a sequence not in the step, is refused.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let row = vec![0f32; SHAPE.token_elems()];
+        let half = vec![f16::ZERO; SHAPE.token_elems()];
+        tx.send([
+            kv.write(0, 0, &half, &half).is_err(),
+            kv.write(0, 0, &row[1..], &row).is_err(),
+            kv.write(2, 0, &row, &row).is_err(),
+            kv.write(0, SHAPE.layers, &row, &row).is_err(),
+            kv.write(usize::MAX, usize::MAX, &row, &row).is_err(),
+        ])
+        .unwrap();
+    })
+    .unwrap();
+    assert_eq!(rx.await.unwrap(), [true; 5]);
+    drop(step);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_step_counts_nothing_and_holds_its_memory_until_its_kernels_ran() {
+    let (g, p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    for pos in 0..3 {
+        own_step(&kv, 1, pos).await;
+    }
+    // A kernel of the step waits behind a gate; the step is dropped meanwhile, and the
+    // sequence closed: nothing may be unmapped before the kernel ran.
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        gate.recv().unwrap();
+        let keys = kv.keys::<f32>(0, 1).unwrap();
+        tx.send(keys.iter().map(|x| x.to_bits() as u64).sum::<u64>())
+            .unwrap();
+    })
+    .unwrap();
+    drop(step);
+    assert!(
+        matches!(kv.prepare(vec![1]).await, Err(KvStoreError::Busy(1))),
+        "the step's memory is not back before its kernel ran"
+    );
+    kv.close(1);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let resident = p.mechanism().backing().resident_bytes().unwrap();
+    assert!(resident > 0, "nothing unmapped under a queued kernel");
+    open.send(()).unwrap();
+    rx.await.unwrap();
+    let start = std::time::Instant::now();
+    while settled(&g, &kv).await.os_resident_bytes != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never freed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(kv.stats().await.unwrap().sequences, 0);
+
+    // Dropped without a kernel: the token does not count, and the sequence steps on.
+    kv.open(2, vec![], 0).await.unwrap();
+    own_step(&kv, 2, 0).await;
+    drop(kv.prepare(vec![2]).await.unwrap());
+    let mut tries = 0;
+    let step = loop {
+        match kv.prepare(vec![2]).await {
+            Ok(step) => break step,
+            Err(KvStoreError::Busy(2)) if tries < 100 => tries += 1,
+            Err(e) => panic!("{e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    assert_eq!(step.positions(), &[1], "the dropped step counted nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_of_another_stream_is_refused_and_counts_nothing() {
+    let (_g, _p, kv) = store(SHAPE, 1 << 30).await;
+    let other = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    own_step(&kv, 1, 0).await;
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let foreign = other.stream(0).unwrap().submit(&[], || {}).unwrap();
+    let got = step.complete(foreign).await;
+    assert!(matches!(got, Err(KvStoreError::ForeignFence(_))), "{got:?}");
+    let step = kv.prepare(vec![1]).await.unwrap();
+    assert_eq!(step.positions(), &[1]);
+    // A fence of the step's own stream that has not been reached yet is waited for.
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    let late = step
+        .stream()
+        .submit(&[], move || gate.recv().unwrap())
+        .unwrap();
+    let completing = tokio::spawn(step.complete(late));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!completing.is_finished(), "completed before its fence");
+    open.send(()).unwrap();
+    completing.await.unwrap().unwrap();
+    assert_eq!(kv.stats().await.unwrap().tokens, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_and_reopen_while_a_step_is_out_never_mixes_the_two() {
+    let (g, _p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(7, vec![], 0).await.unwrap();
+    for pos in 0..4 {
+        own_step(&kv, 7, pos).await;
+    }
+    let old = kv.prepare(vec![7]).await.unwrap();
+    kv.close(7);
+    kv.open(7, vec![], 0).await.unwrap();
+    // The new incarnation is empty and steps on its own.
+    let fresh = own_step(&kv, 7, 0).await;
+    // The old step writes its memory and completes: it is freed, the new one untouched.
+    let row = vec![9.0f32; SHAPE.token_elems()];
+    old.submit(move |kv| {
+        for layer in 0..SHAPE.layers {
+            kv.write(0, layer, &row, &row).unwrap();
+        }
+    })
+    .unwrap();
+    old.finish().await.unwrap();
+    let s = settled(&g, &kv).await;
+    assert_eq!((s.sequences, s.tokens), (1, 1));
+    let again = kv.prepare(vec![7]).await.unwrap();
+    assert_eq!(again.positions(), &[1]);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    again
+        .submit(move |kv| {
+            let keys = kv.keys::<f32>(0, 0).unwrap();
+            tx.send(keys[..SHAPE.token_elems()].to_vec()).unwrap();
+        })
+        .unwrap();
+    let first_row = rx.await.unwrap();
+    assert_eq!(
+        first_row,
+        kv_floats(7, 0, 0, 1, SHAPE.token_elems()),
+        "the new sequence holds its own first row"
+    );
+    assert!(!fresh.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kernel_that_panics_fails_its_call_and_the_step_still_ends_cleanly() {
+    let (g, _p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let bad = procmem_actors::AttendItem {
+        seq: 1,
+        q: vec![0.0; 3],
+        k: vec![0.0; SHAPE.token_elems()],
+        v: vec![0.0; SHAPE.token_elems()],
+    };
+    assert!(step.attend(0, vec![bad]).await.is_err(), "a short q");
+    let stranger = procmem_actors::AttendItem {
+        seq: 99,
+        q: vec![0.0; 64],
+        k: vec![0.0; SHAPE.token_elems()],
+        v: vec![0.0; SHAPE.token_elems()],
+    };
+    assert!(matches!(
+        step.attend(0, vec![stranger]).await,
+        Err(KvStoreError::NotInStep(99))
+    ));
+    step.submit(|_| panic!("a server's kernel fails")).unwrap();
+    step.finish().await.unwrap();
+    let s = settled(&g, &kv).await;
+    assert_eq!(s.tokens, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_bit_kv_steps_swaps_and_comes_back_bit_for_bit() {
+    let shape = KvShape {
+        dtype: KvDtype::F16,
+        ..SHAPE
+    };
+    let (g, _p, kv) = store(shape, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    let row = |pos: usize, layer: usize, which: u64| -> Vec<f16> {
+        kv_floats(1, pos, layer, which, shape.token_elems())
+            .into_iter()
+            .map(f16::from_f32)
+            .collect()
+    };
+    for pos in 0..40 {
+        let step = kv.prepare(vec![1]).await.unwrap();
+        assert_eq!(step.views(0, 0).unwrap().k.token_stride, 2 * 32);
+        let (k0, v0, k1, v1) = (
+            row(pos, 0, 1),
+            row(pos, 0, 2),
+            row(pos, 1, 1),
+            row(pos, 1, 2),
+        );
+        step.submit(move |kv| {
+            kv.write(0, 0, &k0, &v0).unwrap();
+            kv.write(0, 1, &k1, &v1).unwrap();
+        })
+        .unwrap();
+        step.finish().await.unwrap();
+    }
+    let before = settled(&g, &kv).await;
+    assert_eq!(before.tokens, 40);
+    // Pressure swaps it out; it comes back with the same 16-bit rows.
+    g.set_capacity(before.leased_bytes).await.unwrap();
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    let grant = g
+        .reserve(procmem_actors::ReserveRequest {
+            holder: other,
+            role: procmem_actors::procmem::MemoryRole::Workspace,
+            bytes: before.exclusive_bytes,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+        })
+        .await
+        .unwrap();
+    assert_eq!(kv.stats().await.unwrap().preempted, 1);
+    drop(grant);
+    assert_eq!(
+        kv.restore(1).await.unwrap(),
+        Restored::Swapped { tokens: 40 }
+    );
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let keys = kv.keys::<f16>(0, 1).unwrap()[..40 * 32].to_vec();
+        tx.send(keys).unwrap();
+    })
+    .unwrap();
+    let keys = rx.await.unwrap();
+    drop(step);
+    for pos in 0..40 {
+        assert_eq!(
+            keys[pos * 32..(pos + 1) * 32],
+            row(pos, 1, 1)[..],
+            "pos {pos}"
+        );
+    }
+}
