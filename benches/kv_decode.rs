@@ -26,7 +26,7 @@ use procmem::kv::{gqa_decode, KvDtype, KvSequence, KvShape};
 use procmem::VirtualBacking;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStep,
-    KvStoreConfig, KvStoreHandle, PreemptMode,
+    KvStoreConfig, KvStoreHandle, PreemptMode, SwapSpace,
 };
 use serde_json::json;
 
@@ -132,6 +132,7 @@ impl StepApi {
                 chunk_granules: CHUNK_GRANULES,
                 preempt: PreemptMode::Swap,
                 wait: std::time::Duration::from_secs(5),
+                swap: SwapSpace::Auto,
             };
             let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
                 .await

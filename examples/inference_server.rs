@@ -17,7 +17,7 @@ use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvElement, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
     GovernorError, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager, PreemptMode,
-    ResidencyConfig, ResidencyHandle, Restored, StepKv,
+    ResidencyConfig, ResidencyHandle, Restored, StepKv, SwapKind, SwapSpace,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -239,6 +239,10 @@ struct Counters {
     shed: u64,
     parked: u64,
     restores: u64,
+    samples: u64,
+    os_above_ledger: u64,
+    ledger_above_os: u64,
+    peak_swapped: u64,
     peak_ledger: u64,
     peak_os: u64,
 }
@@ -382,6 +386,7 @@ async fn serve(args: Args) -> Result<(), String> {
                 Preempt::Recompute => PreemptMode::Recompute,
             },
             wait: Duration::from_millis(250),
+            swap: SwapSpace::Auto,
         })
         .await
         .map_err(|e| e.to_string())?;
@@ -550,6 +555,20 @@ async fn serve(args: Args) -> Result<(), String> {
         let (_, s, os) = &books[0];
         c.peak_ledger = c.peak_ledger.max(s.books.leased);
         c.peak_os = c.peak_os.max(os.unwrap_or(0));
+        // Memory is freed before its refund, never the other way: the OS may trail the
+        // ledger while frees are in flight, but never exceed it.
+        c.samples += 1;
+        match os {
+            Some(os) if *os > s.books.leased => c.os_above_ledger += 1,
+            Some(os) if *os < s.books.leased => c.ledger_above_os += 1,
+            _ => {}
+        }
+        if let Ok(st) = kv.stats().await {
+            c.peak_swapped = c.peak_swapped.max(st.swapped_bytes);
+            if last_report.elapsed() >= Duration::from_secs(1) {
+                tracing::debug!(?st, active = ?active.iter().map(|r| (r.id, r.pos)).collect::<Vec<_>>(), parked = ?parked.iter().map(|r| (r.id, r.pos)).collect::<Vec<_>>(), queued = queue.len(), "kv store");
+            }
+        }
         if last_report.elapsed() >= Duration::from_secs(1) {
             last_report = Instant::now();
             println!(
@@ -595,6 +614,28 @@ async fn serve(args: Args) -> Result<(), String> {
     println!(
         "  {:<34} {:>14}",
         "prompt tokens from shared blocks", kv_stats.prefix_hit_tokens
+    );
+    println!(
+        "  {:<34} {:>14}",
+        "swap space",
+        match kv_stats.swap {
+            SwapKind::Disk => "disk",
+            SwapKind::Host => "host tier",
+        }
+    );
+    println!("  {:<34} {:>14}", "peak bytes swapped out", c.peak_swapped);
+    println!(
+        "  {:<34} {:>14}",
+        "swaps that fell back to recompute", kv_stats.swap_fallbacks
+    );
+    println!("  {:<34} {:>14}", "progress samples", c.samples);
+    println!(
+        "  {:<34} {:>14}",
+        "samples with OS above ledger", c.os_above_ledger
+    );
+    println!(
+        "  {:<34} {:>14}",
+        "samples with frees in flight", c.ledger_above_os
     );
     println!(
         "  {:<34} {:>14}",

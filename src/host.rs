@@ -2,7 +2,9 @@
 //! backing for virtual buffers and shared blocks.
 
 mod allocator;
+mod file;
 mod mechanism;
 
 pub use allocator::{allocation_bytes, allocation_bytes_mut, HostAllocator};
+pub use file::unlinked_file;
 pub use mechanism::{machine_memory_bytes, HostMechanism};

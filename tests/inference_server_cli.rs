@@ -86,6 +86,64 @@ fn a_small_run_serves_every_request_and_ends_with_the_books_at_zero() {
     );
 }
 
+/// At an eighth of the peak KV demand, in both preemption modes, every request finishes, the
+/// kernel never holds more than the ledger says at any progress sample, and the KV swapped
+/// out goes to disk (the KV is host memory here, so a host copy would free nothing).
+#[test]
+fn an_eighth_of_the_demand_finishes_every_request_in_both_modes() {
+    for mode in ["swap", "recompute"] {
+        let out = run(&[
+            "--requests",
+            "16",
+            "--concurrency",
+            "12",
+            "--prompt-len",
+            "40",
+            "--max-new-tokens",
+            "12",
+            "--budget",
+            "0.125x",
+            "--preempt",
+            mode,
+            "--kv-dtype",
+            "f16",
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{mode}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let field = |name: &str| {
+            stdout
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .and_then(|l| l.split_whitespace().last())
+                .map(str::to_string)
+        };
+        assert_eq!(
+            field("requests finished").as_deref(),
+            Some("16"),
+            "{mode}: {stdout}"
+        );
+        assert_eq!(
+            field("books after shutdown").as_deref(),
+            Some("zero"),
+            "{mode}"
+        );
+        assert_eq!(
+            field("samples with OS above ledger").as_deref(),
+            Some("0"),
+            "{mode}"
+        );
+        assert_eq!(field("swap space").as_deref(), Some("disk"), "{mode}");
+        let preempted: u64 = field("sequences preempted by pressure")
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert!(preempted > 0, "{mode}: the budget really pressed: {stdout}");
+    }
+}
+
 #[test]
 fn bad_input_exits_2_with_a_clear_message() {
     let cases: &[(&[&str], &str)] = &[

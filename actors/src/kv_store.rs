@@ -32,9 +32,12 @@ use crate::stream::{CpuStream, StreamError};
 mod state;
 mod step;
 mod steps;
+mod swap;
 
 pub use step::{KvStep, StepKv};
 use step::{StepMemory, StepSeq};
+use swap::{Saved, Space};
+pub use swap::{SwapKind, SwapSpace};
 
 pub use procmem::kv::PreemptMode;
 
@@ -56,6 +59,8 @@ pub struct KvStoreConfig {
     pub preempt: PreemptMode,
     /// How long a step may wait for room before it is refused.
     pub wait: Duration,
+    /// Where swapped-out KV goes (`Auto`: a disk file, as the KV is in host memory).
+    pub swap: SwapSpace,
 }
 
 /// Why the store refused; the sequence is as it was.
@@ -105,6 +110,10 @@ pub enum KvStoreError {
     /// Its provider has no stream to run attention on.
     #[error("the KV store's provider refused: {0}")]
     Provider(#[from] crate::provider::ProviderError),
+    /// The swap space given is the authority the KV is charged to: swapping there frees
+    /// nothing.
+    #[error("the swap space is the KV's own authority; swapping there frees nothing")]
+    SwapAliased,
     /// The store's actor could not be started (it panicked while starting).
     #[error("the KV store could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
@@ -187,6 +196,13 @@ pub struct KvStoreStats {
     pub tickets: u64,
     /// Bytes freed in answer to those tickets, so far.
     pub freed_by_pressure: u64,
+    /// Where swapped-out KV goes.
+    pub swap: SwapKind,
+    /// Bytes of KV swapped out now (in the host tier's memory or on disk).
+    pub swapped_bytes: u64,
+    /// Swaps that fell back to dropping the KV (recompute) because the swap space had no
+    /// room or failed, so far.
+    pub swap_fallbacks: u64,
 }
 
 /// How many times at most a pressure ticket is looked at again, each time the kernel a
@@ -315,16 +331,13 @@ impl DeferredRelease for SeqMemory {
     }
 }
 
-/// A swapped-out sequence's rows, per buffer (K then V for each layer), as bytes.
-type SavedKv = Vec<Vec<u8>>;
-
 /// A sequence's memory; its phase, incarnation, priority and the blocks it writes are in the
 /// store's [`SequenceTable`].
 struct SeqEntry {
     /// Its KV memory; `None` while it is preempted.
     memory: Option<KvSequence>,
     /// Its KV copied out while it is preempted by swap.
-    saved: Option<SavedKv>,
+    saved: Option<Saved>,
     /// Pays for the sequence's own memory (not the shared prefixes it maps).
     charge: Charge,
     prefixes: Vec<Arc<SharedPrefix>>,
@@ -356,7 +369,7 @@ enum Pending {
         writer: Writer,
         per_buffer: u64,
         tokens: usize,
-        saved: SavedKv,
+        saved: Saved,
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     },
 }
@@ -365,6 +378,8 @@ enum Pending {
 pub(crate) struct KvStoreState {
     config: KvStoreConfig,
     backing: Arc<HostBacking>,
+    provider: CpuProvider,
+    swap: Space,
     stream: CpuStream,
     governor: GovernorHandle,
     holder: HolderId,
@@ -419,6 +434,21 @@ impl Actor for KvStore {
                 .validate(procmem::granularity())
                 .map_err(KvError::from)?;
             let stream = provider.stream(0)?.clone();
+            let swap = match &config.swap {
+                // The KV is host memory here: a copy in host memory would free nothing.
+                SwapSpace::Auto => Space::Disk(swap::default_disk_dir()),
+                SwapSpace::Disk(dir) => Space::Disk(dir.clone()),
+                SwapSpace::Host(host) if host.authority() == governor.authority() => {
+                    return Err(KvStoreError::SwapAliased)
+                }
+                SwapSpace::Host(host) => Space::Host {
+                    holder: host
+                        .register_holder(format!("{}-swap", config.name), config.priority, None)
+                        .await?,
+                    governor: host.clone(),
+                    priority: config.priority,
+                },
+            };
             let holder = governor
                 .register_holder(
                     config.name.clone(),
@@ -426,11 +456,13 @@ impl Actor for KvStore {
                     Some(myself.get_derived()),
                 )
                 .await?;
-            Ok::<_, KvStoreError>((stream, holder))
+            Ok::<_, KvStoreError>((stream, holder, swap))
         };
-        let (stream, holder) = start.await?;
+        let (stream, holder, swap) = start.await?;
         Ok(KvStoreState {
             backing: provider.mechanism().backing(),
+            provider: provider.clone(),
+            swap,
             stream,
             governor,
             holder,
@@ -456,9 +488,9 @@ impl Actor for KvStore {
         procmem::fault::panic_point("kv.handle");
         state.clock += 1;
         match msg {
-            KvStoreMsg::Ticket(ticket) => state.answer(&myself, ticket, 0),
+            KvStoreMsg::Ticket(ticket) => state.answer(&myself, ticket, 0).await,
             KvStoreMsg::RecheckTicket { ticket, rechecks } => {
-                state.answer(&myself, ticket, rechecks)
+                state.answer(&myself, ticket, rechecks).await
             }
             KvStoreMsg::Open {
                 seq,

@@ -94,7 +94,7 @@ pub use governor::{
 };
 pub use kv_store::{
     AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened,
-    PreemptMode, Restored, SeqId, StepKv,
+    PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
 };
 pub use manager::{
     Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,

@@ -19,6 +19,7 @@
 //!     chunk_granules: 16,
 //!     preempt: procmem_actors::PreemptMode::Swap,
 //!     wait: std::time::Duration::from_secs(1),
+//!     swap: procmem_actors::SwapSpace::Auto,
 //! }).await?;
 //! // ... serve requests through `kv` ...
 //! let report = memory.shutdown().await?;

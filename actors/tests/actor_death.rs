@@ -24,7 +24,7 @@ use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
     KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, ResidencyArgs, ResidencyConfig,
-    ResidencyHandle,
+    ResidencyHandle, SwapSpace,
 };
 
 mod common;
@@ -409,6 +409,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
                 chunk_granules: 1,
                 preempt: PreemptMode::Recompute,
                 wait: Duration::from_millis(100),
+                swap: SwapSpace::Auto,
             };
             Some(
                 KvStoreHandle::spawn(config, g.clone(), p.clone())

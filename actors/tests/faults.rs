@@ -12,7 +12,7 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig,
-    KvStoreHandle, PreemptMode, ReserveRequest,
+    KvStoreHandle, PreemptMode, ReserveRequest, SwapSpace,
 };
 
 /// Fault points are process-global: one scenario at a time.
@@ -68,6 +68,7 @@ async fn world() -> World {
         chunk_granules: 1,
         preempt: PreemptMode::Swap,
         wait: Duration::from_millis(200),
+        swap: SwapSpace::Auto,
     };
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
-    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored,
+    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapSpace,
 };
 
 mod common;
@@ -112,6 +112,7 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
         chunk_granules: 1,
         preempt: mode,
         wait: Duration::from_millis(200),
+        swap: SwapSpace::Auto,
     };
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p).await.unwrap();
     let want = expected();

@@ -11,7 +11,7 @@ use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
-    PreemptMode, Restored,
+    PreemptMode, Restored, SwapSpace,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -32,6 +32,7 @@ async fn store(shape: KvShape, capacity: u64) -> (GovernorHandle, CpuProvider, K
         chunk_granules: 2,
         preempt: PreemptMode::Swap,
         wait: Duration::from_millis(300),
+        swap: SwapSpace::Auto,
     };
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await
@@ -359,4 +360,35 @@ async fn sixteen_bit_kv_steps_swaps_and_comes_back_bit_for_bit() {
             "pos {pos}"
         );
     }
+}
+
+/// Found at 1/8 of demand in the main job: two sequences whose memory was only their own
+/// prompt blocks waited for one grant together, neither could be chosen (a sequence with no
+/// memory of its own counted as freeing nothing), and the batch stalled until its deadline,
+/// again and again. The newer one gives way now: its blocks go with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_holding_only_its_prompt_blocks_still_gives_way() {
+    let (g, _p, kv) = store(SHAPE, 1 << 30).await;
+    let bt = SHAPE.block_tokens(4096);
+    for seq in [1u64, 2] {
+        let prompt: Vec<u32> = (0..2 * bt as u32).map(|t| t + 1000 * seq as u32).collect();
+        kv.open(seq, prompt, 0).await.unwrap();
+    }
+    for pos in 0..2 * bt {
+        for seq in [1u64, 2] {
+            own_step(&kv, seq, pos).await;
+        }
+    }
+    let s = settled(&g, &kv).await;
+    assert_eq!((s.exclusive_bytes, s.prefix_entries), (0, 4), "{s:?}");
+    // Room for one sequence's next chunk, not two.
+    let chunk = 2 * 4096 * SHAPE.buffers() as u64;
+    g.set_capacity(s.leased_bytes + chunk).await.unwrap();
+    let both = kv.prepare(vec![1, 2]).await;
+    assert!(
+        matches!(both, Err(KvStoreError::Preempted(2, _))),
+        "the newer sequence gives way: {both:?}"
+    );
+    let step = kv.prepare(vec![1]).await.unwrap();
+    assert_eq!(step.positions(), &[2 * bt]);
 }

@@ -12,7 +12,7 @@ use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
-    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,
+    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored, SwapSpace,
 };
 
 mod common;
@@ -68,6 +68,7 @@ fn config(preempt: PreemptMode) -> KvStoreConfig {
         chunk_granules: 2,
         preempt,
         wait: Duration::from_millis(300),
+        swap: SwapSpace::Auto,
     }
 }
 

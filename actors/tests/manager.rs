@@ -8,7 +8,7 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
 use procmem_actors::{
     AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
-    PreemptMode, ProviderError,
+    PreemptMode, ProviderError, SwapSpace,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -28,6 +28,7 @@ fn kv_config() -> KvStoreConfig {
         chunk_granules: 1,
         preempt: PreemptMode::Swap,
         wait: Duration::from_millis(200),
+        swap: SwapSpace::Auto,
     }
 }
 

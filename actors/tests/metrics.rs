@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, PreemptMode};
+use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -87,6 +87,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
             chunk_granules: 1,
             preempt: PreemptMode::Swap,
             wait: Duration::from_millis(200),
+            swap: SwapSpace::Auto,
         })
         .await
         .unwrap();

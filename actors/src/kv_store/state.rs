@@ -2,6 +2,8 @@
 //! to the deferred-free path, answering pressure tickets with whole units, preemption and
 //! the counters.
 
+use tracing::Instrument;
+
 use super::*;
 
 /// What one preemption did.
@@ -178,18 +180,28 @@ impl KvStoreState {
     /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
     /// in use by the device), so the report has nothing pending a fence. `rechecks`: how many
     /// times this ticket was already put off.
-    pub(super) fn answer(
+    pub(super) async fn answer(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
         ticket: PressureTicket,
         rechecks: u32,
     ) {
-        let _span = tracing::debug_span!(
+        let span = tracing::debug_span!(
             "pressure_ticket",
             ticket = ticket.id.get(),
             wanted = ticket.bytes_wanted
-        )
-        .entered();
+        );
+        self.answer_in(myself, ticket, rechecks)
+            .instrument(span)
+            .await
+    }
+
+    async fn answer_in(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        ticket: PressureTicket,
+        rechecks: u32,
+    ) {
         let prefixes: Vec<PrefixCandidate<u64>> = self
             .prefixes
             .blocks()
@@ -207,9 +219,19 @@ impl KvStoreState {
             .filter_map(|(id, r)| {
                 let e = self.seqs.get(&id)?;
                 let memory = e.memory.as_ref()?;
+                // Taking it frees its own memory and lets go of the prompt blocks only it maps
+                // (the cache's reference and its own: a block out of the cache has only the
+                // mapper that kept it), which are then evicted like any unreferenced block. A
+                // sequence that maps only shared blocks still gives way this way.
+                let sole_blocks: u64 = e
+                    .prefixes
+                    .iter()
+                    .filter(|p| Arc::strong_count(p) <= 2)
+                    .map(|p| p.bytes)
+                    .sum();
                 Some(SequenceCandidate {
                     id,
-                    bytes: memory.exclusive_bytes(),
+                    bytes: memory.exclusive_bytes() + sole_blocks,
                     priority: r.priority,
                     in_flight: !self.table.evictable(id) || self.fence_pending(e),
                     admitted: r.admitted,
@@ -267,7 +289,7 @@ impl KvStoreState {
                     }
                 }
                 Victim::Sequence(id) => {
-                    let taken = self.preempt(id);
+                    let taken = self.preempt(id).await;
                     freed += taken.freed;
                     if taken.called_off_step {
                         // A step of this store was called off: what the ticket wanted may
@@ -275,6 +297,24 @@ impl KvStoreState {
                         // Governor asks again.
                         break;
                     }
+                }
+            }
+        }
+        // Blocks the preempted sequences were the last to map are unreferenced now.
+        if freed < ticket.bytes_wanted {
+            let mut loose: Vec<(u64, u64, u64)> = self
+                .prefixes
+                .blocks()
+                .filter(|(_, b, _, _)| Arc::strong_count(b) == 1)
+                .map(|(key, b, last_used, _)| (last_used, key, b.bytes))
+                .collect();
+            loose.sort_unstable();
+            for (_, key, _) in loose {
+                if freed >= ticket.bytes_wanted {
+                    break;
+                }
+                if let Some(block) = self.prefixes.remove(key) {
+                    freed += block.bytes;
                 }
             }
         }
@@ -291,17 +331,39 @@ impl KvStoreState {
     /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
     /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed and
     /// whether a step it was waiting in was called off.
-    pub(super) fn preempt(&mut self, id: SeqId) -> Taken {
+    pub(super) async fn preempt(&mut self, id: SeqId) -> Taken {
+        let span = tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt);
+        self.preempt_in(id).instrument(span).await
+    }
+
+    async fn preempt_in(&mut self, id: SeqId) -> Taken {
         if procmem::fault::hit("kv.evict").is_err() {
             return Taken::default();
         }
-        let _span =
-            tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt).entered();
-        let mode = self.config.preempt;
         let Some(memory) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) else {
             return Taken::default();
         };
+        if !self.table.evictable(id) {
+            return Taken::default();
+        }
         let tokens = memory.tokens();
+        // The copy is made first (the sequence is idle: nothing writes it meanwhile); a swap
+        // space without room makes this a recompute.
+        let saved = match self.config.preempt {
+            PreemptMode::Swap if tokens > 0 => {
+                let saved =
+                    Saved::save(&self.swap, self.provider.mechanism(), memory, tokens).await;
+                if saved.is_none() {
+                    self.stats.swap_fallbacks += 1;
+                }
+                saved
+            }
+            _ => None,
+        };
+        let mode = match (self.config.preempt, &saved) {
+            (PreemptMode::Swap, Some(_)) => PreemptMode::Swap,
+            _ => PreemptMode::Recompute,
+        };
         let was_growing = self
             .table
             .get(id)
@@ -312,19 +374,7 @@ impl KvStoreState {
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let entry = self.seqs.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
-        entry.saved = match mode {
-            PreemptMode::Swap => Some(
-                (0..memory.shape().buffers())
-                    .map(|b| {
-                        memory
-                            .buffer_bytes(b, tokens)
-                            .map(<[u8]>::to_vec)
-                            .unwrap_or_default()
-                    })
-                    .collect(),
-            ),
-            PreemptMode::Recompute => None,
-        };
+        entry.saved = saved;
         let prefixes = std::mem::take(&mut entry.prefixes);
         let freed = memory.exclusive_bytes();
         let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
@@ -364,6 +414,13 @@ impl KvStoreState {
         stats.prefix_bytes = self.prefixes.blocks().map(|(_, b, _, _)| b.bytes).sum();
         stats.leased_bytes = self.tally.bytes();
         stats.os_resident_bytes = self.backing.resident_bytes().unwrap_or(0);
+        stats.swap = self.swap.kind();
+        stats.swapped_bytes = self
+            .seqs
+            .values()
+            .filter_map(|e| e.saved.as_ref())
+            .map(Saved::bytes)
+            .sum();
         stats
     }
 }

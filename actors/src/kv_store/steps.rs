@@ -593,9 +593,7 @@ impl KvStoreState {
                 }
             }
             memory.publish(growth);
-            for (buffer, rows) in saved.iter().enumerate() {
-                memory.write_buffer_bytes(buffer, rows)?;
-            }
+            saved.restore_into(memory)?;
             for _ in 0..tokens {
                 memory.advance()?;
             }

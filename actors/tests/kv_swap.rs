@@ -1,0 +1,209 @@
+//! Where swapped KV goes: host memory charged to a separate host tier (and a recompute when
+//! that tier has no room), a disk file when the KV already is host memory, never the KV's
+//! own authority.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{kv_floats, kv_item, system};
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::MemoryRole;
+use procmem_actors::{
+    CpuProvider, GovernorConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
+    PreemptMode, ReserveRequest, Restored, SwapKind, SwapSpace,
+};
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 512,
+    dtype: KvDtype::F32,
+};
+
+fn config(swap: SwapSpace) -> KvStoreConfig {
+    KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: SHAPE,
+        chunk_granules: 2,
+        preempt: PreemptMode::Swap,
+        wait: Duration::from_millis(300),
+        swap,
+    }
+}
+
+async fn steps(kv: &KvStoreHandle, seq: u64, from: usize, to: usize) -> Vec<Vec<f32>> {
+    let mut last = Vec::new();
+    for pos in from..to {
+        let step = kv.prepare(vec![seq]).await.unwrap();
+        last.clear();
+        for layer in 0..SHAPE.layers {
+            let out = step
+                .attend(layer, vec![kv_item(&SHAPE, seq, pos, layer)])
+                .await
+                .unwrap();
+            last.push(out[0].clone());
+        }
+        step.finish().await.unwrap();
+    }
+    last
+}
+
+/// Another holder takes everything the store holds: the store must preempt its sequence.
+async fn squeeze(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::Lease {
+    let held = kv.stats().await.unwrap();
+    g.set_capacity(held.leased_bytes).await.unwrap();
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    g.reserve(ReserveRequest {
+        holder: other,
+        role: MemoryRole::Workspace,
+        bytes: held.exclusive_bytes,
+        priority: 9,
+        deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+    })
+    .await
+    .unwrap()
+    .commit(held.exclusive_bytes)
+    .await
+    .unwrap()
+}
+
+async fn leased(g: &GovernorHandle) -> u64 {
+    g.snapshot().await.unwrap().books.leased
+}
+
+fn host_tier_bytes(p: &CpuProvider) -> u64 {
+    p.mechanism().host_allocator().resident_total().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_is_charged_to_the_host_tier_and_comes_back_intact() {
+    let (device, p) = system(1 << 30, 1).await;
+    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host tier", 64 << 20))
+        .await
+        .unwrap();
+    let (kv, _) = KvStoreHandle::spawn(
+        config(SwapSpace::Host(host.clone())),
+        device.clone(),
+        p.clone(),
+    )
+    .await
+    .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    steps(&kv, 1, 0, 40).await;
+    // The unpressured reference: a second sequence with the same inputs.
+    kv.open(2, vec![], 0).await.unwrap();
+    steps(&kv, 2, 0, 40).await;
+    kv.close(2);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let squeezed = squeeze(&device, &kv).await;
+    let s = kv.stats().await.unwrap();
+    assert_eq!(
+        (s.preempted, s.swap, s.swap_fallbacks),
+        (1, SwapKind::Host, 0)
+    );
+    assert!(s.swapped_bytes >= 40 * SHAPE.token_bytes() * 4);
+    // The host tier's ledger holds the copy, and the kernel agrees with it.
+    assert_eq!(leased(&host).await, host_tier_bytes(&p));
+    assert!(leased(&host).await >= s.swapped_bytes);
+    drop(squeezed);
+    device.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(
+        kv.restore(1).await.unwrap(),
+        Restored::Swapped { tokens: 40 }
+    );
+    assert_eq!(leased(&host).await, 0, "the host tier's copy is gone");
+    assert_eq!(host_tier_bytes(&p), 0);
+    // Decoding on gives what a sequence that never left gives.
+    let resumed = steps(&kv, 1, 40, 41).await;
+    kv.open(3, vec![], 0).await.unwrap();
+    let mut reference = Vec::new();
+    for pos in 0..41 {
+        let step = kv.prepare(vec![3]).await.unwrap();
+        reference.clear();
+        for layer in 0..SHAPE.layers {
+            let mut it = kv_item(&SHAPE, 1, pos, layer);
+            it.seq = 3;
+            reference.push(step.attend(layer, vec![it]).await.unwrap()[0].clone());
+        }
+        step.finish().await.unwrap();
+    }
+    assert_eq!(resumed, reference, "the swapped rows came back bit for bit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_tier_without_room_makes_it_a_recompute() {
+    let (device, p) = system(1 << 30, 1).await;
+    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host tier", 4096))
+        .await
+        .unwrap();
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Host(host.clone())), device.clone(), p)
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    steps(&kv, 1, 0, 40).await;
+    let _squeezed = squeeze(&device, &kv).await;
+    let s = kv.stats().await.unwrap();
+    assert_eq!((s.preempted, s.swap_fallbacks, s.swapped_bytes), (1, 1, 0));
+    assert_eq!(
+        leased(&host).await,
+        0,
+        "the host tier's budget was not exceeded"
+    );
+    drop(_squeezed);
+    device.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(
+        kv.restore(1).await.unwrap(),
+        Restored::Recompute { tokens: 40 }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_in_host_memory_swaps_to_disk_and_never_into_its_own_authority() {
+    let (g, p) = system(1 << 30, 1).await;
+    let refused =
+        KvStoreHandle::spawn(config(SwapSpace::Host(g.clone())), g.clone(), p.clone()).await;
+    assert!(
+        matches!(refused, Err(KvStoreError::SwapAliased)),
+        "{refused:?}"
+    );
+    let dir = std::env::temp_dir().join(format!("procmem-swap-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Disk(dir.clone())), g.clone(), p.clone())
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    let before = steps(&kv, 1, 0, 40).await;
+    let squeezed = squeeze(&g, &kv).await;
+    let s = kv.stats().await.unwrap();
+    assert_eq!((s.preempted, s.swap), (1, SwapKind::Disk));
+    assert_eq!(s.swapped_bytes, 40 * SHAPE.token_bytes() * 4);
+    assert_eq!(s.exclusive_bytes, 0, "the KV's memory was given back");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "the swap file is unlinked"
+    );
+    drop(squeezed);
+    g.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(
+        kv.restore(1).await.unwrap(),
+        Restored::Swapped { tokens: 40 }
+    );
+    assert_eq!(kv.stats().await.unwrap().swapped_bytes, 0);
+    // The rows read back are those written: the last step's attention is recomputed from them.
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let keys = kv.keys::<f32>(0, 1).unwrap()[39 * 32..40 * 32].to_vec();
+        tx.send(keys).unwrap();
+    })
+    .unwrap();
+    assert_eq!(rx.await.unwrap(), kv_floats(1, 39, 1, 1, 32));
+    drop(step);
+    assert!(!before.is_empty());
+    let _ = std::fs::remove_dir(&dir);
+}
