@@ -2,6 +2,13 @@
 //! offloading cold, unpinned layers to the host tier under pressure. The copy out runs on the
 //! execution provider's stream and the device copy is freed only after that copy's fence;
 //! a layer is reloaded before it is used again.
+//!
+//! Offloaded copies are charged to the host tier's Governor. Without one there is nowhere
+//! budgeted to put them, and where the device is the host itself (aliased tiers, one
+//! authority: the host provider) a copy in host memory would take exactly what the offload
+//! gives back, so residency then offloads nothing and answers pressure with nothing; the
+//! other holders (the KV store) give way. A host tier that is the device's own authority is
+//! refused at start.
 
 use std::sync::{Arc, Mutex};
 
@@ -54,6 +61,9 @@ pub enum ResidencyError {
     /// A Governor refused to register the holder at startup.
     #[error("model residency could not register with its Governor: {0}")]
     Register(#[from] crate::governor::GovernorError),
+    /// The host tier given is the device's own authority: offloading there frees nothing.
+    #[error("the host tier is the device's own authority; offloading there frees nothing")]
+    HostAliased,
     /// The actor could not be started (it panicked while starting).
     #[error("model residency could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
@@ -166,7 +176,8 @@ pub struct ResidencyArgs {
     pub config: ResidencyConfig,
     /// The device tier's Governor.
     pub device: GovernorHandle,
-    /// The host tier's Governor, if offloaded copies are to be charged.
+    /// The host tier's Governor, which offloaded copies are charged to; `None` (or the device
+    /// itself being host memory) means nothing is offloaded.
     pub host: Option<GovernorHandle>,
     /// The execution provider that holds device memory and runs copies.
     pub provider: CpuProvider,
@@ -188,6 +199,12 @@ impl Actor for ModelResidency {
             host,
             provider,
         } = args;
+        if host
+            .as_ref()
+            .is_some_and(|h| h.authority() == device.authority())
+        {
+            return Err(ResidencyError::HostAliased.into());
+        }
         let holder = device
             .register_holder(
                 config.name.clone(),
@@ -346,6 +363,11 @@ impl ResidencyState {
             wanted = ticket.bytes_wanted,
             "residency answering a pressure ticket"
         );
+        if self.host.is_none() {
+            // Nowhere budgeted to put a copy: nothing is offloaded.
+            ticket.report(0, 0);
+            return;
+        }
         let mut candidates: Vec<(u64, usize, u64)> = self
             .layers
             .iter()

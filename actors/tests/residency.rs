@@ -146,3 +146,56 @@ async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
     res.load(3, weights(3), false).await.unwrap();
     assert_eq!(res.stats().await.unwrap().resident_layers, 1);
 }
+
+/// Offloaded weights need a budgeted place: a host tier that is the device's own authority is
+/// refused (a copy there frees nothing), and without a host tier nothing is offloaded, so
+/// pressure takes nothing from residency and its copies never go unbudgeted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloads_go_only_to_a_separate_host_tier() {
+    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 20))
+        .await
+        .unwrap();
+    let provider = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let config = ResidencyConfig {
+        name: "weights".into(),
+        priority: 1,
+        wait: Duration::from_millis(100),
+    };
+    let aliased = ResidencyHandle::spawn(ResidencyArgs {
+        config: config.clone(),
+        device: device.clone(),
+        host: Some(device.clone()),
+        provider: provider.clone(),
+    })
+    .await;
+    assert!(
+        matches!(aliased, Err(procmem_actors::ResidencyError::HostAliased)),
+        "{aliased:?}"
+    );
+    let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
+        config,
+        device: device.clone(),
+        host: None,
+        provider,
+    })
+    .await
+    .unwrap();
+    res.load(0, weights(0), false).await.unwrap();
+    let held = device.snapshot().await.unwrap().books.leased;
+    // Another holder wants everything: residency has nowhere to put its weights.
+    let other = device.register_holder("other", 9, None).await.unwrap();
+    let grant = device
+        .reserve(procmem_actors::ReserveRequest {
+            holder: other,
+            role: procmem_actors::procmem::MemoryRole::Workspace,
+            bytes: (1 << 20) - held / 2,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_millis(300)),
+        })
+        .await;
+    assert!(grant.is_err(), "nothing was offloaded to make room");
+    let s = res.stats().await.unwrap();
+    assert_eq!((s.resident_layers, s.offloads), (1, 0));
+}
