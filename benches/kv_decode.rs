@@ -67,8 +67,7 @@ impl Strategy for Virtual {
         if layer == 0 {
             let per = self.seq.growth_for(1);
             if per > 0 {
-                let backing = self.host.backing();
-                let g = self.seq.map_growth(backing.as_ref(), per).unwrap();
+                let g = self.seq.map_growth(per).unwrap();
                 self.seq.publish(g);
             }
         }
@@ -364,7 +363,7 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
         "virtual" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
-                host.backing().as_ref() as &dyn VirtualBacking,
+                host.backing() as std::sync::Arc<dyn VirtualBacking>,
                 shape,
                 CHUNK_GRANULES,
             )

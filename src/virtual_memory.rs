@@ -11,7 +11,7 @@
 #[cfg(target_os = "linux")]
 mod buffer;
 #[cfg(target_os = "linux")]
-pub use buffer::{round_up, VirtualBuffer};
+pub use buffer::{round_up, MappedTail, VirtualBuffer};
 #[cfg(target_os = "linux")]
 mod backing;
 #[cfg(target_os = "linux")]

@@ -82,14 +82,10 @@ impl VirtualBacking for FailingBacking {
     }
 }
 
-fn append(
-    seq: &mut KvSequence,
-    backing: &dyn VirtualBacking,
-    kv: &[(Vec<f32>, Vec<f32>)],
-) -> Result<(), KvError> {
+fn append(seq: &mut KvSequence, kv: &[(Vec<f32>, Vec<f32>)]) -> Result<(), KvError> {
     let per = seq.growth_for(1);
     if per > 0 {
-        let g = seq.map_growth(backing, per)?;
+        let g = seq.map_growth(per)?;
         seq.publish(g);
     }
     let pos = seq.tokens();
@@ -103,7 +99,7 @@ fn append(
 fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
     let host = HostMechanism::new().unwrap();
     let backing = host.backing();
-    let mut seq = KvSequence::reserve(backing.as_ref(), SHAPE, 4).unwrap();
+    let mut seq = KvSequence::reserve(backing.clone(), SHAPE, 4).unwrap();
     let mut reference: Vec<(Vec<f32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); SHAPE.layers];
     let mut rng = Lcg(7);
     let tf = SHAPE.token_elems();
@@ -112,7 +108,7 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
         let kv: Vec<_> = (0..SHAPE.layers)
             .map(|_| (rng.vec(tf), rng.vec(tf)))
             .collect();
-        append(&mut seq, backing.as_ref(), &kv).unwrap();
+        append(&mut seq, &kv).unwrap();
         for (layer, (k, v)) in kv.iter().enumerate() {
             reference[layer].0.extend_from_slice(k);
             reference[layer].1.extend_from_slice(v);
@@ -167,11 +163,11 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
 fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
     let host = HostMechanism::new().unwrap();
     for fail_at in 0..SHAPE.buffers() {
-        let failing = FailingBacking {
+        let failing = Arc::new(FailingBacking {
             inner: host.backing(),
             fail_at: AtomicUsize::new(usize::MAX),
-        };
-        let mut seq = KvSequence::reserve(&failing, SHAPE, 1).unwrap();
+        });
+        let mut seq = KvSequence::reserve(failing.clone(), SHAPE, 1).unwrap();
         let mut rng = Lcg(fail_at as u64);
         let tf = SHAPE.token_elems();
         let block = SHAPE.block_tokens(procmem::granularity());
@@ -179,7 +175,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
             let kv: Vec<_> = (0..SHAPE.layers)
                 .map(|_| (rng.vec(tf), rng.vec(tf)))
                 .collect();
-            append(&mut seq, &failing, &kv).unwrap();
+            append(&mut seq, &kv).unwrap();
         }
         let before_keys = seq.keys::<f32>(1).unwrap().to_vec();
         let before = (
@@ -192,7 +188,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
         let kv: Vec<_> = (0..SHAPE.layers)
             .map(|_| (rng.vec(tf), rng.vec(tf)))
             .collect();
-        let err = append(&mut seq, &failing, &kv).unwrap_err();
+        let err = append(&mut seq, &kv).unwrap_err();
         assert!(
             matches!(err, KvError::Memory(MemoryError::OutOfMemory { .. })),
             "{err}"
@@ -209,7 +205,7 @@ fn a_mapping_failure_at_every_point_of_a_growth_changes_nothing() {
             "the old view is intact and readable"
         );
         failing.fail_at.store(usize::MAX, Ordering::SeqCst);
-        append(&mut seq, &failing, &kv).unwrap();
+        append(&mut seq, &kv).unwrap();
         drop(seq);
         assert_eq!(host.backing().resident_bytes().unwrap(), 0);
     }
@@ -238,15 +234,9 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
     let blocks: Vec<_> = (0..blocks_n * SHAPE.buffers())
         .map(|_| mapping.create_block(SHAPE.block_bytes(g)).unwrap())
         .collect();
-    let mut writer = KvSequence::reserve(backing.as_ref(), SHAPE, 1).unwrap();
+    let mut writer = KvSequence::reserve(backing.clone(), SHAPE, 1).unwrap();
     writer
-        .attach_prefix(
-            backing.as_ref(),
-            mapping,
-            &blocks,
-            &[MapAccess::ReadWrite; 3],
-            0,
-        )
+        .attach_prefix(mapping, &blocks, &[MapAccess::ReadWrite; 3], 0)
         .unwrap();
     for (pos, kv) in prefix_kv.iter().enumerate() {
         for (layer, (k, v)) in kv.iter().enumerate() {
@@ -260,15 +250,9 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
     // Readers map the same blocks read-only: no new physical memory for the prefix.
     let mut readers: Vec<KvSequence> = (0..2)
         .map(|_| {
-            let mut s = KvSequence::reserve(backing.as_ref(), SHAPE, 1).unwrap();
-            s.attach_prefix(
-                backing.as_ref(),
-                mapping,
-                &blocks,
-                &[MapAccess::ReadOnly; 3],
-                prefix_tokens,
-            )
-            .unwrap();
+            let mut s = KvSequence::reserve(backing.clone(), SHAPE, 1).unwrap();
+            s.attach_prefix(mapping, &blocks, &[MapAccess::ReadOnly; 3], prefix_tokens)
+                .unwrap();
             s
         })
         .collect();
@@ -288,7 +272,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
             let kv: Vec<_> = (0..SHAPE.layers)
                 .map(|_| (rng.vec(tf), rng.vec(tf)))
                 .collect();
-            append(r, backing.as_ref(), &kv).unwrap();
+            append(r, &kv).unwrap();
         }
     }
     let unshared: u64 = readers.iter().map(|r| r.exclusive_bytes()).sum();
@@ -307,10 +291,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
     let expected_copy = readers[0].copy_on_write_bytes(pos);
     assert_eq!(expected_copy, SHAPE.buffers() as u64 * SHAPE.block_bytes(g));
     let before = backing.resident_bytes().unwrap();
-    assert_eq!(
-        readers[0].copy_on_write(backing.as_ref(), pos).unwrap(),
-        expected_copy
-    );
+    assert_eq!(readers[0].copy_on_write(pos).unwrap(), expected_copy);
     assert_eq!(backing.resident_bytes().unwrap(), before + expected_copy);
     let prefix_floats = prefix_tokens * tf;
     assert!(

@@ -1,20 +1,21 @@
 //! One sequence's KV memory: a K and a V buffer per layer, each a reservation of the model's
 //! maximum length, backed only as far as tokens exist (plus at most one growth chunk).
 //!
-//! Growth is two-phase so a caller can wrap it in a charge: [`KvSequence::map_growth`] maps
-//! the next chunk in every buffer (undoing its own mappings if any fails) without changing
-//! what readers see; [`KvSequence::publish`] makes it visible, or [`KvSequence::abandon`]
-//! unmaps it again.
+//! Each buffer is a [`VirtualBuffer`], and growth is its two-phase grow so a caller can wrap
+//! it in a charge: [`KvSequence::map_growth`] maps the next chunk at the end of every buffer
+//! (undoing its own mappings if any fails) without changing what readers see;
+//! [`KvSequence::publish`] makes it visible, or [`KvSequence::abandon`] unmaps it again.
 
 use thiserror::Error;
 
 use super::elem::{KvElement, KvView, LayerViews};
 use super::shape::{mapped_bytes_for, KvDtype, KvShape, ShapeError};
+use std::sync::Arc;
+
 use crate::api::{
-    GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping,
-    VirtualAllocation, VirtualBacking, VirtualRequest,
+    GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping, VirtualBacking,
 };
-use crate::virtual_memory::{range_bytes, range_bytes_mut};
+use crate::virtual_memory::{MappedTail, VirtualBuffer};
 
 /// Why a KV operation was refused; the sequence is as it was.
 #[derive(Debug, Error)]
@@ -66,15 +67,13 @@ pub enum KvError {
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "publish or abandon a mapped growth"]
 pub struct PendingGrowth {
-    from: u64,
-    to: u64,
-    buffers: usize,
+    tails: Vec<MappedTail>,
 }
 
 impl PendingGrowth {
     /// Physical bytes this growth mapped, over all buffers.
     pub fn bytes(&self) -> u64 {
-        (self.to - self.from) * self.buffers as u64
+        self.tails.iter().map(MappedTail::bytes).sum()
     }
 }
 
@@ -83,15 +82,15 @@ impl PendingGrowth {
 pub struct KvSequence {
     shape: KvShape,
     chunk: u64,
-    buffers: Vec<VirtualAllocation>,
+    /// K then V for each layer; all of the same length.
+    buffers: Vec<VirtualBuffer>,
     tokens: usize,
-    mapped: u64,
 }
 
 impl KvSequence {
     /// Reserves a K and a V buffer per layer; growth maps `chunk_granules` granules at a time.
     pub fn reserve(
-        backing: &dyn VirtualBacking,
+        backing: Arc<dyn VirtualBacking>,
         shape: KvShape,
         chunk_granules: u64,
     ) -> Result<Self, KvError> {
@@ -99,20 +98,19 @@ impl KvSequence {
         shape.validate(g)?;
         let bytes = shape.buffer_bytes(g);
         let buffers = (0..shape.buffers())
-            .map(|_| {
-                backing.reserve(&VirtualRequest {
-                    bytes,
-                    role: MemoryRole::KvCache,
-                })
-            })
+            .map(|_| VirtualBuffer::new(Arc::clone(&backing), bytes, MemoryRole::KvCache))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(KvSequence {
             shape,
             chunk: g * chunk_granules.max(1),
             buffers,
             tokens: 0,
-            mapped: 0,
         })
+    }
+
+    /// Bytes backed from the start of every buffer.
+    fn mapped(&self) -> u64 {
+        self.buffers[0].len()
     }
 
     /// The shape.
@@ -127,80 +125,71 @@ impl KvSequence {
 
     /// Bytes backed from the start of each buffer (shared blocks and own memory).
     pub fn mapped_bytes(&self) -> u64 {
-        self.mapped
+        self.mapped()
     }
 
     /// Tokens that fit in what is mapped.
     pub fn mapped_tokens(&self) -> usize {
-        (self.mapped / self.shape.token_bytes()) as usize
+        (self.mapped() / self.shape.token_bytes()) as usize
     }
 
     /// Bytes of physical memory this sequence owns alone (not shared blocks), all buffers.
     pub fn exclusive_bytes(&self) -> u64 {
         self.buffers
             .iter()
-            .map(|b| b.granules().committed_bytes())
+            .map(|b| b.allocation().granules().committed_bytes())
             .sum()
     }
 
-    /// The reservations: K then V for each layer.
-    pub fn buffers(&self) -> &[VirtualAllocation] {
+    /// The buffers: K then V for each layer.
+    pub fn buffers(&self) -> &[VirtualBuffer] {
         &self.buffers
     }
 
     /// Bytes per buffer that must be mapped before `more` tokens can be appended.
     pub fn growth_for(&self, more: usize) -> u64 {
-        let capacity = self.buffers[0].len();
+        let capacity = self.buffers[0].capacity();
         mapped_bytes_for(
             self.tokens + more,
             self.shape.token_bytes(),
             self.chunk,
             capacity,
         )
-        .saturating_sub(self.mapped)
+        .saturating_sub(self.mapped())
     }
 
     /// Maps `per_buffer` more bytes at the end of every buffer. If any mapping fails, the
     /// ones this call made are unmapped and the sequence is unchanged.
-    pub fn map_growth(
-        &mut self,
-        backing: &dyn VirtualBacking,
-        per_buffer: u64,
-    ) -> Result<PendingGrowth, KvError> {
-        let from = self.mapped;
-        let to = from + per_buffer;
-        if to > self.buffers[0].len() {
+    pub fn map_growth(&mut self, per_buffer: u64) -> Result<PendingGrowth, KvError> {
+        if self.mapped().saturating_add(per_buffer) > self.buffers[0].capacity() {
             return Err(KvError::Full(self.shape.max_tokens));
         }
+        let mut tails = Vec::with_capacity(self.buffers.len());
         for i in 0..self.buffers.len() {
-            if let Err(e) = backing.commit_range(&mut self.buffers[i], from..to) {
-                for done in &mut self.buffers[..i] {
-                    backing.decommit_range(done, from..to)?;
+            match self.buffers[i].map_tail(per_buffer) {
+                Ok(t) => tails.push(t),
+                Err(e) => {
+                    for (done, tail) in self.buffers.iter_mut().zip(tails) {
+                        done.unmap_tail(tail)?;
+                    }
+                    return Err(e.into());
                 }
-                return Err(e.into());
             }
         }
-        Ok(PendingGrowth {
-            from,
-            to,
-            buffers: self.buffers.len(),
-        })
+        Ok(PendingGrowth { tails })
     }
 
     /// Makes a mapped growth visible.
     pub fn publish(&mut self, growth: PendingGrowth) {
-        debug_assert_eq!(growth.from, self.mapped, "growths publish in order");
-        self.mapped = growth.to;
+        for (b, tail) in self.buffers.iter_mut().zip(growth.tails) {
+            b.publish(tail);
+        }
     }
 
     /// Unmaps a growth that will not be published (its charge was refused).
-    pub fn abandon(
-        &mut self,
-        backing: &dyn VirtualBacking,
-        growth: PendingGrowth,
-    ) -> Result<(), KvError> {
-        for b in &mut self.buffers {
-            backing.decommit_range(b, growth.from..growth.to)?;
+    pub fn abandon(&mut self, growth: PendingGrowth) -> Result<(), KvError> {
+        for (b, tail) in self.buffers.iter_mut().zip(growth.tails) {
+            b.unmap_tail(tail)?;
         }
         Ok(())
     }
@@ -211,33 +200,36 @@ impl KvSequence {
     /// are undone.
     pub fn attach_prefix(
         &mut self,
-        backing: &dyn VirtualBacking,
         mapping: &dyn SharedMapping,
         blocks: &[PhysicalBlock],
         access: &[MapAccess],
         tokens: usize,
     ) -> Result<(), KvError> {
         let n = self.buffers.len();
-        if self.mapped != 0 || blocks.is_empty() || blocks.len() != access.len() * n {
+        if self.mapped() != 0 || blocks.is_empty() || blocks.len() != access.len() * n {
             return Err(KvError::BadPrefix);
         }
         let block_bytes = blocks[0].bytes();
+        if blocks.iter().any(|b| b.bytes() != block_bytes) {
+            return Err(KvError::BadPrefix);
+        }
         let covered = access.len() as u64 * block_bytes;
         if tokens as u64 * self.shape.token_bytes() > covered {
             return Err(KvError::BadPrefix);
         }
-        let place = |i: usize| (i % n, (i / n) as u64 * block_bytes);
         for (i, block) in blocks.iter().enumerate() {
-            let (b, offset) = place(i);
-            if let Err(e) = mapping.map_block(&mut self.buffers[b], offset, block, access[i / n]) {
-                for j in 0..i {
-                    let (b, offset) = place(j);
-                    backing.decommit_range(&mut self.buffers[b], offset..offset + block_bytes)?;
+            let b = i % n;
+            if let Err(e) = self.buffers[b].append_shared(mapping, block, access[i / n]) {
+                // Every buffer takes its blocks in turn: undo what each took so far.
+                for buffer in &mut self.buffers {
+                    let len = buffer.len();
+                    if len > 0 {
+                        buffer.shrink(len)?;
+                    }
                 }
                 return Err(e.into());
             }
         }
-        self.mapped = covered;
         self.tokens = tokens;
         Ok(())
     }
@@ -281,19 +273,20 @@ impl KvSequence {
         self.check_layer(layer, k, v)?;
         let tb = self.shape.token_bytes();
         let start = pos as u64 * tb;
-        if start + tb > self.mapped {
+        if start.saturating_add(tb) > self.mapped() {
             return Err(KvError::NotMapped(pos));
         }
         for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
             let buffer = &mut self.buffers[b];
-            let read_only_share = buffer.granules().state_at(start) == Some(GranuleState::Shared)
-                && buffer.shared_views().any(|(o, v)| {
+            let a = buffer.allocation();
+            let read_only_share = a.granules().state_at(start) == Some(GranuleState::Shared)
+                && a.shared_views().any(|(o, v)| {
                     o <= start && start < o + v.block.bytes() && v.access != MapAccess::ReadWrite
                 });
             if read_only_share {
                 return Err(KvError::SharedBlock(pos));
             }
-            let bytes = range_bytes_mut(buffer, start..start + tb)?;
+            let bytes = buffer.bytes_mut(start..start + tb)?;
             bytes.copy_from_slice(bytemuck::cast_slice(data));
         }
         Ok(())
@@ -314,7 +307,7 @@ impl KvSequence {
     fn elems<T: KvElement>(&self, buffer: usize, tokens: usize) -> Result<&[T], KvError> {
         self.check_type::<T>()?;
         let len = tokens as u64 * self.shape.token_bytes();
-        let bytes = range_bytes(&self.buffers[buffer], 0..len)?;
+        let bytes = self.buffers[buffer].bytes(0..len)?;
         Ok(bytemuck::cast_slice(bytes))
     }
 
@@ -360,10 +353,7 @@ impl KvSequence {
         if tokens > self.mapped_tokens() {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
-        Ok(range_bytes(
-            &self.buffers[buffer],
-            0..tokens as u64 * self.shape.token_bytes(),
-        )?)
+        Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.shape.token_bytes())?)
     }
 
     /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back); the
@@ -379,10 +369,12 @@ impl KvSequence {
                 got: bytes.len(),
             });
         }
-        if bytes.len() as u64 > self.mapped {
-            return Err(KvError::NotMapped((self.mapped / tb) as usize));
+        if bytes.len() as u64 > self.mapped() {
+            return Err(KvError::NotMapped((self.mapped() / tb) as usize));
         }
-        range_bytes_mut(&mut self.buffers[buffer], 0..bytes.len() as u64)?.copy_from_slice(bytes);
+        self.buffers[buffer]
+            .bytes_mut(0..bytes.len() as u64)?
+            .copy_from_slice(bytes);
         Ok(())
     }
 
@@ -390,13 +382,13 @@ impl KvSequence {
     /// mapped): the reservations' own addresses, valid while the sequence keeps its memory.
     pub fn views(&self, layer: usize, tokens: usize) -> Result<LayerViews, KvError> {
         self.check_upto(layer, tokens)?;
-        let view = |b: &VirtualAllocation| KvView {
+        let view = |b: &VirtualBuffer| KvView {
             addr: b.addr(),
             tokens,
             dtype: self.shape.dtype,
             token_stride: self.shape.token_bytes(),
             head_stride: self.shape.head_dim as u64 * self.shape.dtype.bytes(),
-            device: b.device(),
+            device: b.allocation().device(),
         };
         Ok(LayerViews {
             k: view(&self.buffers[2 * layer]),
@@ -407,24 +399,17 @@ impl KvSequence {
     /// Replaces the shared block holding position `pos` (in every buffer) with a private
     /// copy, so it can be written without other sequences seeing the write. Returns the bytes
     /// of private memory this took. Other mappings of the block are untouched.
-    pub fn copy_on_write(
-        &mut self,
-        backing: &dyn VirtualBacking,
-        pos: usize,
-    ) -> Result<u64, KvError> {
+    pub fn copy_on_write(&mut self, pos: usize) -> Result<u64, KvError> {
         let start = pos as u64 * self.shape.token_bytes();
         let mut taken = 0;
-        for b in 0..self.buffers.len() {
-            let view = self.buffers[b]
+        for buffer in &mut self.buffers {
+            let view = buffer
+                .allocation()
                 .shared_views()
                 .find(|(o, v)| *o <= start && start < o + v.block.bytes())
                 .map(|(o, v)| (o, v.block.bytes()));
             let Some((offset, len)) = view else { continue };
-            let saved = range_bytes(&self.buffers[b], offset..offset + len)?.to_vec();
-            backing.decommit_range(&mut self.buffers[b], offset..offset + len)?;
-            backing.commit_range(&mut self.buffers[b], offset..offset + len)?;
-            range_bytes_mut(&mut self.buffers[b], offset..offset + len)?.copy_from_slice(&saved);
-            taken += len;
+            taken += buffer.privatize(offset..offset + len)?;
         }
         Ok(taken)
     }
@@ -435,7 +420,8 @@ impl KvSequence {
         self.buffers
             .iter()
             .filter_map(|b| {
-                b.shared_views()
+                b.allocation()
+                    .shared_views()
                     .find(|(o, v)| *o <= start && start < o + v.block.bytes())
                     .map(|(_, v)| v.block.bytes())
             })

@@ -1,12 +1,30 @@
 //! A buffer that grows without moving.
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use super::sys;
+use super::host_access::{range_bytes, range_bytes_mut};
 use crate::api::{
-    CommitResult, DecommitResult, DeviceKind, MemoryError, MemoryRole, VirtualAllocation,
-    VirtualBacking, VirtualRequest,
+    CommitResult, DecommitResult, DeviceKind, MapAccess, MemoryError, MemoryRole, PhysicalBlock,
+    SharedMapping, VirtualAllocation, VirtualBacking, VirtualRequest,
 };
+
+/// Memory mapped at the end of a [`VirtualBuffer`] but not yet part of its length: publish it
+/// (readers then see it) or unmap it. Two phases let a caller map first and pay after, or
+/// map several buffers and publish all or none.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "publish or unmap a mapped tail"]
+pub struct MappedTail {
+    from: u64,
+    to: u64,
+}
+
+impl MappedTail {
+    /// Bytes mapped.
+    pub fn bytes(&self) -> u64 {
+        self.to - self.from
+    }
+}
 
 /// A buffer whose base address never moves: the whole capacity is reserved up front and
 /// whole granules of physical memory are mapped in at the end as it grows, or taken out at
@@ -65,17 +83,93 @@ impl VirtualBuffer {
 
     /// Maps `bytes` (a whole number of granules) more at the end.
     pub fn grow(&mut self, bytes: u64) -> Result<CommitResult, MemoryError> {
-        let end = self
-            .len
-            .checked_add(bytes)
-            .ok_or(MemoryError::SizeOverflow {
-                what: "buffer length + growth",
-            })?;
+        let end = self.end_after(bytes)?;
         let result = self
             .backing
             .commit_range(&mut self.allocation, self.len..end)?;
         self.len = end;
         Ok(result)
+    }
+
+    fn end_after(&self, bytes: u64) -> Result<u64, MemoryError> {
+        self.len
+            .checked_add(bytes)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "buffer length + growth",
+            })
+    }
+
+    /// Maps `bytes` (a whole number of granules) at the end without changing the length: the
+    /// first phase of a growth. A failure leaves nothing mapped.
+    pub fn map_tail(&mut self, bytes: u64) -> Result<MappedTail, MemoryError> {
+        let end = self.end_after(bytes)?;
+        self.backing
+            .commit_range(&mut self.allocation, self.len..end)?;
+        Ok(MappedTail {
+            from: self.len,
+            to: end,
+        })
+    }
+
+    /// Makes a mapped tail part of the buffer.
+    pub fn publish(&mut self, tail: MappedTail) {
+        debug_assert_eq!(tail.from, self.len, "tails publish in order");
+        self.len = tail.to;
+    }
+
+    /// Unmaps a tail that will not be published.
+    pub fn unmap_tail(&mut self, tail: MappedTail) -> Result<DecommitResult, MemoryError> {
+        self.backing
+            .decommit_range(&mut self.allocation, tail.from..tail.to)
+    }
+
+    /// Maps a shared block at the end with `access`; the length grows by the block's size.
+    pub fn append_shared(
+        &mut self,
+        mapping: &dyn SharedMapping,
+        block: &PhysicalBlock,
+        access: MapAccess,
+    ) -> Result<(), MemoryError> {
+        let end = self.end_after(block.bytes())?;
+        mapping.map_block(&mut self.allocation, self.len, block, access)?;
+        self.len = end;
+        Ok(())
+    }
+
+    /// Replaces the shared block mapped over `range` with private memory holding the same
+    /// bytes (host buffers): copy on write. Returns the private bytes it took.
+    pub fn privatize(&mut self, range: Range<u64>) -> Result<u64, MemoryError> {
+        self.require_host()?;
+        let saved = range_bytes(&self.allocation, range.clone())?.to_vec();
+        self.backing
+            .decommit_range(&mut self.allocation, range.clone())?;
+        self.backing
+            .commit_range(&mut self.allocation, range.clone())?;
+        range_bytes_mut(&mut self.allocation, range.clone())?.copy_from_slice(&saved);
+        Ok(range.end - range.start)
+    }
+
+    /// Bytes `range` of a host buffer (within its length).
+    pub fn bytes(&self, range: Range<u64>) -> Result<&[u8], MemoryError> {
+        self.check_within(&range)?;
+        range_bytes(&self.allocation, range)
+    }
+
+    /// Bytes `range` of a host buffer, writable: refused where a shared block is mapped
+    /// read-only.
+    pub fn bytes_mut(&mut self, range: Range<u64>) -> Result<&mut [u8], MemoryError> {
+        self.check_within(&range)?;
+        range_bytes_mut(&mut self.allocation, range)
+    }
+
+    fn check_within(&self, range: &Range<u64>) -> Result<(), MemoryError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(MemoryError::OutOfReservation {
+                range: range.clone(),
+                reserved: self.len,
+            });
+        }
+        Ok(())
     }
 
     /// Unmaps `bytes` (a whole number of granules) from the end and returns their physical
@@ -113,17 +207,14 @@ impl VirtualBuffer {
     /// The backed bytes, for a host buffer.
     pub fn as_slice(&self) -> Result<&[u8], MemoryError> {
         self.require_host()?;
-        // SAFETY: on the host, `0..len` is committed read-write (the buffer only ever commits
-        // exclusive read-write memory) and stays so while `&self` lives: changing the mapping
-        // takes `&mut self`.
-        Ok(unsafe { sys::slice(self.addr(), self.len) })
+        range_bytes(&self.allocation, 0..self.len)
     }
 
-    /// The backed bytes, writable, for a host buffer.
+    /// The backed bytes, writable, for a host buffer (refused if a shared block is mapped
+    /// read-only in it).
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8], MemoryError> {
         self.require_host()?;
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
-        Ok(unsafe { sys::slice_mut(self.addr(), self.len) })
+        range_bytes_mut(&mut self.allocation, 0..self.len)
     }
 }
 

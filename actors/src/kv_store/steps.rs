@@ -25,7 +25,7 @@ impl KvStoreState {
             }
         };
         let memory =
-            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
+            match KvSequence::reserve(self.backing.clone(), shape, self.config.chunk_granules) {
                 Ok(s) => s,
                 Err(e) => {
                     self.table.end_open(seq, writer, 0, None);
@@ -134,13 +134,7 @@ impl KvStoreState {
             let Some(memory) = entry.memory.as_mut() else {
                 unreachable!("a sequence being opened has its memory")
             };
-            let attached = memory.attach_prefix(
-                self.backing.as_ref(),
-                mapping,
-                &blocks,
-                &access,
-                hit_count * bt,
-            );
+            let attached = memory.attach_prefix(mapping, &blocks, &access, hit_count * bt);
             if let Err(e) = attached {
                 drop(blocks);
                 drop(used);
@@ -248,7 +242,6 @@ impl KvStoreState {
             let _ = reply.send(Err(KvStoreError::Preempted(taken, mode)));
             return;
         }
-        let backing = Arc::clone(&self.backing);
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
         let mut failure: Option<KvStoreError> = None;
         for (seq, writer, per) in &seqs {
@@ -262,7 +255,7 @@ impl KvStoreState {
             if *per == 0 {
                 continue;
             }
-            match memory.map_growth(backing.as_ref(), *per) {
+            match memory.map_growth(*per) {
                 Ok(g) => mapped.push((*seq, g)),
                 Err(e) => {
                     failure = Some(e.into());
@@ -299,7 +292,7 @@ impl KvStoreState {
             }) = self.seqs.get_mut(&seq)
             {
                 if failure.is_some() {
-                    let _ = memory.abandon(backing.as_ref(), growth);
+                    let _ = memory.abandon(growth);
                 } else {
                     // Each sequence keeps the part of the step's lease that pays for its growth.
                     if let Some(part) = committed.split(growth.bytes()) {
@@ -390,8 +383,28 @@ impl KvStoreState {
             .is_some_and(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
         if done && Arc::strong_count(&memory) == 1 {
             // The server's fence has completed and no kernel of the step holds its memory
-            // any more (a kernel's share goes before its fence completes): it is back now.
-            self.step_returned(myself, step, memory, fence, advance, None, reply);
+            // any more (a kernel's share goes before its fence completes): it comes back
+            // with the next message, without a fence of the store's own. (Through the
+            // mailbox either way, so a step always takes the same messages.)
+            let returned = KvStoreMsg::StepReturned {
+                step,
+                memory,
+                marker: fence,
+                advance,
+                foreign: None,
+                reply,
+            };
+            if let Err(ractor::MessagingErr::SendErr(KvStoreMsg::StepReturned {
+                step,
+                memory,
+                marker,
+                advance,
+                reply,
+                ..
+            })) = myself.cast(returned)
+            {
+                self.step_returned(myself, step, memory, marker, advance, None, reply);
+            }
             return;
         }
         match self.stream.submit(&[], || {}) {
@@ -516,7 +529,7 @@ impl KvStoreState {
             Ok(Some(found)) => found,
         };
         let memory =
-            match KvSequence::reserve(self.backing.as_ref(), shape, self.config.chunk_granules) {
+            match KvSequence::reserve(self.backing.clone(), shape, self.config.chunk_granules) {
                 Ok(m) => m,
                 Err(e) => {
                     self.table.end_restore(seq, writer, false);
@@ -568,7 +581,6 @@ impl KvStoreState {
         else {
             return;
         };
-        let backing = Arc::clone(&self.backing);
         // The sequence the restore was for; closed meanwhile (even if its id was opened again)
         // it is gone, and the grant goes back with its saved copy.
         let ours = self
@@ -584,11 +596,11 @@ impl KvStoreState {
             return;
         };
         let result: Result<(), KvStoreError> = async {
-            let growth = memory.map_growth(backing.as_ref(), per_buffer)?;
+            let growth = memory.map_growth(per_buffer)?;
             match grant.commit(growth.bytes()).await {
                 Ok(lease) => entry.charge.add(lease),
                 Err(refused) => {
-                    memory.abandon(backing.as_ref(), growth)?;
+                    memory.abandon(growth)?;
                     return Err(refused.error.into());
                 }
             }
@@ -602,6 +614,8 @@ impl KvStoreState {
         .await;
         match result {
             Ok(()) => {
+                // The copy and what pays for it in the swap space go before the answer.
+                drop(saved);
                 self.table.end_restore(seq, writer, true);
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
             }
