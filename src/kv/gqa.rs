@@ -29,36 +29,14 @@ pub fn gqa_decode<T: KvElement>(
     }
     // `T` is `f32` here: the cast is the identity.
     let (k, v): (&[f32], &[f32]) = (bytemuck::cast_slice(k), bytemuck::cast_slice(v));
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above; the body is safe Rust.
-        #[allow(unsafe_code)]
-        unsafe {
-            return gqa_avx2(q, k, v, tokens, q_heads, kv_heads, head_dim, out);
-        }
-    }
     gqa_body(q, k, v, tokens, q_heads, kv_heads, head_dim, out)
 }
 
-/// The same operator compiled with AVX2 enabled (eight lanes instead of four); the order of
-/// operations is unchanged, so a given machine always produces the same bits.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments, unsafe_code)]
-unsafe fn gqa_avx2(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    out: &mut [f32],
-) {
-    gqa_body(q, k, v, tokens, q_heads, kv_heads, head_dim, out)
-}
-
-#[inline(always)]
+/// The operator, compiled for the baseline and again with AVX2 enabled (eight lanes instead
+/// of four), the version chosen once at run time by what the CPU supports (the `multiversion`
+/// crate does the detection and the dispatch). The order of operations is the same in both,
+/// so a given machine always produces the same bits.
+#[multiversion::multiversion(targets("x86_64+avx2"))]
 #[allow(clippy::too_many_arguments)]
 fn gqa_body(
     q: &[f32],
