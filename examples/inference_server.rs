@@ -421,6 +421,11 @@ async fn serve(args: Args) -> Result<(), String> {
     // Requests preempted while their step waited: they leave the batch and are restored,
     // oldest first, once a step went through and there is room beside the batch's growth.
     let mut parked: Vec<Request> = Vec::new();
+    // A parked request whose restore runs while the batch steps.
+    let mut prefetch: Option<(
+        Request,
+        tokio::task::JoinHandle<Result<Restored, KvStoreError>>,
+    )> = None;
     let mut admissions = 0u64;
     let mut last_stepped = true;
     let growth_per_seq = model.shape.buffers() as u64 * page;
@@ -434,7 +439,7 @@ async fn serve(args: Args) -> Result<(), String> {
         .governor(DeviceKey::HOST, procmem_actors::procmem::MemoryTier::Host)
         .expect("the host authority")
         .clone();
-    while !queue.is_empty() || !active.is_empty() || !parked.is_empty() {
+    while !queue.is_empty() || !active.is_empty() || !parked.is_empty() || prefetch.is_some() {
         // Restore parked requests first, oldest first, into room the batch does not need for
         // its next step (restoring into the batch's memory would only evict it again).
         if last_stepped || active.is_empty() {
@@ -455,6 +460,14 @@ async fn serve(args: Args) -> Result<(), String> {
                 }
                 room = room.saturating_sub(need);
                 let mut r = parked.remove(0);
+                if !active.is_empty() {
+                    // Prefetch: the restore (its grant, the copy back) runs in the store while
+                    // this step's kernels run on the stream; it joins the batch after the step.
+                    let kv = kv.clone();
+                    let id = r.id;
+                    prefetch = Some((r, tokio::spawn(async move { kv.restore(id).await })));
+                    break;
+                }
                 match kv.restore(r.id).await {
                     Ok(Restored::Swapped { tokens }) => r.pos = tokens,
                     // The KV was dropped: replay the known tokens from the start.
@@ -474,7 +487,7 @@ async fn serve(args: Args) -> Result<(), String> {
         // slots run (then the open itself makes room: cached prefixes nobody uses are evicted).
         // Parked requests go before new ones (as vLLM does with swapped requests): admitting
         // new work while admitted work waits would only take the room it needs.
-        while parked.is_empty() && active.len() < args.concurrency {
+        while parked.is_empty() && prefetch.is_none() && active.len() < args.concurrency {
             let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
             if active.len() >= args.concurrency / 2 && free < per_seq {
                 break;
@@ -517,6 +530,25 @@ async fn serve(args: Args) -> Result<(), String> {
         )
         .await?;
         last_stepped = matches!(outcome, Stepped::Ok);
+        if let Some((mut r, restoring)) = prefetch.take() {
+            let restored = match restoring.await.map_err(|e| e.to_string())? {
+                Ok(Restored::Swapped { tokens }) => Some(tokens),
+                Ok(Restored::Recompute { .. }) => Some(0),
+                Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
+                Err(e) => {
+                    tracing::debug!(%e, seq = r.id, "no room to restore yet");
+                    None
+                }
+            };
+            match restored {
+                Some(pos) => {
+                    r.pos = pos;
+                    c.restores += 1;
+                    active.push(r);
+                }
+                None => parked.insert(0, r),
+            }
+        }
         // Restores can chase each other (restoring one preempts another idle one); if the
         // batch keeps failing to step, shed a request so the rest make progress.
         stalls = if matches!(outcome, Stepped::Ok) {
