@@ -272,17 +272,29 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
         // Another holder needs almost everything: the Governor asks the store.
         g.set_capacity(held + held / 3).await.unwrap();
         let other = g.register_holder("other", 9, None).await.unwrap();
-        let grant = g
-            .reserve(ReserveRequest {
-                holder: other,
-                role: MemoryRole::Workspace,
-                bytes: held / 2,
-                priority: 9,
-                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+        let wanted = {
+            let g = g.clone();
+            tokio::spawn(async move {
+                g.reserve(ReserveRequest {
+                    holder: other,
+                    role: MemoryRole::Workspace,
+                    bytes: held / 2,
+                    priority: 9,
+                    deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+                })
+                .await
             })
-            .await
-            .unwrap();
-        let stats = kv.stats().await.unwrap();
+        };
+        // A swap's copy out queues on the stream behind the gated kernel, so the grant waits
+        // for the gate; the preemption itself is decided now.
+        let start = std::time::Instant::now();
+        let stats = loop {
+            let stats = kv.stats().await.unwrap();
+            if stats.preempted >= 1 || start.elapsed() > Duration::from_secs(5) {
+                break stats;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
         assert!(
             stats.preempted >= 1,
             "{mode:?}: a whole sequence was preempted"
@@ -292,6 +304,7 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
             "{mode:?}: whole units were freed"
         );
         open.send(()).unwrap();
+        let grant = wanted.await.unwrap().unwrap();
         in_flight.await.unwrap().unwrap();
         held_step.attend(1, vec![item(3, 40, 1)]).await.unwrap();
         Arc::into_inner(held_step).unwrap().finish().await.unwrap();

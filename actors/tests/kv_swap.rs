@@ -207,3 +207,65 @@ async fn kv_in_host_memory_swaps_to_disk_and_never_into_its_own_authority() {
     assert!(!before.is_empty());
     let _ = std::fs::remove_dir(&dir);
 }
+
+/// The copy out is a kernel on the store's stream: while the stream is busy the swapped
+/// sequence's memory stays (the pressure answer says it is pending a fence), a restore asked
+/// meanwhile waits for the copy, and the memory goes, then its lease, once the copy ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_copies_out_on_the_stream_and_frees_after_its_fence() {
+    let (g, p) = system(1 << 30, 1).await;
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    steps(&kv, 1, 0, 40).await;
+    let held = kv.stats().await.unwrap();
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    p.stream(0)
+        .unwrap()
+        .submit(&[], move || gate.recv().unwrap())
+        .unwrap();
+    g.set_capacity(held.leased_bytes).await.unwrap();
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    let wanted = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(ReserveRequest {
+                holder: other,
+                role: MemoryRole::Workspace,
+                bytes: held.exclusive_bytes,
+                priority: 9,
+                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+            })
+            .await
+        })
+    };
+    while kv.stats().await.unwrap().preempted == 0 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let during = kv.stats().await.unwrap();
+    assert_eq!(
+        during.os_resident_bytes, held.os_resident_bytes,
+        "kept until the copy ran"
+    );
+    assert_eq!(leased(&g).await, held.leased_bytes, "its lease with it");
+    assert!(
+        !wanted.is_finished(),
+        "the room comes after the copy's fence"
+    );
+    let restoring = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.restore(1).await })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(!restoring.is_finished(), "a restore waits for the copy out");
+    open.send(()).unwrap();
+    let grant = wanted.await.unwrap().unwrap();
+    drop(grant);
+    g.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(
+        restoring.await.unwrap().unwrap(),
+        Restored::Swapped { tokens: 40 }
+    );
+}

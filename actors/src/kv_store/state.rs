@@ -13,6 +13,15 @@ pub(super) struct Taken {
     pub(super) freed: u64,
     /// A step the sequence was waiting in was called off.
     pub(super) called_off_step: bool,
+    /// Bytes freed once a copy out on the stream has run.
+    pub(super) pending: u64,
+}
+
+/// A swapped sequence's memory on its way out: freed by the copy kernel after the copy, then
+/// what paid for it (fields drop in this order).
+struct CopyOut {
+    memory: SeqMemory,
+    _charge: Charge,
 }
 
 impl KvStoreState {
@@ -272,11 +281,11 @@ impl KvStoreState {
             );
             return;
         }
-        let mut freed = 0;
+        let (mut freed, mut pending) = (0, 0);
         // Every eligible unit in the policy's order; stop once enough is really freed (a unit
         // whose free fails frees nothing and the next one is taken).
         for victim in choose_victims(u64::MAX, &prefixes, &sequences) {
-            if freed >= ticket.bytes_wanted {
+            if freed + pending >= ticket.bytes_wanted {
                 break;
             }
             match victim {
@@ -291,6 +300,7 @@ impl KvStoreState {
                 Victim::Sequence(id) => {
                     let taken = self.preempt(id).await;
                     freed += taken.freed;
+                    pending += taken.pending;
                     if taken.called_off_step {
                         // A step of this store was called off: what the ticket wanted may
                         // have been for it. Stop here; if others still lack room the
@@ -301,7 +311,7 @@ impl KvStoreState {
             }
         }
         // Blocks the preempted sequences were the last to map are unreferenced now.
-        if freed < ticket.bytes_wanted {
+        if freed + pending < ticket.bytes_wanted {
             let mut loose: Vec<(u64, u64, u64)> = self
                 .prefixes
                 .blocks()
@@ -310,7 +320,7 @@ impl KvStoreState {
                 .collect();
             loose.sort_unstable();
             for (_, key, _) in loose {
-                if freed >= ticket.bytes_wanted {
+                if freed + pending >= ticket.bytes_wanted {
                     break;
                 }
                 if let Some(block) = self.prefixes.remove(key) {
@@ -319,13 +329,14 @@ impl KvStoreState {
             }
         }
         self.stats.tickets += 1;
-        self.stats.freed_by_pressure += freed;
+        self.stats.freed_by_pressure += freed + pending;
         tracing::debug!(
             wanted = ticket.bytes_wanted,
             freed,
+            pending,
             "KV store answered a pressure ticket"
         );
-        ticket.report(freed, 0);
+        ticket.report(freed, pending);
     }
 
     /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
@@ -352,7 +363,7 @@ impl KvStoreState {
         let saved = match self.config.preempt {
             PreemptMode::Swap if tokens > 0 => {
                 let saved =
-                    Saved::save(&self.swap, self.provider.mechanism(), memory, tokens).await;
+                    Saved::reserve(&self.swap, self.provider.mechanism(), memory, tokens).await;
                 if saved.is_none() {
                     self.stats.swap_fallbacks += 1;
                 }
@@ -374,23 +385,53 @@ impl KvStoreState {
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let entry = self.seqs.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
-        entry.saved = saved;
         let prefixes = std::mem::take(&mut entry.prefixes);
-        let freed = memory.exclusive_bytes();
+        let bytes = memory.exclusive_bytes();
         let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
-        // Not in flight: no fence to wait for, so the mechanism frees it here and now, and
-        // only then does what paid for it go back.
-        let _ = DeferredRelease::release(Box::new(SeqMemory {
+        let retired = SeqMemory {
             seq: memory,
             prefixes,
-        }));
-        drop(charge);
+        };
+        let (mut freed, mut pending) = (0, 0);
+        match saved {
+            Some(mut saved) => {
+                // The copy out is a kernel on the stream; the memory is freed by it once the
+                // rows are out, and what paid for it goes back after that.
+                let copy = saved.copy();
+                let out = CopyOut {
+                    memory: retired,
+                    _charge: charge,
+                };
+                match self.stream.submit(&[], move || {
+                    copy(&out.memory.seq);
+                    drop(out);
+                }) {
+                    Ok(fence) => {
+                        saved.fence = Some(fence);
+                        entry.last_fence = Some(fence);
+                        pending = bytes;
+                    }
+                    // A closed stream ran nothing: the kernel (and the memory, then its
+                    // charge) is gone already, and the restore will recompute.
+                    Err(_) => freed = bytes,
+                }
+                entry.saved = Some(saved);
+            }
+            None => {
+                // Nothing to copy and not in flight: the mechanism frees it here and now, and
+                // only then does what paid for it go back.
+                let _ = DeferredRelease::release(Box::new(retired));
+                drop(charge);
+                freed = bytes;
+            }
+        }
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
         self.stats.preemptions += 1;
         Taken {
             freed,
             called_off_step,
+            pending,
         }
     }
 

@@ -511,6 +511,23 @@ impl KvStoreState {
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     ) {
         let shape = self.config.shape;
+        let copying = self
+            .seqs
+            .get(&seq)
+            .and_then(|e| e.saved.as_ref())
+            .and_then(|s| s.fence)
+            .filter(|f| self.stream.timeline().completed() < f.value);
+        if let Some(fence) = copying {
+            // Its copy out is still on the stream: the restore starts once it is done.
+            let me = myself.clone();
+            self.stream.timeline().on_complete(
+                fence.value,
+                Box::new(move |_| {
+                    let _ = me.cast(KvStoreMsg::Restore { seq, reply });
+                }),
+            );
+            return;
+        }
         let (writer, mode, tokens) = match self.table.begin_restore(seq) {
             Err(e) => {
                 let _ = reply.send(Err(e.into()));
@@ -543,7 +560,8 @@ impl KvStoreState {
             .get_mut(&seq)
             .expect("a preempted sequence has an entry");
         let saved = match (mode, entry.saved.take()) {
-            (PreemptMode::Swap, Some(saved)) if tokens > 0 => saved,
+            // (A copy out that failed left nothing to bring back.)
+            (PreemptMode::Swap, Some(saved)) if tokens > 0 && saved.copied() => saved,
             _ => {
                 // Nothing was kept (or nothing to keep): the sequence starts again, empty.
                 entry.memory = Some(memory);

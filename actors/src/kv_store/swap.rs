@@ -14,6 +14,10 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use procmem::fence::Fence;
 
 use procmem::host::{allocation_bytes, allocation_bytes_mut, unlinked_file, HostMechanism};
 use procmem::kv::KvSequence;
@@ -79,11 +83,16 @@ pub(super) fn default_disk_dir() -> PathBuf {
 }
 
 /// A swapped-out sequence's rows: each buffer's first `tokens` rows, one buffer after the
-/// other, `per_buffer` bytes each.
+/// other, `per_buffer` bytes each. The copy itself is a kernel on the store's stream
+/// ([`Saved::copy`]); until its fence completes the rows are not there yet.
 pub(super) struct Saved {
     per_buffer: u64,
     buffers: usize,
-    place: Place,
+    /// Shared with the copy kernel, which keeps it alive while it writes.
+    place: Arc<Mutex<Place>>,
+    copied: Arc<AtomicBool>,
+    /// The copy kernel's fence.
+    pub(super) fence: Option<Fence>,
 }
 
 enum Place {
@@ -100,9 +109,10 @@ fn io(op: &'static str, source: std::io::Error) -> MemoryError {
 }
 
 impl Saved {
-    /// Copies `memory`'s first `tokens` rows of every buffer out to `space`. `None` when the
-    /// space has no room or the copy failed (the caller then drops the KV: recompute).
-    pub(super) async fn save(
+    /// Makes room in `space` for `memory`'s first `tokens` rows of every buffer (a host-tier
+    /// lease and allocation, or a file). `None` when the space has no room or failed (the
+    /// caller then drops the KV: recompute). Nothing is copied yet.
+    pub(super) async fn reserve(
         space: &Space,
         host: &HostMechanism,
         memory: &KvSequence,
@@ -112,19 +122,11 @@ impl Saved {
         let per_buffer = tokens as u64 * memory.shape().token_bytes();
         let total = per_buffer.checked_mul(buffers as u64)?;
         let place = match space {
-            Space::Disk(dir) => {
-                let file = unlinked_file(dir)
+            Space::Disk(dir) => Place::Disk(
+                unlinked_file(dir)
                     .map_err(|e| tracing::warn!(%e, dir = %dir.display(), "no swap file"))
-                    .ok()?;
-                for b in 0..buffers {
-                    let rows = memory.buffer_bytes(b, tokens).ok()?;
-                    if let Err(e) = file.write_all_at(rows, b as u64 * per_buffer) {
-                        tracing::warn!(%e, "swap file write failed");
-                        return None;
-                    }
-                }
-                Place::Disk(file)
-            }
+                    .ok()?,
+            ),
             Space::Host {
                 governor,
                 holder,
@@ -144,13 +146,7 @@ impl Saved {
                     .await
                     .ok()?;
                 let lease = grant.commit(charge).await.ok()?;
-                let mut rows = host.host_allocator().allocate(&request).ok()?;
-                let out = allocation_bytes_mut(&mut rows).ok()?;
-                for b in 0..buffers {
-                    let from = memory.buffer_bytes(b, tokens).ok()?;
-                    let at = b * per_buffer as usize;
-                    out[at..at + from.len()].copy_from_slice(from);
-                }
+                let rows = host.host_allocator().allocate(&request).ok()?;
                 Place::Host {
                     rows,
                     _lease: lease,
@@ -160,8 +156,46 @@ impl Saved {
         Some(Saved {
             per_buffer,
             buffers,
-            place,
+            place: Arc::new(Mutex::new(place)),
+            copied: Arc::new(AtomicBool::new(false)),
+            fence: None,
         })
+    }
+
+    /// The copy out, to run as a kernel once `memory` is no longer used: every buffer's rows
+    /// into the place reserved. It records whether it succeeded.
+    pub(super) fn copy(&self) -> impl FnOnce(&KvSequence) + Send + 'static {
+        let (place, copied) = (Arc::clone(&self.place), Arc::clone(&self.copied));
+        let (per_buffer, buffers) = (self.per_buffer, self.buffers);
+        move |memory: &KvSequence| {
+            let tokens = (per_buffer / memory.shape().token_bytes()) as usize;
+            let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
+            let ok = (0..buffers).all(|b| {
+                let Ok(rows) = memory.buffer_bytes(b, tokens) else {
+                    return false;
+                };
+                let at = b as u64 * per_buffer;
+                match &mut *place {
+                    Place::Disk(file) => file
+                        .write_all_at(rows, at)
+                        .map_err(|e| tracing::warn!(%e, "swap file write failed"))
+                        .is_ok(),
+                    Place::Host { rows: copy, .. } => match allocation_bytes_mut(copy) {
+                        Ok(out) => {
+                            out[at as usize..at as usize + rows.len()].copy_from_slice(rows);
+                            true
+                        }
+                        Err(_) => false,
+                    },
+                }
+            });
+            copied.store(ok, Ordering::Release);
+        }
+    }
+
+    /// Whether the copy out has run and succeeded.
+    pub(super) fn copied(&self) -> bool {
+        self.copied.load(Ordering::Acquire)
     }
 
     /// Bytes of KV held.
@@ -171,10 +205,17 @@ impl Saved {
 
     /// Copies every buffer's rows back into `memory` (mapped for them).
     pub(super) fn restore_into(&self, memory: &mut KvSequence) -> Result<(), MemoryError> {
+        if !self.copied() {
+            return Err(MemoryError::Unsupported {
+                capability: "restoring swapped KV",
+                reason: "the copy out did not complete",
+            });
+        }
+        let place = self.place.lock().unwrap_or_else(PoisonError::into_inner);
         let mut rows = vec![0u8; self.per_buffer as usize];
         for b in 0..self.buffers {
             let at = b as u64 * self.per_buffer;
-            match &self.place {
+            match &*place {
                 Place::Disk(file) => file
                     .read_exact_at(&mut rows, at)
                     .map_err(|e| io("reading a swap file", e))?,
