@@ -49,6 +49,15 @@ fn run(args: &[&str]) -> Output {
     }
 }
 
+/// The value (last word) of the summary line that starts with `name`.
+fn summary_field(stdout: &str, name: &str) -> Option<String> {
+    stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with(name))
+        .and_then(|l| l.split_whitespace().last())
+        .map(str::to_string)
+}
+
 #[test]
 fn a_small_run_serves_every_request_and_ends_with_the_books_at_zero() {
     let out = run(&[
@@ -67,13 +76,7 @@ fn a_small_run_serves_every_request_and_ends_with_the_books_at_zero() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let field = |name: &str| {
-        stdout
-            .lines()
-            .find(|l| l.trim_start().starts_with(name))
-            .and_then(|l| l.split_whitespace().last())
-            .map(str::to_string)
-    };
+    let field = |name: &str| summary_field(&stdout, name);
     assert_eq!(field("requests finished").as_deref(), Some("6"), "{stdout}");
     assert_eq!(
         field("books after shutdown").as_deref(),
@@ -114,13 +117,7 @@ fn an_eighth_of_the_demand_finishes_every_request_in_both_modes() {
             "{mode}: {stdout}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let field = |name: &str| {
-            stdout
-                .lines()
-                .find(|l| l.trim_start().starts_with(name))
-                .and_then(|l| l.split_whitespace().last())
-                .map(str::to_string)
-        };
+        let field = |name: &str| summary_field(&stdout, name);
         assert_eq!(
             field("requests finished").as_deref(),
             Some("16"),

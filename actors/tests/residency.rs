@@ -108,12 +108,9 @@ async fn futures_placements(res: &ResidencyHandle) -> Vec<Option<Placement>> {
     out
 }
 
-/// Defect (issue 13, 6): a load at a huge layer index sized the layer table from it and
-/// overflowed (`usize::MAX`) or aborted the process on the allocation. It is a typed error,
-/// nothing is charged, and residency goes on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
-    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 30))
+/// A device Governor of `capacity` bytes, a CPU provider and a residency configuration.
+async fn device_only(capacity: u64) -> (GovernorHandle, CpuProvider, ResidencyConfig) {
+    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", capacity))
         .await
         .unwrap();
     let provider = CpuProvider::spawn(CpuProviderConfig::default())
@@ -124,6 +121,15 @@ async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
         priority: 1,
         wait: Duration::from_millis(100),
     };
+    (device, provider, config)
+}
+
+/// Defect (issue 13, 6): a load at a huge layer index sized the layer table from it and
+/// overflowed (`usize::MAX`) or aborted the process on the allocation. It is a typed error,
+/// nothing is charged, and residency goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
+    let (device, provider, config) = device_only(1 << 30).await;
     let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
         config,
         device: device.clone(),
@@ -152,17 +158,7 @@ async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
 /// pressure takes nothing from residency and its copies never go unbudgeted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offloads_go_only_to_a_separate_host_tier() {
-    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 20))
-        .await
-        .unwrap();
-    let provider = CpuProvider::spawn(CpuProviderConfig::default())
-        .await
-        .unwrap();
-    let config = ResidencyConfig {
-        name: "weights".into(),
-        priority: 1,
-        wait: Duration::from_millis(100),
-    };
+    let (device, provider, config) = device_only(1 << 20).await;
     let aliased = ResidencyHandle::spawn(ResidencyArgs {
         config: config.clone(),
         device: device.clone(),
