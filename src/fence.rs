@@ -170,6 +170,11 @@ impl HostTimeline {
         }
     }
 
+    /// The last value signalled (0 before the first).
+    pub fn signalled(&self) -> u64 {
+        self.signalled.load(Ordering::Acquire)
+    }
+
     /// Marks `value` complete (values complete in order; a lower value never lowers it),
     /// wakes every thread waiting for it, then runs the wakers of every value now complete,
     /// on this thread, outside the lock (a waker may ask to be woken again).

@@ -29,6 +29,7 @@ use crate::pressure::PressureTicket;
 use crate::provider::CpuProvider;
 use crate::stream::{CpuStream, StreamError};
 
+mod lending;
 mod state;
 mod step;
 mod steps;

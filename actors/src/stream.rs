@@ -209,6 +209,15 @@ impl CpuStream {
         self.core.timeline()
     }
 
+    /// The fence of the last submission so far: once it completes, everything submitted
+    /// before now has run (also after the stream closed: what was queued still runs).
+    pub(crate) fn last_issued(&self) -> Fence {
+        Fence {
+            stream: self.id(),
+            value: self.core.host_timeline().signalled(),
+        }
+    }
+
     /// Its deferred-free actor.
     pub fn deferred_free(&self) -> &DeferredQueue {
         &self.deferred

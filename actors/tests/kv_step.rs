@@ -392,3 +392,69 @@ async fn a_sequence_holding_only_its_prompt_blocks_still_gives_way() {
     let step = kv.prepare(vec![1]).await.unwrap();
     assert_eq!(step.positions(), &[2 * bt]);
 }
+
+/// Found in review: with the store gone, a dropped step's memory was freed as soon as the
+/// kernels submitted through `submit` had run, though a server's own kernels queued on the
+/// stream (through the views) may still read it. It now waits for everything queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_outliving_its_store_keeps_its_memory_until_the_stream_ran() {
+    let (g, p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    own_step(&kv, 1, 0).await;
+    let step = kv.prepare(vec![1]).await.unwrap();
+    // The server's own kernel, queued directly on the step's stream behind a gate.
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    step.stream()
+        .submit(&[], move || gate.recv().unwrap())
+        .unwrap();
+    kv.actor().kill();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    drop(step);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        p.mechanism().backing().resident_bytes().unwrap() > 0,
+        "nothing unmapped under the queued kernel"
+    );
+    open.send(()).unwrap();
+    let start = std::time::Instant::now();
+    while p.mechanism().backing().resident_bytes().unwrap() != 0
+        || g.snapshot().await.unwrap().books.leased != 0
+    {
+        assert!(start.elapsed() < Duration::from_secs(10), "never freed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Found in review: a step ending while its stream shuts down (queued kernels still run, new
+/// work is refused) looped between ending and returning without waiting, and could overflow
+/// the stack. The store now waits for the last work the stream took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_ending_while_its_stream_shuts_down_waits_for_what_was_queued() {
+    let (_g, p, kv) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    own_step(&kv, 1, 0).await;
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        gate.recv().unwrap();
+        tx.send(kv.keys::<f32>(0, 0).map(|k| k.len()).unwrap_or(0))
+            .unwrap();
+    })
+    .unwrap();
+    let stopping = {
+        let p = p.clone();
+        tokio::spawn(async move { p.shutdown().await })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let ending = tokio::spawn(step.finish());
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        !ending.is_finished(),
+        "the step waits for its queued kernel"
+    );
+    open.send(()).unwrap();
+    assert_eq!(rx.await.unwrap(), 2 * SHAPE.token_elems());
+    let _ = ending.await.unwrap();
+    let _ = stopping.await;
+}

@@ -169,9 +169,14 @@ impl KvSequence {
             match self.buffers[i].map_tail(per_buffer) {
                 Ok(t) => tails.push(t),
                 Err(e) => {
+                    // Every tail mapped so far is unmapped, even past one that fails to.
+                    let mut undo = Ok(());
                     for (done, tail) in self.buffers.iter_mut().zip(tails) {
-                        done.unmap_tail(tail)?;
+                        if let Err(u) = done.unmap_tail(tail) {
+                            undo = undo.and(Err(u));
+                        }
                     }
+                    undo?;
                     return Err(e.into());
                 }
             }
@@ -187,11 +192,16 @@ impl KvSequence {
     }
 
     /// Unmaps a growth that will not be published (its charge was refused).
+    /// Every buffer's tail is unmapped, even past one that fails to (the first failure is
+    /// returned; that tail stays mapped beyond the published length).
     pub fn abandon(&mut self, growth: PendingGrowth) -> Result<(), KvError> {
+        let mut result = Ok(());
         for (b, tail) in self.buffers.iter_mut().zip(growth.tails) {
-            b.unmap_tail(tail)?;
+            if let Err(e) = b.unmap_tail(tail) {
+                result = result.and(Err(e.into()));
+            }
         }
-        Ok(())
+        result
     }
 
     /// Maps shared prefix blocks at the start of an empty sequence: `blocks[i * buffers + b]`

@@ -225,7 +225,19 @@ impl GovernorState {
                     let denied = LedgerError::Denied(self.denial_for(waiter.request.bytes));
                     self.refuse(waiter.reply, denied.into());
                 }
-                Front::Wait | Front::Empty => return,
+                Front::Wait => {
+                    // A first in line whose caller left (a holder calling off a step it no
+                    // longer needs) must not hold up those behind it until its deadline.
+                    let gone = self
+                        .waiters
+                        .front()
+                        .is_some_and(|(_, _, w)| w.reply.is_closed());
+                    if !gone {
+                        return;
+                    }
+                    self.sweep_closed_waiters();
+                }
+                Front::Empty => return,
             }
         }
     }

@@ -799,3 +799,34 @@ async fn a_promise_that_is_never_kept_stops_counting_and_asking_resumes() {
         "asked again once the promises ran out"
     );
 }
+
+/// Found with the KV store's called-off steps: a first-in-line waiter whose caller left held
+/// up a request behind it that fits until the dead waiter's deadline. It is dropped when the
+/// queue is looked at.
+#[tokio::test(start_paused = true)]
+async fn a_first_in_line_whose_caller_left_does_not_hold_up_the_rest() {
+    let g = governor(1000).await;
+    let (big, _a) = holder(&g, "big", 0, Behavior::Nothing, 600).await;
+    let small = g.register_holder("small", 0, None).await.unwrap();
+    // 600 of 1000 leased; 800 cannot fit, and its caller gives up at once.
+    let waiting = {
+        let g = g.clone();
+        tokio::spawn(async move {
+            g.reserve(request(big, 800, 0, Some(Duration::from_secs(60))))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(g.snapshot().await.unwrap().waiting, 1);
+    waiting.abort();
+    let _ = waiting.await;
+    let start = Instant::now();
+    let fits = g
+        .reserve(request(small, 300, 0, Some(Duration::from_secs(60))))
+        .await;
+    assert!(fits.is_ok(), "{fits:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "granted without waiting for the dead waiter's deadline"
+    );
+}

@@ -31,14 +31,19 @@ pub(super) struct StepSeq {
 }
 
 /// The memory of a step's sequences, shared by the step and every kernel it submitted.
+/// However its last share goes (the store takes it back, or a message carrying it is dropped
+/// with a stopped store), memory still in it is freed only after everything queued on the
+/// step's stream so far has run: a server's kernels may use it through the views.
 pub(crate) struct StepMemory {
     seqs: Mutex<Vec<StepSeq>>,
+    stream: CpuStream,
 }
 
 impl StepMemory {
-    pub(super) fn new(seqs: Vec<StepSeq>) -> Arc<Self> {
+    pub(super) fn new(seqs: Vec<StepSeq>, stream: CpuStream) -> Arc<Self> {
         Arc::new(StepMemory {
             seqs: Mutex::new(seqs),
+            stream,
         })
     }
 
@@ -50,7 +55,39 @@ impl StepMemory {
 
     /// The sequences back, once no kernel holds the memory any more.
     pub(super) fn take(self: Arc<Self>) -> Result<Vec<StepSeq>, Arc<Self>> {
-        Arc::try_unwrap(self).map(|m| m.seqs.into_inner().unwrap_or_else(PoisonError::into_inner))
+        Arc::try_unwrap(self).map(|m| std::mem::take(&mut *m.lock()))
+    }
+}
+
+impl Drop for StepMemory {
+    fn drop(&mut self) {
+        let seqs = std::mem::take(&mut *self.lock());
+        if !seqs.is_empty() {
+            free_after_stream(&self.stream, seqs);
+        }
+    }
+}
+
+/// Frees `seqs` (memory, then what paid for it) once everything queued on `stream` so far has
+/// run: as a kernel after it, or, on a stream that no longer takes work, when the last value
+/// it issued completes (a stream that failed never completes it, and the memory is kept).
+pub(super) fn free_after_stream(stream: &CpuStream, seqs: Vec<StepSeq>) {
+    let slot = Arc::new(Mutex::new(Some(seqs)));
+    let in_kernel = Arc::clone(&slot);
+    let queued = stream.submit(&[], move || {
+        drop(
+            in_kernel
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+    });
+    if queued.is_err() {
+        let last = stream.last_issued();
+        stream.timeline().on_complete(
+            last.value,
+            Box::new(move |_| drop(slot.lock().unwrap_or_else(PoisonError::into_inner).take())),
+        );
     }
 }
 
@@ -154,27 +191,20 @@ impl KvStep {
         store: ActorRef<KvStoreMsg>,
         shape: KvShape,
         seqs: Vec<StepSeq>,
+        views: Vec<Vec<LayerViews>>,
         stream: CpuStream,
-    ) -> Result<Self, KvError> {
-        let views = seqs
-            .iter()
-            .map(|s| {
-                (0..shape.layers)
-                    .map(|l| s.memory.views(l, s.memory.tokens() + 1))
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(KvStep {
+    ) -> Self {
+        KvStep {
             id,
             store,
             shape,
             positions: seqs.iter().map(|s| s.memory.tokens()).collect(),
             seqs: seqs.iter().map(|s| s.seq).collect(),
             views,
-            memory: Some(StepMemory::new(seqs)),
+            memory: Some(StepMemory::new(seqs, stream.clone())),
             stream,
             last_fence: Mutex::new(None),
-        })
+        }
     }
 
     /// The sequences, in the order they were prepared.
@@ -320,8 +350,8 @@ impl KvStep {
         if let Err(MessagingErr::SendErr(KvStoreMsg::StepEnded { memory, reply, .. })) =
             self.store.cast(msg)
         {
-            // The store is gone: the memory is freed when the last kernel holding it has run
-            // (each holds a share), then what paid for it goes back.
+            // The store is gone: the memory is freed after everything queued on the stream
+            // (the last share to go sees to it), then what paid for it goes back.
             drop(memory);
             if let Some(reply) = reply {
                 let _ = reply.send(Err(KvStoreError::Unavailable));

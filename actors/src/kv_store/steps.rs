@@ -1,6 +1,6 @@
 //! A request's steps in the store: open (prefix lookup, shared blocks), prepare (one grant
-//! for the step, map, commit, publish, then lend the memory as a step), the step's end (the
-//! memory back after the store's own fence) and restore (bring a preempted sequence back).
+//! for the step, map, commit, publish, then lend the memory as a step: `lending`) and restore
+//! (bring a preempted sequence back).
 
 use super::*;
 
@@ -292,7 +292,14 @@ impl KvStoreState {
             }) = self.seqs.get_mut(&seq)
             {
                 if failure.is_some() {
-                    let _ = memory.abandon(growth);
+                    let bytes = growth.bytes();
+                    if memory.abandon(growth).is_err() {
+                        // Not unmapped: the memory stays with the sequence, and so does what
+                        // pays for it (if the commit went through), until the sequence goes.
+                        if let Some(part) = committed.split(bytes) {
+                            charge.absorb(part);
+                        }
+                    }
                 } else {
                     // Each sequence keeps the part of the step's lease that pays for its growth.
                     if let Some(part) = committed.split(growth.bytes()) {
@@ -310,197 +317,6 @@ impl KvStoreState {
                 let _ = reply.send(Err(e));
             }
             None => self.lend(myself, &batch, reply),
-        }
-    }
-
-    /// Lends the memory of `batch` (grown, each still this incarnation unless closed
-    /// meanwhile) to the caller as a step. A caller that gave up drops the step, which ends
-    /// it: its sequences come back idle after the store's fence.
-    fn lend(
-        &mut self,
-        myself: &ActorRef<KvStoreMsg>,
-        batch: &[(SeqId, Writer)],
-        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
-    ) {
-        let live: Vec<(SeqId, Writer)> = batch
-            .iter()
-            .copied()
-            .filter(|(s, w)| self.table.get(*s).is_some_and(|r| r.writer == *w))
-            .collect();
-        if let Some((seq, _)) = batch.iter().find(|b| !live.contains(b)) {
-            // Closed while its grant was on its way: the step is refused as a whole.
-            self.table.end_growth(batch, false);
-            let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
-            return;
-        }
-        let mut lent = Vec::with_capacity(live.len());
-        for (seq, writer) in live {
-            let entry = self
-                .seqs
-                .get_mut(&seq)
-                .expect("an open sequence has an entry");
-            let memory = entry
-                .memory
-                .take()
-                .expect("a sequence in a step has its memory");
-            entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
-            lent.push(StepSeq {
-                seq,
-                writer,
-                memory,
-                prefixes: std::mem::take(&mut entry.prefixes),
-                charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
-            });
-        }
-        self.table.end_growth(batch, true);
-        let id = self.next_txn;
-        self.next_txn += 1;
-        let step = KvStep::new(
-            id,
-            myself.clone(),
-            self.config.shape,
-            lent,
-            self.stream.clone(),
-        );
-        // A caller that gave up drops the step here, which ends it (nothing counts).
-        let _ = reply.send(step.map_err(KvStoreError::from));
-    }
-
-    /// A step ended: the store records its own fence after everything submitted on the
-    /// stream so far (every kernel of the step among them) and takes the memory back when it
-    /// completes.
-    pub(super) fn step_ended(
-        &mut self,
-        myself: &ActorRef<KvStoreMsg>,
-        step: u64,
-        memory: Arc<StepMemory>,
-        fence: Option<Fence>,
-        advance: bool,
-        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
-    ) {
-        let foreign = fence.map(|f| f.stream).filter(|s| *s != self.stream.id());
-        let done = fence
-            .is_some_and(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
-        if done && Arc::strong_count(&memory) == 1 {
-            // The server's fence has completed and no kernel of the step holds its memory
-            // any more (a kernel's share goes before its fence completes): it comes back
-            // with the next message, without a fence of the store's own. (Through the
-            // mailbox either way, so a step always takes the same messages.)
-            let returned = KvStoreMsg::StepReturned {
-                step,
-                memory,
-                marker: fence,
-                advance,
-                foreign: None,
-                reply,
-            };
-            if let Err(ractor::MessagingErr::SendErr(KvStoreMsg::StepReturned {
-                step,
-                memory,
-                marker,
-                advance,
-                reply,
-                ..
-            })) = myself.cast(returned)
-            {
-                self.step_returned(myself, step, memory, marker, advance, None, reply);
-            }
-            return;
-        }
-        match self.stream.submit(&[], || {}) {
-            Ok(marker) => {
-                let me = myself.clone();
-                self.stream.timeline().on_complete(
-                    marker.value,
-                    Box::new(move |_| {
-                        // A store gone by now drops the message, and the memory with it: its
-                        // kernels are done.
-                        let _ = me.cast(KvStoreMsg::StepReturned {
-                            step,
-                            memory,
-                            marker: Some(marker),
-                            advance,
-                            foreign,
-                            reply,
-                        });
-                    }),
-                );
-            }
-            // A closed stream runs nothing any more (its queued kernels were dropped with it).
-            Err(_) => self.step_returned(myself, step, memory, None, advance, foreign, reply),
-        }
-    }
-
-    /// The store's fence after a step completed: each sequence takes its memory back (and
-    /// counts its new token if the step was completed); one closed meanwhile is freed.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn step_returned(
-        &mut self,
-        myself: &ActorRef<KvStoreMsg>,
-        step: u64,
-        memory: Arc<StepMemory>,
-        marker: Option<Fence>,
-        advance: bool,
-        foreign: Option<StreamId>,
-        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
-    ) {
-        let seqs = match memory.take() {
-            Ok(seqs) => seqs,
-            Err(memory) => {
-                // A kernel still holds a share (it cannot have been submitted after the end):
-                // look again after the next fence.
-                tracing::warn!(step, "step memory still shared after its fence");
-                self.step_ended(myself, step, memory, None, advance, reply);
-                return;
-            }
-        };
-        let advance = advance && foreign.is_none();
-        for StepSeq {
-            seq,
-            writer,
-            mut memory,
-            prefixes,
-            charge,
-        } in seqs
-        {
-            let ours = self
-                .table
-                .get(seq)
-                .is_some_and(|r| r.writer == writer && r.phase == Phase::Stepping);
-            let entry = self.seqs.get_mut(&seq).filter(|_| ours);
-            let Some(entry) = entry else {
-                // Closed while the step had it (maybe opened again): freed now.
-                self.retire(SeqEntry {
-                    memory: Some(memory),
-                    saved: None,
-                    charge,
-                    prefixes,
-                    last_fence: marker,
-                    away: None,
-                });
-                continue;
-            };
-            if advance {
-                let _ = memory.advance();
-            }
-            let tokens = memory.tokens();
-            entry.memory = Some(memory);
-            entry.prefixes = prefixes;
-            entry.charge = charge;
-            entry.last_fence = marker;
-            entry.away = None;
-            if let Ok(done) = self.table.end_step(seq, writer, tokens) {
-                for key in done {
-                    // Only the block this sequence filled; nobody else's under the key.
-                    self.prefixes.complete(key, writer);
-                }
-            }
-        }
-        if let Some(reply) = reply {
-            let _ = reply.send(match foreign {
-                Some(stream) => Err(KvStoreError::ForeignFence(stream)),
-                None => Ok(()),
-            });
         }
     }
 
@@ -535,11 +351,12 @@ impl KvStoreState {
             }
             Ok(None) => {
                 // Not preempted: nothing to bring back.
-                let tokens = self
-                    .seqs
-                    .get(&seq)
-                    .and_then(|e| e.memory.as_ref())
-                    .map_or(0, KvSequence::tokens);
+                // (A sequence whose step is out holds the tokens it had when lent.)
+                let tokens = self.seqs.get(&seq).map_or(0, |e| {
+                    e.memory
+                        .as_ref()
+                        .map_or_else(|| e.away.map_or(0, |a| a.0), KvSequence::tokens)
+                });
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
                 return;
             }
@@ -610,6 +427,10 @@ impl KvStoreState {
             return;
         };
         let Some(memory) = entry.memory.as_mut() else {
+            // (Not reached: a restoring sequence has the memory reserved for it.) Preempted
+            // again, with its saved copy.
+            entry.saved = Some(saved);
+            self.table.end_restore(seq, writer, false);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };

@@ -1,0 +1,246 @@
+//! A step's memory lent to the server and taken back: the views computed before anything
+//! moves, the store's own fence after everything the step's stream took, and each sequence's
+//! memory back (its new token counted if the step was completed) once that fence completes.
+
+use super::*;
+
+impl KvStoreState {
+    /// Lends the memory of `batch` (grown, each still this incarnation unless closed
+    /// meanwhile) to the caller as a step. A caller that gave up drops the step, which ends
+    /// it: its sequences come back idle after the store's fence.
+    pub(super) fn lend(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        batch: &[(SeqId, Writer)],
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
+    ) {
+        let live: Vec<(SeqId, Writer)> = batch
+            .iter()
+            .copied()
+            .filter(|(s, w)| self.table.get(*s).is_some_and(|r| r.writer == *w))
+            .collect();
+        if let Some((seq, _)) = batch.iter().find(|b| !live.contains(b)) {
+            // Closed while its grant was on its way: the step is refused as a whole.
+            self.table.end_growth(batch, false);
+            let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+            return;
+        }
+        // Where each sequence's K and V lie, before anything moves: the growth made room for
+        // the new token's row, so this cannot fail; if it did, nothing is lent.
+        let views: Result<Vec<Vec<_>>, KvError> = live
+            .iter()
+            .map(|(seq, _)| {
+                let memory = self.seqs[seq].memory.as_ref().expect("a grown sequence");
+                (0..self.config.shape.layers)
+                    .map(|l| memory.views(l, memory.tokens() + 1))
+                    .collect()
+            })
+            .collect();
+        let views = match views {
+            Ok(v) => v,
+            Err(e) => {
+                self.table.end_growth(batch, false);
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
+        let mut lent = Vec::with_capacity(live.len());
+        for (seq, writer) in live {
+            let entry = self
+                .seqs
+                .get_mut(&seq)
+                .expect("an open sequence has an entry");
+            let memory = entry
+                .memory
+                .take()
+                .expect("a sequence in a step has its memory");
+            entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
+            lent.push(StepSeq {
+                seq,
+                writer,
+                memory,
+                prefixes: std::mem::take(&mut entry.prefixes),
+                charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
+            });
+        }
+        self.table.end_growth(batch, true);
+        let id = self.next_txn;
+        self.next_txn += 1;
+        let step = KvStep::new(
+            id,
+            myself.clone(),
+            self.config.shape,
+            lent,
+            views,
+            self.stream.clone(),
+        );
+        // A caller that gave up drops the step here, which ends it (nothing counts).
+        let _ = reply.send(Ok(step));
+    }
+
+    /// A step ended: the store records its own fence after everything submitted on the
+    /// stream so far (every kernel of the step among them) and takes the memory back when it
+    /// completes.
+    pub(super) fn step_ended(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        step: u64,
+        memory: Arc<StepMemory>,
+        fence: Option<Fence>,
+        advance: bool,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let foreign = fence.map(|f| f.stream).filter(|s| *s != self.stream.id());
+        let done = fence
+            .is_some_and(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
+        if done && Arc::strong_count(&memory) == 1 {
+            // The server's fence has completed and no kernel of the step holds its memory
+            // any more (a kernel's share goes before its fence completes): it comes back
+            // with the next message, without a fence of the store's own. (Through the
+            // mailbox either way, so a step always takes the same messages.)
+            let returned = KvStoreMsg::StepReturned {
+                step,
+                memory,
+                marker: fence,
+                advance,
+                foreign: None,
+                reply,
+            };
+            if let Err(ractor::MessagingErr::SendErr(KvStoreMsg::StepReturned {
+                step,
+                memory,
+                marker,
+                advance,
+                reply,
+                ..
+            })) = myself.cast(returned)
+            {
+                self.step_returned(myself, step, memory, marker, advance, None, reply);
+            }
+            return;
+        }
+        // The store's own fence after everything submitted so far (every kernel of the step
+        // among them); on a stream that takes no more work, the last value it issued (what
+        // was queued still runs).
+        let marker = self
+            .stream
+            .submit(&[], || {})
+            .unwrap_or_else(|_| self.stream.last_issued());
+        self.return_after(myself, step, memory, marker, advance, foreign, reply);
+    }
+
+    /// Sends the step's memory back to the store once `marker` completes.
+    #[allow(clippy::too_many_arguments)]
+    fn return_after(
+        &self,
+        myself: &ActorRef<KvStoreMsg>,
+        step: u64,
+        memory: Arc<StepMemory>,
+        marker: Fence,
+        advance: bool,
+        foreign: Option<StreamId>,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let me = myself.clone();
+        self.stream.timeline().on_complete(
+            marker.value,
+            Box::new(move |_| {
+                // A store gone by now drops the message: the memory's last share then frees
+                // it after the stream's queued work.
+                let _ = me.cast(KvStoreMsg::StepReturned {
+                    step,
+                    memory,
+                    marker: Some(marker),
+                    advance,
+                    foreign,
+                    reply,
+                });
+            }),
+        );
+    }
+
+    /// The store's fence after a step completed: each sequence takes its memory back (and
+    /// counts its new token if the step was completed); one closed meanwhile is freed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step_returned(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        step: u64,
+        memory: Arc<StepMemory>,
+        marker: Option<Fence>,
+        advance: bool,
+        foreign: Option<StreamId>,
+        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+    ) {
+        let seqs = match memory.take() {
+            Ok(seqs) => seqs,
+            Err(memory) => {
+                // A kernel still holds a share (none can be submitted after the end, and a
+                // kernel's share goes before its fence completes, so this should not happen):
+                // look again a little later rather than free anything under it.
+                tracing::warn!(step, "step memory still shared after its fence");
+                let me = myself.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    let _ = me.cast(KvStoreMsg::StepReturned {
+                        step,
+                        memory,
+                        marker,
+                        advance,
+                        foreign,
+                        reply,
+                    });
+                });
+                return;
+            }
+        };
+        let advance = advance && foreign.is_none();
+        for StepSeq {
+            seq,
+            writer,
+            mut memory,
+            prefixes,
+            charge,
+        } in seqs
+        {
+            let ours = self
+                .table
+                .get(seq)
+                .is_some_and(|r| r.writer == writer && r.phase == Phase::Stepping);
+            let entry = self.seqs.get_mut(&seq).filter(|_| ours);
+            let Some(entry) = entry else {
+                // Closed while the step had it (maybe opened again): freed now.
+                self.retire(SeqEntry {
+                    memory: Some(memory),
+                    saved: None,
+                    charge,
+                    prefixes,
+                    last_fence: marker,
+                    away: None,
+                });
+                continue;
+            };
+            if advance {
+                let _ = memory.advance();
+            }
+            let tokens = memory.tokens();
+            entry.memory = Some(memory);
+            entry.prefixes = prefixes;
+            entry.charge = charge;
+            entry.last_fence = marker;
+            entry.away = None;
+            if let Ok(done) = self.table.end_step(seq, writer, tokens) {
+                for key in done {
+                    // Only the block this sequence filled; nobody else's under the key.
+                    self.prefixes.complete(key, writer);
+                }
+            }
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(match foreign {
+                Some(stream) => Err(KvStoreError::ForeignFence(stream)),
+                None => Ok(()),
+            });
+        }
+    }
+}
