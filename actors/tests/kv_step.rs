@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{kv_floats, system};
+use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
@@ -457,4 +458,62 @@ async fn a_step_ending_while_its_stream_shuts_down_waits_for_what_was_queued() {
     assert_eq!(rx.await.unwrap(), 2 * SHAPE.token_elems());
     let _ = ending.await.unwrap();
     let _ = stopping.await;
+}
+
+/// Found in review: a step whose kernels ran on another stream had no way to make the store
+/// wait for them. `complete_after` takes that stream's fence with its timeline; the memory
+/// comes back (and the token counts) only after it, also when the caller gives up waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_completed_after_another_streams_fence_waits_for_it() {
+    let (_g, p, kv) = store(SHAPE, 1 << 30).await;
+    let other = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let other_stream = other.stream(0).unwrap().clone();
+    kv.open(1, vec![], 0).await.unwrap();
+    own_step(&kv, 1, 0).await;
+    for give_up in [false, true] {
+        let step = kv.prepare(vec![1]).await.unwrap();
+        let before = step.positions()[0];
+        let (open, gate) = crossbeam_channel::bounded::<()>(0);
+        let fence = other_stream
+            .submit(&[], move || gate.recv().unwrap())
+            .unwrap();
+        let after = TimelineFence::new(fence, other_stream.timeline()).unwrap();
+        let mut ending = Some(tokio::spawn(step.complete_after(after)));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(
+            !ending.as_ref().unwrap().is_finished(),
+            "waits for the other stream"
+        );
+        if give_up {
+            // The caller gives up; the step had ended already (it counts), and its memory
+            // still waits for the other stream.
+            let e = ending.take().unwrap();
+            e.abort();
+            let _ = e.await;
+        }
+        assert!(
+            matches!(kv.prepare(vec![1]).await, Err(KvStoreError::Busy(1))),
+            "the memory is not back before the other stream's fence"
+        );
+        assert!(p.mechanism().backing().resident_bytes().unwrap() > 0);
+        open.send(()).unwrap();
+        if let Some(e) = ending {
+            e.await.unwrap().unwrap();
+        }
+        let start = std::time::Instant::now();
+        let step = loop {
+            match kv.prepare(vec![1]).await {
+                Ok(step) => break step,
+                Err(KvStoreError::Busy(1)) if start.elapsed() < Duration::from_secs(5) => {
+                    tokio::time::sleep(Duration::from_millis(2)).await
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert_eq!(step.positions()[0], before + 1, "the token counts");
+        drop(step);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

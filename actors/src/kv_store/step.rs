@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use procmem::fence::Fence;
+use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
     gqa_decode, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews, Writer,
 };
@@ -172,6 +172,8 @@ pub struct KvStep {
     memory: Option<Arc<StepMemory>>,
     stream: CpuStream,
     last_fence: Mutex<Option<Fence>>,
+    /// A fence of another stream the step's end waits for (`complete_after`).
+    after: Option<TimelineFence>,
 }
 
 impl std::fmt::Debug for KvStep {
@@ -204,6 +206,7 @@ impl KvStep {
             memory: Some(StepMemory::new(seqs, stream.clone())),
             stream,
             last_fence: Mutex::new(None),
+            after: None,
         }
     }
 
@@ -313,9 +316,21 @@ impl KvStep {
     /// Ends the step: every sequence holds its new token, written by the kernels that `fence`
     /// (of the step's stream) covers. Returns once the store has the memory back (after
     /// `fence`, and after every kernel submitted through the step). A fence of another stream
-    /// is refused (`ForeignFence`): the step then ends as if dropped.
+    /// is refused (`ForeignFence`) and the step ends as if dropped: the store cannot see that
+    /// stream, so work there must be covered with [`KvStep::complete_after`].
     pub async fn complete(mut self, fence: Fence) -> Result<(), KvStoreError> {
         self.end(Some(fence), true).await
+    }
+
+    /// Ends the step like [`KvStep::complete`] once `fence`, a fence of any stream with its
+    /// timeline (another provider's stream, a copy engine), has completed too: for kernels that
+    /// used the views on another stream. The memory comes back only after both that fence and
+    /// everything queued on the step's own stream; the same holds if this call is given up
+    /// (dropped) while it waits.
+    pub async fn complete_after(mut self, fence: TimelineFence) -> Result<(), KvStoreError> {
+        self.after = Some(fence);
+        let own = self.last_fence();
+        self.end(own, true).await
     }
 
     /// [`KvStep::complete`] with the fence of the last kernel submitted through the step.
@@ -340,22 +355,30 @@ impl KvStep {
         let Some(memory) = self.memory.take() else {
             return;
         };
-        let msg = KvStoreMsg::StepEnded {
-            step: self.id,
-            memory,
-            fence,
-            advance,
-            reply,
-        };
-        if let Err(MessagingErr::SendErr(KvStoreMsg::StepEnded { memory, reply, .. })) =
-            self.store.cast(msg)
-        {
-            // The store is gone: the memory is freed after everything queued on the stream
-            // (the last share to go sees to it), then what paid for it goes back.
-            drop(memory);
-            if let Some(reply) = reply {
-                let _ = reply.send(Err(KvStoreError::Unavailable));
+        let (store, step) = (self.store.clone(), self.id);
+        let send = move || {
+            let msg = KvStoreMsg::StepEnded {
+                step,
+                memory,
+                fence,
+                advance,
+                reply,
+            };
+            if let Err(MessagingErr::SendErr(KvStoreMsg::StepEnded { memory, reply, .. })) =
+                store.cast(msg)
+            {
+                // The store is gone: the memory is freed after everything queued on the
+                // stream (the last share to go sees to it), then what paid for it goes back.
+                drop(memory);
+                if let Some(reply) = reply {
+                    let _ = reply.send(Err(KvStoreError::Unavailable));
+                }
             }
+        };
+        match self.after.take().filter(|a| !a.is_complete()) {
+            // The store hears of the end only once the other stream's work is done.
+            Some(after) => after.on_complete(Box::new(move |_| send())),
+            None => send(),
         }
     }
 }
