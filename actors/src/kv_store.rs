@@ -362,7 +362,6 @@ enum Pending {
     Prepare {
         /// Each sequence, its incarnation and its growth per buffer.
         seqs: Vec<(SeqId, Writer, u64)>,
-        bytes: u64,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
@@ -373,6 +372,11 @@ enum Pending {
         saved: Saved,
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     },
+}
+
+/// The step's batch: each sequence with its incarnation.
+fn batch_of(seqs: &[(SeqId, Writer, u64)]) -> Vec<(SeqId, Writer)> {
+    seqs.iter().map(|(s, w, _)| (*s, *w)).collect()
 }
 
 /// The store's state.

@@ -91,41 +91,21 @@ impl KvStoreState {
         reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
     ) {
         let foreign = fence.map(|f| f.stream).filter(|s| *s != self.stream.id());
-        let done = fence
-            .is_some_and(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
-        if done && Arc::strong_count(&memory) == 1 {
-            // The server's fence has completed and no kernel of the step holds its memory
-            // any more (a kernel's share goes before its fence completes): it comes back
-            // with the next message, without a fence of the store's own. (Through the
-            // mailbox either way, so a step always takes the same messages.)
-            let returned = KvStoreMsg::StepReturned {
-                step,
-                memory,
-                marker: fence,
-                advance,
-                foreign: None,
-                reply,
-            };
-            if let Err(ractor::MessagingErr::SendErr(KvStoreMsg::StepReturned {
-                step,
-                memory,
-                marker,
-                advance,
-                reply,
-                ..
-            })) = myself.cast(returned)
-            {
-                self.step_returned(myself, step, memory, marker, advance, None, reply);
-            }
-            return;
-        }
-        // The store's own fence after everything submitted so far (every kernel of the step
-        // among them); on a stream that takes no more work, the last value it issued (what
-        // was queued still runs).
-        let marker = self
-            .stream
-            .submit(&[], || {})
-            .unwrap_or_else(|_| self.stream.last_issued());
+        let done =
+            fence.filter(|f| foreign.is_none() && self.stream.timeline().completed() >= f.value);
+        let marker = match done {
+            // The server's fence has completed and no kernel of the step holds its memory any
+            // more (a kernel's share goes before its fence completes): no fence of the
+            // store's own is needed, and the memory comes back with the next message.
+            Some(fence) if Arc::strong_count(&memory) == 1 => fence,
+            // The store's own fence after everything submitted so far (every kernel of the
+            // step among them); on a stream that takes no more work, the last value it
+            // issued (what was queued still runs).
+            _ => self
+                .stream
+                .submit(&[], || {})
+                .unwrap_or_else(|_| self.stream.last_issued()),
+        };
         self.return_after(myself, step, memory, marker, advance, foreign, reply);
     }
 

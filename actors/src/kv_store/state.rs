@@ -17,8 +17,8 @@ pub(super) struct Taken {
     pub(super) pending: u64,
 }
 
-/// A swapped sequence's memory on its way out: freed by the copy kernel after the copy, then
-/// what paid for it (fields drop in this order).
+/// A preempted sequence's memory on its way out: the memory is freed, then what paid for it
+/// (fields drop in this order); a swap's copy kernel drops it once the rows are out.
 struct CopyOut {
     memory: SeqMemory,
     _charge: Charge,
@@ -155,9 +155,8 @@ impl KvStoreState {
                 self.forget_open(seq, writer);
                 let _ = reply.send(Err(error));
             }
-            Pending::Prepare { seqs, reply, .. } => {
-                let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
-                self.table.end_growth(&batch, false);
+            Pending::Prepare { seqs, reply } => {
+                self.table.end_growth(&batch_of(&seqs), false);
                 let _ = reply.send(Err(error));
             }
             Pending::Restore {
@@ -339,9 +338,11 @@ impl KvStoreState {
         ticket.report(freed, pending);
     }
 
-    /// Preempts a sequence that has no kernel in flight: its KV is saved to host memory
-    /// (swap) or dropped (recompute), and its memory freed now. Returns the bytes freed and
-    /// whether a step it was waiting in was called off.
+    /// Preempts a sequence that has no kernel in flight: its KV is copied out to the swap
+    /// space by a kernel on the stream that then frees the memory (swap), or dropped and its
+    /// memory freed now (recompute, or a swap space without room). Returns the bytes freed
+    /// now, those freed after the copy's fence, and whether a step it was waiting in was
+    /// called off.
     pub(super) async fn preempt(&mut self, id: SeqId) -> Taken {
         let span = tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt);
         self.preempt_in(id).instrument(span).await
@@ -358,8 +359,8 @@ impl KvStoreState {
             return Taken::default();
         }
         let tokens = memory.tokens();
-        // The copy is made first (the sequence is idle: nothing writes it meanwhile); a swap
-        // space without room makes this a recompute.
+        // Room for the copy is found first (the sequence is idle: nothing writes it
+        // meanwhile); a swap space without room makes this a recompute.
         let saved = match self.config.preempt {
             PreemptMode::Swap if tokens > 0 => {
                 let saved =
@@ -388,20 +389,20 @@ impl KvStoreState {
         let prefixes = std::mem::take(&mut entry.prefixes);
         let bytes = memory.exclusive_bytes();
         let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
-        let retired = SeqMemory {
-            seq: memory,
-            prefixes,
+        // Dropped, it unmaps the memory and then gives back what paid for it.
+        let out = CopyOut {
+            memory: SeqMemory {
+                seq: memory,
+                prefixes,
+            },
+            _charge: charge,
         };
         let (mut freed, mut pending) = (0, 0);
         match saved {
             Some(mut saved) => {
-                // The copy out is a kernel on the stream; the memory is freed by it once the
-                // rows are out, and what paid for it goes back after that.
+                // The copy out is a kernel on the stream, which frees the memory once the
+                // rows are out.
                 let copy = saved.copy();
-                let out = CopyOut {
-                    memory: retired,
-                    _charge: charge,
-                };
                 match self.stream.submit(&[], move || {
                     copy(&out.memory.seq);
                     drop(out);
@@ -418,10 +419,8 @@ impl KvStoreState {
                 entry.saved = Some(saved);
             }
             None => {
-                // Nothing to copy and not in flight: the mechanism frees it here and now, and
-                // only then does what paid for it go back.
-                let _ = DeferredRelease::release(Box::new(retired));
-                drop(charge);
+                // Nothing to copy and not in flight: freed here and now.
+                drop(out);
                 freed = bytes;
             }
         }

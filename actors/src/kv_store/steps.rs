@@ -213,11 +213,7 @@ impl KvStoreState {
             myself,
             bytes,
             priority,
-            Pending::Prepare {
-                seqs: plan,
-                bytes,
-                reply,
-            },
+            Pending::Prepare { seqs: plan, reply },
         );
     }
 
@@ -229,10 +225,10 @@ impl KvStoreState {
         pending: Pending,
         grant: Grant,
     ) {
-        let Pending::Prepare { seqs, bytes, reply } = pending else {
+        let Pending::Prepare { seqs, reply } = pending else {
             return;
         };
-        let batch: Vec<(SeqId, Writer)> = seqs.iter().map(|(s, w, _)| (*s, *w)).collect();
+        let batch = batch_of(&seqs);
         // Pressure may take a newer sequence while the step waits for its grant (when every
         // holder waits for a grant, someone must give way): the step fails as a whole, its
         // grant goes back, and the caller steps the others and restores that one later.
@@ -283,7 +279,6 @@ impl KvStoreState {
                 failure = Some(e.into());
             }
         }
-        let _ = bytes;
         for (seq, growth) in mapped {
             if let Some(SeqEntry {
                 memory: Some(memory),

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use procmem::fence::Fence;
 
 use procmem::host::{allocation_bytes, allocation_bytes_mut, unlinked_file, HostMechanism};
-use procmem::kv::KvSequence;
+use procmem::kv::{KvError, KvSequence};
 use procmem::ledger::{HolderId, Priority};
 use procmem::{AllocationRequest, DeviceAllocation, DeviceAllocator, MemoryError, MemoryRole};
 
@@ -102,10 +102,6 @@ enum Place {
         _lease: Lease,
     },
     Disk(File),
-}
-
-fn io(op: &'static str, source: std::io::Error) -> MemoryError {
-    MemoryError::Os { op, source }
 }
 
 impl Saved {
@@ -204,37 +200,32 @@ impl Saved {
     }
 
     /// Copies every buffer's rows back into `memory` (mapped for them).
-    pub(super) fn restore_into(&self, memory: &mut KvSequence) -> Result<(), MemoryError> {
+    pub(super) fn restore_into(&self, memory: &mut KvSequence) -> Result<(), KvError> {
         if !self.copied() {
             return Err(MemoryError::Unsupported {
                 capability: "restoring swapped KV",
                 reason: "the copy out did not complete",
-            });
+            }
+            .into());
         }
         let place = self.place.lock().unwrap_or_else(PoisonError::into_inner);
         let mut rows = vec![0u8; self.per_buffer as usize];
         for b in 0..self.buffers {
             let at = b as u64 * self.per_buffer;
             match &*place {
-                Place::Disk(file) => file
-                    .read_exact_at(&mut rows, at)
-                    .map_err(|e| io("reading a swap file", e))?,
+                Place::Disk(file) => {
+                    file.read_exact_at(&mut rows, at)
+                        .map_err(|source| MemoryError::Os {
+                            op: "reading a swap file",
+                            source,
+                        })?
+                }
                 Place::Host { rows: copy, .. } => {
                     let all = allocation_bytes(copy)?;
                     rows.copy_from_slice(&all[at as usize..(at + self.per_buffer) as usize]);
                 }
             }
-            memory.write_buffer_bytes(b, &rows).map_err(|e| match e {
-                procmem::kv::KvError::Memory(m) => m,
-                other => MemoryError::Unsupported {
-                    capability: "restoring swapped KV",
-                    reason: if matches!(other, procmem::kv::KvError::NotMapped(_)) {
-                        "the rows are not mapped"
-                    } else {
-                        "the rows do not fit the sequence"
-                    },
-                },
-            })?;
+            memory.write_buffer_bytes(b, &rows)?;
         }
         Ok(())
     }
