@@ -11,9 +11,12 @@ use procmem_actors::procmem::fault;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig,
-    KvStoreHandle, PreemptMode, ReserveRequest, SwapSpace,
+    AttendItem, CpuProvider, GovernorHandle, KvStoreHandle, PreemptMode, ReserveRequest,
 };
+
+mod common;
+
+use common::{kv_config, kv_system};
 
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -55,24 +58,8 @@ struct World {
 }
 
 async fn world() -> World {
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig::default())
-        .await
-        .unwrap();
-    let config = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 1,
-        preempt: PreemptMode::Swap,
-        wait: Duration::from_millis(200),
-        swap: SwapSpace::Auto,
-    };
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
-        .await
-        .unwrap();
+    let config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(200));
+    let (g, p, kv) = kv_system(1 << 30, config).await;
     World { g, p, kv }
 }
 

@@ -12,12 +12,11 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
-use procmem_actors::{
-    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
-    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapSpace,
-};
+use procmem_actors::{AttendItem, GovernorError, KvStoreError, PreemptMode, Restored};
 
 mod common;
+
+use common::{kv_config, kv_system};
 
 const SHAPE: KvShape = KvShape {
     layers: 2,
@@ -99,22 +98,8 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
         budget >= demand_per_request(),
         "the budget holds one request"
     );
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", budget))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig::default())
-        .await
-        .unwrap();
-    let config = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 1,
-        preempt: mode,
-        wait: Duration::from_millis(200),
-        swap: SwapSpace::Auto,
-    };
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p).await.unwrap();
+    let config = kv_config(SHAPE, 1, mode, Duration::from_millis(200));
+    let (g, _p, kv) = kv_system(budget, config).await;
     let want = expected();
     let mut reqs: Vec<Request> = (0..REQUESTS)
         .map(|_| Request {

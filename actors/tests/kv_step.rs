@@ -6,13 +6,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kv_floats, system};
+use common::{kv_config, kv_floats, kv_system};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
-    PreemptMode, Restored, SwapSpace,
+    CpuProvider, CpuProviderConfig, GovernorHandle, KvStoreError, KvStoreHandle, PreemptMode,
+    Restored,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -25,20 +25,8 @@ const SHAPE: KvShape = KvShape {
 };
 
 async fn store(shape: KvShape, capacity: u64) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
-    let (g, p) = system(capacity, 1).await;
-    let config = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape,
-        chunk_granules: 2,
-        preempt: PreemptMode::Swap,
-        wait: Duration::from_millis(300),
-        swap: SwapSpace::Auto,
-    };
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
-        .await
-        .unwrap();
-    (g, p, kv)
+    let config = kv_config(shape, 2, PreemptMode::Swap, Duration::from_millis(300));
+    kv_system(capacity, config).await
 }
 
 /// Waits until the store's books, the Governor's and the kernel's agree.

@@ -12,10 +12,12 @@ use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
-    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored, SwapSpace,
+    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,
 };
 
 mod common;
+
+use common::{kv_config, kv_system};
 
 const SHAPE: KvShape = KvShape {
     layers: 2,
@@ -61,31 +63,14 @@ impl Reference {
 }
 
 fn config(preempt: PreemptMode) -> KvStoreConfig {
-    KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 2,
-        preempt,
-        wait: Duration::from_millis(300),
-        swap: SwapSpace::Auto,
-    }
+    kv_config(SHAPE, 2, preempt, Duration::from_millis(300))
 }
 
 async fn setup(
     capacity: u64,
     preempt: PreemptMode,
 ) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", capacity))
-        .await
-        .unwrap();
-    let p = CpuProvider::spawn(CpuProviderConfig::default())
-        .await
-        .unwrap();
-    let (kv, _) = KvStoreHandle::spawn(config(preempt), g.clone(), p.clone())
-        .await
-        .unwrap();
-    (g, p, kv)
+    kv_system(capacity, config(preempt)).await
 }
 
 /// One decode step for `seqs` at positions `pos[i]`: prepare, then every layer.

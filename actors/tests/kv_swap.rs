@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kv_floats, kv_item, system};
+use common::{kv_config, kv_floats, kv_item, system};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
@@ -25,13 +25,8 @@ const SHAPE: KvShape = KvShape {
 
 fn config(swap: SwapSpace) -> KvStoreConfig {
     KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 2,
-        preempt: PreemptMode::Swap,
-        wait: Duration::from_millis(300),
         swap,
+        ..kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300))
     }
 }
 

@@ -4,7 +4,11 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::{
+    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig, KvStoreHandle,
+    PreemptMode, SwapSpace,
+};
 
 /// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
 pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvider) {
@@ -18,6 +22,37 @@ pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvid
     .await
     .unwrap();
     (g, p)
+}
+
+/// A KV store configuration named "kv" at priority 0, swapping to the default space.
+pub fn kv_config(
+    shape: KvShape,
+    chunk_granules: u64,
+    preempt: PreemptMode,
+    wait: Duration,
+) -> KvStoreConfig {
+    KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape,
+        chunk_granules,
+        preempt,
+        wait,
+        swap: SwapSpace::Auto,
+    }
+}
+
+/// A host Governor of `capacity` bytes, a CPU provider with one stream, and a KV store of
+/// `config` over them.
+pub async fn kv_system(
+    capacity: u64,
+    config: KvStoreConfig,
+) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
+    let (g, p) = system(capacity, 1).await;
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap();
+    (g, p, kv)
 }
 
 /// Prints a figure line that `scripts/reliability.sh` collects into its table.
