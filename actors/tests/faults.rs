@@ -9,14 +9,11 @@ use std::time::Duration;
 
 use procmem_actors::procmem::fault;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::procmem::MemoryRole;
-use procmem_actors::{
-    AttendItem, CpuProvider, GovernorHandle, KvStoreHandle, PreemptMode, ReserveRequest,
-};
+use procmem_actors::{AttendItem, CpuProvider, GovernorHandle, KvStoreHandle, PreemptMode};
 
 mod common;
 
-use common::{kv_config, kv_system};
+use common::{another_holder_asks, kv_config, kv_system};
 
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -149,16 +146,7 @@ async fn a_fault_during_eviction_or_deferred_free_loses_nothing() {
         let held = w.kv.stats().await.unwrap().exclusive_bytes;
         w.g.set_capacity(held).await.unwrap();
         fault::arm("kv.evict", 0);
-        let other = w.g.register_holder("other", 9, None).await.unwrap();
-        let grant =
-            w.g.reserve(ReserveRequest {
-                holder: other,
-                role: MemoryRole::Workspace,
-                bytes: held / 4,
-                priority: 9,
-                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(3)),
-            })
-            .await;
+        let grant = another_holder_asks(w.g.clone(), held / 4, Duration::from_secs(3)).await;
         let fired = !fault::disarm();
         let stats = w.kv.stats().await.unwrap();
         let granted = grant.is_ok();

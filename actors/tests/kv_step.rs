@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kv_config, kv_floats, kv_system};
+use common::{another_holder_asks, kv_config, kv_floats, kv_system};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
@@ -316,15 +316,7 @@ async fn sixteen_bit_kv_steps_swaps_and_comes_back_bit_for_bit() {
     assert_eq!(before.tokens, 40);
     // Pressure swaps it out; it comes back with the same 16-bit rows.
     g.set_capacity(before.leased_bytes).await.unwrap();
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    let grant = g
-        .reserve(procmem_actors::ReserveRequest {
-            holder: other,
-            role: procmem_actors::procmem::MemoryRole::Workspace,
-            bytes: before.exclusive_bytes,
-            priority: 9,
-            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
-        })
+    let grant = another_holder_asks(g.clone(), before.exclusive_bytes, Duration::from_secs(2))
         .await
         .unwrap();
     assert_eq!(kv.stats().await.unwrap().preempted, 1);

@@ -17,7 +17,7 @@ use procmem_actors::{
 
 mod common;
 
-use common::{kv_config, kv_system};
+use common::{another_holder_asks, kv_config, kv_system};
 
 const SHAPE: KvShape = KvShape {
     layers: 2,
@@ -256,20 +256,11 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
         tokio::time::sleep(Duration::from_millis(20)).await;
         // Another holder needs almost everything: the Governor asks the store.
         g.set_capacity(held + held / 3).await.unwrap();
-        let other = g.register_holder("other", 9, None).await.unwrap();
-        let wanted = {
-            let g = g.clone();
-            tokio::spawn(async move {
-                g.reserve(ReserveRequest {
-                    holder: other,
-                    role: MemoryRole::Workspace,
-                    bytes: held / 2,
-                    priority: 9,
-                    deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
-                })
-                .await
-            })
-        };
+        let wanted = tokio::spawn(another_holder_asks(
+            g.clone(),
+            held / 2,
+            Duration::from_secs(5),
+        ));
         // A swap's copy out queues on the stream behind the gated kernel, so the grant waits
         // for the gate; the preemption itself is decided now.
         let start = std::time::Instant::now();
@@ -602,16 +593,7 @@ async fn calls_whose_caller_gave_up_leave_nothing_behind() {
     let held = kv.stats().await.unwrap().exclusive_bytes;
     let s = g.snapshot().await.unwrap();
     g.set_capacity(s.books.approved()).await.unwrap();
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    let grant = g
-        .reserve(ReserveRequest {
-            holder: other,
-            role: MemoryRole::Workspace,
-            bytes: held,
-            priority: 9,
-            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
-        })
-        .await;
+    let grant = another_holder_asks(g.clone(), held, Duration::from_secs(2)).await;
     assert!(
         grant.is_ok(),
         "the abandoned step's sequence was evicted: {grant:?}"
@@ -631,15 +613,7 @@ async fn a_restore_pending_across_close_and_reopen_never_touches_the_new_sequenc
     // Pressure preempts it (swap).
     let held = kv.stats().await.unwrap().exclusive_bytes;
     g.set_capacity(held).await.unwrap();
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    let grant = g
-        .reserve(ReserveRequest {
-            holder: other,
-            role: MemoryRole::Workspace,
-            bytes: held,
-            priority: 9,
-            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
-        })
+    let grant = another_holder_asks(g.clone(), held, Duration::from_secs(2))
         .await
         .unwrap();
     assert_eq!(kv.stats().await.unwrap().preempted, 1);

@@ -6,12 +6,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{kv_config, kv_floats, kv_item, system};
+use common::{another_holder_asks, kv_config, kv_floats, kv_item, system};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     CpuProvider, GovernorConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
-    PreemptMode, ReserveRequest, Restored, SwapKind, SwapSpace,
+    PreemptMode, Restored, SwapKind, SwapSpace,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -51,19 +50,12 @@ async fn steps(kv: &KvStoreHandle, seq: u64, from: usize, to: usize) -> Vec<Vec<
 async fn squeeze(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::Lease {
     let held = kv.stats().await.unwrap();
     g.set_capacity(held.leased_bytes).await.unwrap();
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    g.reserve(ReserveRequest {
-        holder: other,
-        role: MemoryRole::Workspace,
-        bytes: held.exclusive_bytes,
-        priority: 9,
-        deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
-    })
-    .await
-    .unwrap()
-    .commit(held.exclusive_bytes)
-    .await
-    .unwrap()
+    another_holder_asks(g.clone(), held.exclusive_bytes, Duration::from_secs(2))
+        .await
+        .unwrap()
+        .commit(held.exclusive_bytes)
+        .await
+        .unwrap()
 }
 
 async fn leased(g: &GovernorHandle) -> u64 {
@@ -221,20 +213,11 @@ async fn a_swap_copies_out_on_the_stream_and_frees_after_its_fence() {
         .submit(&[], move || gate.recv().unwrap())
         .unwrap();
     g.set_capacity(held.leased_bytes).await.unwrap();
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    let wanted = {
-        let g = g.clone();
-        tokio::spawn(async move {
-            g.reserve(ReserveRequest {
-                holder: other,
-                role: MemoryRole::Workspace,
-                bytes: held.exclusive_bytes,
-                priority: 9,
-                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
-            })
-            .await
-        })
-    };
+    let wanted = tokio::spawn(another_holder_asks(
+        g.clone(),
+        held.exclusive_bytes,
+        Duration::from_secs(5),
+    ));
     while kv.stats().await.unwrap().preempted == 0 {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

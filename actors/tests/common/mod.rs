@@ -5,9 +5,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStoreConfig, KvStoreHandle,
-    PreemptMode, SwapSpace,
+    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle, Grant,
+    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, SwapSpace,
 };
 
 /// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
@@ -53,6 +54,24 @@ pub async fn kv_system(
         .await
         .unwrap();
     (g, p, kv)
+}
+
+/// Another, more important holder ("other", priority 9) asks `g` for `bytes` of workspace
+/// and waits up to `wait`: the pressure a KV store under test must answer.
+pub async fn another_holder_asks(
+    g: GovernorHandle,
+    bytes: u64,
+    wait: Duration,
+) -> Result<Grant, GovernorError> {
+    let other = g.register_holder("other", 9, None).await?;
+    g.reserve(ReserveRequest {
+        holder: other,
+        role: MemoryRole::Workspace,
+        bytes,
+        priority: 9,
+        deadline: Some(tokio::time::Instant::now() + wait),
+    })
+    .await
 }
 
 /// Prints a figure line that `scripts/reliability.sh` collects into its table.
