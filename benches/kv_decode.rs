@@ -37,8 +37,9 @@ const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const CONTEXTS: [usize; 3] = [512, 4096, 16384];
-const WINDOW: usize = 48;
-const STEPS_PER_ROUND: usize = 4;
+const WINDOW: usize = 40;
+/// Interleaved rounds per context; each strategy reports the median of its rounds.
+const ROUNDS: usize = 5;
 const PAGE_TOKENS: usize = 16;
 const CHUNK_GRANULES: u64 = 64;
 const TF: usize = KV_HEADS * HEAD_DIM;
@@ -395,6 +396,28 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
     }
 }
 
+/// Seconds for a plain sum over `buf` on the same worker threads the operator uses (the
+/// machine's rayon pool): what reading memory of this size costs, nothing more.
+fn streaming_read_s(buf: &[f32]) -> f64 {
+    use rayon::prelude::*;
+    let start = Instant::now();
+    let sum: f32 = buf
+        .par_chunks(1 << 16)
+        .map(|c| {
+            // Eight independent sums, so the loop is bound by loads, not by an add chain.
+            let mut acc = [0f32; 8];
+            for x in c.chunks_exact(8) {
+                for l in 0..8 {
+                    acc[l] += x[l];
+                }
+            }
+            acc.iter().sum::<f32>()
+        })
+        .sum();
+    black_box(sum);
+    start.elapsed().as_secs_f64()
+}
+
 fn main() {
     let names = [
         "virtual",
@@ -408,7 +431,10 @@ fn main() {
     let q = data(Q_HEADS * HEAD_DIM, 3);
     let mut out = vec![0f32; Q_HEADS * HEAD_DIM];
     let mut rows = Vec::new();
+    let mut contexts = Vec::new();
+    let mut streaming_read = 0.0;
     for &context in &CONTEXTS {
+        let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
         let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
         // Build every strategy up to the window (the attention before it costs the same for
         // all; growth and its copies are counted all along).
@@ -424,13 +450,17 @@ fn main() {
             .iter()
             .map(|(_, s)| (s.growth_copied(), s.gather_copied()))
             .collect();
-        // Interleave the strategies a few steps at a time so drift on a shared machine hits
-        // them alike; each keeps the median of its rounds.
+        // What a plain read of as many bytes as the KV costs on this machine, measured in the
+        // same rounds (so the caches are as cold for it as for the strategies).
+        let plain = vec![0.5f32; (kv_bytes / 4) as usize];
+        let mut reads = Vec::new();
+        // Interleave the strategies round by round so drift on a shared machine hits them
+        // alike; each keeps the median of its rounds.
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); strategies.len()];
-        for _ in 0..WINDOW / STEPS_PER_ROUND {
+        for _ in 0..ROUNDS {
             for (i, (_, s)) in strategies.iter_mut().enumerate() {
                 let start = Instant::now();
-                for _ in 0..STEPS_PER_ROUND {
+                for _ in 0..WINDOW / ROUNDS {
                     for layer in 0..LAYERS {
                         s.append(layer, &k, &v);
                         s.attend(layer, &q, &mut out);
@@ -438,9 +468,13 @@ fn main() {
                     }
                     s.advance();
                 }
-                rates[i].push(STEPS_PER_ROUND as f64 / start.elapsed().as_secs_f64());
+                rates[i].push((WINDOW / ROUNDS) as f64 / start.elapsed().as_secs_f64());
             }
+            reads.push(kv_bytes as f64 / streaming_read_s(&plain) / 1e9);
         }
+        drop(plain);
+        reads.sort_by(|a, b| a.total_cmp(b));
+        streaming_read = reads[reads.len() / 2];
         let mut per_strategy = Vec::new();
         for (i, (name, s)) in strategies.iter().enumerate() {
             rates[i].sort_by(|a, b| a.total_cmp(b));
@@ -450,25 +484,47 @@ fn main() {
                 "strategy": name,
                 "context": context,
                 "tokens_per_s": tokens_per_s,
+                // Every step reads every layer's K and V once.
+                "kv_gb_s": kv_bytes as f64 * tokens_per_s / 1e9,
                 // Gathers happen every step; growth copies are amortised over every step.
                 "bytes_copied_per_step": (s.gather_copied() - gather_before) / WINDOW as u64
                     + s.growth_copied() / context as u64,
                 "growth_copies_in_window_bytes": s.growth_copied() - growth_before,
                 "peak_resident_bytes": s.peak_resident(),
-                "kv_bytes": context as u64 * TOKEN_BYTES * 2 * LAYERS as u64,
+                "kv_bytes": kv_bytes,
             });
             eprintln!("{row}");
             per_strategy.push((*name, tokens_per_s));
             rows.push(row);
         }
+        drop(strategies);
         let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
-        eprintln!(
-            "context {context}: step_api/virtual {:.3}, virtual/preallocated {:.3}, virtual/staging_copy {:.2}, virtual/vec_doubling {:.3}",
-            get("step_api") / get("virtual"),
-            get("virtual") / get("preallocated"),
-            get("virtual") / get("staging_copy"),
-            get("virtual") / get("vec_doubling"),
-        );
+        let operator_gb_s = kv_bytes as f64 * get("virtual") / 1e9;
+        let summary = json!({
+            "context": context,
+            "streaming_read_gb_s": streaming_read,
+            "virtual_kv_gb_s": operator_gb_s,
+            "operator_vs_streaming_read": operator_gb_s / streaming_read,
+            "step_api_vs_virtual": get("step_api") / get("virtual"),
+            "virtual_vs_preallocated": get("virtual") / get("preallocated"),
+            "virtual_vs_staging_copy": get("virtual") / get("staging_copy"),
+            "virtual_vs_vec_doubling": get("virtual") / get("vec_doubling"),
+        });
+        eprintln!("{summary}");
+        contexts.push(summary);
     }
-    write_report("kv_decode", &json!(rows));
+    write_report(
+        "kv_decode",
+        &json!({
+            "shape": {"layers": LAYERS, "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+                      "head_dim": HEAD_DIM, "dtype": "f32"},
+            "threads": rayon::current_num_threads(),
+            "rounds": ROUNDS,
+            "steps_per_round": WINDOW / ROUNDS,
+            // At the largest context (the KV there is far beyond any cache).
+            "streaming_read_gb_s": streaming_read,
+            "contexts": contexts,
+            "rows": rows,
+        }),
+    );
 }

@@ -12,7 +12,7 @@ pub mod table;
 pub mod victims;
 
 pub use elem::{KvElement, KvView, LayerViews};
-pub use gqa::gqa_decode;
+pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.
 pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Lookup, PrefixCache, Writer};

@@ -1,18 +1,53 @@
 //! A grouped-query attention decode step over flat `past_key` / `past_value` buffers.
 //!
 //! The operator knows nothing of blocks or mappings: it reads `tokens × kv_heads × head_dim`
-//! floats per buffer, laid out position-major, exactly as an ONNX GroupQueryAttention's
+//! elements per buffer, laid out position-major, exactly as an ONNX GroupQueryAttention's
 //! past inputs. The same code runs over a virtual buffer and over a `Vec`, so their outputs
 //! can be compared bit for bit. K and V may be kept as `f32` or `f16` ([`KvElement`]); the
 //! query and the output are `f32`, and `f16` rows are widened to `f32` as they are read.
+//!
+//! [`gqa_decode`] is built to run at the speed memory delivers the KV:
+//! - **Each KV row is read once** for all the query heads that share it: a KV head's key is
+//!   multiplied by its group of query heads as a small matrix (up to four at a time in
+//!   registers), and its value is added into the group's outputs in the same pass.
+//! - **Split-KV** (as flash-decoding): the context is cut into [`SPLIT_TOKENS`]-token pieces,
+//!   each reduced on a worker thread to a partial softmax (its maximum, its sum, its weighted
+//!   values), and the partials are merged in order. The pieces do not depend on the number of
+//!   threads, so the result is the same bits on one thread or many.
+//! - **Vector code chosen at run time:** compiled for the baseline and again for AVX2 with
+//!   FMA, the version picked once by what the CPU supports (the `multiversion` crate does the
+//!   detection and the dispatch); `f16` rows are widened with F16C where present (the `half`
+//!   crate's slice conversion).
+//!
+//! [`gqa_decode_plain`] is the same mathematics written as plainly as possible (one thread,
+//! one element at a time, a whole-context softmax); tests hold the fast path to it.
+
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
 
 use super::elem::KvElement;
 use super::shape::KvDtype;
 
+/// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
+/// thread count (and outputs do not change with it).
+pub const SPLIT_TOKENS: usize = 256;
+
+/// Query heads whose dot products with one key row are kept in registers together.
+const TILE: usize = 4;
+/// Lanes of one vector of `f32` (AVX2).
+const LANES: usize = 8;
+/// Tokens whose values are added into the outputs in one pass over a KV head (64 rows of a
+/// 128-element head are 32 KiB: they stay in the first-level cache while each tile of query
+/// heads reads them).
+const CHUNK: usize = 64;
+
 /// One decode step for one layer: `q` is `q_heads × head_dim`, `k` and `v` are
 /// `tokens × kv_heads × head_dim`, `out` receives `q_heads × head_dim`. Query head `h`
 /// attends with KV head `h / (q_heads / kv_heads)`; scores are scaled by `1/sqrt(head_dim)`
-/// and softmax is max-subtracted.
+/// and softmax is max-subtracted. With no tokens the output is zero.
+///
+/// # Panics
+/// If `kv_heads` does not divide `q_heads`, or a slice is shorter than the shape says.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_decode<T: KvElement>(
     q: &[f32],
@@ -24,65 +59,49 @@ pub fn gqa_decode<T: KvElement>(
     head_dim: usize,
     out: &mut [f32],
 ) {
-    if T::DTYPE == KvDtype::F16 {
-        return gqa_widening(q, k, v, tokens, q_heads, kv_heads, head_dim, out);
+    let dims = Dims::checked(
+        q,
+        k.len(),
+        v.len(),
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+        out,
+    );
+    if tokens == 0 {
+        out.fill(0.0);
+        return;
     }
-    // `T` is `f32` here: the cast is the identity.
-    let (k, v): (&[f32], &[f32]) = (bytemuck::cast_slice(k), bytemuck::cast_slice(v));
-    gqa_body(q, k, v, tokens, q_heads, kv_heads, head_dim, out)
+    if head_dim % LANES != 0 {
+        // The vector kernel works in whole vectors of a head; other shapes take the plain path.
+        return gqa_decode_plain(q, k, v, tokens, q_heads, kv_heads, head_dim, out);
+    }
+    let rows = Rows::of(k, v);
+    let splits = tokens.div_ceil(SPLIT_TOKENS);
+    let width = dims.partial_len();
+    let mut partials = vec![0f32; splits * width];
+    let run = |(i, part): (usize, &mut [f32])| {
+        let first = i * SPLIT_TOKENS;
+        let n = SPLIT_TOKENS.min(tokens - first);
+        split_partial(q, &rows, first, n, &dims, part);
+    };
+    if splits == 1 {
+        run((0, &mut partials[..]));
+    } else {
+        partials.par_chunks_mut(width).enumerate().for_each(run);
+    }
+    merge(&partials, &dims, out);
 }
 
-/// The operator, compiled for the baseline and again with AVX2 enabled (eight lanes instead
-/// of four), the version chosen once at run time by what the CPU supports (the `multiversion`
-/// crate does the detection and the dispatch). The order of operations is the same in both,
-/// so a given machine always produces the same bits.
-#[multiversion::multiversion(targets("x86_64+avx2"))]
+/// The reference: the same step as [`gqa_decode`] written as plainly as possible (one thread,
+/// every score of the context, then one softmax, then the weighted sum of values). Its
+/// results differ from the fast path's only by the order of floating-point operations.
+///
+/// # Panics
+/// As [`gqa_decode`].
 #[allow(clippy::too_many_arguments)]
-fn gqa_body(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    out: &mut [f32],
-) {
-    assert_eq!(q.len(), q_heads * head_dim, "q is q_heads x head_dim");
-    assert!(k.len() >= tokens * kv_heads * head_dim && v.len() >= tokens * kv_heads * head_dim);
-    assert_eq!(out.len(), q_heads * head_dim);
-    let group = q_heads / kv_heads;
-    let stride = kv_heads * head_dim;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    // Rows are read in address order, each token's K (then V) row once for every head:
-    // the buffer streams through the cache like any flat array, whatever backs its pages.
-    let mut scores = vec![0f32; q_heads * tokens];
-    for t in 0..tokens {
-        let row = &k[t * stride..][..stride];
-        for h in 0..q_heads {
-            let kh = &row[(h / group) * head_dim..][..head_dim];
-            scores[h * tokens + t] = dot(&q[h * head_dim..][..head_dim], kh) * scale;
-        }
-    }
-    softmax_rows(&mut scores, tokens, q_heads);
-    out.fill(0.0);
-    for t in 0..tokens {
-        let row = &v[t * stride..][..stride];
-        for h in 0..q_heads {
-            let vh = &row[(h / group) * head_dim..][..head_dim];
-            axpy(
-                &mut out[h * head_dim..][..head_dim],
-                scores[h * tokens + t],
-                vh,
-            );
-        }
-    }
-}
-
-/// The operator over 16-bit KV: each row is widened to `f32` once, then used as the `f32`
-/// operator uses it (same order of operations).
-#[allow(clippy::too_many_arguments)]
-fn gqa_widening<T: KvElement>(
+pub fn gqa_decode_plain<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -92,92 +111,485 @@ fn gqa_widening<T: KvElement>(
     head_dim: usize,
     out: &mut [f32],
 ) {
-    assert_eq!(q.len(), q_heads * head_dim, "q is q_heads x head_dim");
-    assert!(k.len() >= tokens * kv_heads * head_dim && v.len() >= tokens * kv_heads * head_dim);
-    assert_eq!(out.len(), q_heads * head_dim);
-    let group = q_heads / kv_heads;
-    let stride = kv_heads * head_dim;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut row = vec![0f32; stride];
-    let widen = |dst: &mut [f32], src: &[T]| {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
+    let dims = Dims::checked(
+        q,
+        k.len(),
+        v.len(),
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+        out,
+    );
+    let (group, stride) = (dims.group, dims.stride);
+    let mut scores = vec![0f32; tokens];
+    for h in 0..q_heads {
+        let qh = &q[h * head_dim..][..head_dim];
+        let kv = (h / group) * head_dim;
+        for (t, s) in scores.iter_mut().enumerate() {
+            let kh = &k[t * stride + kv..][..head_dim];
+            *s = qh.iter().zip(kh).map(|(a, b)| a * b.to_f32()).sum::<f32>() * dims.scale;
         }
-    };
-    let mut scores = vec![0f32; q_heads * tokens];
-    for t in 0..tokens {
-        widen(&mut row, &k[t * stride..][..stride]);
-        for h in 0..q_heads {
-            let kh = &row[(h / group) * head_dim..][..head_dim];
-            scores[h * tokens + t] = dot(&q[h * head_dim..][..head_dim], kh) * scale;
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
         }
-    }
-    softmax_rows(&mut scores, tokens, q_heads);
-    out.fill(0.0);
-    for t in 0..tokens {
-        widen(&mut row, &v[t * stride..][..stride]);
-        for h in 0..q_heads {
-            let vh = &row[(h / group) * head_dim..][..head_dim];
-            axpy(
-                &mut out[h * head_dim..][..head_dim],
-                scores[h * tokens + t],
-                vh,
-            );
+        let oh = &mut out[h * head_dim..][..head_dim];
+        oh.fill(0.0);
+        for (t, p) in scores.iter().enumerate() {
+            let vh = &v[t * stride + kv..][..head_dim];
+            for (o, x) in oh.iter_mut().zip(vh) {
+                *o += p / sum * x.to_f32();
+            }
         }
     }
 }
 
-/// Max-subtracted softmax over each of `heads` rows of `tokens` scores.
+/// The shape of one call, checked.
+struct Dims {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    group: usize,
+    /// Elements in one token's row.
+    stride: usize,
+    scale: f32,
+}
+
+impl Dims {
+    #[allow(clippy::too_many_arguments)]
+    fn checked(
+        q: &[f32],
+        k_len: usize,
+        v_len: usize,
+        tokens: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        out: &[f32],
+    ) -> Dims {
+        assert!(
+            kv_heads > 0 && q_heads % kv_heads == 0,
+            "kv_heads ({kv_heads}) must divide q_heads ({q_heads})"
+        );
+        let stride = kv_heads
+            .checked_mul(head_dim)
+            .expect("kv_heads x head_dim fits a usize");
+        let q_len = q_heads
+            .checked_mul(head_dim)
+            .expect("q_heads x head_dim fits a usize");
+        assert_eq!(q.len(), q_len, "q is q_heads x head_dim");
+        assert_eq!(out.len(), q_len, "out is q_heads x head_dim");
+        let kv_len = tokens.checked_mul(stride).expect("the KV fits a usize");
+        assert!(
+            k_len >= kv_len && v_len >= kv_len,
+            "k and v hold `tokens` rows"
+        );
+        Dims {
+            q_heads,
+            kv_heads,
+            head_dim,
+            group: q_heads / kv_heads,
+            stride,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
+    /// A split's partial result: per query head its maximum score and its sum of
+    /// exponentials, then per query head its weighted sum of values.
+    fn partial_len(&self) -> usize {
+        self.q_heads * (self.head_dim + 2)
+    }
+}
+
+/// The KV rows, in the element type they are kept in.
+enum Rows<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [half::f16], &'a [half::f16]),
+}
+
+impl<'a> Rows<'a> {
+    fn of<T: KvElement>(k: &'a [T], v: &'a [T]) -> Rows<'a> {
+        // `T` is `f32` or `f16` as its `DTYPE` says: the casts are identities.
+        match T::DTYPE {
+            KvDtype::F32 => Rows::F32(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
+            KvDtype::F16 => Rows::F16(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
+        }
+    }
+
+    /// Rows `t..t + count` of K (`value: false`) or V as `f32`, one after the other: in
+    /// place, or widened into `buf`.
+    #[inline(always)]
+    fn rows<'b>(
+        &'b self,
+        value: bool,
+        t: usize,
+        count: usize,
+        stride: usize,
+        buf: &'b mut [f32],
+    ) -> &'b [f32] {
+        match self {
+            Rows::F32(k, v) => &(if value { v } else { k })[t * stride..][..count * stride],
+            Rows::F16(k, v) => {
+                let src = &(if value { v } else { k })[t * stride..][..count * stride];
+                let dst = &mut buf[..count * stride];
+                src.convert_to_f32_slice(dst);
+                dst
+            }
+        }
+    }
+
+    /// Reads one element of every cache line of V elements `from..from + len`, so
+    /// the hardware's prefetchers stream them into the cache while the keys of the same rows
+    /// are worked on: the value tiles, which read one head's rows a vector at a time, 4 KiB
+    /// apart (a pattern no prefetcher follows across pages), then find them there. Returns
+    /// the bits read, for the caller to keep (so the reads are not optimised away).
+    #[inline(always)]
+    fn touch_values(&self, from: usize, len: usize) -> u32 {
+        match self {
+            Rows::F32(_, v) => v[from..][..len]
+                .iter()
+                .step_by(16)
+                .fold(0u32, |a, x| a ^ x.to_bits()),
+            Rows::F16(_, v) => v[from..][..len]
+                .iter()
+                .step_by(32)
+                .fold(0u32, |a, x| a ^ u32::from(x.to_bits())),
+        }
+    }
+
+    /// KV head `g` of V rows `t..t + count` as `f32`, with the distance between rows: in
+    /// place (the rows' full stride), or widened into `buf` one head row after the other.
+    #[inline(always)]
+    fn head_rows<'b>(
+        &'b self,
+        t: usize,
+        count: usize,
+        g: usize,
+        hd: usize,
+        stride: usize,
+        buf: &'b mut [f32],
+    ) -> (&'b [f32], usize) {
+        let span = (count - 1) * stride + hd;
+        match self {
+            Rows::F32(_, v) => (&v[t * stride + g * hd..][..span], stride),
+            Rows::F16(_, v) => {
+                let src = &v[t * stride + g * hd..][..span];
+                for (i, dst) in buf[..count * hd].chunks_exact_mut(hd).enumerate() {
+                    src[i * stride..][..hd].convert_to_f32_slice(dst);
+                }
+                (&buf[..count * hd], hd)
+            }
+        }
+    }
+}
+
+/// One split's partial softmax: `n` tokens from `first`, written into `part` (see
+/// [`Dims::partial_len`]). Compiled for the baseline and for AVX2 + FMA.
+#[multiversion::multiversion(targets("x86_64+avx2+fma"))]
+fn split_partial(q: &[f32], rows: &Rows, first: usize, n: usize, dims: &Dims, part: &mut [f32]) {
+    if multiversion::target::selected_target!().supports_feature_str("fma") {
+        match dims.head_dim {
+            64 => split_body::<true, 64>(q, rows, first, n, dims, part),
+            128 => split_body::<true, 128>(q, rows, first, n, dims, part),
+            _ => split_body::<true, 0>(q, rows, first, n, dims, part),
+        }
+    } else {
+        split_body::<false, 0>(q, rows, first, n, dims, part)
+    }
+}
+
 #[inline(always)]
-fn softmax_rows(scores: &mut [f32], tokens: usize, heads: usize) {
-    for s in scores.chunks_exact_mut(tokens.max(1)).take(heads) {
+fn split_body<const FMA: bool, const HD: usize>(
+    q: &[f32],
+    rows: &Rows<'_>,
+    first: usize,
+    n: usize,
+    d: &Dims,
+    part: &mut [f32],
+) {
+    // The common head sizes are compiled as constants (loops unrolled, no bounds checks in
+    // them); `HD == 0` takes the size from the shape.
+    let hd = if HD > 0 { HD } else { d.head_dim };
+    let (group, stride) = (d.group, d.stride);
+    let (stats, acc) = part.split_at_mut(2 * d.q_heads);
+    let (maxes, sums) = stats.split_at_mut(d.q_heads);
+    // Scores of this split, query head major: `scores[h * n + t]`.
+    let mut scores = vec![0f32; d.q_heads * n];
+    let widened = if matches!(rows, Rows::F16(..)) {
+        CHUNK * stride
+    } else {
+        0
+    };
+    let mut buf = vec![0f32; widened];
+    // Keys two tokens at a time: each query vector loaded serves both rows.
+    let mut touched = 0u32;
+    let mut t = 0;
+    while t < n {
+        let count = 2.min(n - t);
+        let pair = rows.rows(false, first + t, count, stride, &mut buf);
+        for g in 0..d.kv_heads {
+            for i in 0..count {
+                touched ^= rows.touch_values((first + t + i) * stride + g * hd, hd);
+            }
+            let k0 = &pair[g * hd..][..hd];
+            let k1 = &pair[(count - 1) * stride + g * hd..][..hd];
+            let mut h = g * group;
+            while h < (g + 1) * group {
+                let m = TILE.min((g + 1) * group - h);
+                let qs = &q[h * hd..][..m * hd];
+                let dots = match (m, count) {
+                    (4, 2) => key_tile::<4, 2, FMA>(qs, [k0, k1]),
+                    (4, _) => pad(key_tile::<4, 1, FMA>(qs, [k0])),
+                    (3, 2) => pad(key_tile::<3, 2, FMA>(qs, [k0, k1])),
+                    (3, _) => pad(key_tile::<3, 1, FMA>(qs, [k0])),
+                    (2, 2) => pad(key_tile::<2, 2, FMA>(qs, [k0, k1])),
+                    (2, _) => pad(key_tile::<2, 1, FMA>(qs, [k0])),
+                    (_, 2) => pad(key_tile::<1, 2, FMA>(qs, [k0, k1])),
+                    _ => pad(key_tile::<1, 1, FMA>(qs, [k0])),
+                };
+                for (j, row) in dots.iter().take(m).enumerate() {
+                    for (i, dot) in row.iter().take(count).enumerate() {
+                        scores[(h + j) * n + t + i] = dot * d.scale;
+                    }
+                }
+                h += m;
+            }
+        }
+        t += count;
+    }
+    std::hint::black_box(touched);
+    for h in 0..d.q_heads {
+        let s = &mut scores[h * n..][..n];
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for x in s.iter_mut() {
             *x = (*x - max).exp();
             sum += *x;
         }
-        let inv = 1.0 / sum;
-        for x in s.iter_mut() {
-            *x *= inv;
+        maxes[h] = max;
+        sums[h] = sum;
+    }
+    // Values a chunk of tokens at a time (small enough to stay in the first-level cache), one
+    // KV head at a time: a tile of its query heads keeps its outputs in registers across the
+    // chunk, and each value vector loaded serves the whole tile.
+    acc.fill(0.0);
+    let mut t = 0;
+    while t < n {
+        let count = CHUNK.min(n - t);
+        for g in 0..d.kv_heads {
+            let (vals, vstride) = rows.head_rows(first + t, count, g, hd, stride, &mut buf);
+            let mut h = g * group;
+            while h < (g + 1) * group {
+                let m = TILE.min((g + 1) * group - h);
+                let out = &mut acc[h * hd..(h + m) * hd];
+                let ps = &scores[h * n + t..];
+                match m {
+                    4 => value_tile::<4, FMA>(out, hd, vals, vstride, count, ps, n),
+                    3 => value_tile::<3, FMA>(out, hd, vals, vstride, count, ps, n),
+                    2 => value_tile::<2, FMA>(out, hd, vals, vstride, count, ps, n),
+                    _ => value_tile::<1, FMA>(out, hd, vals, vstride, count, ps, n),
+                }
+                h += m;
+            }
         }
+        t += count;
+    }
+}
+
+/// A tile's results padded to the largest tile.
+#[inline(always)]
+fn pad<const M: usize, const R: usize>(x: [[f32; R]; M]) -> [[f32; 2]; TILE] {
+    let mut out = [[0f32; 2]; TILE];
+    for (o, x) in out.iter_mut().zip(x) {
+        o[..R].copy_from_slice(&x);
+    }
+    out
+}
+
+/// The dot products of `M` query heads (`qs`, one after the other) with `R` key rows of one
+/// KV head: each key vector loaded serves every head, each query vector every row, and the
+/// `M × R` accumulators stay in registers.
+#[inline(always)]
+fn key_tile<const M: usize, const R: usize, const FMA: bool>(
+    qs: &[f32],
+    ks: [&[f32]; R],
+) -> [[f32; R]; M] {
+    let hd = ks[0].len();
+    let mut acc = [[[0f32; LANES]; R]; M];
+    for c in (0..hd).step_by(LANES) {
+        let kv: [&[f32; LANES]; R] =
+            std::array::from_fn(|i| ks[i][c..c + LANES].try_into().expect("one vector"));
+        for (j, a) in acc.iter_mut().enumerate() {
+            let qv: &[f32; LANES] = qs[j * hd + c..][..LANES].try_into().expect("one vector");
+            for (i, a) in a.iter_mut().enumerate() {
+                for l in 0..LANES {
+                    a[l] = madd::<FMA>(qv[l], kv[i][l], a[l]);
+                }
+            }
+        }
+    }
+    // Reduce the accumulators four at a time (pairwise adds across them, as `vhaddps` does),
+    // the rest one by one.
+    let mut flat = [[0f32; LANES]; TILE * 2];
+    for (j, a) in acc.iter().enumerate() {
+        for (i, a) in a.iter().enumerate() {
+            flat[j * R + i] = *a;
+        }
+    }
+    let mut sums = [0f32; TILE * 2];
+    let whole = (M * R) / 4 * 4;
+    for q in (0..whole).step_by(4) {
+        sums[q..q + 4].copy_from_slice(&reduce4(
+            &flat[q],
+            &flat[q + 1],
+            &flat[q + 2],
+            &flat[q + 3],
+        ));
+    }
+    for x in whole..M * R {
+        sums[x] = hsum(flat[x]);
+    }
+    std::array::from_fn(|j| std::array::from_fn(|i| sums[j * R + i]))
+}
+
+/// Lanes summed pairwise, two vectors into one (the `vhaddps` pattern).
+#[inline(always)]
+fn hadd(a: &[f32; LANES], b: &[f32; LANES]) -> [f32; LANES] {
+    [
+        a[0] + a[1],
+        a[2] + a[3],
+        b[0] + b[1],
+        b[2] + b[3],
+        a[4] + a[5],
+        a[6] + a[7],
+        b[4] + b[5],
+        b[6] + b[7],
+    ]
+}
+
+/// The sums of four vectors' lanes.
+#[inline(always)]
+fn reduce4(a: &[f32; LANES], b: &[f32; LANES], c: &[f32; LANES], d: &[f32; LANES]) -> [f32; 4] {
+    let x = hadd(&hadd(a, b), &hadd(c, d));
+    [x[0] + x[4], x[1] + x[5], x[2] + x[6], x[3] + x[7]]
+}
+
+/// Adds `count` tokens' values of one KV head (`vals`, rows `vstride` apart) into the outputs
+/// of `M` query heads (`out`, one after the other), each token weighted by its head's
+/// probability (`ps[j * n + token]`). The outputs of two vectors of every head stay in
+/// registers across all the tokens.
+#[inline(always)]
+fn value_tile<const M: usize, const FMA: bool>(
+    out: &mut [f32],
+    hd: usize,
+    vals: &[f32],
+    vstride: usize,
+    count: usize,
+    ps: &[f32],
+    n: usize,
+) {
+    let mut c = 0;
+    while c < hd {
+        // Two vectors at a time, one where a single one is left.
+        let width = if hd - c >= 2 * LANES { 2 } else { 1 };
+        if width == 2 {
+            value_columns::<M, 2, FMA>(out, hd, c, vals, vstride, count, ps, n);
+        } else {
+            value_columns::<M, 1, FMA>(out, hd, c, vals, vstride, count, ps, n);
+        }
+        c += width * LANES;
     }
 }
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Thirty-two independent accumulators (four vector registers) break the add chain so the
-    // compiler's vector code is not latency-bound; the order is fixed, so the result is the
-    // same for the same inputs wherever they live.
-    let mut acc = [0f32; 32];
-    let (ac, bc) = (a.chunks_exact(32), b.chunks_exact(32));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        let x: &[f32; 32] = x.try_into().expect("chunks of 32");
-        let y: &[f32; 32] = y.try_into().expect("chunks of 32");
-        for i in 0..32 {
-            acc[i] += x[i] * y[i];
+#[allow(clippy::too_many_arguments)]
+fn value_columns<const M: usize, const W: usize, const FMA: bool>(
+    out: &mut [f32],
+    hd: usize,
+    c: usize,
+    vals: &[f32],
+    vstride: usize,
+    count: usize,
+    ps: &[f32],
+    n: usize,
+) {
+    let ps: [&[f32]; M] = std::array::from_fn(|j| &ps[j * n..][..count]);
+    let mut o = [[[0f32; LANES]; W]; M];
+    for (j, o) in o.iter_mut().enumerate() {
+        for (w, o) in o.iter_mut().enumerate() {
+            o.copy_from_slice(&out[j * hd + c + w * LANES..][..LANES]);
         }
     }
-    let mut width = 16;
+    for t in 0..count {
+        let row = &vals[t * vstride + c..][..W * LANES];
+        let v: [&[f32; LANES]; W] =
+            std::array::from_fn(|w| row[w * LANES..][..LANES].try_into().expect("one vector"));
+        for (j, o) in o.iter_mut().enumerate() {
+            let p = ps[j][t];
+            for (w, o) in o.iter_mut().enumerate() {
+                for l in 0..LANES {
+                    o[l] = madd::<FMA>(p, v[w][l], o[l]);
+                }
+            }
+        }
+    }
+    for (j, o) in o.iter().enumerate() {
+        for (w, o) in o.iter().enumerate() {
+            out[j * hd + c + w * LANES..][..LANES].copy_from_slice(o);
+        }
+    }
+}
+
+/// The sum of a vector's lanes, pairwise in a fixed order.
+#[inline(always)]
+fn hsum(mut s: [f32; LANES]) -> f32 {
+    let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {
-            acc[i] += acc[i + width];
+            s[i] += s[i + width];
         }
         width /= 2;
     }
-    acc[0] + tail
+    s[0]
 }
 
+/// `a * b + c`, fused where the code is compiled for FMA.
 #[inline(always)]
-fn axpy(out: &mut [f32], p: f32, x: &[f32]) {
-    for (o, x) in out.iter_mut().zip(x) {
-        *o += p * x;
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// Merges the splits' partial softmaxes, in split order, into the output.
+fn merge(partials: &[f32], d: &Dims, out: &mut [f32]) {
+    let width = d.partial_len();
+    let hd = d.head_dim;
+    for h in 0..d.q_heads {
+        let max = partials
+            .chunks_exact(width)
+            .map(|p| p[h])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let oh = &mut out[h * hd..][..hd];
+        oh.fill(0.0);
+        let mut sum = 0f32;
+        for p in partials.chunks_exact(width) {
+            let w = (p[h] - max).exp();
+            sum += w * p[d.q_heads + h];
+            let acc = &p[2 * d.q_heads + h * hd..][..hd];
+            for (o, a) in oh.iter_mut().zip(acc) {
+                *o += w * a;
+            }
+        }
+        let inv = 1.0 / sum;
+        for o in oh.iter_mut() {
+            *o *= inv;
+        }
     }
 }
 
@@ -206,8 +618,9 @@ mod tests {
 
     #[test]
     fn f16_kv_gives_the_f32_result_of_its_widened_values() {
-        // Values exactly representable in f16: the two paths see the same numbers.
-        let (q_heads, kv_heads, d, tokens) = (4, 2, 8, 5);
+        // Values exactly representable in f16: the two paths see the same numbers. Long
+        // enough for several splits, head_dim a whole number of vectors (the fast path).
+        let (q_heads, kv_heads, d, tokens) = (4, 2, 16, 3 * SPLIT_TOKENS + 5);
         let k32: Vec<f32> = (0..tokens * kv_heads * d)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
             .collect();
@@ -220,9 +633,7 @@ mod tests {
         let (mut a, mut b) = (vec![0f32; q_heads * d], vec![0f32; q_heads * d]);
         gqa_decode(&q, &k32, &v32, tokens, q_heads, kv_heads, d, &mut a);
         gqa_decode(&q, &k16, &v16, tokens, q_heads, kv_heads, d, &mut b);
-        for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() <= 1e-6 * x.abs().max(1.0), "{a:?} vs {b:?}");
-        }
+        assert_eq!(a, b, "same widened values, same operations");
     }
 
     #[test]
@@ -239,5 +650,19 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, [7.0, -7.0, 7.0, -7.0]);
+    }
+
+    #[test]
+    fn no_tokens_give_zeros() {
+        let mut out = [1f32; 16];
+        gqa_decode::<f32>(&[0.5; 16], &[], &[], 0, 2, 1, 8, &mut out);
+        assert_eq!(out, [0.0; 16]);
+    }
+
+    #[test]
+    #[should_panic(expected = "must divide")]
+    fn a_group_that_does_not_divide_is_refused() {
+        let mut out = [0f32; 24];
+        gqa_decode::<f32>(&[0.0; 24], &[0.0; 16], &[0.0; 16], 1, 3, 2, 8, &mut out);
     }
 }
