@@ -1,6 +1,6 @@
 //! The side-by-side that justifies the design: a GQA decode loop of an 8B-like head shape
 //! (32 query heads, 8 KV heads, head dimension 128) at contexts 512, 4,096 and 16,384, with
-//! four KV strategies in one run:
+//! five KV strategies in one run:
 //!
 //! - `virtual`: this project, one flat virtually contiguous buffer per layer grown in chunks;
 //! - `preallocated`: a flat buffer of the maximum length (the speed limit, the memory worst case);
@@ -14,6 +14,12 @@
 //! steps (append this token's K/V, attend over everything) are timed. Bytes copied are
 //! counted over the whole build-up and divided by the number of steps; peak resident bytes are
 //! what each strategy holds at its worst (for `virtual`, as the kernel counts the memfd).
+//!
+//! Beside them, in the same interleaved rounds, a plain sum over a buffer as large as the KV
+//! on the operator's worker threads: `streaming_read_gb_s`, what this machine reads memory of
+//! that size at when the caches are as cold as they are for the strategies (each strategy's
+//! KV evicts the others'). Every row's `kv_gb_s` is the KV bytes one step reads (every
+//! layer's K and V) times its steps per second.
 //! Writes `target/reports/kv_decode.json`.
 
 mod common;
