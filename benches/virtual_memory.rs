@@ -14,7 +14,7 @@ use rustix::fs::{fallocate, ftruncate, memfd_create, FallocateFlags, MemfdFlags}
 use rustix::mm::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
 use serde_json::json;
 
-use common::{median_of, ns_per, write_report};
+use common::{ns_per, write_report};
 
 const GROW_GRANULES: u64 = 2048;
 const ROUNDS: usize = 31;
@@ -80,6 +80,131 @@ fn sum(bytes: &[u8]) -> u64 {
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
         .fold(0u64, u64::wrapping_add)
+}
+
+/// Reads a grown buffer of `bytes` (grown as the KV store grows, a chunk of 64 granules at a
+/// time) and a `Vec` of the same size, interleaved round by round, and says how each is
+/// backed: its mappings in `/proc/self/maps` and the bytes of it on huge pages.
+fn read_side_by_side(host: &HostMechanism, bytes: u64, rounds: usize) -> serde_json::Value {
+    let chunk = 64 * procmem::granularity();
+    let mut buf = VirtualBuffer::new(host.backing(), bytes, MemoryRole::KvCache).unwrap();
+    while buf.len() < bytes {
+        buf.grow(chunk.min(bytes - buf.len())).unwrap();
+    }
+    for (i, b) in buf.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let vec: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let ours = buf.as_slice().unwrap();
+    assert_eq!(sum(ours), sum(&vec));
+    let (mut read_ours, mut read_vec) = (Vec::new(), Vec::new());
+    // Which goes first alternates, so neither always reads right after the other evicted it.
+    for round in 0..rounds {
+        let mut ours_ns = || {
+            read_ours.push(ns_per(bytes, || {
+                black_box(sum(black_box(ours)));
+            }))
+        };
+        if round % 2 == 0 {
+            ours_ns();
+            read_vec.push(ns_per(bytes, || {
+                black_box(sum(black_box(&vec)));
+            }));
+        } else {
+            read_vec.push(ns_per(bytes, || {
+                black_box(sum(black_box(&vec)));
+            }));
+            ours_ns();
+        }
+    }
+    // The ratio is the median of each round's own ratio (the two reads of a round are
+    // back to back, so drift on a shared machine cancels in it).
+    let mut paired: Vec<f64> = read_vec
+        .iter()
+        .zip(&read_ours)
+        .map(|(v, o)| v / o)
+        .collect();
+    paired.sort_by(|a, b| a.total_cmp(b));
+    read_ours.sort_by(|a, b| a.total_cmp(b));
+    read_vec.sort_by(|a, b| a.total_cmp(b));
+    let (o, v) = (read_ours[rounds / 2], read_vec[rounds / 2]);
+    let span = |p: *const u8| p as u64..p as u64 + bytes;
+    let (ours_maps, ours_huge) = mappings(span(ours.as_ptr()));
+    let (vec_maps, vec_huge) = mappings(span(vec.as_ptr()));
+    json!({
+        "bytes": bytes,
+        "rounds": rounds,
+        "read_ns_per_byte": o,
+        "vec_read_ns_per_byte": v,
+        "read_vs_vec_ratio": paired[rounds / 2],
+        "mappings": ours_maps,
+        "vec_mappings": vec_maps,
+        "huge_page_bytes": ours_huge,
+        "vec_huge_page_bytes": vec_huge,
+    })
+}
+
+/// The mappings of `/proc/self/smaps` that overlap `range`, and their bytes on huge pages
+/// (anonymous, shmem or file PMD mappings).
+fn mappings(range: std::ops::Range<u64>) -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let (mut count, mut huge_kb, mut inside) = (0, 0u64, false);
+    for line in text.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-') {
+            if let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) {
+                inside = a < range.end && b > range.start;
+                count += u64::from(inside);
+                continue;
+            }
+        }
+        if !inside {
+            continue;
+        }
+        for field in ["AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"] {
+            if let Some(kb) = line.strip_prefix(field) {
+                huge_kb += kb
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    (count, huge_kb * 1024)
+}
+
+/// The size of the largest cache `cpu0` reports (the last level), in bytes.
+fn llc_bytes() -> u64 {
+    let mut best = 0;
+    for i in 0..8 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+        let Ok(size) = std::fs::read_to_string(format!("{dir}/size")) else {
+            break;
+        };
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.trim_end_matches(['K', 'M', 'G']).len());
+        let n: u64 = digits.parse().unwrap_or(0);
+        let scale = match unit {
+            "K" => 1 << 10,
+            "M" => 1 << 20,
+            "G" => 1 << 30,
+            _ => 1,
+        };
+        best = best.max(n * scale);
+    }
+    best
+}
+
+/// The kernel's transparent huge page settings, for anonymous memory and for shmem (memfd).
+fn thp_settings() -> serde_json::Value {
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{f}"))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into())
+    };
+    json!({"enabled": read("enabled"), "shmem_enabled": read("shmem_enabled")})
 }
 
 const CUDA_GRANULES: u64 = 256;
@@ -163,30 +288,23 @@ fn main() {
     let raw_ns = med(&mut raw);
     let raw_falloc_ns = med(&mut raw_falloc);
 
-    let mut buf = VirtualBuffer::new(host.backing(), READ_BYTES, MemoryRole::KvCache).unwrap();
-    buf.grow(READ_BYTES).unwrap();
-    for (i, b) in buf.as_mut_slice().unwrap().iter_mut().enumerate() {
-        *b = i as u8;
+    let mut reads = serde_json::Map::new();
+    let mut ratio_32m = 0.0;
+    for (key, bytes, rounds) in [
+        ("32m", READ_BYTES, ROUNDS),
+        ("256m", 256 << 20, 9),
+        ("1g", 1 << 30, 11),
+    ] {
+        let r = read_side_by_side(&host, bytes, rounds);
+        if key == "32m" {
+            ratio_32m = r["read_vs_vec_ratio"].as_f64().unwrap();
+        }
+        reads.insert(
+            format!("read_vs_vec_ratio_{key}"),
+            r["read_vs_vec_ratio"].clone(),
+        );
+        reads.insert(format!("read_{key}"), r);
     }
-    let vec: Vec<u8> = (0..READ_BYTES).map(|i| i as u8).collect();
-    let ours_slice = buf.as_slice().unwrap();
-    assert_eq!(sum(ours_slice), sum(&vec));
-    let mut read_ours = Vec::new();
-    let mut read_vec = Vec::new();
-    for _ in 0..ROUNDS {
-        read_ours.push(median_of(3, || {
-            ns_per(READ_BYTES, || {
-                black_box(sum(black_box(ours_slice)));
-            })
-        }));
-        read_vec.push(median_of(3, || {
-            ns_per(READ_BYTES, || {
-                black_box(sum(black_box(&vec)));
-            })
-        }));
-    }
-    let read_ours_ns = med(&mut read_ours);
-    let read_vec_ns = med(&mut read_vec);
 
     write_report(
         "virtual_memory",
@@ -200,9 +318,10 @@ fn main() {
             "grow_vs_raw_ratio": grow_ns / raw_ns,
             "grow_vs_raw_fallocate_ratio": grow_ns / raw_falloc_ns,
             "read_bytes": READ_BYTES,
-            "read_ns_per_byte": read_ours_ns,
-            "vec_read_ns_per_byte": read_vec_ns,
-            "read_vs_vec_ratio": read_vec_ns / read_ours_ns,
+            "read_vs_vec_ratio": ratio_32m,
+            "llc_bytes": llc_bytes(),
+            "transparent_hugepage": thp_settings(),
+            "reads": reads,
             "cuda": cuda_growth(),
         }),
     );
