@@ -5,6 +5,7 @@
 mod allocator;
 mod backing;
 mod driver;
+mod kernels;
 mod stream;
 
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 pub use allocator::CudaAllocator;
 pub use backing::CudaVmmBacking;
 pub use driver::{driver_present, AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
+pub use kernels::{DecodeKernels, DecodeLaunch, CUDA_MAX_HEAD_DIM, CUDA_SPLIT_TOKENS, DECODE_PTX};
 pub use stream::{CudaEvent, CudaStream, HostGate};
 
 use crate::api::{

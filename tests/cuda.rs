@@ -272,3 +272,115 @@ fn cuda_read_only_sharer_cannot_write() {
         );
     }
 }
+
+/// The CUDA decode kernels (split-KV, GQA groups sharing one KV read) against the host
+/// operator on the same inputs, `f32` and `f16` KV, with the new token's row written by the
+/// copy kernel.
+#[test]
+fn cuda_decode_kernel_equals_the_host_operator() {
+    use procmem::cuda::{CudaStream, DecodeKernels, DecodeLaunch};
+    use procmem::kv::{f16, gqa_decode, KvDtype};
+    let Some(m) = gpu("cuda_decode_kernel_equals_the_host_operator") else {
+        return;
+    };
+    let device = m.device().clone();
+    let kernels = DecodeKernels::load(device.clone()).expect("load the PTX");
+    let stream = CudaStream::new(device.clone()).unwrap();
+    let (q_heads, kv_heads, hd, tokens) = (32u32, 8u32, 128u32, 1000u32);
+    let row = (kv_heads * hd) as usize;
+    let vals = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i * 2654435761 + seed * 40503) % 2001) as f32 / 1000.0) - 1.0)
+            .collect()
+    };
+    let q = vals((q_heads * hd) as usize, 1);
+    let k = vals(tokens as usize * row, 2);
+    let v = vals(tokens as usize * row, 3);
+    let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let elem = if dtype == KvDtype::F32 { 4 } else { 2 };
+        let kv_bytes = tokens as u64 * row as u64 * elem;
+        let (dq, dk, dv) = (
+            device.alloc(q.len() as u64 * 4).unwrap(),
+            device.alloc(kv_bytes).unwrap(),
+            device.alloc(kv_bytes).unwrap(),
+        );
+        let (k_host, v_host): (Vec<u8>, Vec<u8>) = if dtype == KvDtype::F32 {
+            (bytes(&k), bytes(&v))
+        } else {
+            let h = |x: &[f32]| {
+                x.iter()
+                    .flat_map(|f| f16::from_f32(*f).to_le_bytes())
+                    .collect::<Vec<u8>>()
+            };
+            (h(&k), h(&v))
+        };
+        let mut launch = DecodeLaunch {
+            q: dq,
+            k: dk,
+            v: dv,
+            dtype,
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim: hd,
+            partials: 0,
+            out: device.alloc(q.len() as u64 * 4).unwrap(),
+        };
+        launch.partials = device.alloc(launch.partials_bytes()).unwrap();
+        let last = (tokens as usize - 1) * row;
+        let staging = device.alloc(row as u64 * 4 * 2).unwrap();
+        // SAFETY: every address was allocated above on this device with the sizes written.
+        unsafe {
+            device.copy_to_device(dq, &bytes(&q)).unwrap();
+            // Everything but the last row by copy; the last row by the write kernel.
+            let head = last * elem as usize;
+            device.copy_to_device(dk, &k_host[..head]).unwrap();
+            device.copy_to_device(dv, &v_host[..head]).unwrap();
+            device.copy_to_device(staging, &bytes(&k[last..])).unwrap();
+            device
+                .copy_to_device(staging + row as u64 * 4, &bytes(&v[last..]))
+                .unwrap();
+            let at = last as u64 * elem;
+            kernels
+                .write_row(&stream, dtype, dk + at, staging, row as u32)
+                .unwrap();
+            kernels
+                .write_row(
+                    &stream,
+                    dtype,
+                    dv + at,
+                    staging + row as u64 * 4,
+                    row as u32,
+                )
+                .unwrap();
+            kernels.decode(&stream, &launch).unwrap();
+        }
+        stream.synchronize().unwrap();
+        let mut out = vec![0u8; q.len() * 4];
+        // SAFETY: allocated above; the stream is idle.
+        unsafe { device.copy_to_host(&mut out, launch.out).unwrap() };
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let mut want = vec![0f32; q.len()];
+        if dtype == KvDtype::F32 {
+            gqa_decode(&q, &k, &v, tokens as usize, 32, 8, 128, &mut want);
+        } else {
+            let k16: Vec<f16> = k.iter().map(|x| f16::from_f32(*x)).collect();
+            let v16: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
+            gqa_decode(&q, &k16, &v16, tokens as usize, 32, 8, 128, &mut want);
+        }
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-3 * b.abs().max(1.0),
+                "{dtype:?} element {i}: GPU {a} vs host {b}"
+            );
+        }
+        for p in [dq, dk, dv, launch.out, launch.partials, staging] {
+            // SAFETY: allocated above, freed once, the stream is idle.
+            unsafe { device.free(p).unwrap() };
+        }
+    }
+}

@@ -64,6 +64,11 @@ impl CudaStream {
         })
     }
 
+    /// The raw handle, for queuing work on it.
+    pub(crate) fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
     /// The device.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device

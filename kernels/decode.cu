@@ -1,0 +1,145 @@
+// Decode kernels over the flat per-layer K/V views of the step API (procmem::kv::KvView):
+// `tokens` rows, position-major, each row `kv_heads` heads of `head_dim` elements, `f32` or
+// `f16`. Compiled to PTX by scripts/gen-ptx.py with NVRTC (no CUDA toolkit needed to build);
+// the PTX is checked in (kernels/decode.ptx) and loaded with cuModuleLoadData, so the driver
+// compiles it for whatever GPU it finds. No headers: f16 conversions are single PTX `cvt`s.
+//
+// Split-KV decode, as flash-decoding:
+//   gqa_split_{f32,f16}: grid (splits, kv_heads), block 32 * group threads. Each warp is one
+//     query head of the KV head's group; the group's warps read the same K/V rows (one read
+//     from memory, the rest from cache). Each warp keeps an online softmax over its split
+//     (running max, running sum, weighted values) and writes it as a partial:
+//     partials[(split * q_heads + h) * (head_dim + 2) + {0: max, 1: sum, 2..: values}].
+//   gqa_merge: grid q_heads, block up to head_dim threads: merges the splits in order.
+//   kv_write_{f32,f16}: writes one token's row (`n` elements, from f32) at `dst`.
+
+typedef unsigned short half_bits;
+
+#define MAX_PER_LANE 8  // head_dim <= 256
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float load_elem(const float* p) { return *p; }
+
+__device__ __forceinline__ float load_elem(const half_bits* p) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+    return f;
+}
+
+__device__ __forceinline__ void store_elem(float* p, float x) { *p = x; }
+
+__device__ __forceinline__ void store_elem(half_bits* p, float x) {
+    half_bits h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    *p = h;
+}
+
+template <typename T>
+__device__ __forceinline__ void split_partial(
+    const float* q, const T* k, const T* v, unsigned tokens, unsigned split_tokens,
+    unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
+    const unsigned split = blockIdx.x;
+    const unsigned g = blockIdx.y;
+    const unsigned warp = threadIdx.x / 32;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned group = q_heads / kv_heads;
+    if (warp >= group) return;
+    const unsigned h = g * group + warp;
+    const unsigned long long stride = (unsigned long long)kv_heads * head_dim;
+
+    float qr[MAX_PER_LANE];
+    float acc[MAX_PER_LANE];
+#pragma unroll
+    for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
+        const unsigned d = lane + 32 * i;
+        qr[i] = d < head_dim ? q[h * head_dim + d] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = NEG_INF;
+    float l = 0.0f;
+    const unsigned first = split * split_tokens;
+    const unsigned last = min(first + split_tokens, tokens);
+    for (unsigned t = first; t < last; ++t) {
+        const T* kr = k + t * stride + g * head_dim;
+        float s = 0.0f;
+#pragma unroll
+        for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
+            const unsigned d = lane + 32 * i;
+            if (d < head_dim) s = fmaf(qr[i], load_elem(kr + d), s);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+        s *= scale;
+        const float m_new = fmaxf(m, s);
+        const float correction = __expf(m - m_new);
+        const float p = __expf(s - m_new);
+        l = l * correction + p;
+        const T* vr = v + t * stride + g * head_dim;
+#pragma unroll
+        for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
+            const unsigned d = lane + 32 * i;
+            if (d < head_dim) acc[i] = fmaf(p, load_elem(vr + d), acc[i] * correction);
+        }
+        m = m_new;
+    }
+    float* out = partials + ((unsigned long long)split * q_heads + h) * (head_dim + 2);
+    if (lane == 0) {
+        out[0] = m;
+        out[1] = l;
+    }
+#pragma unroll
+    for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
+        const unsigned d = lane + 32 * i;
+        if (d < head_dim) out[2 + d] = acc[i];
+    }
+}
+
+extern "C" __global__ void gqa_split_f32(
+    const float* q, const float* k, const float* v, unsigned tokens, unsigned split_tokens,
+    unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
+    split_partial<float>(q, k, v, tokens, split_tokens, q_heads, kv_heads, head_dim, scale,
+                         partials);
+}
+
+extern "C" __global__ void gqa_split_f16(
+    const float* q, const half_bits* k, const half_bits* v, unsigned tokens,
+    unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
+    float* partials) {
+    split_partial<half_bits>(q, k, v, tokens, split_tokens, q_heads, kv_heads, head_dim, scale,
+                             partials);
+}
+
+extern "C" __global__ void gqa_merge(
+    const float* partials, unsigned splits, unsigned q_heads, unsigned head_dim, float* out) {
+    const unsigned h = blockIdx.x;
+    const unsigned long long width = head_dim + 2;
+    for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float big = NEG_INF;
+        for (unsigned s = 0; s < splits; ++s) {
+            big = fmaxf(big, partials[(s * q_heads + h) * width]);
+        }
+        float sum = 0.0f;
+        float o = 0.0f;
+        for (unsigned s = 0; s < splits; ++s) {
+            const float* p = partials + (s * q_heads + h) * width;
+            const float w = __expf(p[0] - big);
+            sum = fmaf(w, p[1], sum);
+            o = fmaf(w, p[2 + d], o);
+        }
+        out[h * head_dim + d] = o / sum;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void write_row(T* dst, const float* src, unsigned n) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) store_elem(dst + i, src[i]);
+}
+
+extern "C" __global__ void kv_write_f32(float* dst, const float* src, unsigned n) {
+    write_row<float>(dst, src, n);
+}
+
+extern "C" __global__ void kv_write_f16(half_bits* dst, const float* src, unsigned n) {
+    write_row<half_bits>(dst, src, n);
+}

@@ -1,0 +1,302 @@
+//! The decode kernels of `kernels/decode.cu`, loaded from their checked-in PTX
+//! (`kernels/decode.ptx`, produced by `scripts/gen-ptx.py` with NVRTC) with
+//! `cuModuleLoadData`: the driver compiles the PTX for the GPU it finds, and building needs no
+//! CUDA toolkit. They run over the flat per-layer K/V views of the step API
+//! ([`KvView`](crate::kv::KvView)).
+
+use std::ffi::{c_void, CString};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::driver::{check, CudaDevice};
+use super::stream::CudaStream;
+use crate::api::MemoryError;
+use crate::kv::KvDtype;
+
+/// The PTX the kernels are loaded from.
+pub const DECODE_PTX: &str = include_str!("../../kernels/decode.ptx");
+
+/// Tokens in one split of the context on the GPU (one block per split and KV head).
+pub const CUDA_SPLIT_TOKENS: u32 = 128;
+
+/// The largest head the kernels take (eight elements per lane of a warp).
+pub const CUDA_MAX_HEAD_DIM: u32 = 256;
+
+/// One decode step for one layer, as the kernels take it: device addresses and the shape.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeLaunch {
+    /// `q_heads × head_dim` `f32`.
+    pub q: u64,
+    /// The layer's K view: `tokens` rows of `kv_heads × head_dim` elements.
+    pub k: u64,
+    /// The layer's V view, laid out as K.
+    pub v: u64,
+    /// The element type of K and V.
+    pub dtype: KvDtype,
+    /// Rows to attend over.
+    pub tokens: u32,
+    /// Query heads.
+    pub q_heads: u32,
+    /// KV heads (dividing `q_heads`, at most 32 query heads per KV head).
+    pub kv_heads: u32,
+    /// Elements per head (at most [`CUDA_MAX_HEAD_DIM`]).
+    pub head_dim: u32,
+    /// Scratch of [`DecodeLaunch::partials_bytes`] bytes.
+    pub partials: u64,
+    /// `q_heads × head_dim` `f32` receiving the output.
+    pub out: u64,
+}
+
+impl DecodeLaunch {
+    /// Splits of the context.
+    pub fn splits(&self) -> u32 {
+        self.tokens.div_ceil(CUDA_SPLIT_TOKENS)
+    }
+
+    /// Bytes of scratch the partial results need.
+    pub fn partials_bytes(&self) -> u64 {
+        u64::from(self.splits()) * u64::from(self.q_heads) * (u64::from(self.head_dim) + 2) * 4
+    }
+
+    fn validate(&self) -> Result<(), MemoryError> {
+        let bad = |why: &str| {
+            Err(MemoryError::Driver {
+                op: "decode launch",
+                code: why.to_string(),
+            })
+        };
+        if self.kv_heads == 0 || self.q_heads % self.kv_heads != 0 {
+            return bad("kv_heads must divide q_heads");
+        }
+        if self.q_heads / self.kv_heads > 32 {
+            return bad("at most 32 query heads per KV head");
+        }
+        if self.head_dim == 0 || self.head_dim > CUDA_MAX_HEAD_DIM {
+            return bad("head_dim must be 1..=256");
+        }
+        if self.tokens == 0 {
+            return bad("no tokens to attend over");
+        }
+        Ok(())
+    }
+}
+
+/// The loaded module and its functions, for one device.
+pub struct DecodeKernels {
+    device: Arc<CudaDevice>,
+    module: sys::CUmodule,
+    split_f32: sys::CUfunction,
+    split_f16: sys::CUfunction,
+    merge: sys::CUfunction,
+    write_f32: sys::CUfunction,
+    write_f16: sys::CUfunction,
+}
+
+// SAFETY: module and function handles are driver objects usable from any thread with their
+// context current (every use binds it first); nothing here is thread-local.
+unsafe impl Send for DecodeKernels {}
+// SAFETY: as above; launching through a shared reference mutates nothing of ours.
+unsafe impl Sync for DecodeKernels {}
+
+impl std::fmt::Debug for DecodeKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeKernels")
+            .field("device", &self.device.ordinal())
+            .finish()
+    }
+}
+
+impl DecodeKernels {
+    /// Loads the PTX on `device` (`cuModuleLoadData`) and looks up every kernel.
+    pub fn load(device: Arc<CudaDevice>) -> Result<Self, MemoryError> {
+        device.bind()?;
+        let image = CString::new(DECODE_PTX).expect("PTX text has no NUL");
+        let mut module = MaybeUninit::uninit();
+        // SAFETY: the context is current; `image` is a NUL-terminated PTX image that outlives
+        // the call; `module` is a valid out-pointer.
+        check("cuModuleLoadData", 0, unsafe {
+            sys::cuModuleLoadData(module.as_mut_ptr(), image.as_ptr().cast())
+        })?;
+        // SAFETY: the load succeeded, so the handle was written.
+        let module = unsafe { module.assume_init() };
+        let function = |name: &str| -> Result<sys::CUfunction, MemoryError> {
+            let name = CString::new(name).expect("kernel names have no NUL");
+            let mut f = MaybeUninit::uninit();
+            // SAFETY: `module` is loaded; `name` is NUL-terminated; `f` is an out-pointer.
+            check("cuModuleGetFunction", 0, unsafe {
+                sys::cuModuleGetFunction(f.as_mut_ptr(), module, name.as_ptr())
+            })?;
+            // SAFETY: the lookup succeeded, so the handle was written.
+            Ok(unsafe { f.assume_init() })
+        };
+        let found = (|| {
+            Ok::<_, MemoryError>((
+                function("gqa_split_f32")?,
+                function("gqa_split_f16")?,
+                function("gqa_merge")?,
+                function("kv_write_f32")?,
+                function("kv_write_f16")?,
+            ))
+        })();
+        match found {
+            Ok((split_f32, split_f16, merge, write_f32, write_f16)) => Ok(DecodeKernels {
+                device,
+                module,
+                split_f32,
+                split_f16,
+                merge,
+                write_f32,
+                write_f16,
+            }),
+            Err(e) => {
+                // SAFETY: loaded above, no function of it was handed out.
+                let _ = unsafe { sys::cuModuleUnload(module) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Queues one decode step on `stream`: the splits' partial softmaxes, then their merge
+    /// into `launch.out`.
+    ///
+    /// # Safety
+    /// Every address in `launch` is device memory of this device, mapped read-write for as
+    /// long as the work runs on `stream` (until a fence recorded after it completes), and
+    /// holds what [`DecodeLaunch`] says; `partials` and `out` are not read or written by
+    /// other work meanwhile.
+    pub unsafe fn decode(
+        &self,
+        stream: &CudaStream,
+        launch: &DecodeLaunch,
+    ) -> Result<(), MemoryError> {
+        launch.validate()?;
+        let splits = launch.splits();
+        let group = launch.q_heads / launch.kv_heads;
+        let scale = 1.0f32 / (launch.head_dim as f32).sqrt();
+        let split_tokens = CUDA_SPLIT_TOKENS;
+        let mut args: [*mut c_void; 10] = [
+            &launch.q as *const u64 as *mut c_void,
+            &launch.k as *const u64 as *mut c_void,
+            &launch.v as *const u64 as *mut c_void,
+            &launch.tokens as *const u32 as *mut c_void,
+            &split_tokens as *const u32 as *mut c_void,
+            &launch.q_heads as *const u32 as *mut c_void,
+            &launch.kv_heads as *const u32 as *mut c_void,
+            &launch.head_dim as *const u32 as *mut c_void,
+            &scale as *const f32 as *mut c_void,
+            &launch.partials as *const u64 as *mut c_void,
+        ];
+        let split = match launch.dtype {
+            KvDtype::F32 => self.split_f32,
+            KvDtype::F16 => self.split_f16,
+        };
+        // SAFETY: the caller's contract covers the memory; the argument array matches the
+        // kernel's parameters in order and type, and lives across the call (the driver
+        // copies the values when it queues the launch).
+        unsafe {
+            self.launch(
+                split,
+                stream,
+                (splits, launch.kv_heads),
+                32 * group,
+                &mut args,
+            )?
+        };
+        let mut merge_args: [*mut c_void; 5] = [
+            &launch.partials as *const u64 as *mut c_void,
+            &splits as *const u32 as *mut c_void,
+            &launch.q_heads as *const u32 as *mut c_void,
+            &launch.head_dim as *const u32 as *mut c_void,
+            &launch.out as *const u64 as *mut c_void,
+        ];
+        // SAFETY: as above, for the merge kernel's parameters.
+        unsafe {
+            self.launch(
+                self.merge,
+                stream,
+                (launch.q_heads, 1),
+                launch.head_dim.min(256),
+                &mut merge_args,
+            )
+        }
+    }
+
+    /// Queues a write of one token's row: `n` `f32`s at `src` converted to `dtype` at `dst`
+    /// (a [`KvView::row_addr`](crate::kv::KvView::row_addr)).
+    ///
+    /// # Safety
+    /// `dst` holds `n` elements of `dtype` and `src` `n` `f32`s of this device, both mapped
+    /// (`dst` read-write) until the work on `stream` completes, and nothing else writes `dst`
+    /// meanwhile.
+    pub unsafe fn write_row(
+        &self,
+        stream: &CudaStream,
+        dtype: KvDtype,
+        dst: u64,
+        src: u64,
+        n: u32,
+    ) -> Result<(), MemoryError> {
+        let f = match dtype {
+            KvDtype::F32 => self.write_f32,
+            KvDtype::F16 => self.write_f16,
+        };
+        let mut args: [*mut c_void; 3] = [
+            &dst as *const u64 as *mut c_void,
+            &src as *const u64 as *mut c_void,
+            &n as *const u32 as *mut c_void,
+        ];
+        // SAFETY: the caller's contract; the arguments match `kv_write_*`'s parameters.
+        unsafe { self.launch(f, stream, (n.div_ceil(256), 1), 256, &mut args) }
+    }
+
+    /// # Safety
+    /// `args` matches `f`'s parameters; the memory they name is the caller's to use on
+    /// `stream`.
+    unsafe fn launch(
+        &self,
+        f: sys::CUfunction,
+        stream: &CudaStream,
+        grid: (u32, u32),
+        block: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<(), MemoryError> {
+        if !Arc::ptr_eq(&self.device, stream.device()) {
+            return Err(MemoryError::Driver {
+                op: "cuLaunchKernel",
+                code: "the stream is on another device than the kernels".into(),
+            });
+        }
+        self.device.bind()?;
+        // SAFETY: the caller's contract; the module is loaded for as long as `self` lives.
+        check("cuLaunchKernel", 0, unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid.0,
+                grid.1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream.raw(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for DecodeKernels {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // Work queued with these kernels may still run: wait for the context's work
+            // before the code goes away.
+            // SAFETY: the context is current.
+            let _ = unsafe { sys::cuCtxSynchronize() };
+            // SAFETY: loaded in `load`; nothing of it runs any more.
+            let _ = unsafe { sys::cuModuleUnload(self.module) };
+        }
+    }
+}
