@@ -20,9 +20,13 @@
 //! that size at when the caches are as cold as they are for the strategies (each strategy's
 //! KV evicts the others'). Every row's `kv_gb_s` is the KV bytes one step reads (every
 //! layer's K and V) times its steps per second.
+//! Its `cuda` section runs the CUDA decode kernels over KV on CUDA VMM, preallocated and
+//! staging-copied, where a GPU exists (`benches/common/cuda_decode.rs`).
 //! Writes `target/reports/kv_decode.json`.
 
 mod common;
+#[path = "common/cuda_decode.rs"]
+mod cuda_decode;
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -438,8 +442,14 @@ fn main() {
     let mut out = vec![0f32; Q_HEADS * HEAD_DIM];
     let mut rows = Vec::new();
     let mut contexts = Vec::new();
-    let mut streaming_read = 0.0;
-    for &context in &CONTEXTS {
+    let mut last_streaming_read = None;
+    // On a GPU machine the host part can be left out (scripts/gpu-check.sh does).
+    let host_contexts: &[usize] = if std::env::var_os("KV_DECODE_CUDA_ONLY").is_some() {
+        &[]
+    } else {
+        &CONTEXTS
+    };
+    for &context in host_contexts {
         let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
         let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
         // Build every strategy up to the window (the attention before it costs the same for
@@ -480,7 +490,8 @@ fn main() {
         }
         drop(plain);
         reads.sort_by(|a, b| a.total_cmp(b));
-        streaming_read = reads[reads.len() / 2];
+        let streaming_read = reads[reads.len() / 2];
+        last_streaming_read = Some(streaming_read);
         let mut per_strategy = Vec::new();
         for (i, (name, s)) in strategies.iter().enumerate() {
             rates[i].sort_by(|a, b| a.total_cmp(b));
@@ -528,9 +539,10 @@ fn main() {
             "rounds": ROUNDS,
             "steps_per_round": WINDOW / ROUNDS,
             // At the largest context (the KV there is far beyond any cache).
-            "streaming_read_gb_s": streaming_read,
+            "streaming_read_gb_s": last_streaming_read,
             "contexts": contexts,
             "rows": rows,
+            "cuda": cuda_decode::section(),
         }),
     );
 }

@@ -33,6 +33,9 @@ run "CUDA tests (mechanisms)" "$bin/cuda" --nocapture --test-threads=1
 run "CUDA tests (execution provider)" "$bin/cuda_provider" --nocapture --test-threads=1
 run "virtual_memory bench (host part, then the cuda section)" "$bin/virtual_memory" --bench
 run "deferred_free bench (CPU provider, then the cuda section)" "$bin/deferred_free" --bench
+# The CUDA decode kernels over VMM / preallocated / staging-copied KV (host part skipped).
+run "kv_decode bench (cuda section only)" env KV_DECODE_CUDA_ONLY=1 "$bin/kv_decode" --bench
 grep -h -A8 '"cuda"' "$reports"/virtual_memory.json "$reports"/deferred_free.json || true
+grep -h -A60 '"cuda"' "$reports"/kv_decode.json || true
 echo "== gpu-check done: $([[ $status == 0 ]] && echo all passed || echo FAILURES) =="
 exit $status

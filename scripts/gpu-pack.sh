@@ -20,6 +20,7 @@ for line in sys.stdin:
     pick test --release -p procmem-actors --test cuda_provider
     pick bench -p procmem --bench virtual_memory
     pick bench -p procmem --bench deferred_free
+    pick bench -p procmem --bench kv_decode
 } | while read -r name path; do
     cp "$path" "$out/$name"
     strip "$out/$name" 2>/dev/null || true

@@ -247,13 +247,29 @@ impl VirtualBacking for CudaVmmBacking {
             };
             let addr = base + i as u64 * g;
             // SAFETY: granule `i` lies inside this reservation and is only reserved (checked).
-            let mapped_now = unsafe { device.map(addr, &handle, CudaAccess::ReadWrite) };
+            let mapped_now = unsafe { device.map_without_access(addr, &handle) };
             if let Err(e) = mapped_now {
                 self.pool.put(handle);
                 rollback(mapped, &self.pool);
                 return Err(e);
             }
             mapped.push((i, handle));
+        }
+        // One access grant for the whole chunk (the driver's cost is per call, not per
+        // granule). Nothing may touch the granules before it succeeds.
+        if !mapped.is_empty() {
+            // SAFETY: every granule of the range was mapped just above.
+            let granted = unsafe {
+                device.set_access(
+                    base + range.start,
+                    range.end - range.start,
+                    CudaAccess::ReadWrite,
+                )
+            };
+            if let Err(e) = granted {
+                rollback(mapped, &self.pool);
+                return Err(e);
+            }
         }
         for (i, handle) in mapped {
             res.handles[i] = Some(handle);

@@ -215,10 +215,48 @@ impl CudaDevice {
         access: CudaAccess,
     ) -> Result<(), MemoryError> {
         self.bind()?;
+        // SAFETY: precondition 1.
+        unsafe { self.map_without_access(ptr, handle)? };
+        // SAFETY: the range was just mapped.
+        let access = unsafe { self.set_access(ptr, handle.size, access) };
+        if access.is_err() {
+            // SAFETY: the range was mapped by the call above and nothing used it yet.
+            let _ = unsafe { self.unmap(ptr, handle.size) };
+        }
+        access
+    }
+
+    /// Maps `handle` at `ptr` without granting any access yet (see [`CudaDevice::set_access`]):
+    /// a growth maps each granule, then grants access to the whole chunk in one call.
+    ///
+    /// # Safety
+    /// 1. `ptr..ptr + handle.size()` lies inside an [`AddressRange`] of this device and has
+    ///    nothing mapped there.
+    pub unsafe fn map_without_access(
+        &self,
+        ptr: u64,
+        handle: &PhysicalHandle,
+    ) -> Result<(), MemoryError> {
+        self.bind()?;
         // SAFETY: precondition 1; the handle is alive for the duration of the call.
         check("cuMemMap", handle.size, unsafe {
             sys::cuMemMap(ptr, handle.size as usize, 0, handle.handle, 0)
-        })?;
+        })
+    }
+
+    /// Grants this device `access` to `ptr..ptr + size`, which may span several mappings:
+    /// one `cuMemSetAccess` for a whole chunk instead of one per granule.
+    ///
+    /// # Safety
+    /// 1. Every byte of the range is mapped (by [`CudaDevice::map_without_access`] or
+    ///    [`CudaDevice::map`]) on this device.
+    pub unsafe fn set_access(
+        &self,
+        ptr: u64,
+        size: u64,
+        access: CudaAccess,
+    ) -> Result<(), MemoryError> {
+        self.bind()?;
         let desc = sys::CUmemAccessDesc {
             location: self.allocation_prop().location,
             flags: match access {
@@ -226,15 +264,10 @@ impl CudaDevice {
                 CudaAccess::ReadOnly => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
             },
         };
-        // SAFETY: the range was just mapped; `desc` is one valid descriptor.
-        let access = check("cuMemSetAccess", handle.size, unsafe {
-            sys::cuMemSetAccess(ptr, handle.size as usize, &desc, 1)
-        });
-        if access.is_err() {
-            // SAFETY: the range was mapped by the call above and nothing used it yet.
-            let _ = unsafe { self.unmap(ptr, handle.size) };
-        }
-        access
+        // SAFETY: precondition 1; `desc` is one valid descriptor.
+        check("cuMemSetAccess", size, unsafe {
+            sys::cuMemSetAccess(ptr, size as usize, &desc, 1)
+        })
     }
 
     /// Unmaps `ptr..ptr + size`.
