@@ -27,6 +27,7 @@ pub(crate) mod sys;
 
 #[cfg(target_os = "linux")]
 pub use backing::HostBacking;
+pub(crate) use host_access::{check_readable, check_writable};
 #[cfg(target_os = "linux")]
 pub use host_access::{range_bytes, range_bytes_mut};
 #[cfg(target_os = "linux")]

@@ -72,6 +72,14 @@ impl CudaStreamHandle {
         &self.inner.deferred
     }
 
+    /// The fence of the last work submitted (complete already if none was).
+    pub(crate) fn last_issued(&self) -> Fence {
+        Fence {
+            stream: self.id(),
+            value: self.inner.core.host_timeline().signalled(),
+        }
+    }
+
     /// Queues `work` on the CUDA stream, records an event after it, and returns that fence.
     /// Every buffer in `uses` records the fence.
     pub fn submit(

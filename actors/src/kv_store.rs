@@ -17,7 +17,7 @@ use procmem::kv::{
     PrefixCandidate, SequenceCandidate, SequenceTable, TableError, Victim, Writer,
 };
 use procmem::ledger::{HolderId, Priority};
-use procmem::{HostBacking, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping};
+use procmem::{MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
@@ -26,15 +26,17 @@ use crate::deferred_free::{DeferredRelease, PendingFree};
 use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
-use crate::provider::CpuProvider;
-use crate::stream::{CpuStream, StreamError};
+use crate::stream::StreamError;
 
+mod device;
 mod lending;
 mod state;
 mod step;
 mod steps;
 mod swap;
 
+use device::KvDevice;
+pub use device::{KvProvider, KvStream};
 pub use step::{KvStep, StepKv};
 use step::{StepMemory, StepSeq};
 use swap::{Saved, Space};
@@ -382,10 +384,11 @@ fn batch_of(seqs: &[(SeqId, Writer, u64)]) -> Vec<(SeqId, Writer)> {
 /// The store's state.
 pub(crate) struct KvStoreState {
     config: KvStoreConfig,
-    backing: Arc<HostBacking>,
-    provider: CpuProvider,
+    /// The device the memory lives on.
+    device: KvDevice,
     swap: Space,
-    stream: CpuStream,
+    /// The device's stream, where every step runs.
+    stream: KvStream,
     governor: GovernorHandle,
     holder: HolderId,
     /// What every charge of this store holds, those waiting for their fences included.
@@ -413,8 +416,8 @@ pub(crate) struct KvStoreArgs {
     pub config: KvStoreConfig,
     /// The Governor of the authority its memory comes from.
     pub governor: GovernorHandle,
-    /// The execution provider whose host mechanism backs it and whose stream runs attention.
-    pub provider: CpuProvider,
+    /// The execution provider whose mechanism backs it and whose stream its steps run on.
+    pub provider: KvProvider,
 }
 
 impl Actor for KvStore {
@@ -434,13 +437,14 @@ impl Actor for KvStore {
         } = args;
         // Every startup failure is a `KvStoreError`, so `spawn` returns it as it is.
         let start = async {
+            let device = KvDevice::open(provider)?;
             config
                 .shape
-                .validate(procmem::granularity())
+                .validate(device.granularity())
                 .map_err(KvError::from)?;
-            let stream = provider.stream(0)?.clone();
             let swap = match &config.swap {
-                // The KV is host memory here: a copy in host memory would free nothing.
+                // On the host a copy in host memory would free nothing; on a GPU, with no
+                // host-tier Governor named, the copy goes to disk as well.
                 SwapSpace::Auto => Space::Disk(swap::default_disk_dir()),
                 SwapSpace::Disk(dir) => Space::Disk(dir.clone()),
                 SwapSpace::Host(host) if host.authority() == governor.authority() => {
@@ -461,14 +465,13 @@ impl Actor for KvStore {
                     Some(myself.get_derived()),
                 )
                 .await?;
-            Ok::<_, KvStoreError>((stream, holder, swap))
+            Ok::<_, KvStoreError>((device, holder, swap))
         };
-        let (stream, holder, swap) = start.await?;
+        let (device, holder, swap) = start.await?;
         Ok(KvStoreState {
-            backing: provider.mechanism().backing(),
-            provider: provider.clone(),
+            stream: device.stream.clone(),
+            device,
             swap,
-            stream,
             governor,
             holder,
             tally: Tally::default(),
@@ -550,30 +553,31 @@ pub struct KvStoreHandle {
 }
 
 impl KvStoreHandle {
-    /// Starts a store registered as a holder with `governor`, backed by `provider`. A store
-    /// that cannot start says why (a bad shape is `KvStoreError::Kv`).
+    /// Starts a store registered as a holder with `governor`, backed by `provider` (the
+    /// host's [`CpuProvider`](crate::CpuProvider) or a [`CudaProvider`](crate::CudaProvider)).
+    /// A store that cannot start says why (a bad shape is `KvStoreError::Kv`).
     pub async fn spawn(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: CpuProvider,
+        provider: impl Into<KvProvider>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        Self::start(config, governor, provider, None).await
+        Self::start(config, governor, provider.into(), None).await
     }
 
     /// The same, supervised by `supervisor` (its failure is reported there, not fatal).
     pub async fn spawn_supervised(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: CpuProvider,
+        provider: impl Into<KvProvider>,
         supervisor: ractor::ActorCell,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        Self::start(config, governor, provider, Some(supervisor)).await
+        Self::start(config, governor, provider.into(), Some(supervisor)).await
     }
 
     async fn start(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: CpuProvider,
+        provider: KvProvider,
         supervisor: Option<ractor::ActorCell>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         let args = KvStoreArgs {

@@ -93,8 +93,8 @@ pub use governor::{
     ReserveRequest,
 };
 pub use kv_store::{
-    AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, Opened,
-    PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
+    AttendItem, KvProvider, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats,
+    KvStream, Opened, PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
 };
 pub use manager::{
     Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,

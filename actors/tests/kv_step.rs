@@ -203,6 +203,8 @@ async fn a_fence_of_another_stream_is_refused_and_counts_nothing() {
     let (open, gate) = crossbeam_channel::bounded::<()>(0);
     let late = step
         .stream()
+        .cpu()
+        .unwrap()
         .submit(&[], move || gate.recv().unwrap())
         .unwrap();
     let completing = tokio::spawn(step.complete(late));
@@ -386,6 +388,8 @@ async fn a_step_outliving_its_store_keeps_its_memory_until_the_stream_ran() {
     // The server's own kernel, queued directly on the step's stream behind a gate.
     let (open, gate) = crossbeam_channel::bounded::<()>(0);
     step.stream()
+        .cpu()
+        .unwrap()
         .submit(&[], move || gate.recv().unwrap())
         .unwrap();
     kv.actor().kill();

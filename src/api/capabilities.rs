@@ -68,6 +68,39 @@ pub trait VirtualBacking: Send + Sync {
     ) -> Result<DecommitResult, MemoryError>;
     /// Exclusively committed physical bytes of `allocation`, as the OS or driver reports them.
     fn committed_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError>;
+
+    /// Copies bytes `offset..offset + dst.len()` of `allocation` (every granule backed) into
+    /// `dst`, and returns once they are there. On a device the copy does not wait for work
+    /// queued on other streams: order it after their fences. Host reservations by default.
+    fn read_range(
+        &self,
+        allocation: &VirtualAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        let end = offset
+            .checked_add(dst.len() as u64)
+            .ok_or(MemoryError::SizeOverflow { what: "read range" })?;
+        dst.copy_from_slice(crate::virtual_memory::range_bytes(allocation, offset..end)?);
+        Ok(())
+    }
+
+    /// Copies `src` to bytes `offset..offset + src.len()` of `allocation` (every granule
+    /// writable), and returns once it is there; as [`VirtualBacking::read_range`] on ordering.
+    fn write_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        let end = offset
+            .checked_add(src.len() as u64)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "write range",
+            })?;
+        crate::virtual_memory::range_bytes_mut(allocation, offset..end)?.copy_from_slice(src);
+        Ok(())
+    }
 }
 
 /// One physical block at several addresses: shared prompt prefixes.

@@ -16,6 +16,7 @@ use crate::api::{
     MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
     VirtualRequest,
 };
+use crate::virtual_memory::{check_readable, check_writable};
 
 /// Physical handles of one granule each, kept for reuse.
 #[derive(Debug)]
@@ -337,6 +338,56 @@ impl VirtualBacking for CudaVmmBacking {
         let res = allocation.backend::<CudaReservation>().expect("checked");
         Ok(res.handles.iter().filter(|h| h.is_some()).count() as u64 * self.granularity)
     }
+
+    fn read_range(
+        &self,
+        allocation: &VirtualAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        self.check(allocation)?;
+        let range = span(offset, dst.len())?;
+        check_readable(allocation, &range)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: every granule of the range is mapped on this device and stays mapped while
+        // `allocation` is borrowed (changing its mappings takes `&mut`); `dst` is host memory
+        // of exactly the range's length.
+        unsafe {
+            self.pool
+                .device
+                .copy_to_host(dst, allocation.addr() + offset)
+        }
+    }
+
+    fn write_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        self.check(allocation)?;
+        let range = span(offset, src.len())?;
+        check_writable(allocation, &range)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: every granule of the range is mapped writable on this device, and `&mut`
+        // keeps its mappings as they are for the call.
+        unsafe {
+            self.pool
+                .device
+                .copy_to_device(allocation.addr() + offset, src)
+        }
+    }
+}
+
+fn span(offset: u64, len: usize) -> Result<Range<u64>, MemoryError> {
+    let end = offset
+        .checked_add(len as u64)
+        .ok_or(MemoryError::SizeOverflow { what: "copy range" })?;
+    Ok(offset..end)
 }
 
 impl SharedMapping for CudaVmmBacking {

@@ -366,8 +366,28 @@ impl KvSequence {
         Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.shape.token_bytes())?)
     }
 
-    /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back); the
-    /// rows must be mapped and writable.
+    /// Copies buffer `buffer`'s first `tokens` rows into `dst` (exactly that many bytes), on
+    /// any device: what a swap copies out of device memory. Order it after the kernels that
+    /// wrote them.
+    pub fn read_buffer(&self, buffer: usize, tokens: usize, dst: &mut [u8]) -> Result<(), KvError> {
+        if buffer >= self.buffers.len() {
+            return Err(KvError::NoSuchLayer(buffer / 2));
+        }
+        if tokens > self.mapped_tokens() {
+            return Err(KvError::NotMapped(tokens.saturating_sub(1)));
+        }
+        let len = tokens as u64 * self.shape.token_bytes();
+        if dst.len() as u64 != len {
+            return Err(KvError::WrongLength {
+                expected: len as usize,
+                got: dst.len(),
+            });
+        }
+        Ok(self.buffers[buffer].read_into(0, dst)?)
+    }
+
+    /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back), on
+    /// any device; the rows must be mapped and writable.
     pub fn write_buffer_bytes(&mut self, buffer: usize, bytes: &[u8]) -> Result<(), KvError> {
         let tb = self.shape.token_bytes();
         if buffer >= self.buffers.len() {
@@ -382,10 +402,7 @@ impl KvSequence {
         if bytes.len() as u64 > self.mapped() {
             return Err(KvError::NotMapped((self.mapped() / tb) as usize));
         }
-        self.buffers[buffer]
-            .bytes_mut(0..bytes.len() as u64)?
-            .copy_from_slice(bytes);
-        Ok(())
+        Ok(self.buffers[buffer].write_from(0, bytes)?)
     }
 
     /// Where layer `layer`'s K and V lie for a kernel, `tokens` rows of each (at most what is

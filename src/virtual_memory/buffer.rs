@@ -162,6 +162,22 @@ impl VirtualBuffer {
         range_bytes_mut(&mut self.allocation, range)
     }
 
+    /// Copies bytes `offset..offset + dst.len()` (within its length) into `dst`, on any
+    /// device (a device-to-host copy on a GPU); returns once they are there.
+    pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let end = offset.saturating_add(dst.len() as u64);
+        self.check_within(&(offset..end))?;
+        self.backing.read_range(&self.allocation, offset, dst)
+    }
+
+    /// Copies `src` to bytes `offset..offset + src.len()` (within its length, writable), on
+    /// any device; returns once it is there.
+    pub fn write_from(&mut self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        let end = offset.saturating_add(src.len() as u64);
+        self.check_within(&(offset..end))?;
+        self.backing.write_range(&mut self.allocation, offset, src)
+    }
+
     fn check_within(&self, range: &Range<u64>) -> Result<(), MemoryError> {
         if range.start > range.end || range.end > self.len {
             return Err(MemoryError::OutOfReservation {

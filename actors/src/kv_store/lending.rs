@@ -103,8 +103,8 @@ impl KvStoreState {
             // issued (what was queued still runs).
             _ => self
                 .stream
-                .submit(&[], || {})
-                .unwrap_or_else(|_| self.stream.last_issued()),
+                .mark()
+                .unwrap_or_else(|| self.stream.last_issued()),
         };
         self.return_after(myself, step, memory, marker, advance, foreign, reply);
     }

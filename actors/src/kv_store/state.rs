@@ -359,12 +359,21 @@ impl KvStoreState {
             return Taken::default();
         }
         let tokens = memory.tokens();
+        // On a GPU the copy out is a device-to-host copy made here, so the sequence's last
+        // kernel must have finished first (on the host the copy is a kernel queued after it).
+        let fence = self.seqs.get(&id).and_then(|e| e.last_fence);
+        let idle = match fence {
+            Some(f) if !self.device.is_host() => self.device.wait(f, self.config.wait).await,
+            _ => true,
+        };
+        let Some(memory) = self.seqs.get(&id).and_then(|e| e.memory.as_ref()) else {
+            return Taken::default();
+        };
         // Room for the copy is found first (the sequence is idle: nothing writes it
         // meanwhile); a swap space without room makes this a recompute.
         let saved = match self.config.preempt {
-            PreemptMode::Swap if tokens > 0 => {
-                let saved =
-                    Saved::reserve(&self.swap, self.provider.mechanism(), memory, tokens).await;
+            PreemptMode::Swap if tokens > 0 && idle => {
+                let saved = Saved::reserve(&self.swap, self.device.host(), memory, tokens).await;
                 if saved.is_none() {
                     self.stats.swap_fallbacks += 1;
                 }
@@ -399,11 +408,23 @@ impl KvStoreState {
         };
         let (mut freed, mut pending) = (0, 0);
         match saved {
+            Some(saved) if !self.device.is_host() => {
+                // The sequence's kernels have finished: the rows are copied out now, and the
+                // memory goes after the stream's queued work (nothing of it uses this memory).
+                saved.copy()(&out.memory.seq);
+                if saved.copied() {
+                    entry.saved = Some(saved);
+                } else {
+                    self.stats.swap_fallbacks += 1;
+                }
+                self.stream.after_queued(move || drop(out));
+                pending = bytes;
+            }
             Some(mut saved) => {
                 // The copy out is a kernel on the stream, which frees the memory once the
                 // rows are out.
                 let copy = saved.copy();
-                match self.stream.submit(&[], move || {
+                match self.stream.submit_host(None, move || {
                     copy(&out.memory.seq);
                     drop(out);
                 }) {
@@ -453,7 +474,7 @@ impl KvStoreState {
         stats.prefix_entries = self.prefixes.blocks().count();
         stats.prefix_bytes = self.prefixes.blocks().map(|(_, b, _, _)| b.bytes).sum();
         stats.leased_bytes = self.tally.bytes();
-        stats.os_resident_bytes = self.backing.resident_bytes().unwrap_or(0);
+        stats.os_resident_bytes = self.device.resident_bytes();
         stats.swap = self.swap.kind();
         stats.swapped_bytes = self
             .seqs

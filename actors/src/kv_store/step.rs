@@ -16,9 +16,10 @@ use procmem::kv::{
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
+use super::device::KvStream;
 use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId, SharedPrefix};
 use crate::charge::Charge;
-use crate::stream::{CpuStream, StreamError};
+use crate::stream::StreamError;
 
 /// One sequence's memory while a step has it.
 pub(super) struct StepSeq {
@@ -36,11 +37,11 @@ pub(super) struct StepSeq {
 /// step's stream so far has run: a server's kernels may use it through the views.
 pub(crate) struct StepMemory {
     seqs: Mutex<Vec<StepSeq>>,
-    stream: CpuStream,
+    stream: KvStream,
 }
 
 impl StepMemory {
-    pub(super) fn new(seqs: Vec<StepSeq>, stream: CpuStream) -> Arc<Self> {
+    pub(super) fn new(seqs: Vec<StepSeq>, stream: KvStream) -> Arc<Self> {
         Arc::new(StepMemory {
             seqs: Mutex::new(seqs),
             stream,
@@ -69,26 +70,10 @@ impl Drop for StepMemory {
 }
 
 /// Frees `seqs` (memory, then what paid for it) once everything queued on `stream` so far has
-/// run: as a kernel after it, or, on a stream that no longer takes work, when the last value
-/// it issued completes (a stream that failed never completes it, and the memory is kept).
-pub(super) fn free_after_stream(stream: &CpuStream, seqs: Vec<StepSeq>) {
-    let slot = Arc::new(Mutex::new(Some(seqs)));
-    let in_kernel = Arc::clone(&slot);
-    let queued = stream.submit(&[], move || {
-        drop(
-            in_kernel
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take(),
-        );
-    });
-    if queued.is_err() {
-        let last = stream.last_issued();
-        stream.timeline().on_complete(
-            last.value,
-            Box::new(move |_| drop(slot.lock().unwrap_or_else(PoisonError::into_inner).take())),
-        );
-    }
+/// run (or, on a stream that no longer takes work, when the last value it issued completes; a
+/// stream that failed never completes it, and the memory is kept).
+pub(super) fn free_after_stream(stream: &KvStream, seqs: Vec<StepSeq>) {
+    stream.after_queued(move || drop(seqs));
 }
 
 /// The memory of a step, as a host kernel sees it: sequence `i` is the step's `i`-th, its new
@@ -170,7 +155,7 @@ pub struct KvStep {
     /// `[sequence][layer]`.
     views: Vec<Vec<LayerViews>>,
     memory: Option<Arc<StepMemory>>,
-    stream: CpuStream,
+    stream: KvStream,
     last_fence: Mutex<Option<Fence>>,
     /// A fence of another stream the step's end waits for (`complete_after`).
     after: Option<TimelineFence>,
@@ -194,7 +179,7 @@ impl KvStep {
         shape: KvShape,
         seqs: Vec<StepSeq>,
         views: Vec<Vec<LayerViews>>,
-        stream: CpuStream,
+        stream: KvStream,
     ) -> Self {
         KvStep {
             id,
@@ -231,8 +216,10 @@ impl KvStep {
         self.views.get(i)?.get(layer).copied()
     }
 
-    /// The stream the step's kernels run on; the step's fence must be one of its fences.
-    pub fn stream(&self) -> &CpuStream {
+    /// The stream the step's kernels run on; the step's fence must be one of its fences. On
+    /// the host it is a CPU stream ([`KvStep::submit`] runs closures on it); on a GPU a CUDA
+    /// stream the server launches its own kernels on, over the views' device addresses.
+    pub fn stream(&self) -> &KvStream {
         &self.stream
     }
 
@@ -249,13 +236,19 @@ impl KvStep {
     }
 
     /// Runs `kernel` on the step's stream, after the work submitted before it, with the step's
-    /// memory as typed slices. Returns its fence.
+    /// memory as typed slices. Returns its fence. Host KV only: on a GPU this is
+    /// `StreamError::NotHost` (launch kernels on [`KvStep::stream`] instead).
     pub fn submit<F>(&self, kernel: F) -> Result<Fence, StreamError>
     where
         F: FnOnce(&mut StepKv<'_>) + Send + 'static,
     {
         let memory = Arc::clone(self.memory());
-        let fence = self.stream.submit(&[], move || {
+        let device = self
+            .views
+            .first()
+            .and_then(|v| v.first())
+            .map(|v| v.k.device);
+        let fence = self.stream.submit_host(device, move || {
             let mut seqs = memory.lock();
             kernel(&mut StepKv { seqs: &mut seqs });
         })?;

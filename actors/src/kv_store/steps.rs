@@ -14,7 +14,7 @@ impl KvStoreState {
         reply: RpcReplyPort<Result<Opened, KvStoreError>>,
     ) {
         let shape = self.config.shape;
-        let g = procmem::granularity();
+        let g = self.device.granularity();
         let bt = shape.block_tokens(g);
         // A refused id reserves nothing.
         let writer = match self.table.begin_open(seq) {
@@ -24,15 +24,18 @@ impl KvStoreState {
                 return;
             }
         };
-        let memory =
-            match KvSequence::reserve(self.backing.clone(), shape, self.config.chunk_granules) {
-                Ok(s) => s,
-                Err(e) => {
-                    self.table.end_open(seq, writer, 0, None);
-                    let _ = reply.send(Err(e.into()));
-                    return;
-                }
-            };
+        let memory = match KvSequence::reserve(
+            self.device.backing.clone(),
+            shape,
+            self.config.chunk_granules,
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                self.table.end_open(seq, writer, 0, None);
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
         // Complete blocks with the same tokens are shared; the blocks after them that nobody
         // has are claimed for this sequence to write now, before its grant, so a second open
         // of the same prompt meanwhile shares nothing from them on instead of making them
@@ -81,7 +84,7 @@ impl KvStoreState {
             return;
         };
         let shape = self.config.shape;
-        let g = procmem::granularity();
+        let g = self.device.granularity();
         let bt = shape.block_tokens(g);
         let mut charge = Charge::counted(&self.tally);
         if let Some(grant) = grant {
@@ -94,7 +97,7 @@ impl KvStoreState {
                 }
             }
         }
-        let mapping: &dyn SharedMapping = self.backing.as_ref();
+        let mapping: &dyn SharedMapping = self.device.shared.as_ref();
         let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
         let mut fresh = Vec::with_capacity(new_keys.len());
         for _ in &new_keys {
@@ -357,15 +360,18 @@ impl KvStoreState {
             }
             Ok(Some(found)) => found,
         };
-        let memory =
-            match KvSequence::reserve(self.backing.clone(), shape, self.config.chunk_granules) {
-                Ok(m) => m,
-                Err(e) => {
-                    self.table.end_restore(seq, writer, false);
-                    let _ = reply.send(Err(e.into()));
-                    return;
-                }
-            };
+        let memory = match KvSequence::reserve(
+            self.device.backing.clone(),
+            shape,
+            self.config.chunk_granules,
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                self.table.end_restore(seq, writer, false);
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
         let per_buffer = memory.growth_for(tokens);
         let entry = self
             .seqs

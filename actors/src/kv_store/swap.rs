@@ -166,21 +166,32 @@ impl Saved {
         move |memory: &KvSequence| {
             let tokens = (per_buffer / memory.shape().token_bytes()) as usize;
             let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
+            // Rows are read with the buffer's own copy (a memcpy on the host, a
+            // device-to-host copy on a GPU).
+            let mut staging = Vec::new();
             let ok = (0..buffers).all(|b| {
-                let Ok(rows) = memory.buffer_bytes(b, tokens) else {
-                    return false;
-                };
                 let at = b as u64 * per_buffer;
                 match &mut *place {
-                    Place::Disk(file) => file
-                        .write_all_at(rows, at)
-                        .map_err(|e| tracing::warn!(%e, "swap file write failed"))
-                        .is_ok(),
+                    Place::Disk(file) => {
+                        staging.resize(per_buffer as usize, 0);
+                        memory
+                            .read_buffer(b, tokens, &mut staging)
+                            .map_err(|e| tracing::warn!(%e, "swap copy out failed"))
+                            .is_ok()
+                            && file
+                                .write_all_at(&staging, at)
+                                .map_err(|e| tracing::warn!(%e, "swap file write failed"))
+                                .is_ok()
+                    }
                     Place::Host { rows: copy, .. } => match allocation_bytes_mut(copy) {
-                        Ok(out) => {
-                            out[at as usize..at as usize + rows.len()].copy_from_slice(rows);
-                            true
-                        }
+                        Ok(out) => memory
+                            .read_buffer(
+                                b,
+                                tokens,
+                                &mut out[at as usize..(at + per_buffer) as usize],
+                            )
+                            .map_err(|e| tracing::warn!(%e, "swap copy out failed"))
+                            .is_ok(),
                         Err(_) => false,
                     },
                 }

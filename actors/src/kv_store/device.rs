@@ -1,0 +1,230 @@
+//! Where a KV store's memory lives and where its steps run: the host provider (memfd blocks
+//! mapped into reservations, kernels as closures on a CPU stream) or a CUDA provider (VMM
+//! handles mapped into device reservations, kernels launched on a CUDA stream by the server).
+//! The store's policy is the same on both; what differs is here.
+
+use std::sync::Arc;
+
+use procmem::cuda::CudaVmmBacking;
+use procmem::fence::{Fence, StreamId, Timeline};
+use procmem::host::HostMechanism;
+use procmem::{DeviceKey, HostBacking, SharedMapping, VirtualBacking};
+
+use crate::cuda_provider::{CudaProvider, CudaStreamHandle, CudaSubmitError};
+use crate::deferred_free::DeferredQueue;
+use crate::provider::CpuProvider;
+use crate::stream::{CpuStream, StreamError};
+
+use super::KvStoreError;
+
+/// The execution provider a KV store's memory comes from.
+#[derive(Debug, Clone)]
+pub enum KvProvider {
+    /// Host memory; attention kernels are closures on the provider's CPU stream.
+    Host(CpuProvider),
+    /// GPU memory through CUDA VMM; the server launches its kernels on the CUDA stream.
+    Cuda(CudaProvider),
+}
+
+impl From<CpuProvider> for KvProvider {
+    fn from(p: CpuProvider) -> Self {
+        KvProvider::Host(p)
+    }
+}
+
+impl From<CudaProvider> for KvProvider {
+    fn from(p: CudaProvider) -> Self {
+        KvProvider::Cuda(p)
+    }
+}
+
+/// The stream a KV store's steps run on.
+#[derive(Debug, Clone)]
+pub enum KvStream {
+    /// A CPU stream: kernels are closures ([`KvStep::submit`](super::KvStep::submit)).
+    Cpu(CpuStream),
+    /// A CUDA stream: the server launches its kernels on it and completes the step with a
+    /// fence of it.
+    Cuda(CudaStreamHandle),
+}
+
+impl KvStream {
+    /// Its identity.
+    pub fn id(&self) -> StreamId {
+        match self {
+            KvStream::Cpu(s) => s.id(),
+            KvStream::Cuda(s) => s.id(),
+        }
+    }
+
+    /// Its timeline.
+    pub fn timeline(&self) -> Arc<dyn Timeline> {
+        match self {
+            KvStream::Cpu(s) => s.timeline(),
+            KvStream::Cuda(s) => s.timeline(),
+        }
+    }
+
+    /// The CPU stream, on the host.
+    pub fn cpu(&self) -> Option<&CpuStream> {
+        match self {
+            KvStream::Cpu(s) => Some(s),
+            KvStream::Cuda(_) => None,
+        }
+    }
+
+    /// The CUDA stream, on a GPU.
+    pub fn cuda(&self) -> Option<&CudaStreamHandle> {
+        match self {
+            KvStream::Cuda(s) => Some(s),
+            KvStream::Cpu(_) => None,
+        }
+    }
+
+    pub(crate) fn deferred_free(&self) -> &DeferredQueue {
+        match self {
+            KvStream::Cpu(s) => s.deferred_free(),
+            KvStream::Cuda(s) => s.deferred_free(),
+        }
+    }
+
+    pub(crate) fn last_issued(&self) -> Fence {
+        match self {
+            KvStream::Cpu(s) => s.last_issued(),
+            KvStream::Cuda(s) => s.last_issued(),
+        }
+    }
+
+    /// A fence after everything queued on the stream so far: an empty kernel on a CPU stream,
+    /// an event on a CUDA stream. `None` where the stream takes no more work.
+    pub(crate) fn mark(&self) -> Option<Fence> {
+        match self {
+            KvStream::Cpu(s) => s.submit(&[], || {}).ok(),
+            KvStream::Cuda(s) => match s.submit(&[], |_| Ok(())) {
+                Ok(f) => Some(f),
+                Err(CudaSubmitError::Stream(_)) => None,
+                Err(CudaSubmitError::Work(e)) => {
+                    tracing::error!(%e, "recording a CUDA event failed");
+                    None
+                }
+            },
+        }
+    }
+
+    /// Runs `f` once everything queued on the stream so far has run. On a stream that takes
+    /// no more work, once the last value it issued completes (a stream that failed never
+    /// completes it: `f`, and whatever it holds, is then kept rather than run early).
+    pub(crate) fn after_queued(&self, f: impl FnOnce() + Send + 'static) {
+        let fence = self.mark().unwrap_or_else(|| self.last_issued());
+        self.timeline()
+            .on_complete(fence.value, Box::new(move |_| f()));
+    }
+
+    /// Runs `kernel` on a CPU stream; a CUDA stream takes no closures (the memory, on
+    /// `device`, is not host memory).
+    pub(crate) fn submit_host(
+        &self,
+        device: Option<DeviceKey>,
+        kernel: impl FnOnce() + Send + 'static,
+    ) -> Result<Fence, StreamError> {
+        match self {
+            KvStream::Cpu(s) => s.submit(&[], kernel),
+            KvStream::Cuda(s) => Err(match device {
+                Some(device) => StreamError::NotHost(device),
+                None => StreamError::Closed(s.id()),
+            }),
+        }
+    }
+}
+
+/// What the store uses of its provider's device.
+pub(crate) struct KvDevice {
+    pub(crate) provider: KvProvider,
+    pub(crate) stream: KvStream,
+    pub(crate) backing: Arc<dyn VirtualBacking>,
+    pub(crate) shared: Arc<dyn SharedMapping>,
+    resident: Resident,
+    /// Host memory for swap copies charged to a host tier (on the host, the provider's own).
+    host: Option<HostMechanism>,
+}
+
+/// Where the device's own count of the store's memory comes from.
+enum Resident {
+    /// The memfd's allocated pages, as the kernel counts them.
+    Host(Arc<HostBacking>),
+    /// The VMM handles the backing holds live (mapped or shared), as the driver was asked.
+    Cuda(Arc<CudaVmmBacking>),
+}
+
+impl KvDevice {
+    pub(crate) fn open(provider: KvProvider) -> Result<KvDevice, KvStoreError> {
+        Ok(match &provider {
+            KvProvider::Host(p) => {
+                let backing = p.mechanism().backing();
+                KvDevice {
+                    stream: KvStream::Cpu(p.stream(0)?.clone()),
+                    backing: backing.clone(),
+                    shared: backing.clone(),
+                    resident: Resident::Host(backing),
+                    host: None,
+                    provider,
+                }
+            }
+            KvProvider::Cuda(p) => {
+                let backing = p.mechanism().backing();
+                KvDevice {
+                    stream: KvStream::Cuda(p.stream(0)?.clone()),
+                    backing: backing.clone(),
+                    shared: backing.clone(),
+                    resident: Resident::Cuda(backing),
+                    host: Some(HostMechanism::new()?),
+                    provider,
+                }
+            }
+        })
+    }
+
+    /// The mapping granularity of the device.
+    pub(crate) fn granularity(&self) -> u64 {
+        self.backing.granularity()
+    }
+
+    /// Whether the KV is host memory (host kernels, host swap copies).
+    pub(crate) fn is_host(&self) -> bool {
+        matches!(self.provider, KvProvider::Host(_))
+    }
+
+    /// The host mechanism swap copies charged to a host tier are allocated from.
+    pub(crate) fn host(&self) -> &HostMechanism {
+        match (&self.provider, &self.host) {
+            (KvProvider::Host(p), _) => p.mechanism(),
+            (_, Some(host)) => host,
+            (KvProvider::Cuda(_), None) => unreachable!("a CUDA store opens a host mechanism"),
+        }
+    }
+
+    /// Waits (without blocking the thread) until `fence` completes, at most `limit`: false if
+    /// it did not (a stream that failed never completes its fences).
+    pub(crate) async fn wait(&self, fence: Fence, limit: std::time::Duration) -> bool {
+        let timeline = self.stream.timeline();
+        if timeline.completed() >= fence.value {
+            return true;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        timeline.on_complete(
+            fence.value,
+            Box::new(move |_| {
+                let _ = tx.send(());
+            }),
+        );
+        matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(())))
+    }
+
+    /// Bytes of the store's memory as the device counts it.
+    pub(crate) fn resident_bytes(&self) -> u64 {
+        match &self.resident {
+            Resident::Host(b) => b.resident_bytes().unwrap_or(0),
+            Resident::Cuda(b) => b.live_bytes(),
+        }
+    }
+}
