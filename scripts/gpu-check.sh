@@ -31,6 +31,7 @@ run() {
 }
 run "CUDA tests (mechanisms)" "$bin/cuda" --nocapture --test-threads=1
 run "CUDA tests (execution provider)" "$bin/cuda_provider" --nocapture --test-threads=1
+run "CUDA tests (KV store on VMM)" "$bin/kv_cuda" --nocapture --test-threads=1
 run "virtual_memory bench (host part, then the cuda section)" "$bin/virtual_memory" --bench
 run "deferred_free bench (CPU provider, then the cuda section)" "$bin/deferred_free" --bench
 # The CUDA decode kernels over VMM / preallocated / staging-copied KV (host part skipped).

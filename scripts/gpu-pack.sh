@@ -18,6 +18,7 @@ for line in sys.stdin:
 {
     pick test --release -p procmem --test cuda
     pick test --release -p procmem-actors --test cuda_provider
+    pick test --release -p procmem-actors --test kv_cuda
     pick bench -p procmem --bench virtual_memory
     pick bench -p procmem --bench deferred_free
     pick bench -p procmem --bench kv_decode

@@ -55,8 +55,10 @@ pub use builder::MemoryManagerBuilder;
 pub use report::{AuthorityReport, ManagerError, ShutdownReport};
 pub use topology::Authority;
 
+use crate::cuda_provider::CudaProvider;
 use crate::deferred_free::DrainReport;
 use crate::governor::{GovernorHandle, GovernorSnapshot};
+use crate::kv_store::{KvProvider, SwapSpace};
 use crate::kv_store::{KvStoreConfig, KvStoreHandle};
 use crate::provider::CpuProvider;
 use crate::residency::{ResidencyArgs, ResidencyConfig, ResidencyHandle};
@@ -65,8 +67,10 @@ use topology::Topology;
 
 struct Inner {
     topology: Topology,
-    /// The host provider, concretely: the holders run on it.
+    /// The host provider, concretely: host holders run on it.
     host: CpuProvider,
+    /// The CUDA provider, where one was asked for: device holders run on it.
+    cuda: Option<CudaProvider>,
     /// Every provider, the host's first.
     providers: Vec<Arc<dyn DynProvider>>,
     admitting: Arc<AtomicBool>,
@@ -211,15 +215,49 @@ impl MemoryManager {
 
     /// Starts a KV store on the host authority, supervised by the manager.
     pub async fn kv_store(&self, config: KvStoreConfig) -> Result<KvStoreHandle, ManagerError> {
+        self.kv_store_on(DeviceKey::HOST, config).await
+    }
+
+    /// Starts a KV store whose memory lives on `device` (the host, or the CUDA device the
+    /// manager was built with), charged to that device's authority and supervised by the
+    /// manager. On a GPU whose memory is an authority of its own, `SwapSpace::Auto` swaps to
+    /// the host tier (charged to the host authority); where the device's memory is the host's
+    /// (unified), to disk, as on the host.
+    pub async fn kv_store_on(
+        &self,
+        device: DeviceKey,
+        mut config: KvStoreConfig,
+    ) -> Result<KvStoreHandle, ManagerError> {
         self.admit()?;
+        let tier = if device == DeviceKey::HOST {
+            MemoryTier::Host
+        } else {
+            MemoryTier::Device
+        };
         let governor = self
-            .governor(DeviceKey::HOST, MemoryTier::Host)
-            .expect("the host authority always exists")
+            .governor(device, tier)
+            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
             .clone();
+        let provider: KvProvider = if device == DeviceKey::HOST {
+            self.inner.host.clone().into()
+        } else {
+            match &self.inner.cuda {
+                Some(cuda) if DynProvider::device(cuda) == device => cuda.clone().into(),
+                _ => return Err(ManagerError::UnknownDevice(device, self.device_list())),
+            }
+        };
+        if matches!(config.swap, SwapSpace::Auto) && device != DeviceKey::HOST {
+            let host = self
+                .governor(DeviceKey::HOST, MemoryTier::Host)
+                .expect("the host authority always exists");
+            if host.authority() != governor.authority() {
+                config.swap = SwapSpace::Host(host.clone());
+            }
+        }
         let (kv, _) = KvStoreHandle::spawn_supervised(
             config,
             governor,
-            self.inner.host.clone(),
+            provider,
             self.inner.supervisor.get_cell(),
         )
         .await?;

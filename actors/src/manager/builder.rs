@@ -175,12 +175,14 @@ impl MemoryManagerBuilder {
             })?;
         started.actors.push(supervisor.get_cell());
         let mut providers: Vec<Arc<dyn DynProvider>> = vec![Arc::new(host.clone())];
-        if let Some((_, _, cuda, _)) = cuda {
-            providers.push(Arc::new(cuda));
+        let cuda = cuda.map(|(_, _, cuda, _)| cuda);
+        if let Some(cuda) = &cuda {
+            providers.push(Arc::new(cuda.clone()));
         }
         let inner = Arc::new(Inner {
             topology,
             host,
+            cuda,
             providers,
             admitting: Arc::new(AtomicBool::new(true)),
             supervisor,

@@ -1,0 +1,218 @@
+//! The KV store on CUDA VMM, driven as a GPU server drives it: rows written by the copy kernel
+//! on the step's CUDA stream, steps completed with the stream's fences. Growth keeps the
+//! address, a cached prompt block is shared (read-only) with a second sequence, pressure swaps
+//! a sequence to the host tier and a restore brings its bytes back intact (read back from the
+//! device). Skipped, saying so, where no CUDA driver or device exists.
+
+mod common;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use procmem_actors::procmem::cuda::{driver_present, CudaDevice, DecodeKernels};
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::{
+    CudaProvider, CudaProviderConfig, GovernorConfig, GovernorHandle, KvStep, KvStoreConfig,
+    KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace,
+};
+
+use common::another_holder_asks;
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 64,
+    max_tokens: 8192,
+    dtype: KvDtype::F32,
+};
+
+fn have_gpu(test: &str) -> bool {
+    let why = if !driver_present() {
+        "no CUDA driver (libcuda cannot be loaded on this machine)"
+    } else if CudaDevice::count() == 0 {
+        "a CUDA driver is present but reports no device"
+    } else {
+        return true;
+    };
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+    false
+}
+
+/// Row `pos` of layer `layer`'s K (`kind` 1) or V (2): the same for every sequence of one
+/// prompt, so shared and private rows can be checked alike.
+fn row(pos: usize, layer: usize, kind: usize) -> Vec<f32> {
+    (0..SHAPE.token_elems())
+        .map(|i| ((pos * 31 + layer * 7 + kind * 3 + i) % 251) as f32 - 125.0)
+        .collect()
+}
+
+fn bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// The server's side of one step: for every sequence of the step, its new row of every layer
+/// copied to the device and written into the K/V view by the copy kernel on the step's
+/// stream; then the step completed with that stream's fence.
+struct Server {
+    device: Arc<CudaDevice>,
+    kernels: DecodeKernels,
+    staging: u64,
+}
+
+impl Server {
+    async fn step(&self, step: KvStep) {
+        let stream = step.stream().cuda().expect("a CUDA stream").clone();
+        let n = SHAPE.token_elems() as u32;
+        for i in 0..step.seqs().len() {
+            let pos = step.positions()[i];
+            for layer in 0..SHAPE.layers {
+                let views = step.views(i, layer).unwrap();
+                for (kind, view) in [(1, views.k), (2, views.v)] {
+                    let at = view.row_addr(pos).unwrap();
+                    // SAFETY: `staging` holds a row; the stream is idle (synchronized below
+                    // after each launch) so nothing reads it while it is rewritten; `at` is
+                    // the step's own row, mapped read-write until the step's fence.
+                    unsafe {
+                        self.device
+                            .copy_to_device(self.staging, &bytes(&row(pos, layer, kind)))
+                            .unwrap();
+                        self.kernels
+                            .write_row(stream.cuda(), KvDtype::F32, at, self.staging, n)
+                            .unwrap();
+                    }
+                    stream.cuda().synchronize().unwrap();
+                }
+            }
+        }
+        let fence = stream.submit(&[], |_| Ok(())).unwrap();
+        step.complete(fence).await.unwrap();
+    }
+
+    /// Every row of sequence `i` of `step` up to its position, read back from the device.
+    fn check_rows(&self, step: &KvStep, i: usize) {
+        let tokens = step.positions()[i];
+        for layer in 0..SHAPE.layers {
+            let views = step.views(i, layer).unwrap();
+            for (kind, view) in [(1, views.k), (2, views.v)] {
+                let mut got = vec![0u8; tokens * SHAPE.token_bytes() as usize];
+                // SAFETY: the step holds the memory; every row below its position is mapped.
+                unsafe { self.device.copy_to_host(&mut got, view.addr).unwrap() };
+                for pos in 0..tokens {
+                    let want = bytes(&row(pos, layer, kind));
+                    let at = pos * want.len();
+                    assert_eq!(
+                        &got[at..at + want.len()],
+                        &want[..],
+                        "layer {layer} kind {kind} row {pos}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
+    if !have_gpu("cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact") {
+        return;
+    }
+    let p = CudaProvider::spawn(CudaProviderConfig::default())
+        .await
+        .unwrap();
+    let device = p.mechanism().device().clone();
+    let g_bytes = device.granularity().unwrap();
+    let per_seq_chunk = SHAPE.buffers() as u64 * g_bytes;
+    // The shared block, two sequences' own chunks, and a little room.
+    let capacity = 3 * per_seq_chunk + g_bytes;
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("cuda:0", capacity))
+        .await
+        .unwrap();
+    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    let config = KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: SHAPE,
+        chunk_granules: 1,
+        preempt: PreemptMode::Swap,
+        wait: Duration::from_secs(10),
+        swap: SwapSpace::Host(host.clone()),
+    };
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap();
+    let server = Server {
+        kernels: DecodeKernels::load(device.clone()).unwrap(),
+        staging: device.alloc(SHAPE.token_bytes()).unwrap(),
+        device: device.clone(),
+    };
+    let block = SHAPE.block_tokens(g_bytes);
+    let prompt: Vec<u32> = (0..block as u32 + 4).collect();
+
+    // Sequence 1 writes the whole prompt; its buffers grow without moving.
+    assert_eq!(
+        kv.open(1, prompt.clone(), 0).await.unwrap().cached_tokens,
+        0
+    );
+    let mut first_addr = None;
+    for _ in 0..prompt.len() {
+        let step = kv.prepare(vec![1]).await.unwrap();
+        let addr = step.views(0, 0).unwrap().k.addr;
+        assert_eq!(*first_addr.get_or_insert(addr), addr, "the buffer moved");
+        server.step(step).await;
+    }
+    // Sequence 2 finds the first block cached and maps it (read-only) instead of writing it.
+    let opened = kv.open(2, prompt.clone(), 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, block);
+    for _ in block..prompt.len() {
+        let step = kv.prepare(vec![2]).await.unwrap();
+        server.step(step).await;
+    }
+    let step = kv.prepare(vec![1, 2]).await.unwrap();
+    server.check_rows(&step, 0);
+    server.check_rows(&step, 1);
+    server.step(step).await;
+
+    // Pressure: a more important holder wants one sequence's worth; one is swapped to the
+    // host tier (a device-to-host copy), its device memory freed.
+    let grant = another_holder_asks(g.clone(), per_seq_chunk, Duration::from_secs(10))
+        .await
+        .expect("the store made room");
+    let stats = kv.stats().await.unwrap();
+    assert!(stats.preemptions >= 1, "{stats:?}");
+    assert_eq!(stats.swap, SwapKind::Host);
+    assert!(
+        host.snapshot().await.unwrap().books.leased > 0,
+        "the copy is charged"
+    );
+    drop(grant);
+
+    // The swapped sequence comes back with every row as it was.
+    let mut restored = None;
+    for seq in [1, 2] {
+        if let Ok(Restored::Swapped { tokens }) = kv.restore(seq).await {
+            assert_eq!(tokens, prompt.len() + 1);
+            restored = Some(seq);
+        }
+    }
+    let seq = restored.expect("one sequence was swapped and restored");
+    let step = kv.prepare(vec![seq]).await.unwrap();
+    server.check_rows(&step, 0);
+    drop(step);
+
+    kv.close(1);
+    kv.close(2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while g.snapshot().await.unwrap().books.leased > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The cached prefix block stays charged to the store while it is cached; the sequences'
+    // own memory is gone.
+    let leased = g.snapshot().await.unwrap().books.leased;
+    assert!(leased <= per_seq_chunk, "leased {leased}");
+    // SAFETY: allocated above; nothing uses it any more.
+    unsafe { device.free(server.staging).unwrap() };
+}
