@@ -9,9 +9,11 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvElement, KvShape};
 use procmem_actors::procmem::DeviceKey;
@@ -49,6 +51,9 @@ enum ModelSize {
     Small,
     /// 8 layers, 16 query heads over 4 KV heads, head dimension 64.
     Medium,
+    /// An 8B-like attention shape: 32 layers, 32 query heads over 8 KV heads, head
+    /// dimension 128 (residual width 512, to keep the synthetic projections small): for a GPU.
+    Large,
 }
 
 /// A small inference server over procmem: budgeted KV and weights, real pressure.
@@ -103,16 +108,20 @@ const MAX_TOKENS: usize = 1 << 20;
 
 struct Model {
     shape: KvShape,
+    /// The residual stream's width.
     hidden: usize,
+    /// Query heads x head dimension.
+    q_dim: usize,
     kv_dim: usize,
     vocab: u32,
 }
 
 impl Model {
     fn new(size: ModelSize, max_tokens: usize, dtype: Dtype) -> Self {
-        let (layers, q_heads, kv_heads, head_dim) = match size {
-            ModelSize::Small => (4, 8, 2, 32),
-            ModelSize::Medium => (8, 16, 4, 64),
+        let (layers, q_heads, kv_heads, head_dim, hidden) = match size {
+            ModelSize::Small => (4, 8, 2, 32, 8 * 32),
+            ModelSize::Medium => (8, 16, 4, 64, 16 * 64),
+            ModelSize::Large => (32, 32, 8, 128, 512),
         };
         let shape = KvShape {
             layers,
@@ -127,15 +136,16 @@ impl Model {
         };
         Model {
             shape,
-            hidden: q_heads * head_dim,
+            hidden,
+            q_dim: q_heads * head_dim,
             kv_dim: kv_heads * head_dim,
             vocab: 512,
         }
     }
 
-    /// Wq (h×h), Wk (kv×h), Wv (kv×h), Wo (h×h), row-major f32.
+    /// Wq (q×h), Wk (kv×h), Wv (kv×h), Wo (h×q), row-major f32.
     fn layer_floats(&self) -> usize {
-        2 * self.hidden * self.hidden + 2 * self.kv_dim * self.hidden
+        2 * self.q_dim * self.hidden + 2 * self.kv_dim * self.hidden
     }
 
     fn weights(&self, layer: usize, seed: u64) -> Vec<u8> {
@@ -297,19 +307,26 @@ async fn serve(args: Args) -> Result<(), String> {
             return Err(format!("{flag} {value} is too large (at most {max})"));
         }
     }
-    if let Device::Cuda = args.device {
-        if !procmem_actors::procmem::cuda::driver_present() {
-            return Err(
-                "--device cuda: no CUDA driver on this machine (libcuda cannot be loaded)".into(),
-            );
-        }
-        return Err("--device cuda: this example's KV store and weights run on the host provider only so far".into());
+    let cuda = matches!(args.device, Device::Cuda);
+    if cuda && !procmem_actors::procmem::cuda::driver_present() {
+        return Err(
+            "--device cuda: no CUDA driver on this machine (libcuda cannot be loaded)".into(),
+        );
     }
     let max_tokens = args.prompt_len + args.max_new_tokens;
     let model = Model::new(args.model_size, max_tokens, args.kv_dtype);
-    let page = procmem_actors::procmem::granularity();
+    let host_page = procmem_actors::procmem::granularity();
+    // The KV's mapping granularity: a page on the host, the driver's VMM granule on a GPU.
+    let page = if cuda {
+        CudaDevice::open(0)
+            .and_then(|d| d.granularity())
+            .map_err(|e| format!("--device cuda: {e}"))?
+    } else {
+        host_page
+    };
+    // The weights stay on the host (the synthetic model's projections run there).
     let weights_bytes =
-        model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(page);
+        model.shape.layers as u64 * (model.layer_floats() as u64 * 4).next_multiple_of(host_page);
     // KV bytes of one sequence holding `tokens` (every buffer grows a page at a time).
     let kv_bytes = |tokens: usize| {
         model.shape.buffers() as u64
@@ -317,8 +334,10 @@ async fn serve(args: Args) -> Result<(), String> {
     };
     let per_seq = kv_bytes(max_tokens);
     let peak_kv = per_seq * args.concurrency as u64;
+    // On a GPU the budget is the device's, which holds only KV; on the host it holds both.
+    let base = if cuda { 0 } else { weights_bytes };
     let budget = match args.budget.trim() {
-        "auto" => weights_bytes + peak_kv / 2,
+        "auto" => base + peak_kv / 2,
         b if b.ends_with('x') => {
             let f: f64 = b[..b.len() - 1]
                 .trim()
@@ -329,16 +348,23 @@ async fn serve(args: Args) -> Result<(), String> {
                     "'{b}' is not a fraction of peak demand (try 0.125x)"
                 ));
             }
-            weights_bytes.saturating_add((f * peak_kv as f64) as u64)
+            base.saturating_add((f * peak_kv as f64) as u64)
         }
         b => parse_bytes(b)?,
     };
-    if budget > 0 && weights_bytes + per_seq > budget {
+    if budget > 0 && base + per_seq > budget {
         return Err(format!(
-            "the model needs {weights_bytes} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
+            "the model needs {base} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
         ));
     }
-    let mut builder = MemoryManager::builder().host_budget(budget);
+    let mut builder = if cuda {
+        // The host authority pays for the weights and for KV swapped out of the device.
+        MemoryManager::builder()
+            .host_budget(weights_bytes + peak_kv + per_seq)
+            .cuda_device(0, budget)
+    } else {
+        MemoryManager::builder().host_budget(budget)
+    };
     if let Some(addr) = args.metrics_addr {
         builder = builder.metrics_addr(addr);
     }
@@ -375,19 +401,37 @@ async fn serve(args: Args) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
     }
+    let kv_device = if cuda {
+        DeviceKey::cuda(0)
+    } else {
+        DeviceKey::HOST
+    };
+    let kv_tier = if cuda {
+        procmem_actors::procmem::MemoryTier::Device
+    } else {
+        procmem_actors::procmem::MemoryTier::Host
+    };
+    let gpu = if cuda {
+        Some(Gpu::new(&memory, model.shape)?)
+    } else {
+        None
+    };
     let kv = memory
-        .kv_store(KvStoreConfig {
-            name: "kv".into(),
-            priority: 0,
-            shape: model.shape,
-            chunk_granules: 1,
-            preempt: match args.preempt {
-                Preempt::Swap => PreemptMode::Swap,
-                Preempt::Recompute => PreemptMode::Recompute,
+        .kv_store_on(
+            kv_device,
+            KvStoreConfig {
+                name: "kv".into(),
+                priority: 0,
+                shape: model.shape,
+                chunk_granules: 1,
+                preempt: match args.preempt {
+                    Preempt::Swap => PreemptMode::Swap,
+                    Preempt::Recompute => PreemptMode::Recompute,
+                },
+                wait: Duration::from_millis(250),
+                swap: SwapSpace::Auto,
             },
-            wait: Duration::from_millis(250),
-            swap: SwapSpace::Auto,
-        })
+        )
         .await
         .map_err(|e| e.to_string())?;
 
@@ -435,10 +479,12 @@ async fn serve(args: Args) -> Result<(), String> {
     let mut lonely_denials = 0;
     let mut stalls = 0usize;
     let mut idle_refusals = 0;
+    // The authority the KV is charged to: the host's, or the GPU's.
     let host = memory
-        .governor(DeviceKey::HOST, procmem_actors::procmem::MemoryTier::Host)
-        .expect("the host authority")
+        .governor(kv_device, kv_tier)
+        .expect("the KV's authority")
         .clone();
+    let kv_books = usize::from(cuda);
     while !queue.is_empty() || !active.is_empty() || !parked.is_empty() || prefetch.is_some() {
         // Restore parked requests first, oldest first, into room the batch does not need for
         // its next step (restoring into the batch's memory would only evict it again).
@@ -522,6 +568,7 @@ async fn serve(args: Args) -> Result<(), String> {
         let outcome = step(
             &model,
             &kv,
+            gpu.as_ref(),
             &weights,
             &mut active,
             &mut parked,
@@ -584,7 +631,7 @@ async fn serve(args: Args) -> Result<(), String> {
             !done
         });
         let books = memory.books().await;
-        let (_, s, os) = &books[0];
+        let (_, s, os) = &books[kv_books];
         c.peak_ledger = c.peak_ledger.max(s.books.leased);
         c.peak_os = c.peak_os.max(os.unwrap_or(0));
         // Memory is freed before its refund, never the other way: the OS may trail the
@@ -603,6 +650,12 @@ async fn serve(args: Args) -> Result<(), String> {
         }
         if last_report.elapsed() >= Duration::from_secs(1) {
             last_report = Instant::now();
+            if let Some(g) = &gpu {
+                // The driver's own count beside the ledger: every process's use of the GPU.
+                if let Ok((free, total)) = g.device.mem_info() {
+                    print!("[driver used {:>11} B] ", total - free);
+                }
+            }
             println!(
                 "[{:5.1}s] {:7.1} tok/s  active {:2}  finished {:3}/{}  preempted {:3}  committed {:>9} B  os {:>9} B  tickets {}",
                 start.elapsed().as_secs_f64(),
@@ -618,6 +671,8 @@ async fn serve(args: Args) -> Result<(), String> {
         }
     }
     let elapsed = start.elapsed();
+    let driver = gpu.as_ref().and_then(|g| g.device.mem_info().ok());
+    drop(gpu);
     let kv_stats = kv.stats().await.map_err(|e| e.to_string())?;
     let w_stats = weights.stats().await.map_err(|e| e.to_string())?;
     let books = memory.books().await;
@@ -701,6 +756,13 @@ async fn serve(args: Args) -> Result<(), String> {
             "bytes freed by pressure", s.freed_by_pressure
         );
     }
+    if let Some((free, total)) = driver {
+        println!(
+            "  {:<34} {:>14}",
+            "driver used bytes (cuMemGetInfo)",
+            total - free
+        );
+    }
     println!("  {:<34} {:>14}", "deferred frees", report.deferred_frees);
     println!(
         "  {:<34} {:>14}",
@@ -736,9 +798,11 @@ enum Stepped {
 /// One decode step for every active request: room for the next token (one grant for the
 /// whole batch), then every layer: projections under residency, attention in the KV store,
 /// output projection. A batch that does not fit sheds its least important request.
+#[allow(clippy::too_many_arguments)]
 async fn step(
     model: &Model,
     kv: &KvStoreHandle,
+    gpu: Option<&Gpu>,
     weights: &ResidencyHandle,
     active: &mut Vec<Request>,
     parked: &mut Vec<Request>,
@@ -773,6 +837,7 @@ async fn step(
     };
     let group = &group[..];
     let h = model.hidden;
+    let qd = model.q_dim;
     let kvd = model.kv_dim;
     for &i in group {
         let r = &mut active[i];
@@ -784,23 +849,29 @@ async fn step(
             .with_weights(layer, move |w| {
                 // Weights are page-aligned f32s: read them in place.
                 let w: &[f32] = bytemuck::cast_slice(w);
-                let (wq, rest) = w.split_at(h * h);
+                let (wq, rest) = w.split_at(qd * h);
                 let (wk, rest) = rest.split_at(kvd * h);
                 let (wv, _) = rest.split_at(kvd * h);
                 xs.iter()
-                    .map(|x| (matvec(wq, h, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
+                    .map(|x| (matvec(wq, qd, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
                     .collect::<Vec<_>>()
             })
             .await
             .map_err(|e| e.to_string())?;
         // The step's sequences are in `active` order: the i-th of the batch is the step's i-th.
-        let attended = attend(&step, model.shape, layer, qkv).await?;
+        let attended = match gpu {
+            // The driver calls wait for the device: off the runtime's async threads.
+            Some(gpu) => {
+                tokio::task::block_in_place(|| gpu.attend(&step, model.shape, layer, &qkv))?
+            }
+            None => attend(&step, model.shape, layer, qkv).await?,
+        };
         let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
         let next = weights
             .with_weights(layer, move |w| {
                 // Weights are page-aligned f32s: read them in place.
                 let w: &[f32] = bytemuck::cast_slice(w);
-                let wo = &w[h * h + 2 * kvd * h..];
+                let wo = &w[qd * h + 2 * kvd * h..];
                 xs.iter()
                     .zip(&attended)
                     .map(|(x, a)| {
@@ -820,7 +891,10 @@ async fn step(
         }
     }
     // Every layer's K/V of the new tokens is written by the kernels the last fence covers.
-    let fence = step.last_fence().ok_or("a step with no kernel")?;
+    let fence = match step.stream().cuda() {
+        Some(stream) => stream.submit(&[], |_| Ok(())).map_err(|e| e.to_string())?,
+        None => step.last_fence().ok_or("a step with no kernel")?,
+    };
     step.complete(fence).await.map_err(|e| e.to_string())?;
     for &i in group {
         let r = &mut active[i];
@@ -881,4 +955,125 @@ async fn attend(
     .map_err(|e| e.to_string())?;
     rx.await
         .map_err(|_| "the attention kernel panicked".to_string())?
+}
+
+/// The server's GPU side: the decode kernels (kernels/decode.cu, loaded from their PTX) and
+/// device staging for one sequence's query, new K/V row, partial results and output.
+struct Gpu {
+    device: Arc<CudaDevice>,
+    kernels: DecodeKernels,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    partials: u64,
+}
+
+impl Gpu {
+    fn new(memory: &MemoryManager, shape: KvShape) -> Result<Gpu, String> {
+        let provider = memory.cuda_provider().ok_or("no CUDA provider")?;
+        let device = provider.mechanism().device().clone();
+        let kernels = DecodeKernels::load(device.clone()).map_err(|e| e.to_string())?;
+        let f32s = |n: usize| device.alloc(n as u64 * 4).map_err(|e| e.to_string());
+        let partials = DecodeLaunch {
+            q: 0,
+            k: 0,
+            v: 0,
+            dtype: shape.dtype,
+            tokens: shape.max_tokens as u32,
+            q_heads: shape.q_heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            head_dim: shape.head_dim as u32,
+            partials: 0,
+            out: 0,
+        }
+        .partials_bytes();
+        Ok(Gpu {
+            q: f32s(shape.q_heads * shape.head_dim)?,
+            k: f32s(shape.token_elems())?,
+            v: f32s(shape.token_elems())?,
+            out: f32s(shape.q_heads * shape.head_dim)?,
+            partials: device.alloc(partials).map_err(|e| e.to_string())?,
+            kernels,
+            device,
+        })
+    }
+
+    /// One layer of attention for every sequence of the step, on the step's CUDA stream: the
+    /// new K/V row written into the flat buffers by the copy kernel, then the split-KV decode
+    /// over every row so far, read in place through the step's views.
+    fn attend(
+        &self,
+        step: &KvStep,
+        shape: KvShape,
+        layer: usize,
+        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let stream = step
+            .stream()
+            .cuda()
+            .ok_or("the step is not on a GPU")?
+            .cuda();
+        let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+        let err = |e: procmem_actors::procmem::MemoryError| e.to_string();
+        let mut outs = Vec::with_capacity(qkv.len());
+        for (i, (q, k, v)) in qkv.iter().enumerate() {
+            let views = step.views(i, layer).ok_or("no such sequence in the step")?;
+            let pos = step.positions()[i];
+            // The staging buffers are reused: the stream is idle before they are rewritten.
+            stream.synchronize().map_err(err)?;
+            // SAFETY: the staging buffers were allocated with these sizes; the stream is idle,
+            // so no kernel reads them while they are written; the rows written are this step's
+            // own (mapped read-write until its fence), and the views cover `pos + 1` rows.
+            unsafe {
+                self.device.copy_to_device(self.q, &bytes(q)).map_err(err)?;
+                self.device.copy_to_device(self.k, &bytes(k)).map_err(err)?;
+                self.device.copy_to_device(self.v, &bytes(v)).map_err(err)?;
+                let n = shape.token_elems() as u32;
+                let (k_row, v_row) = (
+                    views.k.row_addr(pos).ok_or("no row for the new token")?,
+                    views.v.row_addr(pos).ok_or("no row for the new token")?,
+                );
+                self.kernels
+                    .write_row(stream, shape.dtype, k_row, self.k, n)
+                    .map_err(err)?;
+                self.kernels
+                    .write_row(stream, shape.dtype, v_row, self.v, n)
+                    .map_err(err)?;
+                let launch = DecodeLaunch {
+                    q: self.q,
+                    k: views.k.addr,
+                    v: views.v.addr,
+                    dtype: shape.dtype,
+                    tokens: (pos + 1) as u32,
+                    q_heads: shape.q_heads as u32,
+                    kv_heads: shape.kv_heads as u32,
+                    head_dim: shape.head_dim as u32,
+                    partials: self.partials,
+                    out: self.out,
+                };
+                self.kernels.decode(stream, &launch).map_err(err)?;
+            }
+            stream.synchronize().map_err(err)?;
+            let mut out = vec![0u8; q.len() * 4];
+            // SAFETY: `out` was allocated with this size; the stream is idle.
+            unsafe { self.device.copy_to_host(&mut out, self.out).map_err(err)? };
+            outs.push(
+                out.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            );
+        }
+        Ok(outs)
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        for p in [self.q, self.k, self.v, self.out, self.partials] {
+            // SAFETY: allocated in `new`, freed once; every step synchronized its stream
+            // after its last use of them.
+            let _ = unsafe { self.device.free(p) };
+        }
+    }
 }

@@ -103,8 +103,9 @@ async fn sample(inner: std::sync::Weak<Inner>) {
 }
 
 impl Inner {
-    /// Physical bytes behind an authority, read from the OS: the host mechanism's memfd pages
-    /// and the resident pages of its eager allocations.
+    /// Physical bytes behind an authority, read from the OS or the driver: the host
+    /// mechanism's memfd pages and the resident pages of its eager allocations; for a device
+    /// authority, the VMM handles mapped.
     /// `None` for an authority that pays for device bytes too (unified memory): the driver has
     /// no per-process truth for them, and counting only the host's would report every device
     /// byte as drift.
@@ -115,6 +116,16 @@ impl Inner {
             .all(|(d, _)| d.kind == DeviceKind::Host)
         {
             self.host.mechanism().resident_bytes().ok()
+        } else if authority
+            .tiers
+            .iter()
+            .all(|(d, _)| d.kind != DeviceKind::Host)
+        {
+            // A device authority of its own: the VMM handles its backing holds mapped, as
+            // the driver was asked for them (handles pooled unmapped are not charged).
+            let cuda = self.cuda.as_ref()?;
+            let backing = cuda.mechanism().backing();
+            Some(backing.live_bytes().saturating_sub(backing.pooled_bytes()))
         } else {
             None
         }
@@ -163,6 +174,11 @@ impl MemoryManager {
     /// The host execution provider.
     pub fn host_provider(&self) -> &CpuProvider {
         &self.inner.host
+    }
+
+    /// The CUDA execution provider, where the manager was built with a CUDA device.
+    pub fn cuda_provider(&self) -> Option<&CudaProvider> {
+        self.inner.cuda.as_ref()
     }
 
     fn provider(&self, device: DeviceKey) -> Result<&Arc<dyn DynProvider>, ManagerError> {

@@ -152,7 +152,8 @@ pub(crate) struct KvDevice {
 enum Resident {
     /// The memfd's allocated pages, as the kernel counts them.
     Host(Arc<HostBacking>),
-    /// The VMM handles the backing holds live (mapped or shared), as the driver was asked.
+    /// The VMM handles the backing holds mapped (live less those pooled unmapped), as the
+    /// driver was asked for them.
     Cuda(Arc<CudaVmmBacking>),
 }
 
@@ -224,7 +225,7 @@ impl KvDevice {
     pub(crate) fn resident_bytes(&self) -> u64 {
         match &self.resident {
             Resident::Host(b) => b.resident_bytes().unwrap_or(0),
-            Resident::Cuda(b) => b.live_bytes(),
+            Resident::Cuda(b) => b.live_bytes().saturating_sub(b.pooled_bytes()),
         }
     }
 }
