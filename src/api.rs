@@ -13,7 +13,7 @@
 //! without doing anything. Handles remember their creator and can be released only through it.
 
 mod allocation;
-mod capabilities;
+pub(crate) mod capabilities;
 mod error;
 mod granules;
 mod ids;

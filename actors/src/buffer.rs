@@ -150,6 +150,20 @@ impl DeviceBuffer {
     }
 }
 
+impl DeviceBuffer {
+    /// Runs `f` on the allocation, writable: refused while a host kernel holds a share of it.
+    /// Work queued on streams is not waited for; order it with the buffer's fences.
+    pub(crate) fn write_with<T>(
+        &mut self,
+        f: impl FnOnce(&mut DeviceAllocation) -> Result<T, MemoryError>,
+    ) -> Result<T, MemoryError> {
+        let fenced = self.fenced.as_mut().expect("live until dropped");
+        let allocation =
+            Arc::get_mut(&mut fenced.item_mut().0).ok_or(MemoryError::InUse { op: "written" })?;
+        f(allocation)
+    }
+}
+
 impl RecordUse for DeviceBuffer {
     fn record_use(&self, use_: TimelineFence) {
         self.fenced().record_use(use_);

@@ -35,8 +35,9 @@ mod step;
 mod steps;
 mod swap;
 
+use crate::provider::DeviceProvider;
 use device::KvDevice;
-pub use device::{KvProvider, KvStream};
+pub use device::KvStream;
 pub use step::{KvStep, StepKv};
 use step::{StepMemory, StepSeq};
 use swap::{Saved, Space};
@@ -417,7 +418,7 @@ pub(crate) struct KvStoreArgs {
     /// The Governor of the authority its memory comes from.
     pub governor: GovernorHandle,
     /// The execution provider whose mechanism backs it and whose stream its steps run on.
-    pub provider: KvProvider,
+    pub provider: DeviceProvider,
 }
 
 impl Actor for KvStore {
@@ -559,7 +560,7 @@ impl KvStoreHandle {
     pub async fn spawn(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: impl Into<KvProvider>,
+        provider: impl Into<DeviceProvider>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         Self::start(config, governor, provider.into(), None).await
     }
@@ -568,7 +569,7 @@ impl KvStoreHandle {
     pub async fn spawn_supervised(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: impl Into<KvProvider>,
+        provider: impl Into<DeviceProvider>,
         supervisor: ractor::ActorCell,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         Self::start(config, governor, provider.into(), Some(supervisor)).await
@@ -577,7 +578,7 @@ impl KvStoreHandle {
     async fn start(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: KvProvider,
+        provider: DeviceProvider,
         supervisor: Option<ractor::ActorCell>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         let args = KvStoreArgs {

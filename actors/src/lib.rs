@@ -93,8 +93,8 @@ pub use governor::{
     ReserveRequest,
 };
 pub use kv_store::{
-    AttendItem, KvProvider, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats,
-    KvStream, Opened, PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
+    AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream, Opened,
+    PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
 };
 pub use manager::{
     Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,
@@ -103,8 +103,8 @@ pub use manager::{
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem;
 pub use provider::{
-    Cpu, CpuProvider, CpuProviderConfig, OpenedDevice, Provider, ProviderError, ProviderKind,
-    ProviderStream, WrongContext,
+    Cpu, CpuProvider, CpuProviderConfig, DeviceProvider, OpenedDevice, Provider, ProviderError,
+    ProviderKind, ProviderStream, WrongContext,
 };
 pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,

@@ -58,9 +58,9 @@ pub use topology::Authority;
 use crate::cuda_provider::CudaProvider;
 use crate::deferred_free::DrainReport;
 use crate::governor::{GovernorHandle, GovernorSnapshot};
-use crate::kv_store::{KvProvider, SwapSpace};
+use crate::kv_store::SwapSpace;
 use crate::kv_store::{KvStoreConfig, KvStoreHandle};
-use crate::provider::CpuProvider;
+use crate::provider::{CpuProvider, DeviceProvider};
 use crate::residency::{ResidencyArgs, ResidencyConfig, ResidencyHandle};
 use binding::DynProvider;
 use topology::Topology;
@@ -254,7 +254,7 @@ impl MemoryManager {
             .governor(device, tier)
             .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
             .clone();
-        let provider: KvProvider = if device == DeviceKey::HOST {
+        let provider: DeviceProvider = if device == DeviceKey::HOST {
             self.inner.host.clone().into()
         } else {
             match &self.inner.cuda {
@@ -290,16 +290,45 @@ impl MemoryManager {
         &self,
         config: ResidencyConfig,
     ) -> Result<ResidencyHandle, ManagerError> {
+        self.residency_on(DeviceKey::HOST, config).await
+    }
+
+    /// Starts model residency whose weights live on `device`, charged to that device's
+    /// authority. On a GPU whose memory is an authority of its own, offloaded layers go to
+    /// the host tier (charged to the host authority); on the host, or where the device's
+    /// memory is the host's, nothing is offloaded (a host copy would free nothing).
+    pub async fn residency_on(
+        &self,
+        device: DeviceKey,
+        config: ResidencyConfig,
+    ) -> Result<ResidencyHandle, ManagerError> {
         self.admit()?;
-        let device = self
-            .governor(DeviceKey::HOST, MemoryTier::Host)
-            .expect("the host authority always exists")
+        let tier = if device == DeviceKey::HOST {
+            MemoryTier::Host
+        } else {
+            MemoryTier::Device
+        };
+        let governor = self
+            .governor(device, tier)
+            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
             .clone();
+        let host_tier = self
+            .governor(DeviceKey::HOST, MemoryTier::Host)
+            .expect("the host authority always exists");
+        let provider: DeviceProvider = if device == DeviceKey::HOST {
+            self.inner.host.clone().into()
+        } else {
+            match &self.inner.cuda {
+                Some(cuda) if DynProvider::device(cuda) == device => cuda.clone().into(),
+                _ => return Err(ManagerError::UnknownDevice(device, self.device_list())),
+            }
+        };
+        let host = (host_tier.authority() != governor.authority()).then(|| host_tier.clone());
         let args = ResidencyArgs {
             config,
-            device,
-            host: None,
-            provider: self.inner.host.clone(),
+            device: governor,
+            host,
+            provider,
         };
         let (r, _) =
             ResidencyHandle::spawn_supervised(args, self.inner.supervisor.get_cell()).await?;

@@ -3,6 +3,13 @@
 //! execution provider's stream and the device copy is freed only after that copy's fence;
 //! a layer is reloaded before it is used again.
 //!
+//! Residency runs on any device ([`DeviceProvider`]): on the host a layer is used by a closure
+//! over its bytes on the CPU stream ([`ResidencyHandle::with_weights`]); on a GPU the server
+//! launches its kernels over the layer's device address on the CUDA stream and returns their
+//! fence ([`ResidencyHandle::with_device_weights`]), which the buffer records, so an offload
+//! or a free waits for it. On a GPU the copy out is a device-to-host copy made once the
+//! layer's recorded fences have completed.
+//!
 //! Offloaded copies are charged to the host tier's Governor. Without one there is nowhere
 //! budgeted to put them, and where the device is the host itself (aliased tiers, one
 //! authority: the host provider) a copy in host memory would take exactly what the offload
@@ -12,16 +19,19 @@
 
 use std::sync::{Arc, Mutex};
 
+use procmem::fence::{Fence, TimelineFence};
+use procmem::fenced::RecordUse;
 use procmem::ledger::{HolderId, Priority};
-use procmem::{AllocationRequest, MemoryRole};
+use procmem::{AllocationRequest, MemoryError, MemoryRole};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::{BufferView, DeviceBuffer};
+use crate::cuda_provider::CudaStreamHandle;
 use crate::governor::{GovernorHandle, Lease, ReserveRequest};
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
-use crate::provider::{CpuProvider, ProviderError};
+use crate::provider::{DeviceProvider, ProviderError};
 
 /// How to start model residency.
 #[derive(Debug, Clone)]
@@ -67,6 +77,14 @@ pub enum ResidencyError {
     /// The actor could not be started (it panicked while starting).
     #[error("model residency could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
+    /// The weights are on another kind of device than the call works on: host closures for
+    /// host weights ([`ResidencyHandle::with_weights`]), device kernels for GPU weights
+    /// ([`ResidencyHandle::with_device_weights`]).
+    #[error("the weights are not on the device this call works with")]
+    WrongDevice,
+    /// The kernels over the weights failed to queue, or returned a fence of another stream.
+    #[error("the device kernels over the weights failed: {0}")]
+    Kernels(#[source] MemoryError),
 }
 
 /// Where a layer's weights are now.
@@ -96,6 +114,8 @@ pub struct ResidencyStats {
 }
 
 type WeightsFn = Box<dyn FnOnce(&[u8]) + Send + 'static>;
+type DeviceWeightsFn =
+    Box<dyn FnOnce(BufferView, &CudaStreamHandle) -> Result<Fence, MemoryError> + Send + 'static>;
 
 /// The residency mailbox.
 pub(crate) enum ResidencyMsg {
@@ -120,6 +140,16 @@ pub(crate) enum ResidencyMsg {
         f: WeightsFn,
         /// Done once queued (the kernel signals its own completion).
         reply: RpcReplyPort<Result<(), ResidencyError>>,
+    },
+    /// Queues the server's kernels over a GPU layer's weights (reloading them first if
+    /// offloaded); their fence is recorded on the weights.
+    UseDevice {
+        /// The layer.
+        layer: usize,
+        /// Queues the kernels and returns their fence.
+        f: DeviceWeightsFn,
+        /// The kernels' fence, once queued.
+        reply: RpcReplyPort<Result<Fence, ResidencyError>>,
     },
     /// Where a layer is.
     Placement {
@@ -156,7 +186,7 @@ struct Layer {
 /// Residency's state.
 pub(crate) struct ResidencyState {
     config: ResidencyConfig,
-    provider: CpuProvider,
+    provider: DeviceProvider,
     device: GovernorHandle,
     host: Option<GovernorHandle>,
     holder: HolderId,
@@ -179,8 +209,9 @@ pub struct ResidencyArgs {
     /// The host tier's Governor, which offloaded copies are charged to; `None` (or the device
     /// itself being host memory) means nothing is offloaded.
     pub host: Option<GovernorHandle>,
-    /// The execution provider that holds device memory and runs copies.
-    pub provider: CpuProvider,
+    /// The execution provider that holds device memory and runs copies (a `CpuProvider`
+    /// or a `CudaProvider`, `.into()`).
+    pub provider: DeviceProvider,
 }
 
 impl Actor for ModelResidency {
@@ -257,6 +288,10 @@ impl Actor for ModelResidency {
                 let result = state.use_layer(layer, f).await;
                 let _ = reply.send(result);
             }
+            ResidencyMsg::UseDevice { layer, f, reply } => {
+                let result = state.use_device_layer(layer, f).await;
+                let _ = reply.send(result);
+            }
             ResidencyMsg::Placement { layer, reply } => {
                 let placement =
                     state
@@ -289,14 +324,14 @@ impl ResidencyState {
                 &request,
                 self.config.priority,
                 deadline,
-                0,
             )
             .await?;
-        // The host provider's device memory is host-visible: the load is a plain copy.
+        // A plain copy on the host, a host-to-device copy on a GPU (the buffer is new: no
+        // work uses it yet).
+        let allocator = self.provider.allocator();
         buffer
-            .host_bytes_mut()
-            .map_err(ProviderError::from)?
-            .copy_from_slice(bytes);
+            .write_with(|a| allocator.write(a, 0, bytes))
+            .map_err(ProviderError::from)?;
         Ok(buffer)
     }
 
@@ -325,7 +360,8 @@ impl ResidencyState {
         Ok(())
     }
 
-    async fn use_layer(&mut self, layer: usize, f: WeightsFn) -> Result<(), ResidencyError> {
+    /// The layer's device buffer, reloaded first if it was offloaded.
+    async fn resident(&mut self, layer: usize) -> Result<&mut DeviceBuffer, ResidencyError> {
         let clock = self.clock;
         let reload = match self.layers.get(layer).and_then(Option::as_ref) {
             None => return Err(ResidencyError::NoSuchLayer(layer)),
@@ -344,14 +380,44 @@ impl ResidencyState {
         }
         let entry = self.layers[layer].as_mut().expect("checked");
         entry.last_used = clock;
-        let Slot::Device(buffer) = &entry.slot else {
-            unreachable!("reloaded above")
+        match &mut entry.slot {
+            Slot::Device(buffer) => Ok(buffer),
+            Slot::Host { .. } => unreachable!("reloaded above"),
+        }
+    }
+
+    async fn use_layer(&mut self, layer: usize, f: WeightsFn) -> Result<(), ResidencyError> {
+        let DeviceProvider::Host(provider) = self.provider.clone() else {
+            return Err(ResidencyError::WrongDevice);
         };
-        let stream = self.provider.stream(0)?;
+        let buffer = self.resident(layer).await?;
+        let stream = provider.stream(0)?;
         stream
-            .submit_reading(&[buffer], move |bytes| f(bytes[0]))
+            .submit_reading(&[&*buffer], move |bytes| f(bytes[0]))
             .map_err(|_| ProviderError::Unavailable)?;
         Ok(())
+    }
+
+    async fn use_device_layer(
+        &mut self,
+        layer: usize,
+        f: DeviceWeightsFn,
+    ) -> Result<Fence, ResidencyError> {
+        let DeviceProvider::Cuda(provider) = self.provider.clone() else {
+            return Err(ResidencyError::WrongDevice);
+        };
+        let stream = provider.stream(0)?.clone();
+        let buffer = self.resident(layer).await?;
+        let fence = f(buffer.view(), &stream).map_err(ResidencyError::Kernels)?;
+        let used = TimelineFence::new(fence, stream.timeline()).ok_or_else(|| {
+            ResidencyError::Kernels(MemoryError::Unsupported {
+                capability: "fencing weights",
+                reason: "the fence is of another stream than the provider's first",
+            })
+        })?;
+        // Kept until the kernels finish: an offload or a free waits for this fence.
+        buffer.record_use(used);
+        Ok(fence)
     }
 
     /// Offloads cold, unpinned layers (least recently used first) until the wanted bytes are
@@ -409,16 +475,39 @@ impl ResidencyState {
                 continue;
             };
             let copy = Arc::new(Mutex::new(Vec::new()));
-            let sink = Arc::clone(&copy);
-            let queued = self.provider.stream(0).map(|s| {
-                s.submit_reading(&[buffer], move |bytes| {
-                    sink.lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .extend_from_slice(bytes[0]);
-                })
-            });
-            if !matches!(queued, Ok(Ok(_))) {
-                continue;
+            match &self.provider {
+                DeviceProvider::Host(provider) => {
+                    // The copy out is a kernel on the stream; the buffer is freed after it.
+                    let sink = Arc::clone(&copy);
+                    let queued = provider.stream(0).map(|s| {
+                        s.submit_reading(&[buffer], move |bytes| {
+                            sink.lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .extend_from_slice(bytes[0]);
+                        })
+                    });
+                    if !matches!(queued, Ok(Ok(_))) {
+                        continue;
+                    }
+                }
+                DeviceProvider::Cuda(provider) => {
+                    // The server's kernels over it must be done before a device-to-host copy.
+                    let Ok(stream) = provider.stream(0) else {
+                        continue;
+                    };
+                    if !idle(buffer, stream, self.config.wait).await {
+                        continue;
+                    }
+                    let mut bytes = vec![0u8; buffer.len() as usize];
+                    let allocator = self.provider.allocator();
+                    if allocator
+                        .read(buffer.allocation_handle(), 0, &mut bytes)
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    *copy.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+                }
             }
             // Dropping the device buffer queues it for free after the copy's fence.
             entry.slot = Slot::Host {
@@ -448,6 +537,31 @@ impl ResidencyState {
         }
         s
     }
+}
+
+/// Waits (without blocking the thread, at most `limit`) until every fence recorded on `buffer`
+/// has completed; false if one did not, or is of another stream than `stream`.
+async fn idle(buffer: &DeviceBuffer, stream: &CudaStreamHandle, limit: Duration) -> bool {
+    let timeline = stream.timeline();
+    for fence in buffer.fences() {
+        if fence.stream != stream.id() {
+            return false;
+        }
+        if timeline.completed() >= fence.value {
+            continue;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        timeline.on_complete(
+            fence.value,
+            Box::new(move |_| {
+                let _ = tx.send(());
+            }),
+        );
+        if !matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(()))) {
+            return false;
+        }
+    }
+    true
 }
 
 /// A cheap, cloneable handle to model residency.
@@ -510,7 +624,8 @@ impl ResidencyHandle {
     }
 
     /// Runs `f` over a layer's weights on the stream (reloading them first if offloaded) and
-    /// returns its result once the kernel has run.
+    /// returns its result once the kernel has run. Host weights only (GPU weights answer
+    /// `WrongDevice`: use [`ResidencyHandle::with_device_weights`]).
     pub async fn with_weights<T: Send + 'static>(
         &self,
         layer: usize,
@@ -527,6 +642,24 @@ impl ResidencyHandle {
         })
         .await?;
         rx.await.map_err(|_| ResidencyError::Unavailable)
+    }
+
+    /// Queues the server's kernels over a GPU layer's weights: `f` gets the weights' device
+    /// address and the CUDA stream, queues its kernels there, and returns their fence (a fence
+    /// of that stream, e.g. from `CudaStreamHandle::submit`), which the weights record: they
+    /// are not offloaded or freed before it completes. Offloaded weights are reloaded first.
+    /// Host weights answer `WrongDevice` (use [`ResidencyHandle::with_weights`]).
+    pub async fn with_device_weights(
+        &self,
+        layer: usize,
+        f: impl FnOnce(BufferView, &CudaStreamHandle) -> Result<Fence, MemoryError> + Send + 'static,
+    ) -> Result<Fence, ResidencyError> {
+        self.ask(|reply| ResidencyMsg::UseDevice {
+            layer,
+            f: Box::new(f),
+            reply,
+        })
+        .await
     }
 
     /// Where a layer is.

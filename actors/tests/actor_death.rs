@@ -430,7 +430,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
                 },
                 device: g.clone(),
                 host: None,
-                provider: p.clone(),
+                provider: p.clone().into(),
             };
             Some(ResidencyHandle::spawn(args).await.unwrap().0)
         }

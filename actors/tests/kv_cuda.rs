@@ -216,3 +216,113 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
     // SAFETY: allocated above; nothing uses it any more.
     unsafe { device.free(server.staging).unwrap() };
 }
+
+/// Model residency on the GPU: layers loaded into device memory, used by the server's own
+/// device work (fenced on the CUDA stream), offloaded to the host tier under pressure and
+/// reloaded with the same bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
+    use procmem_actors::procmem::DeviceKey;
+    use procmem_actors::{MemoryManager, Placement, ResidencyConfig, ResidencyError};
+    if !have_gpu("cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes") {
+        return;
+    }
+    let granule = CudaDevice::open(0).unwrap().granularity().unwrap();
+    let layer_bytes = granule as usize;
+    // Room for four layers; the fifth request below must make room.
+    let memory = MemoryManager::builder()
+        .host_budget(1 << 30)
+        .cuda_device(0, 4 * granule)
+        .build()
+        .await
+        .unwrap();
+    let res = memory
+        .residency_on(
+            DeviceKey::cuda(0),
+            ResidencyConfig {
+                name: "weights".into(),
+                priority: 5,
+                wait: Duration::from_secs(5),
+            },
+        )
+        .await
+        .unwrap();
+    let weights = |layer: usize| -> Vec<u8> {
+        (0..layer_bytes)
+            .map(|i| ((i * 7 + layer * 13) % 256) as u8)
+            .collect()
+    };
+    for layer in 0..4 {
+        res.load(layer, weights(layer), false).await.unwrap();
+    }
+    // Host closures are refused for GPU weights.
+    let wrong = res.with_weights(0, |w| w.len()).await;
+    assert!(
+        matches!(wrong, Err(ResidencyError::WrongDevice)),
+        "{wrong:?}"
+    );
+    let device = memory.cuda_provider().unwrap().mechanism().device().clone();
+    let scratch = device.alloc(granule).unwrap();
+    let stream = memory.cuda_provider().unwrap().stream(0).unwrap().clone();
+    // The server's device work over a layer: a copy into its own scratch buffer.
+    let read_back = |layer: usize| {
+        let res = res.clone();
+        let device = device.clone();
+        let stream = stream.clone();
+        async move {
+            let fence = res
+                .with_device_weights(layer, move |view, stream| {
+                    // SAFETY: `view` is the layer's live device memory, kept until the fence
+                    // returned here completes; `scratch` is the test's own allocation.
+                    unsafe { stream.cuda().copy_async(scratch, view.addr, view.len)? };
+                    stream.submit(&[], |_| Ok(())).map_err(|e| match e {
+                        procmem_actors::CudaSubmitError::Work(e) => e,
+                        procmem_actors::CudaSubmitError::Stream(_) => {
+                            procmem_actors::procmem::MemoryError::Unsupported {
+                                capability: "stream",
+                                reason: "closed",
+                            }
+                        }
+                    })
+                })
+                .await
+                .unwrap();
+            stream.host_wait(fence);
+            let mut got = vec![0u8; layer_bytes];
+            // SAFETY: the copy into `scratch` has completed (its fence did).
+            unsafe { device.copy_to_host(&mut got, scratch).unwrap() };
+            got
+        }
+    };
+    assert_eq!(read_back(0).await, weights(0));
+    // A more important holder wants two layers' worth of the device: cold layers go to the
+    // host tier.
+    let g = memory
+        .governor(
+            DeviceKey::cuda(0),
+            procmem_actors::procmem::MemoryTier::Device,
+        )
+        .unwrap()
+        .clone();
+    let grant = another_holder_asks(g, 2 * granule, Duration::from_secs(10))
+        .await
+        .expect("residency made room");
+    let stats = res.stats().await.unwrap();
+    assert!(stats.offloads >= 2, "{stats:?}");
+    drop(grant);
+    // Every layer reads back as loaded, reloaded where it was offloaded.
+    for layer in 0..4 {
+        let placement = res.placement(layer).await.unwrap();
+        assert!(matches!(
+            placement,
+            Some(Placement::Device) | Some(Placement::Host)
+        ));
+        assert_eq!(read_back(layer).await, weights(layer), "layer {layer}");
+    }
+    assert!(res.stats().await.unwrap().reloads >= 1);
+    // SAFETY: allocated above; every copy into it has completed.
+    unsafe { device.free(scratch).unwrap() };
+    drop(res);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report:?}");
+}

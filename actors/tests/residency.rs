@@ -36,7 +36,7 @@ async fn cold_layers_offload_under_pressure_and_reload_intact() {
         config,
         device: device.clone(),
         host: Some(host.clone()),
-        provider,
+        provider: provider.into(),
     })
     .await
     .unwrap();
@@ -134,7 +134,7 @@ async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
         config,
         device: device.clone(),
         host: None,
-        provider,
+        provider: provider.into(),
     })
     .await
     .unwrap();
@@ -163,7 +163,7 @@ async fn offloads_go_only_to_a_separate_host_tier() {
         config: config.clone(),
         device: device.clone(),
         host: Some(device.clone()),
-        provider: provider.clone(),
+        provider: provider.clone().into(),
     })
     .await;
     assert!(
@@ -174,7 +174,7 @@ async fn offloads_go_only_to_a_separate_host_tier() {
         config,
         device: device.clone(),
         host: None,
-        provider,
+        provider: provider.into(),
     })
     .await
     .unwrap();

@@ -39,6 +39,52 @@ pub trait DeviceAllocator: Send + Sync {
     fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError>;
     /// Physical bytes of `allocation` present now, as the OS or driver reports them.
     fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError>;
+
+    /// Copies bytes `offset..offset + dst.len()` of `allocation` (one of this allocator's)
+    /// into `dst`, and returns once they are there. On a device the copy does not wait for
+    /// work queued on the allocation's streams: order it after their fences. Host memory by
+    /// default.
+    fn read(
+        &self,
+        allocation: &DeviceAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        let range = copy_range(allocation, offset, dst.len())?;
+        dst.copy_from_slice(&crate::host::allocation_bytes(allocation)?[range]);
+        Ok(())
+    }
+
+    /// Copies `src` to bytes `offset..offset + src.len()` of `allocation` and returns once it
+    /// is there; as [`DeviceAllocator::read`] on ordering.
+    fn write(
+        &self,
+        allocation: &mut DeviceAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        let range = copy_range(allocation, offset, src.len())?;
+        crate::host::allocation_bytes_mut(allocation)?[range].copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// The byte range `offset..offset + len` of `allocation`, checked to lie within it.
+pub(crate) fn copy_range(
+    allocation: &DeviceAllocation,
+    offset: u64,
+    len: usize,
+) -> Result<std::ops::Range<usize>, MemoryError> {
+    let end = offset
+        .checked_add(len as u64)
+        .ok_or(MemoryError::SizeOverflow { what: "copy range" })?;
+    if end > allocation.bytes() {
+        return Err(MemoryError::OutOfReservation {
+            range: offset..end,
+            reserved: allocation.bytes(),
+        });
+    }
+    Ok(offset as usize..end as usize)
 }
 
 /// Address/backing separation: reserve a range once, then install and remove physical memory

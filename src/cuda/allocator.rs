@@ -3,6 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::driver::CudaDevice;
+use crate::api::capabilities::copy_range;
 use crate::api::{
     AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
     DeviceAllocator, DeviceKey, FreeError, MechanismId, MemoryError, Refused,
@@ -26,6 +27,19 @@ impl AllocationOrigin for Origin {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(error);
+    }
+}
+
+impl CudaAllocator {
+    fn own(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {
+        if allocation.mechanism() == self.mechanism {
+            Ok(())
+        } else {
+            Err(MemoryError::Unsupported {
+                capability: "copying to or from an allocation",
+                reason: "the allocation belongs to another mechanism",
+            })
+        }
     }
 }
 
@@ -127,5 +141,44 @@ impl DeviceAllocator for CudaAllocator {
             });
         }
         Ok(allocation.footprint())
+    }
+
+    fn read(
+        &self,
+        allocation: &DeviceAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        self.own(allocation)?;
+        let range = copy_range(allocation, offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the allocation is one of this allocator's (checked), alive while borrowed,
+        // and the range lies within it; `dst` is host memory of the range's length.
+        unsafe {
+            self.origin
+                .device
+                .copy_to_host(dst, allocation.addr() + range.start as u64)
+        }
+    }
+
+    fn write(
+        &self,
+        allocation: &mut DeviceAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        self.own(allocation)?;
+        let range = copy_range(allocation, offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: as in `read`; `&mut` makes this the only access through the handle.
+        unsafe {
+            self.origin
+                .device
+                .copy_to_device(allocation.addr() + range.start as u64, src)
+        }
     }
 }

@@ -10,33 +10,12 @@ use procmem::fence::{Fence, StreamId, Timeline};
 use procmem::host::HostMechanism;
 use procmem::{DeviceKey, HostBacking, SharedMapping, VirtualBacking};
 
-use crate::cuda_provider::{CudaProvider, CudaStreamHandle, CudaSubmitError};
+use crate::cuda_provider::{CudaStreamHandle, CudaSubmitError};
 use crate::deferred_free::DeferredQueue;
-use crate::provider::CpuProvider;
+use crate::provider::DeviceProvider;
 use crate::stream::{CpuStream, StreamError};
 
 use super::KvStoreError;
-
-/// The execution provider a KV store's memory comes from.
-#[derive(Debug, Clone)]
-pub enum KvProvider {
-    /// Host memory; attention kernels are closures on the provider's CPU stream.
-    Host(CpuProvider),
-    /// GPU memory through CUDA VMM; the server launches its kernels on the CUDA stream.
-    Cuda(CudaProvider),
-}
-
-impl From<CpuProvider> for KvProvider {
-    fn from(p: CpuProvider) -> Self {
-        KvProvider::Host(p)
-    }
-}
-
-impl From<CudaProvider> for KvProvider {
-    fn from(p: CudaProvider) -> Self {
-        KvProvider::Cuda(p)
-    }
-}
 
 /// The stream a KV store's steps run on.
 #[derive(Debug, Clone)]
@@ -139,7 +118,7 @@ impl KvStream {
 
 /// What the store uses of its provider's device.
 pub(crate) struct KvDevice {
-    pub(crate) provider: KvProvider,
+    pub(crate) provider: DeviceProvider,
     pub(crate) stream: KvStream,
     pub(crate) backing: Arc<dyn VirtualBacking>,
     pub(crate) shared: Arc<dyn SharedMapping>,
@@ -158,9 +137,9 @@ enum Resident {
 }
 
 impl KvDevice {
-    pub(crate) fn open(provider: KvProvider) -> Result<KvDevice, KvStoreError> {
+    pub(crate) fn open(provider: DeviceProvider) -> Result<KvDevice, KvStoreError> {
         Ok(match &provider {
-            KvProvider::Host(p) => {
+            DeviceProvider::Host(p) => {
                 let backing = p.mechanism().backing();
                 KvDevice {
                     stream: KvStream::Cpu(p.stream(0)?.clone()),
@@ -171,7 +150,7 @@ impl KvDevice {
                     provider,
                 }
             }
-            KvProvider::Cuda(p) => {
+            DeviceProvider::Cuda(p) => {
                 let backing = p.mechanism().backing();
                 KvDevice {
                     stream: KvStream::Cuda(p.stream(0)?.clone()),
@@ -192,15 +171,15 @@ impl KvDevice {
 
     /// Whether the KV is host memory (host kernels, host swap copies).
     pub(crate) fn is_host(&self) -> bool {
-        matches!(self.provider, KvProvider::Host(_))
+        matches!(self.provider, DeviceProvider::Host(_))
     }
 
     /// The host mechanism swap copies charged to a host tier are allocated from.
     pub(crate) fn host(&self) -> &HostMechanism {
         match (&self.provider, &self.host) {
-            (KvProvider::Host(p), _) => p.mechanism(),
+            (DeviceProvider::Host(p), _) => p.mechanism(),
             (_, Some(host)) => host,
-            (KvProvider::Cuda(_), None) => unreachable!("a CUDA store opens a host mechanism"),
+            (DeviceProvider::Cuda(_), None) => unreachable!("a CUDA store opens a host mechanism"),
         }
     }
 
