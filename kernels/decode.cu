@@ -94,14 +94,15 @@ __device__ __forceinline__ void split_partial(
     }
 }
 
-extern "C" __global__ void gqa_split_f32(
+// Up to 32 query heads per KV head: blocks of up to 1024 threads must fit the registers.
+extern "C" __global__ void __launch_bounds__(1024) gqa_split_f32(
     const float* q, const float* k, const float* v, unsigned tokens, unsigned split_tokens,
     unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
     split_partial<float>(q, k, v, tokens, split_tokens, q_heads, kv_heads, head_dim, scale,
                          partials);
 }
 
-extern "C" __global__ void gqa_split_f16(
+extern "C" __global__ void __launch_bounds__(1024) gqa_split_f16(
     const float* q, const half_bits* k, const half_bits* v, unsigned tokens,
     unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
     float* partials) {

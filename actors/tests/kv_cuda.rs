@@ -14,7 +14,7 @@ use procmem_actors::procmem::cuda::{driver_present, CudaDevice, DecodeKernels};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
     CudaProvider, CudaProviderConfig, GovernorConfig, GovernorHandle, KvStep, KvStoreConfig,
-    KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace,
+    KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace,
 };
 
 use common::another_holder_asks;
@@ -190,28 +190,39 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
     );
     drop(grant);
 
-    // The swapped sequence comes back with every row as it was.
-    let mut restored = None;
+    // Which sequence went: a step of it is refused as preempted (by swap).
+    let mut victim = None;
     for seq in [1, 2] {
-        if let Ok(Restored::Swapped { tokens }) = kv.restore(seq).await {
-            assert_eq!(tokens, prompt.len() + 1);
-            restored = Some(seq);
+        match kv.prepare(vec![seq]).await {
+            Err(KvStoreError::Preempted(s, PreemptMode::Swap)) => victim = Some(s),
+            Ok(step) => drop(step),
+            Err(e) => panic!("sequence {seq}: {e}"),
         }
     }
-    let seq = restored.expect("one sequence was swapped and restored");
-    let step = kv.prepare(vec![seq]).await.unwrap();
+    let victim = victim.expect("one sequence was swapped out");
+    // Restored, it no longer shares the prefix block: give the authority room for its own
+    // copy of it, then bring it back with every row as it was.
+    g.set_capacity(capacity + 2 * per_seq_chunk).await.unwrap();
+    match kv.restore(victim).await.unwrap() {
+        Restored::Swapped { tokens } => assert_eq!(tokens, prompt.len() + 1),
+        other => panic!("restored as {other:?}"),
+    }
+    let step = kv.prepare(vec![victim]).await.unwrap();
     server.check_rows(&step, 0);
     drop(step);
 
     kv.close(1);
     kv.close(2);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while g.snapshot().await.unwrap().books.leased > 0 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     // The cached prefix block stays charged to the store while it is cached; the sequences'
-    // own memory is gone.
-    let leased = g.snapshot().await.unwrap().books.leased;
+    // own memory goes once their fences complete.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let leased = loop {
+        let leased = g.snapshot().await.unwrap().books.leased;
+        if leased <= per_seq_chunk || std::time::Instant::now() > deadline {
+            break leased;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(leased <= per_seq_chunk, "leased {leased}");
     // SAFETY: allocated above; nothing uses it any more.
     unsafe { device.free(server.staging).unwrap() };

@@ -283,7 +283,12 @@ impl CudaDevice {
         })
     }
 
-    /// Copies host bytes to device memory (synchronously).
+    /// Copies host bytes to device memory, and returns once they are there.
+    ///
+    /// `cuMemcpyHtoD` from pageable memory may return once the bytes are staged, before they
+    /// reach `dst`; and it runs on the legacy stream, which the providers' non-blocking
+    /// streams are not ordered with. So the legacy stream is synchronized after it: work
+    /// queued afterwards on any stream sees the bytes.
     ///
     /// # Safety
     /// 1. `dst..dst + src.len()` is mapped writable on this device.
@@ -292,6 +297,12 @@ impl CudaDevice {
         // SAFETY: precondition 1; `src` is a valid host slice.
         check("cuMemcpyHtoD", src.len() as u64, unsafe {
             sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())
+        })?;
+        // `CU_STREAM_LEGACY` is the handle 0x1 (cuda.h), valid wherever a stream is.
+        let legacy = 0x1 as sys::CUstream;
+        // SAFETY: the context is current; the legacy stream always exists in it.
+        check("cuStreamSynchronize(CU_STREAM_LEGACY)", 0, unsafe {
+            sys::cuStreamSynchronize(legacy)
         })
     }
 

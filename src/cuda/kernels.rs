@@ -238,6 +238,9 @@ impl DecodeKernels {
         src: u64,
         n: u32,
     ) -> Result<(), MemoryError> {
+        if n == 0 {
+            return Ok(());
+        }
         let f = match dtype {
             KvDtype::F32 => self.write_f32,
             KvDtype::F16 => self.write_f16,

@@ -439,10 +439,15 @@ impl KvStoreState {
                 }
                 entry.saved = Some(saved);
             }
-            None => {
+            None if idle => {
                 // Nothing to copy and not in flight: freed here and now.
                 drop(out);
                 freed = bytes;
+            }
+            None => {
+                // Its last kernel was not seen to finish: freed after the stream's queued work.
+                self.stream.after_queued(move || drop(out));
+                pending = bytes;
             }
         }
         // The blocks it had not finished writing leave the cache with it.
