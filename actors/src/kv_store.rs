@@ -35,7 +35,7 @@ mod step;
 mod steps;
 mod swap;
 
-use crate::provider::DeviceProvider;
+use crate::device_provider::DeviceProvider;
 use device::KvDevice;
 pub use device::KvStream;
 pub use step::{KvStep, StepKv};

@@ -73,6 +73,7 @@ mod buffer;
 mod charge;
 mod cuda_provider;
 mod deferred_free;
+mod device_provider;
 mod governor;
 mod holder;
 mod kv_store;
@@ -88,6 +89,7 @@ pub use cuda_provider::{
     Cuda, CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError,
 };
 pub use deferred_free::{DeferredQueue, DeferredStats, DrainReport, StreamRegistry};
+pub use device_provider::DeviceProvider;
 pub use governor::{
     CommitRefused, GovernorConfig, GovernorError, GovernorHandle, GovernorSnapshot, Grant, Lease,
     ReserveRequest,
@@ -103,8 +105,8 @@ pub use manager::{
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem;
 pub use provider::{
-    Cpu, CpuProvider, CpuProviderConfig, DeviceProvider, OpenedDevice, Provider, ProviderError,
-    ProviderKind, ProviderStream, WrongContext,
+    Cpu, CpuProvider, CpuProviderConfig, OpenedDevice, Provider, ProviderError, ProviderKind,
+    ProviderStream, WrongContext,
 };
 pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,

@@ -57,10 +57,11 @@ pub use topology::Authority;
 
 use crate::cuda_provider::CudaProvider;
 use crate::deferred_free::DrainReport;
+use crate::device_provider::DeviceProvider;
 use crate::governor::{GovernorHandle, GovernorSnapshot};
 use crate::kv_store::SwapSpace;
 use crate::kv_store::{KvStoreConfig, KvStoreHandle};
-use crate::provider::{CpuProvider, DeviceProvider};
+use crate::provider::CpuProvider;
 use crate::residency::{ResidencyArgs, ResidencyConfig, ResidencyHandle};
 use binding::DynProvider;
 use topology::Topology;
@@ -229,6 +230,33 @@ impl MemoryManager {
         }
     }
 
+    /// Where a holder on `device` lives: the Governor of the device's authority, its
+    /// provider, and the host tier's Governor where that is another authority (somewhere a
+    /// copy out frees device memory).
+    fn holder_home(
+        &self,
+        device: DeviceKey,
+    ) -> Result<(GovernorHandle, DeviceProvider, Option<GovernorHandle>), ManagerError> {
+        self.admit()?;
+        let unknown = || ManagerError::UnknownDevice(device, self.device_list());
+        let (tier, provider): (_, DeviceProvider) = if device == DeviceKey::HOST {
+            (MemoryTier::Host, self.inner.host.clone().into())
+        } else {
+            match &self.inner.cuda {
+                Some(cuda) if DynProvider::device(cuda) == device => {
+                    (MemoryTier::Device, cuda.clone().into())
+                }
+                _ => return Err(unknown()),
+            }
+        };
+        let governor = self.governor(device, tier).ok_or_else(unknown)?.clone();
+        let host = self
+            .governor(DeviceKey::HOST, MemoryTier::Host)
+            .expect("the host authority always exists");
+        let host = (host.authority() != governor.authority()).then(|| host.clone());
+        Ok((governor, provider, host))
+    }
+
     /// Starts a KV store on the host authority, supervised by the manager.
     pub async fn kv_store(&self, config: KvStoreConfig) -> Result<KvStoreHandle, ManagerError> {
         self.kv_store_on(DeviceKey::HOST, config).await
@@ -244,31 +272,9 @@ impl MemoryManager {
         device: DeviceKey,
         mut config: KvStoreConfig,
     ) -> Result<KvStoreHandle, ManagerError> {
-        self.admit()?;
-        let tier = if device == DeviceKey::HOST {
-            MemoryTier::Host
-        } else {
-            MemoryTier::Device
-        };
-        let governor = self
-            .governor(device, tier)
-            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
-            .clone();
-        let provider: DeviceProvider = if device == DeviceKey::HOST {
-            self.inner.host.clone().into()
-        } else {
-            match &self.inner.cuda {
-                Some(cuda) if DynProvider::device(cuda) == device => cuda.clone().into(),
-                _ => return Err(ManagerError::UnknownDevice(device, self.device_list())),
-            }
-        };
-        if matches!(config.swap, SwapSpace::Auto) && device != DeviceKey::HOST {
-            let host = self
-                .governor(DeviceKey::HOST, MemoryTier::Host)
-                .expect("the host authority always exists");
-            if host.authority() != governor.authority() {
-                config.swap = SwapSpace::Host(host.clone());
-            }
+        let (governor, provider, host_tier) = self.holder_home(device)?;
+        if let (SwapSpace::Auto, Some(host)) = (&config.swap, host_tier) {
+            config.swap = SwapSpace::Host(host);
         }
         let (kv, _) = KvStoreHandle::spawn_supervised(
             config,
@@ -302,28 +308,7 @@ impl MemoryManager {
         device: DeviceKey,
         config: ResidencyConfig,
     ) -> Result<ResidencyHandle, ManagerError> {
-        self.admit()?;
-        let tier = if device == DeviceKey::HOST {
-            MemoryTier::Host
-        } else {
-            MemoryTier::Device
-        };
-        let governor = self
-            .governor(device, tier)
-            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
-            .clone();
-        let host_tier = self
-            .governor(DeviceKey::HOST, MemoryTier::Host)
-            .expect("the host authority always exists");
-        let provider: DeviceProvider = if device == DeviceKey::HOST {
-            self.inner.host.clone().into()
-        } else {
-            match &self.inner.cuda {
-                Some(cuda) if DynProvider::device(cuda) == device => cuda.clone().into(),
-                _ => return Err(ManagerError::UnknownDevice(device, self.device_list())),
-            }
-        };
-        let host = (host_tier.authority() != governor.authority()).then(|| host_tier.clone());
+        let (governor, provider, host) = self.holder_home(device)?;
         let args = ResidencyArgs {
             config,
             device: governor,

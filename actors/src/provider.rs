@@ -18,7 +18,6 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::time::Instant;
 
 use crate::buffer::DeviceBuffer;
-use crate::cuda_provider::CudaProvider;
 use crate::deferred_free::{
     DeferredFree, DeferredFreeMsg, DeferredQueue, DrainReport, StreamRegistry,
 };
@@ -494,59 +493,6 @@ pub(crate) async fn drain(queue: &DeferredQueue) -> DrainReport {
                 lost_queues: 1,
                 ..DrainReport::default()
             }
-        }
-    }
-}
-
-/// The execution provider a holder's memory comes from (the KV store's, model residency's):
-/// the host's or a CUDA device's.
-#[derive(Debug, Clone)]
-pub enum DeviceProvider {
-    /// Host memory; kernels are closures on the provider's CPU stream.
-    Host(CpuProvider),
-    /// GPU memory; the server launches its kernels on the provider's CUDA stream.
-    Cuda(CudaProvider),
-}
-
-impl From<CpuProvider> for DeviceProvider {
-    fn from(p: CpuProvider) -> Self {
-        DeviceProvider::Host(p)
-    }
-}
-
-impl From<CudaProvider> for DeviceProvider {
-    fn from(p: CudaProvider) -> Self {
-        DeviceProvider::Cuda(p)
-    }
-}
-
-impl DeviceProvider {
-    /// Allocates `request` on the device, charged to `holder` with `governor`.
-    pub(crate) async fn allocate(
-        &self,
-        governor: &GovernorHandle,
-        holder: HolderId,
-        request: &AllocationRequest,
-        priority: Priority,
-        deadline: Option<Instant>,
-    ) -> Result<DeviceBuffer, ProviderError> {
-        match self {
-            DeviceProvider::Host(p) => {
-                p.allocate(governor, holder, request, priority, deadline, 0)
-                    .await
-            }
-            DeviceProvider::Cuda(p) => {
-                p.allocate(governor, holder, request, priority, deadline, 0)
-                    .await
-            }
-        }
-    }
-
-    /// The device's allocator (its copies reach allocations on any device).
-    pub(crate) fn allocator(&self) -> &dyn DeviceAllocator {
-        match self {
-            DeviceProvider::Host(p) => p.mechanism().allocator(),
-            DeviceProvider::Cuda(p) => p.mechanism().allocator(),
         }
     }
 }

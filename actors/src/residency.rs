@@ -28,10 +28,11 @@ use tokio::time::{Duration, Instant};
 
 use crate::buffer::{BufferView, DeviceBuffer};
 use crate::cuda_provider::CudaStreamHandle;
+use crate::device_provider::DeviceProvider;
 use crate::governor::{GovernorHandle, Lease, ReserveRequest};
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
-use crate::provider::{DeviceProvider, ProviderError};
+use crate::provider::ProviderError;
 
 /// How to start model residency.
 #[derive(Debug, Clone)]

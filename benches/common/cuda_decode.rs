@@ -145,6 +145,27 @@ impl Drop for Staging {
     }
 }
 
+/// Writes token `pos`'s K and V rows of `layer` (both the row at `src`) with the copy kernel.
+fn write_rows(
+    kernels: &DecodeKernels,
+    stream: &CudaStream,
+    s: &mut dyn Kv,
+    layer: usize,
+    pos: u64,
+    src: u64,
+) {
+    let (k, v) = s.row(layer, pos);
+    for dst in [k, v] {
+        // SAFETY: the rows are mapped device memory of this device, alive until the stream is
+        // synchronized; `src` holds a row.
+        unsafe {
+            kernels
+                .write_row(stream, KvDtype::F32, dst, src, ROW as u32 / 4)
+                .unwrap()
+        };
+    }
+}
+
 fn flat(device: &Arc<CudaDevice>, bytes: u64) -> (u64, u64) {
     (device.alloc(bytes).unwrap(), device.alloc(bytes).unwrap())
 }
@@ -233,16 +254,7 @@ pub fn section() -> serde_json::Value {
         for (_, s) in &mut strategies {
             for pos in 0..start {
                 for layer in 0..LAYERS {
-                    let (k, v) = s.row(layer, pos);
-                    // SAFETY: the rows are mapped device memory of this device; `src` holds a row.
-                    unsafe {
-                        kernels
-                            .write_row(&stream, KvDtype::F32, k, src, ROW as u32 / 4)
-                            .unwrap();
-                        kernels
-                            .write_row(&stream, KvDtype::F32, v, src, ROW as u32 / 4)
-                            .unwrap();
-                    }
+                    write_rows(&kernels, &stream, s.as_mut(), layer, pos, src);
                 }
             }
             stream.synchronize().unwrap();
@@ -255,16 +267,7 @@ pub fn section() -> serde_json::Value {
                 for step in 0..STEPS_PER_ROUND as u64 {
                     let at = pos + step;
                     for layer in 0..LAYERS {
-                        let (k, v) = s.row(layer, at);
-                        // SAFETY: as above.
-                        unsafe {
-                            kernels
-                                .write_row(&stream, KvDtype::F32, k, src, ROW as u32 / 4)
-                                .unwrap();
-                            kernels
-                                .write_row(&stream, KvDtype::F32, v, src, ROW as u32 / 4)
-                                .unwrap();
-                        }
+                        write_rows(&kernels, &stream, s.as_mut(), layer, at, src);
                         let (k, v) = s.prepare(&stream, layer, at + 1);
                         let launch = DecodeLaunch {
                             q,

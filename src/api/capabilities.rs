@@ -42,30 +42,34 @@ pub trait DeviceAllocator: Send + Sync {
 
     /// Copies bytes `offset..offset + dst.len()` of `allocation` (one of this allocator's)
     /// into `dst`, and returns once they are there. On a device the copy does not wait for
-    /// work queued on the allocation's streams: order it after their fences. Host memory by
-    /// default.
+    /// work queued on the allocation's streams: order it after their fences. Unsupported
+    /// unless the mechanism provides it (the host and CUDA ones do).
     fn read(
         &self,
         allocation: &DeviceAllocation,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
-        let range = copy_range(allocation, offset, dst.len())?;
-        dst.copy_from_slice(&crate::host::allocation_bytes(allocation)?[range]);
-        Ok(())
+        let _ = (allocation, offset, dst);
+        Err(MemoryError::Unsupported {
+            capability: "copying out of an allocation",
+            reason: "this allocator has no copies",
+        })
     }
 
     /// Copies `src` to bytes `offset..offset + src.len()` of `allocation` and returns once it
-    /// is there; as [`DeviceAllocator::read`] on ordering.
+    /// is there; as [`DeviceAllocator::read`] on ordering and support.
     fn write(
         &self,
         allocation: &mut DeviceAllocation,
         offset: u64,
         src: &[u8],
     ) -> Result<(), MemoryError> {
-        let range = copy_range(allocation, offset, src.len())?;
-        crate::host::allocation_bytes_mut(allocation)?[range].copy_from_slice(src);
-        Ok(())
+        let _ = (allocation, offset, src);
+        Err(MemoryError::Unsupported {
+            capability: "copying into an allocation",
+            reason: "this allocator has no copies",
+        })
     }
 }
 
@@ -117,35 +121,35 @@ pub trait VirtualBacking: Send + Sync {
 
     /// Copies bytes `offset..offset + dst.len()` of `allocation` (every granule backed) into
     /// `dst`, and returns once they are there. On a device the copy does not wait for work
-    /// queued on other streams: order it after their fences. Host reservations by default.
+    /// queued on other streams: order it after their fences. Unsupported unless the backing
+    /// provides it (the host and CUDA ones do).
     fn read_range(
         &self,
         allocation: &VirtualAllocation,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
-        let end = offset
-            .checked_add(dst.len() as u64)
-            .ok_or(MemoryError::SizeOverflow { what: "read range" })?;
-        dst.copy_from_slice(crate::virtual_memory::range_bytes(allocation, offset..end)?);
-        Ok(())
+        let _ = (allocation, offset, dst);
+        Err(MemoryError::Unsupported {
+            capability: "copying out of a reservation",
+            reason: "this backing has no copies",
+        })
     }
 
     /// Copies `src` to bytes `offset..offset + src.len()` of `allocation` (every granule
-    /// writable), and returns once it is there; as [`VirtualBacking::read_range`] on ordering.
+    /// writable), and returns once it is there; as [`VirtualBacking::read_range`] on ordering
+    /// and support.
     fn write_range(
         &self,
         allocation: &mut VirtualAllocation,
         offset: u64,
         src: &[u8],
     ) -> Result<(), MemoryError> {
-        let end = offset
-            .checked_add(src.len() as u64)
-            .ok_or(MemoryError::SizeOverflow {
-                what: "write range",
-            })?;
-        crate::virtual_memory::range_bytes_mut(allocation, offset..end)?.copy_from_slice(src);
-        Ok(())
+        let _ = (allocation, offset, src);
+        Err(MemoryError::Unsupported {
+            capability: "copying into a reservation",
+            reason: "this backing has no copies",
+        })
     }
 }
 

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use crate::api::capabilities::copy_range;
 use crate::api::{
     AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
     DeviceAllocator, DeviceKey, DeviceKind, FreeError, MechanismId, MemoryError, Refused,
@@ -161,6 +162,30 @@ impl DeviceAllocator for HostAllocator {
         self.check_owner(allocation)?;
         // SAFETY: the allocation is alive (borrowed) and was mapped by this allocator.
         unsafe { sys::resident_bytes(allocation.addr(), allocation.footprint(), self.page) }
+    }
+
+    fn read(
+        &self,
+        allocation: &DeviceAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        self.check_owner(allocation)?;
+        let range = copy_range(allocation, offset, dst.len())?;
+        dst.copy_from_slice(&allocation_bytes(allocation)?[range]);
+        Ok(())
+    }
+
+    fn write(
+        &self,
+        allocation: &mut DeviceAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        self.check_owner(allocation)?;
+        let range = copy_range(allocation, offset, src.len())?;
+        allocation_bytes_mut(allocation)?[range].copy_from_slice(src);
+        Ok(())
     }
 }
 

@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use super::host_access::{range_bytes, range_bytes_mut};
 use super::pool::MemfdPool;
 use super::range::VirtualRange;
 use super::{granularity, smaps, sys};
@@ -232,6 +233,36 @@ impl VirtualBacking for HostBacking {
         let reservation = self.reservation(allocation)?;
         self.pool
             .resident_in(reservation.file_base, reservation.range.len())
+    }
+
+    fn read_range(
+        &self,
+        allocation: &VirtualAllocation,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), MemoryError> {
+        self.reservation(allocation)?;
+        let end = offset
+            .checked_add(dst.len() as u64)
+            .ok_or(MemoryError::SizeOverflow { what: "read range" })?;
+        dst.copy_from_slice(range_bytes(allocation, offset..end)?);
+        Ok(())
+    }
+
+    fn write_range(
+        &self,
+        allocation: &mut VirtualAllocation,
+        offset: u64,
+        src: &[u8],
+    ) -> Result<(), MemoryError> {
+        self.reservation(allocation)?;
+        let end = offset
+            .checked_add(src.len() as u64)
+            .ok_or(MemoryError::SizeOverflow {
+                what: "write range",
+            })?;
+        range_bytes_mut(allocation, offset..end)?.copy_from_slice(src);
+        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use procmem::{DeviceKey, HostBacking, SharedMapping, VirtualBacking};
 
 use crate::cuda_provider::{CudaStreamHandle, CudaSubmitError};
 use crate::deferred_free::DeferredQueue;
-use crate::provider::DeviceProvider;
+use crate::device_provider::DeviceProvider;
 use crate::stream::{CpuStream, StreamError};
 
 use super::KvStoreError;
