@@ -8,7 +8,10 @@
 //! - `vec_doubling`: a contiguous `Vec` reallocated and copied when full;
 //! - `step_api`: the same operator driven through the KV store actor's step API (a prepare
 //!   under the Governor, each layer's write and attention as a kernel on the CPU stream over
-//!   the step's memory, the step completed with its fence): what a server pays for the store.
+//!   the step's memory, the step completed with its fence): what a server pays for the store;
+//! - `step_api_growing`: the same with one granule per growth, so every step maps a new
+//!   granule of every buffer, mapped ahead while the previous step runs (`map_ahead`);
+//!   `step_api_growing_at_prepare` maps it at prepare instead, on the step's critical path.
 //!
 //! For each context the KV is first filled to `context - WINDOW` tokens, then `WINDOW` decode
 //! steps (append this token's K/V, attend over everything) are timed. Bytes copied are
@@ -122,7 +125,9 @@ struct StepApi {
 type Row = (Vec<f32>, Vec<f32>);
 
 impl StepApi {
-    fn new(shape: KvShape) -> Self {
+    /// A store growing `chunk_granules` granules at a time, mapping the next growth while a
+    /// step runs or not.
+    fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -139,10 +144,11 @@ impl StepApi {
                 name: "kv".into(),
                 priority: 0,
                 shape,
-                chunk_granules: CHUNK_GRANULES,
+                chunk_granules,
                 preempt: PreemptMode::Swap,
                 wait: std::time::Duration::from_secs(5),
                 swap: SwapSpace::Auto,
+                map_ahead,
             };
             let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
                 .await
@@ -370,7 +376,10 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
     };
     let filled = |n: usize| vec![0.5f32; n];
     match name {
-        "step_api" => Box::new(StepApi::new(shape)),
+        "step_api" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true)),
+        // One granule per growth: with 4 KiB rows every step maps a new granule per buffer.
+        "step_api_growing" => Box::new(StepApi::new(shape, 1, true)),
+        "step_api_growing_at_prepare" => Box::new(StepApi::new(shape, 1, false)),
         "virtual" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
@@ -432,6 +441,8 @@ fn main() {
     let names = [
         "virtual",
         "step_api",
+        "step_api_growing",
+        "step_api_growing_at_prepare",
         "preallocated",
         "staging_copy",
         "vec_doubling",
@@ -523,6 +534,10 @@ fn main() {
             "virtual_kv_gb_s": operator_gb_s,
             "operator_vs_streaming_read": operator_gb_s / streaming_read,
             "step_api_vs_virtual": get("step_api") / get("virtual"),
+            // Every step of these grows every buffer: mapped while the previous step ran,
+            // or at prepare (on the step's critical path).
+            "growing_vs_step_api": get("step_api_growing") / get("step_api"),
+            "growing_at_prepare_vs_step_api": get("step_api_growing_at_prepare") / get("step_api"),
             "virtual_vs_preallocated": get("virtual") / get("preallocated"),
             "virtual_vs_staging_copy": get("virtual") / get("staging_copy"),
             "virtual_vs_vec_doubling": get("virtual") / get("vec_doubling"),

@@ -430,6 +430,7 @@ async fn serve(args: Args) -> Result<(), String> {
                 },
                 wait: Duration::from_millis(250),
                 swap: SwapSpace::Auto,
+                map_ahead: true,
             },
         )
         .await

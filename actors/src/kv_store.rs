@@ -65,6 +65,12 @@ pub struct KvStoreConfig {
     pub wait: Duration,
     /// Where swapped-out KV goes (`Auto`: a disk file, as the KV is in host memory).
     pub swap: SwapSpace,
+    /// Map each sequence's next growth while a step runs (as vAttention does): when the
+    /// token after a step's will need a new chunk, the store charges and maps it on its own
+    /// task while the step's kernels run, and the next `prepare` only publishes it. It takes
+    /// room only if there is some now (it never asks other holders to give way), and a chunk
+    /// of slack is held one step earlier.
+    pub map_ahead: bool,
 }
 
 /// Why the store refused; the sequence is as it was.
@@ -348,6 +354,8 @@ struct SeqEntry {
     last_fence: Option<Fence>,
     /// While a step has its memory: the tokens and bytes it held when lent (for the stats).
     away: Option<(usize, u64)>,
+    /// Growth mapped ahead (and paid for by `charge`), published at the next prepare.
+    ahead: Option<PendingGrowth>,
 }
 
 enum Pending {

@@ -20,6 +20,7 @@
 //!     preempt: procmem_actors::PreemptMode::Swap,
 //!     wait: std::time::Duration::from_secs(1),
 //!     swap: procmem_actors::SwapSpace::Auto,
+//!     map_ahead: true,
 //! }).await?;
 //! // ... serve requests through `kv` ...
 //! let report = memory.shutdown().await?;

@@ -410,6 +410,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
                 preempt: PreemptMode::Recompute,
                 wait: Duration::from_millis(100),
                 swap: SwapSpace::Auto,
+                map_ahead: false,
             };
             Some(
                 KvStoreHandle::spawn(config, g.clone(), p.clone())

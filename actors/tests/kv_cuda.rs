@@ -140,6 +140,7 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
         preempt: PreemptMode::Swap,
         wait: Duration::from_secs(10),
         swap: SwapSpace::Host(host.clone()),
+        map_ahead: false,
     };
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await

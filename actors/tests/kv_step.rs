@@ -50,6 +50,11 @@ async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::KvSt
 /// attention output.
 async fn own_step(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<Vec<f32>> {
     let step = kv.prepare(vec![seq]).await.unwrap();
+    run_step(step, seq, pos).await
+}
+
+/// The server's kernels of one prepared step of `seq` at `pos`, then the step finished.
+async fn run_step(step: procmem_actors::KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
     let mut outs = Vec::new();
     for layer in 0..SHAPE.layers {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -500,4 +505,72 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
         drop(step);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// With `map_ahead`, the chunk the token after a step needs is charged and mapped while the
+/// step runs: the next prepare asks the Governor for nothing, the outputs are those of a store
+/// that maps at prepare, and the books agree with the kernel all along. A close while the
+/// mapping is on its way leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growth_mapped_ahead_is_published_by_the_next_prepare_without_a_grant() {
+    let page = procmem_actors::procmem::granularity();
+    // One granule per growth: a new chunk every `per_chunk` tokens.
+    let per_chunk = (page / SHAPE.token_bytes()) as usize;
+    let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
+    config.map_ahead = true;
+    let (g, _p, kv) = kv_system(1 << 30, config).await;
+    let (rg, _rp, reference) = store(SHAPE, 1 << 30).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    reference.open(1, vec![], 0).await.unwrap();
+    for pos in 0..per_chunk - 1 {
+        assert_eq!(
+            own_step(&kv, 1, pos).await,
+            own_step(&reference, 1, pos).await
+        );
+    }
+    // The step that fills the first chunk: the second is mapped while it is out.
+    let chunk_bytes = page * SHAPE.buffers() as u64;
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let start = std::time::Instant::now();
+    while kv.stats().await.unwrap().leased_bytes < 2 * chunk_bytes {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "nothing mapped ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let grants = g.snapshot().await.unwrap().grants;
+    let pos = per_chunk - 1;
+    assert_eq!(
+        run_step(step, 1, pos).await,
+        own_step(&reference, 1, pos).await
+    );
+    let s = settled(&g, &kv).await;
+    assert_eq!(s.leased_bytes, 2 * chunk_bytes, "{s:?}");
+    // The step into the new chunk publishes what was mapped: no grant, the same outputs.
+    assert_eq!(
+        own_step(&kv, 1, per_chunk).await,
+        own_step(&reference, 1, per_chunk).await
+    );
+    assert_eq!(
+        g.snapshot().await.unwrap().grants,
+        grants,
+        "the step into the new chunk needed no grant"
+    );
+    settled(&g, &kv).await;
+    settled(&rg, &reference).await;
+    // Close while the next mapping may be on its way: everything goes back.
+    for pos in per_chunk + 1..2 * per_chunk {
+        own_step(&kv, 1, pos).await;
+    }
+    let step = kv.prepare(vec![1]).await.unwrap();
+    drop(step);
+    kv.close(1);
+    let start = std::time::Instant::now();
+    while g.snapshot().await.unwrap().books.leased > 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "books not zero");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let s = settled(&g, &kv).await;
+    assert_eq!((s.leased_bytes, s.os_resident_bytes), (0, 0));
 }

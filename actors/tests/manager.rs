@@ -29,6 +29,7 @@ fn kv_config() -> KvStoreConfig {
         preempt: PreemptMode::Swap,
         wait: Duration::from_millis(200),
         swap: SwapSpace::Auto,
+        map_ahead: false,
     }
 }
 

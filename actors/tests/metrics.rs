@@ -88,6 +88,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
             preempt: PreemptMode::Swap,
             wait: Duration::from_millis(200),
             swap: SwapSpace::Auto,
+            map_ahead: false,
         })
         .await
         .unwrap();

@@ -45,6 +45,7 @@ impl KvStoreState {
             }
         };
         let mut lent = Vec::with_capacity(live.len());
+        let mut ahead = Vec::new();
         for (seq, writer) in live {
             let entry = self
                 .seqs
@@ -55,12 +56,19 @@ impl KvStoreState {
                 .take()
                 .expect("a sequence in a step has its memory");
             entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
+            // The token after this step's needs a new chunk: map it while the step runs.
+            let per = memory.growth_for(2);
+            if self.config.map_ahead && per > 0 && memory.tokens() + 2 <= memory.shape().max_tokens
+            {
+                ahead.push((seq, writer, per));
+            }
             lent.push(StepSeq {
                 seq,
                 writer,
                 memory,
                 prefixes: std::mem::take(&mut entry.prefixes),
                 charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
+                ahead: entry.ahead.take(),
             });
         }
         self.table.end_growth(batch, true);
@@ -74,8 +82,47 @@ impl KvStoreState {
             views,
             self.stream.clone(),
         );
+        if !ahead.is_empty() {
+            self.map_ahead(step.memory_weak(), ahead);
+        }
         // A caller that gave up drops the step here, which ends it (nothing counts).
         let _ = reply.send(Ok(step));
+    }
+
+    /// Maps the next growth of `seqs` while their step runs, on a task of its own: for each,
+    /// a grant of room there is now (no holder is asked to give way for it), committed, then
+    /// the mapping under the step's memory (off the async threads: a host kernel may hold
+    /// it). A step back in the store by then takes nothing (the lease goes back).
+    fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<(SeqId, Writer, u64)>) {
+        let governor = self.governor.clone();
+        let holder = self.holder;
+        let buffers = self.config.shape.buffers() as u64;
+        let priority = self.config.priority;
+        tokio::spawn(async move {
+            for (seq, writer, per) in seqs {
+                let bytes = per.saturating_mul(buffers);
+                let request = ReserveRequest {
+                    holder,
+                    role: MemoryRole::KvCache,
+                    bytes,
+                    priority,
+                    deadline: None,
+                };
+                let Ok(grant) = governor.reserve(request).await else {
+                    continue;
+                };
+                let Ok(lease) = grant.commit(bytes).await else {
+                    continue;
+                };
+                let memory = memory.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Some(memory) = memory.upgrade() {
+                        memory.map_ahead(seq, writer, per, lease);
+                    }
+                })
+                .await;
+            }
+        });
     }
 
     /// A step ended: the store records its own fence after everything submitted on the
@@ -155,10 +202,10 @@ impl KvStoreState {
         let seqs = match memory.take() {
             Ok(seqs) => seqs,
             Err(memory) => {
-                // A kernel still holds a share (none can be submitted after the end, and a
-                // kernel's share goes before its fence completes, so this should not happen):
-                // look again a little later rather than free anything under it.
-                tracing::warn!(step, "step memory still shared after its fence");
+                // The task mapping ahead holds it for a moment (a kernel's share goes before
+                // its fence completes, and none can be submitted after the end): look again
+                // a little later rather than free anything under it.
+                tracing::debug!(step, "step memory still shared after its fence");
                 let me = myself.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -181,6 +228,7 @@ impl KvStoreState {
             mut memory,
             prefixes,
             charge,
+            ahead,
         } in seqs
         {
             let ours = self
@@ -197,6 +245,7 @@ impl KvStoreState {
                     prefixes,
                     last_fence: marker,
                     away: None,
+                    ahead,
                 });
                 continue;
             };
@@ -209,6 +258,7 @@ impl KvStoreState {
             entry.charge = charge;
             entry.last_fence = marker;
             entry.away = None;
+            entry.ahead = ahead;
             if let Ok(done) = self.table.end_step(seq, writer, tokens) {
                 for key in done {
                     // Only the block this sequence filled; nobody else's under the key.

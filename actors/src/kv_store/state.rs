@@ -395,6 +395,8 @@ impl KvStoreState {
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let entry = self.seqs.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
+        // Growth mapped ahead is part of this memory, and goes with it.
+        entry.ahead = None;
         let prefixes = std::mem::take(&mut entry.prefixes);
         let bytes = memory.exclusive_bytes();
         let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));

@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    gqa_decode, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews, Writer,
+    gqa_decode, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews, PendingGrowth, Writer,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
 use super::device::KvStream;
 use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId, SharedPrefix};
 use crate::charge::Charge;
+use crate::governor::Lease;
 use crate::stream::StreamError;
 
 /// One sequence's memory while a step has it.
@@ -29,6 +30,9 @@ pub(super) struct StepSeq {
     pub(super) memory: KvSequence,
     pub(super) prefixes: Vec<Arc<SharedPrefix>>,
     pub(super) charge: Charge,
+    /// Growth for the token after this step's, mapped while the step runs (paid for by
+    /// `charge`); published at the next prepare.
+    pub(super) ahead: Option<PendingGrowth>,
 }
 
 /// The memory of a step's sequences, shared by the step and every kernel it submitted.
@@ -52,6 +56,28 @@ impl StepMemory {
     /// rows), so a poisoned lock is still used.
     fn lock(&self) -> MutexGuard<'_, Vec<StepSeq>> {
         self.seqs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Maps `per` bytes per buffer at the end of sequence `seq` (this incarnation) for the token
+    /// after the step's, paid for by `lease`, unless that was done already or the sequence's
+    /// growth changed meanwhile (then the lease goes back). Blocks while a host kernel holds
+    /// the memory.
+    pub(super) fn map_ahead(&self, seq: SeqId, writer: Writer, per: u64, lease: Lease) {
+        let mut seqs = self.lock();
+        let Some(s) = seqs.iter_mut().find(|s| s.seq == seq && s.writer == writer) else {
+            return;
+        };
+        if s.ahead.is_some() || s.memory.growth_for(2) != per {
+            return;
+        }
+        // The lease was committed before this maps: the books never trail the memory.
+        match s.memory.map_growth(per) {
+            Ok(growth) => {
+                s.charge.add(lease);
+                s.ahead = Some(growth);
+            }
+            Err(e) => tracing::debug!(%e, seq, "mapping ahead failed; the next prepare maps"),
+        }
     }
 
     /// The sequences back, once no kernel holds the memory any more.
@@ -233,6 +259,11 @@ impl KvStep {
 
     fn memory(&self) -> &Arc<StepMemory> {
         self.memory.as_ref().expect("a live step has its memory")
+    }
+
+    /// The step's memory, without keeping it from coming back to the store.
+    pub(super) fn memory_weak(&self) -> std::sync::Weak<StepMemory> {
+        Arc::downgrade(self.memory())
     }
 
     /// Runs `kernel` on the step's stream, after the work submitted before it, with the step's

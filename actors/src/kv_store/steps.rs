@@ -49,6 +49,7 @@ impl KvStoreState {
             prefixes: Vec::new(),
             last_fence: None,
             away: None,
+            ahead: None,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
         let hits = lookup.hits;
@@ -190,6 +191,20 @@ impl KvStoreState {
                 return;
             }
         };
+        // Growth mapped ahead while the last step ran is published first: what it covers
+        // needs no grant and no mapping now.
+        for (seq, _) in &batch {
+            if let Some(SeqEntry {
+                memory: Some(memory),
+                ahead,
+                ..
+            }) = self.seqs.get_mut(seq)
+            {
+                if let Some(growth) = ahead.take() {
+                    memory.publish(growth);
+                }
+            }
+        }
         let mut plan = Vec::with_capacity(batch.len());
         let mut bytes = 0u64;
         let mut priority = 0;
@@ -464,6 +479,7 @@ impl KvStoreState {
                 // what paid for it.
                 let entry = self.seqs.get_mut(&seq).expect("present above");
                 entry.saved = Some(saved);
+                entry.ahead = None;
                 let old = entry.memory.take();
                 let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
                 drop(old);

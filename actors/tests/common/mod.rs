@@ -40,6 +40,7 @@ pub fn kv_config(
         preempt,
         wait,
         swap: SwapSpace::Auto,
+        map_ahead: false,
     }
 }
 
