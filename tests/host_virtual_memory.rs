@@ -487,3 +487,68 @@ fn dropping_a_reservation_releases_its_pages_and_blocks() {
     assert_eq!(m.backing().resident_bytes().unwrap(), 0);
     let _keep: Arc<_> = m.backing();
 }
+
+/// The copies every device offers (what swaps and weight loads go through), called with
+/// ranges past the end, lengths that overflow, and another mechanism's handles: typed
+/// refusals, nothing written, never a panic.
+#[test]
+fn copies_refuse_ranges_past_the_end_and_foreign_handles() {
+    let m = host();
+    let other = host();
+    let g = procmem::granularity();
+    // Allocations.
+    let request = AllocationRequest::new(2 * g, MemoryRole::Workspace);
+    let mut a = m.allocator().allocate(&request).unwrap();
+    let alloc = m.allocator();
+    alloc.write(&mut a, 10, b"abc").unwrap();
+    let mut got = [0u8; 3];
+    alloc.read(&a, 10, &mut got).unwrap();
+    assert_eq!(&got, b"abc");
+    let mut one = [0u8; 1];
+    for offset in [2 * g, u64::MAX, u64::MAX - 1] {
+        assert!(
+            alloc.read(&a, offset, &mut one).is_err(),
+            "read at {offset}"
+        );
+        assert!(
+            alloc.write(&mut a, offset, b"x").is_err(),
+            "write at {offset}"
+        );
+    }
+    assert!(
+        alloc.write(&mut a, 2 * g - 2, b"xyz").is_err(),
+        "a write crossing the end"
+    );
+    assert!(
+        other.allocator().read(&a, 0, &mut one).is_err(),
+        "another mechanism's handle"
+    );
+    assert!(other.allocator().write(&mut a, 0, b"x").is_err());
+    assert_eq!(
+        &allocation_bytes(&a).unwrap()[10..13],
+        b"abc",
+        "nothing else written"
+    );
+    m.allocator().free(a).unwrap();
+
+    // Grown buffers.
+    let mut buf = VirtualBuffer::new(m.backing(), 4 * g, MemoryRole::KvCache).unwrap();
+    buf.grow(g).unwrap();
+    buf.write_from(g - 3, b"end").unwrap();
+    let mut tail = [0u8; 3];
+    buf.read_into(g - 3, &mut tail).unwrap();
+    assert_eq!(&tail, b"end");
+    for offset in [g, g - 2, u64::MAX, u64::MAX - 2] {
+        assert!(
+            buf.read_into(offset, &mut tail).is_err(),
+            "read at {offset}"
+        );
+        assert!(buf.write_from(offset, b"end").is_err(), "write at {offset}");
+    }
+    let mut foreign = VirtualBuffer::new(other.backing(), g, MemoryRole::KvCache).unwrap();
+    foreign.grow(g).unwrap();
+    let backing = m.virtual_backing().unwrap();
+    assert!(backing
+        .read_range(foreign.allocation(), 0, &mut tail)
+        .is_err());
+}

@@ -326,3 +326,59 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
         "the last user frees the blocks"
     );
 }
+
+/// What a swap copies out and back, asked for wrongly: a buffer past the model, more rows than
+/// are mapped, a destination of the wrong length, rows that do not fill whole tokens. Each is a
+/// typed refusal and the sequence is unchanged; the right call round-trips the bytes.
+#[test]
+fn swap_copies_refuse_wrong_buffers_lengths_and_rows() {
+    let host = HostMechanism::new().unwrap();
+    let backing: Arc<dyn VirtualBacking> = host.backing();
+    let mut seq = KvSequence::reserve(backing, SHAPE, 1).unwrap();
+    let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..3)
+        .map(|t| {
+            let row: Vec<f32> = (0..SHAPE.token_elems())
+                .map(|i| (t * 100 + i) as f32)
+                .collect();
+            (row.clone(), row)
+        })
+        .collect();
+    for row in &rows {
+        append(&mut seq, std::slice::from_ref(row)).unwrap();
+    }
+    let tb = SHAPE.token_bytes() as usize;
+    let mut out = vec![0u8; 3 * tb];
+    seq.read_buffer(1, 3, &mut out).unwrap();
+    let mut wrong = vec![0u8; 3 * tb - 1];
+    assert!(
+        seq.read_buffer(1, 3, &mut wrong).is_err(),
+        "destination too short"
+    );
+    assert!(
+        seq.read_buffer(SHAPE.buffers(), 3, &mut out).is_err(),
+        "no such buffer"
+    );
+    assert!(seq.read_buffer(usize::MAX, 3, &mut out).is_err());
+    let mut huge = vec![0u8; 0];
+    assert!(
+        seq.read_buffer(0, usize::MAX, &mut huge).is_err(),
+        "rows not mapped"
+    );
+    assert!(
+        seq.write_buffer_bytes(0, &out[..tb + 1]).is_err(),
+        "not whole rows"
+    );
+    assert!(seq.write_buffer_bytes(usize::MAX, &out).is_err());
+    let too_many = vec![0u8; seq.mapped_bytes() as usize + tb];
+    assert!(
+        seq.write_buffer_bytes(0, &too_many).is_err(),
+        "past what is mapped"
+    );
+    // Nothing changed; the bytes read out go back where they came from.
+    let mut again = vec![0u8; 3 * tb];
+    seq.read_buffer(1, 3, &mut again).unwrap();
+    assert_eq!(out, again);
+    seq.write_buffer_bytes(0, &out).unwrap();
+    seq.read_buffer(0, 3, &mut again).unwrap();
+    assert_eq!(out, again);
+}
