@@ -187,7 +187,8 @@ pub struct KvStoreStats {
     /// Tokens whose K/V the active sequences hold in memory.
     pub tokens: usize,
     /// Bytes mapped for active sequences alone (their own chunks, not the shared prompt
-    /// blocks they map).
+    /// blocks they map). A sequence in a step counts as it was lent: a chunk mapped ahead
+    /// while the step runs shows in `leased_bytes` at once, and here once the step is back.
     pub exclusive_bytes: u64,
     /// Shared prompt blocks in the prefix cache (complete or being filled).
     pub prefix_entries: usize,

@@ -107,7 +107,7 @@ async fn sample(inner: std::sync::Weak<Inner>) {
 impl Inner {
     /// Physical bytes behind an authority, read from the OS or the driver: the host
     /// mechanism's memfd pages and the resident pages of its eager allocations; for a device
-    /// authority, the VMM handles mapped.
+    /// authority, the VMM handles mapped and the eager allocations live.
     /// `None` for an authority that pays for device bytes too (unified memory): the driver has
     /// no per-process truth for them, and counting only the host's would report every device
     /// byte as drift.
@@ -123,11 +123,10 @@ impl Inner {
             .iter()
             .all(|(d, _)| d.kind != DeviceKind::Host)
         {
-            // A device authority of its own: the VMM handles its backing holds mapped, as
-            // the driver was asked for them (handles pooled unmapped are not charged).
-            let cuda = self.cuda.as_ref()?;
-            let backing = cuda.mechanism().backing();
-            Some(backing.live_bytes().saturating_sub(backing.pooled_bytes()))
+            // A device authority of its own: the VMM handles mapped and the eager
+            // allocations live, as the driver was asked for them (handles pooled unmapped
+            // are not charged).
+            Some(self.cuda.as_ref()?.mechanism().driver_bytes())
         } else {
             None
         }

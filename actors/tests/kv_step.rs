@@ -574,3 +574,42 @@ async fn growth_mapped_ahead_is_published_by_the_next_prepare_without_a_grant() 
     let s = settled(&g, &kv).await;
     assert_eq!((s.leased_bytes, s.os_resident_bytes), (0, 0));
 }
+
+/// Growth mapped ahead and not yet published is slack: under pressure it goes first, and no
+/// sequence is preempted for the room it frees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growth_mapped_ahead_is_given_back_first_under_pressure() {
+    let page = procmem_actors::procmem::granularity();
+    let per_chunk = (page / SHAPE.token_bytes()) as usize;
+    let chunk_bytes = page * SHAPE.buffers() as u64;
+    let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
+    config.map_ahead = true;
+    // Room for exactly two chunks: the one in use and the one mapped ahead.
+    let (g, _p, kv) = kv_system(2 * chunk_bytes, config).await;
+    kv.open(1, vec![], 0).await.unwrap();
+    for pos in 0..per_chunk - 1 {
+        own_step(&kv, 1, pos).await;
+    }
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let start = std::time::Instant::now();
+    while kv.stats().await.unwrap().leased_bytes < 2 * chunk_bytes {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "nothing mapped ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    run_step(step, 1, per_chunk - 1).await;
+    // Another holder wants one chunk: the slack is unmapped and its lease released.
+    let grant = another_holder_asks(g.clone(), chunk_bytes, Duration::from_secs(5))
+        .await
+        .expect("the slack made room");
+    let s = kv.stats().await.unwrap();
+    assert_eq!(s.preemptions, 0, "{s:?}");
+    assert_eq!(s.leased_bytes, chunk_bytes, "{s:?}");
+    drop(grant);
+    // The sequence goes on: its next step maps the chunk again, at prepare.
+    own_step(&kv, 1, per_chunk).await;
+    let s = settled(&g, &kv).await;
+    assert_eq!(s.leased_bytes, 2 * chunk_bytes, "{s:?}");
+}

@@ -1,5 +1,6 @@
 //! The eager CUDA allocator: `cuMemAlloc`, every byte taken at allocate time.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::driver::CudaDevice;
@@ -12,6 +13,8 @@ use crate::api::{
 struct Origin {
     device: Arc<CudaDevice>,
     drop_errors: Mutex<Vec<MemoryError>>,
+    /// Footprint bytes allocated and not yet freed.
+    live: AtomicU64,
 }
 
 impl AllocationOrigin for Origin {
@@ -19,6 +22,7 @@ impl AllocationOrigin for Origin {
         // SAFETY: only `DeviceAllocation` calls this, once, for an address `allocate` returned;
         // device work is ordered before it by the deferred-free path.
         unsafe { self.device.free(addr)? };
+        self.live.fetch_sub(footprint, Ordering::AcqRel);
         Ok(footprint)
     }
 
@@ -31,6 +35,11 @@ impl AllocationOrigin for Origin {
 }
 
 impl CudaAllocator {
+    /// Footprint bytes allocated through it and not yet freed: what the driver holds for it.
+    pub fn live_bytes(&self) -> u64 {
+        self.origin.live.load(Ordering::Acquire)
+    }
+
     fn own(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {
         if allocation.mechanism() == self.mechanism {
             Ok(())
@@ -69,6 +78,7 @@ impl CudaAllocator {
             origin: Arc::new(Origin {
                 device,
                 drop_errors: Mutex::new(Vec::new()),
+                live: AtomicU64::new(0),
             }),
         })
     }
@@ -104,6 +114,7 @@ impl DeviceAllocator for CudaAllocator {
     fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
         let footprint = self.footprint(request)?;
         let addr = self.origin.device.alloc(request.bytes)?;
+        self.origin.live.fetch_add(footprint, Ordering::AcqRel);
         Ok(DeviceAllocation::new(
             AllocationParts {
                 addr,

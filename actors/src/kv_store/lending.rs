@@ -101,6 +101,12 @@ impl KvStoreState {
         tokio::spawn(async move {
             for (seq, writer, per) in seqs {
                 let bytes = per.saturating_mul(buffers);
+                // Only where there is room now: a request refused would count as a denial
+                // in the books and metrics, and nobody asked for this.
+                match governor.snapshot().await {
+                    Ok(s) if s.books.free() >= bytes => {}
+                    _ => continue,
+                }
                 let request = ReserveRequest {
                     holder,
                     role: MemoryRole::KvCache,

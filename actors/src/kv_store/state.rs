@@ -204,12 +204,39 @@ impl KvStoreState {
             .await
     }
 
+    /// Unmaps growth mapped ahead and not published yet (slack no kernel uses) until `wanted`
+    /// bytes are freed, releasing what paid for it after the unmap. Returns the bytes freed.
+    fn drop_ahead(&mut self, wanted: u64) -> u64 {
+        let mut freed = 0;
+        for entry in self.seqs.values_mut() {
+            if freed >= wanted {
+                break;
+            }
+            let (Some(memory), Some(growth)) = (entry.memory.as_mut(), entry.ahead.take()) else {
+                continue;
+            };
+            let bytes = growth.bytes();
+            // A tail that fails to unmap stays mapped, and stays paid for by the sequence.
+            if memory.abandon(growth).is_ok() {
+                drop(entry.charge.split(bytes));
+                freed += bytes;
+            }
+        }
+        freed
+    }
+
     async fn answer_in(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
         ticket: PressureTicket,
         rechecks: u32,
     ) {
+        // Growth mapped ahead goes first: it is slack, and taking it costs no sequence.
+        let slack = self.drop_ahead(ticket.bytes_wanted);
+        if slack >= ticket.bytes_wanted {
+            ticket.report(slack, 0);
+            return;
+        }
         let prefixes: Vec<PrefixCandidate<u64>> = self
             .prefixes
             .blocks()
@@ -260,6 +287,7 @@ impl KvStoreState {
             .min_by_key(|f| f.value);
         if let Some(fence) = soon_free.filter(|_| {
             available == 0
+                && slack == 0
                 && rechecks < TICKET_RECHECKS
                 && tokio::time::Instant::now() < ticket.deadline
         }) {
@@ -280,7 +308,7 @@ impl KvStoreState {
             );
             return;
         }
-        let (mut freed, mut pending) = (0, 0);
+        let (mut freed, mut pending) = (slack, 0);
         // Every eligible unit in the policy's order; stop once enough is really freed (a unit
         // whose free fails frees nothing and the next one is taken).
         for victim in choose_victims(u64::MAX, &prefixes, &sequences) {
