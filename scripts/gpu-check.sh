@@ -36,6 +36,11 @@ run "virtual_memory bench (host part, then the cuda section)" "$bin/virtual_memo
 run "deferred_free bench (CPU provider, then the cuda section)" "$bin/deferred_free" --bench
 # The CUDA decode kernels over VMM / preallocated / staging-copied KV (host part skipped).
 run "kv_decode bench (cuda section only)" env KV_DECODE_CUDA_ONLY=1 "$bin/kv_decode" --bench
+# The main job on the GPU: KV on CUDA VMM under a device budget, attention by the CUDA
+# kernels, swaps to the host tier (its projections run on the host: a short run).
+run "main job --device cuda (small)" "$bin/inference_server" --device cuda --budget 0.25x
+run "main job --device cuda --model-size large" "$bin/inference_server" --device cuda \
+    --model-size large --requests 12 --concurrency 6 --max-new-tokens 16 --budget 0.5x
 grep -h -A8 '"cuda"' "$reports"/virtual_memory.json "$reports"/deferred_free.json || true
 grep -h -A60 '"cuda"' "$reports"/kv_decode.json || true
 echo "== gpu-check done: $([[ $status == 0 ]] && echo all passed || echo FAILURES) =="

@@ -7,7 +7,9 @@ out="${1:-.gpu/bin}"
 mkdir -p "$out"
 export CARGO_TERM_COLOR=never
 pick() { # cargo args... -> prints "name path" for each executable built
-    cargo "$@" --no-run --message-format=json |
+    local only_build=()
+    if [[ "$1" == test || "$1" == bench ]]; then only_build=(--no-run); fi
+    cargo "$@" "${only_build[@]}" --message-format=json |
         python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -22,6 +24,7 @@ for line in sys.stdin:
     pick bench -p procmem --bench virtual_memory
     pick bench -p procmem --bench deferred_free
     pick bench -p procmem --bench kv_decode
+    pick build --release -p procmem --example inference_server
 } | while read -r name path; do
     cp "$path" "$out/$name"
     strip "$out/$name" 2>/dev/null || true
