@@ -412,7 +412,7 @@ async fn serve(args: Args) -> Result<(), String> {
         procmem_actors::procmem::MemoryTier::Host
     };
     let gpu = if cuda {
-        Some(Gpu::new(&memory, model.shape)?)
+        Some(Gpu::new(&memory, model.shape, args.concurrency)?)
     } else {
         None
     };
@@ -959,10 +959,13 @@ async fn attend(
 }
 
 /// The server's GPU side: the decode kernels (kernels/decode.cu, loaded from their PTX) and
-/// device staging for one sequence's query, new K/V row, partial results and output.
+/// device staging for a whole batch: each sequence's query, new K/V row and output, and one
+/// scratch for partial results (the stream runs one decode at a time).
 struct Gpu {
     device: Arc<CudaDevice>,
     kernels: DecodeKernels,
+    /// Sequences of a batch at most.
+    batch: usize,
     q: u64,
     k: u64,
     v: u64,
@@ -971,11 +974,15 @@ struct Gpu {
 }
 
 impl Gpu {
-    fn new(memory: &MemoryManager, shape: KvShape) -> Result<Gpu, String> {
+    fn new(memory: &MemoryManager, shape: KvShape, batch: usize) -> Result<Gpu, String> {
         let provider = memory.cuda_provider().ok_or("no CUDA provider")?;
         let device = provider.mechanism().device().clone();
         let kernels = DecodeKernels::load(device.clone()).map_err(|e| e.to_string())?;
-        let f32s = |n: usize| device.alloc(n as u64 * 4).map_err(|e| e.to_string());
+        let f32s = |n: usize| {
+            device
+                .alloc((batch * n) as u64 * 4)
+                .map_err(|e| e.to_string())
+        };
         let partials = DecodeLaunch {
             q: 0,
             k: 0,
@@ -995,20 +1002,42 @@ impl Gpu {
             v: f32s(shape.token_elems())?,
             out: f32s(shape.q_heads * shape.head_dim)?,
             partials: device.alloc(partials).map_err(|e| e.to_string())?,
+            batch,
             kernels,
             device,
         })
     }
 
-    /// One layer of attention for every sequence of the step, on the step's CUDA stream: the
-    /// new K/V row written into the flat buffers by the copy kernel, then the split-KV decode
-    /// over every row so far, read in place through the step's views.
+    /// One layer of attention for every sequence of the step, on the step's CUDA stream: each
+    /// sequence's new K/V row written into the flat buffers by the copy kernel, then the
+    /// split-KV decode over every row so far, read in place through the step's views. The
+    /// whole batch is queued, then the stream is waited for once and the outputs copied back.
     fn attend(
         &self,
         step: &KvStep,
         shape: KvShape,
         layer: usize,
         qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        // A batch larger than the staging (restores may join it) goes a slice at a time.
+        if qkv.len() > self.batch {
+            let mut outs = Vec::with_capacity(qkv.len());
+            for (n, part) in qkv.chunks(self.batch).enumerate() {
+                outs.extend(self.attend_from(step, shape, layer, part, n * self.batch)?);
+            }
+            return Ok(outs);
+        }
+        self.attend_from(step, shape, layer, qkv, 0)
+    }
+
+    /// [`Gpu::attend`] for the step's sequences `first..first + qkv.len()`.
+    fn attend_from(
+        &self,
+        step: &KvStep,
+        shape: KvShape,
+        layer: usize,
+        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+        first: usize,
     ) -> Result<Vec<Vec<f32>>, String> {
         let stream = step
             .stream()
@@ -1017,32 +1046,45 @@ impl Gpu {
             .cuda();
         let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
         let err = |e: procmem_actors::procmem::MemoryError| e.to_string();
-        let mut outs = Vec::with_capacity(qkv.len());
+        let (qn, rn) = (
+            (shape.q_heads * shape.head_dim) as u64 * 4,
+            shape.token_elems() as u64 * 4,
+        );
+        // The previous layer's work read the staging buffers: done before they are rewritten.
+        stream.synchronize().map_err(err)?;
         for (i, (q, k, v)) in qkv.iter().enumerate() {
-            let views = step.views(i, layer).ok_or("no such sequence in the step")?;
-            let pos = step.positions()[i];
-            // The staging buffers are reused: the stream is idle before they are rewritten.
-            stream.synchronize().map_err(err)?;
-            // SAFETY: the staging buffers were allocated with these sizes; the stream is idle,
-            // so no kernel reads them while they are written; the rows written are this step's
-            // own (mapped read-write until its fence), and the views cover `pos + 1` rows.
+            let views = step
+                .views(first + i, layer)
+                .ok_or("no such sequence in the step")?;
+            let pos = step.positions()[first + i];
+            let (qi, ki, vi, oi) = (
+                self.q + i as u64 * qn,
+                self.k + i as u64 * rn,
+                self.v + i as u64 * rn,
+                self.out + i as u64 * qn,
+            );
+            // SAFETY: each sequence has its own staging slots (allocated for `batch`), which
+            // no queued work reads until the next layer's synchronize; the rows written are
+            // this step's own (mapped read-write until its fence), and the views cover
+            // `pos + 1` rows; one partials scratch serves every decode, as the stream runs
+            // them one after the other.
             unsafe {
-                self.device.copy_to_device(self.q, &bytes(q)).map_err(err)?;
-                self.device.copy_to_device(self.k, &bytes(k)).map_err(err)?;
-                self.device.copy_to_device(self.v, &bytes(v)).map_err(err)?;
+                self.device.copy_to_device(qi, &bytes(q)).map_err(err)?;
+                self.device.copy_to_device(ki, &bytes(k)).map_err(err)?;
+                self.device.copy_to_device(vi, &bytes(v)).map_err(err)?;
                 let n = shape.token_elems() as u32;
                 let (k_row, v_row) = (
                     views.k.row_addr(pos).ok_or("no row for the new token")?,
                     views.v.row_addr(pos).ok_or("no row for the new token")?,
                 );
                 self.kernels
-                    .write_row(stream, shape.dtype, k_row, self.k, n)
+                    .write_row(stream, shape.dtype, k_row, ki, n)
                     .map_err(err)?;
                 self.kernels
-                    .write_row(stream, shape.dtype, v_row, self.v, n)
+                    .write_row(stream, shape.dtype, v_row, vi, n)
                     .map_err(err)?;
                 let launch = DecodeLaunch {
-                    q: self.q,
+                    q: qi,
                     k: views.k.addr,
                     v: views.v.addr,
                     dtype: shape.dtype,
@@ -1051,21 +1093,23 @@ impl Gpu {
                     kv_heads: shape.kv_heads as u32,
                     head_dim: shape.head_dim as u32,
                     partials: self.partials,
-                    out: self.out,
+                    out: oi,
                 };
                 self.kernels.decode(stream, &launch).map_err(err)?;
             }
-            stream.synchronize().map_err(err)?;
-            let mut out = vec![0u8; q.len() * 4];
-            // SAFETY: `out` was allocated with this size; the stream is idle.
-            unsafe { self.device.copy_to_host(&mut out, self.out).map_err(err)? };
-            outs.push(
-                out.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
         }
-        Ok(outs)
+        stream.synchronize().map_err(err)?;
+        let mut out = vec![0u8; qkv.len() * qn as usize];
+        // SAFETY: the outputs of this batch lie at the start of `out`; the stream is idle.
+        unsafe { self.device.copy_to_host(&mut out, self.out).map_err(err)? };
+        Ok(out
+            .chunks_exact(qn as usize)
+            .map(|o| {
+                o.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect())
     }
 }
 
