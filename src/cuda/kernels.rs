@@ -55,9 +55,13 @@ impl DecodeLaunch {
         self.tokens.div_ceil(CUDA_SPLIT_TOKENS)
     }
 
-    /// Bytes of scratch the partial results need.
+    /// Bytes of scratch the partial results need (`u64::MAX` for a shape no device holds:
+    /// allocating it then fails instead of the size wrapping).
     pub fn partials_bytes(&self) -> u64 {
-        u64::from(self.splits()) * u64::from(self.q_heads) * (u64::from(self.head_dim) + 2) * 4
+        u64::from(self.splits())
+            .saturating_mul(u64::from(self.q_heads))
+            .saturating_mul(u64::from(self.head_dim) + 2)
+            .saturating_mul(4)
     }
 
     fn validate(&self) -> Result<(), MemoryError> {
@@ -300,6 +304,47 @@ impl Drop for DecodeKernels {
             let _ = unsafe { sys::cuCtxSynchronize() };
             // SAFETY: loaded in `load`; nothing of it runs any more.
             let _ = unsafe { sys::cuModuleUnload(self.module) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(tokens: u32, q_heads: u32, kv_heads: u32, head_dim: u32) -> DecodeLaunch {
+        DecodeLaunch {
+            q: 0,
+            k: 0,
+            v: 0,
+            dtype: KvDtype::F16,
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            partials: 0,
+            out: 0,
+        }
+    }
+
+    #[test]
+    fn sizes_at_the_limits_saturate_and_bad_shapes_are_refused() {
+        let huge = launch(u32::MAX, u32::MAX, 1, u32::MAX);
+        assert_eq!(huge.partials_bytes(), u64::MAX);
+        assert_eq!(huge.splits(), u32::MAX.div_ceil(CUDA_SPLIT_TOKENS));
+        let ok = launch(4096, 32, 8, 128);
+        assert_eq!(ok.partials_bytes(), 32 * 32 * 130 * 4);
+        assert!(ok.validate().is_ok());
+        for bad in [
+            launch(0, 32, 8, 128),  // nothing to attend over
+            launch(16, 32, 0, 128), // no KV head
+            launch(16, 30, 8, 128), // 8 does not divide 30
+            launch(16, 64, 1, 128), // 64 query heads on one KV head: a 2,048-thread block
+            launch(16, 32, 8, 0),   // empty heads
+            launch(16, 32, 8, 257), // more than a warp's eight elements per lane
+            launch(u32::MAX, u32::MAX, u32::MAX, u32::MAX),
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
         }
     }
 }
