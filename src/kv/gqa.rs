@@ -318,8 +318,9 @@ fn split_body<const FMA: bool, const HD: usize>(
     let (maxes, sums) = stats.split_at_mut(d.q_heads);
     // Scores of this split, query head major: `scores[h * n + t]`.
     let mut scores = vec![0f32; d.q_heads * n];
+    // f16 rows are widened into this: two whole key rows, or a chunk of one head's values.
     let widened = if matches!(rows, Rows::F16(..)) {
-        CHUNK * stride
+        (2 * stride).max(CHUNK * hd)
     } else {
         0
     };
