@@ -71,11 +71,7 @@ impl CudaMechanism {
     /// Bytes the driver holds for this mechanism: VMM handles mapped (the pool's unmapped
     /// spares aside) plus eager allocations not yet freed.
     pub fn driver_bytes(&self) -> u64 {
-        let mapped = self
-            .backing
-            .live_bytes()
-            .saturating_sub(self.backing.pooled_bytes());
-        mapped + self.allocator.live_bytes()
+        self.backing.mapped_bytes() + self.allocator.live_bytes()
     }
 }
 

@@ -33,6 +33,7 @@ use crate::governor::{GovernorHandle, Lease, ReserveRequest};
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::provider::ProviderError;
+use crate::stream::completed_within;
 
 /// How to start model residency.
 #[derive(Debug, Clone)]
@@ -545,20 +546,9 @@ impl ResidencyState {
 async fn idle(buffer: &DeviceBuffer, stream: &CudaStreamHandle, limit: Duration) -> bool {
     let timeline = stream.timeline();
     for fence in buffer.fences() {
-        if fence.stream != stream.id() {
-            return false;
-        }
-        if timeline.completed() >= fence.value {
-            continue;
-        }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        timeline.on_complete(
-            fence.value,
-            Box::new(move |_| {
-                let _ = tx.send(());
-            }),
-        );
-        if !matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(()))) {
+        if fence.stream != stream.id()
+            || !completed_within(timeline.as_ref(), fence.value, limit).await
+        {
             return false;
         }
     }

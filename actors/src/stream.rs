@@ -19,6 +19,26 @@ use crate::deferred_free::DeferredQueue;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
 
+/// Waits, without blocking the thread, until `value` of `timeline` completes, at most
+/// `limit`: false if it did not (a stream that failed never completes its values).
+pub(crate) async fn completed_within(
+    timeline: &dyn Timeline,
+    value: u64,
+    limit: std::time::Duration,
+) -> bool {
+    if timeline.completed() >= value {
+        return true;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    timeline.on_complete(
+        value,
+        Box::new(move |_| {
+            let _ = tx.send(());
+        }),
+    );
+    matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(())))
+}
+
 /// Why work could not be submitted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StreamError {

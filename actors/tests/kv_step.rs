@@ -11,8 +11,8 @@ use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorHandle, KvStoreError, KvStoreHandle, PreemptMode,
-    Restored,
+    CpuProvider, CpuProviderConfig, GovernorHandle, KvStep, KvStoreError, KvStoreHandle,
+    PreemptMode, Restored,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -54,7 +54,7 @@ async fn own_step(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<Vec<f32>> {
 }
 
 /// The server's kernels of one prepared step of `seq` at `pos`, then the step finished.
-async fn run_step(step: procmem_actors::KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
+async fn run_step(step: KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
     let mut outs = Vec::new();
     for layer in 0..SHAPE.layers {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -507,17 +507,38 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
     }
 }
 
+/// A store config growing one granule at a time and mapping ahead, with the tokens a chunk
+/// holds and a chunk's bytes over every buffer.
+fn mapping_ahead() -> (usize, u64, procmem_actors::KvStoreConfig) {
+    let page = procmem_actors::procmem::granularity();
+    let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
+    config.map_ahead = true;
+    let per_chunk = (page / SHAPE.token_bytes()) as usize;
+    (per_chunk, page * SHAPE.buffers() as u64, config)
+}
+
+/// Prepares a step of sequence 1 that fills its first chunk and waits until the second is
+/// mapped (and charged) while the step is out.
+async fn prepare_with_next_chunk_mapped(kv: &KvStoreHandle, chunk_bytes: u64) -> KvStep {
+    let step = kv.prepare(vec![1]).await.unwrap();
+    let start = std::time::Instant::now();
+    while kv.stats().await.unwrap().leased_bytes < 2 * chunk_bytes {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "nothing mapped ahead"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    step
+}
+
 /// With `map_ahead`, the chunk the token after a step needs is charged and mapped while the
 /// step runs: the next prepare asks the Governor for nothing, the outputs are those of a store
 /// that maps at prepare, and the books agree with the kernel all along. A close while the
 /// mapping is on its way leaves nothing behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn growth_mapped_ahead_is_published_by_the_next_prepare_without_a_grant() {
-    let page = procmem_actors::procmem::granularity();
-    // One granule per growth: a new chunk every `per_chunk` tokens.
-    let per_chunk = (page / SHAPE.token_bytes()) as usize;
-    let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
-    config.map_ahead = true;
+    let (per_chunk, chunk_bytes, config) = mapping_ahead();
     let (g, _p, kv) = kv_system(1 << 30, config).await;
     let (rg, _rp, reference) = store(SHAPE, 1 << 30).await;
     kv.open(1, vec![], 0).await.unwrap();
@@ -529,16 +550,7 @@ async fn growth_mapped_ahead_is_published_by_the_next_prepare_without_a_grant() 
         );
     }
     // The step that fills the first chunk: the second is mapped while it is out.
-    let chunk_bytes = page * SHAPE.buffers() as u64;
-    let step = kv.prepare(vec![1]).await.unwrap();
-    let start = std::time::Instant::now();
-    while kv.stats().await.unwrap().leased_bytes < 2 * chunk_bytes {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "nothing mapped ahead"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let step = prepare_with_next_chunk_mapped(&kv, chunk_bytes).await;
     let grants = g.snapshot().await.unwrap().grants;
     let pos = per_chunk - 1;
     assert_eq!(
@@ -579,26 +591,14 @@ async fn growth_mapped_ahead_is_published_by_the_next_prepare_without_a_grant() 
 /// sequence is preempted for the room it frees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn growth_mapped_ahead_is_given_back_first_under_pressure() {
-    let page = procmem_actors::procmem::granularity();
-    let per_chunk = (page / SHAPE.token_bytes()) as usize;
-    let chunk_bytes = page * SHAPE.buffers() as u64;
-    let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
-    config.map_ahead = true;
+    let (per_chunk, chunk_bytes, config) = mapping_ahead();
     // Room for exactly two chunks: the one in use and the one mapped ahead.
     let (g, _p, kv) = kv_system(2 * chunk_bytes, config).await;
     kv.open(1, vec![], 0).await.unwrap();
     for pos in 0..per_chunk - 1 {
         own_step(&kv, 1, pos).await;
     }
-    let step = kv.prepare(vec![1]).await.unwrap();
-    let start = std::time::Instant::now();
-    while kv.stats().await.unwrap().leased_bytes < 2 * chunk_bytes {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "nothing mapped ahead"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let step = prepare_with_next_chunk_mapped(&kv, chunk_bytes).await;
     run_step(step, 1, per_chunk - 1).await;
     // Another holder wants one chunk: the slack is unmapped and its lease released.
     let grant = another_holder_asks(g.clone(), chunk_bytes, Duration::from_secs(5))

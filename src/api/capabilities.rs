@@ -73,15 +73,21 @@ pub trait DeviceAllocator: Send + Sync {
     }
 }
 
+/// The bytes `offset..offset + len` a copy touches, refused where the end overflows.
+pub(crate) fn copy_span(offset: u64, len: usize) -> Result<Range<u64>, MemoryError> {
+    let end = offset
+        .checked_add(len as u64)
+        .ok_or(MemoryError::SizeOverflow { what: "copy range" })?;
+    Ok(offset..end)
+}
+
 /// The byte range `offset..offset + len` of `allocation`, checked to lie within it.
 pub(crate) fn copy_range(
     allocation: &DeviceAllocation,
     offset: u64,
     len: usize,
 ) -> Result<std::ops::Range<usize>, MemoryError> {
-    let end = offset
-        .checked_add(len as u64)
-        .ok_or(MemoryError::SizeOverflow { what: "copy range" })?;
+    let Range { end, .. } = copy_span(offset, len)?;
     if end > allocation.bytes() {
         return Err(MemoryError::OutOfReservation {
             range: offset..end,

@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::driver::{AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
+use crate::api::capabilities::copy_span;
 use crate::api::{
     CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
     MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
@@ -157,6 +158,12 @@ impl CudaVmmBacking {
     /// Physical bytes held in the pool, unmapped.
     pub fn pooled_bytes(&self) -> u64 {
         self.pool.pooled() as u64 * self.granularity
+    }
+
+    /// Physical bytes mapped (or mapped as shared blocks): held in all, less the pool's
+    /// unmapped spares.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.live_bytes().saturating_sub(self.pooled_bytes())
     }
 
     /// Physical bytes held in all: mapped plus pooled.
@@ -346,7 +353,7 @@ impl VirtualBacking for CudaVmmBacking {
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
         self.check(allocation)?;
-        let range = span(offset, dst.len())?;
+        let range = copy_span(offset, dst.len())?;
         check_readable(allocation, &range)?;
         if dst.is_empty() {
             return Ok(());
@@ -368,7 +375,7 @@ impl VirtualBacking for CudaVmmBacking {
         src: &[u8],
     ) -> Result<(), MemoryError> {
         self.check(allocation)?;
-        let range = span(offset, src.len())?;
+        let range = copy_span(offset, src.len())?;
         check_writable(allocation, &range)?;
         if src.is_empty() {
             return Ok(());
@@ -381,13 +388,6 @@ impl VirtualBacking for CudaVmmBacking {
                 .copy_to_device(allocation.addr() + offset, src)
         }
     }
-}
-
-fn span(offset: u64, len: usize) -> Result<Range<u64>, MemoryError> {
-    let end = offset
-        .checked_add(len as u64)
-        .ok_or(MemoryError::SizeOverflow { what: "copy range" })?;
-    Ok(offset..end)
 }
 
 impl SharedMapping for CudaVmmBacking {

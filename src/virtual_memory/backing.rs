@@ -8,6 +8,7 @@ use super::host_access::{range_bytes, range_bytes_mut};
 use super::pool::MemfdPool;
 use super::range::VirtualRange;
 use super::{granularity, smaps, sys};
+use crate::api::capabilities::copy_span;
 use crate::api::{
     CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
     MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
@@ -242,10 +243,7 @@ impl VirtualBacking for HostBacking {
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
         self.reservation(allocation)?;
-        let end = offset
-            .checked_add(dst.len() as u64)
-            .ok_or(MemoryError::SizeOverflow { what: "read range" })?;
-        dst.copy_from_slice(range_bytes(allocation, offset..end)?);
+        dst.copy_from_slice(range_bytes(allocation, copy_span(offset, dst.len())?)?);
         Ok(())
     }
 
@@ -256,12 +254,7 @@ impl VirtualBacking for HostBacking {
         src: &[u8],
     ) -> Result<(), MemoryError> {
         self.reservation(allocation)?;
-        let end = offset
-            .checked_add(src.len() as u64)
-            .ok_or(MemoryError::SizeOverflow {
-                what: "write range",
-            })?;
-        range_bytes_mut(allocation, offset..end)?.copy_from_slice(src);
+        range_bytes_mut(allocation, copy_span(offset, src.len())?)?.copy_from_slice(src);
         Ok(())
     }
 }

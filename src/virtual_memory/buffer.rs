@@ -4,6 +4,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::host_access::{range_bytes, range_bytes_mut};
+use crate::api::capabilities::copy_span;
 use crate::api::{
     CommitResult, DecommitResult, DeviceKind, MapAccess, MemoryError, MemoryRole, PhysicalBlock,
     SharedMapping, VirtualAllocation, VirtualBacking, VirtualRequest,
@@ -165,16 +166,14 @@ impl VirtualBuffer {
     /// Copies bytes `offset..offset + dst.len()` (within its length) into `dst`, on any
     /// device (a device-to-host copy on a GPU); returns once they are there.
     pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
-        let end = offset.saturating_add(dst.len() as u64);
-        self.check_within(&(offset..end))?;
+        self.check_within(&copy_span(offset, dst.len())?)?;
         self.backing.read_range(&self.allocation, offset, dst)
     }
 
     /// Copies `src` to bytes `offset..offset + src.len()` (within its length, writable), on
     /// any device; returns once it is there.
     pub fn write_from(&mut self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
-        let end = offset.saturating_add(src.len() as u64);
-        self.check_within(&(offset..end))?;
+        self.check_within(&copy_span(offset, src.len())?)?;
         self.backing.write_range(&mut self.allocation, offset, src)
     }
 

@@ -5,15 +5,14 @@
 
 use std::sync::Arc;
 
-use procmem::cuda::CudaVmmBacking;
 use procmem::fence::{Fence, StreamId, Timeline};
 use procmem::host::HostMechanism;
-use procmem::{DeviceKey, HostBacking, SharedMapping, VirtualBacking};
+use procmem::{DeviceKey, SharedMapping, VirtualBacking};
 
 use crate::cuda_provider::{CudaStreamHandle, CudaSubmitError};
 use crate::deferred_free::DeferredQueue;
 use crate::device_provider::DeviceProvider;
-use crate::stream::{CpuStream, StreamError};
+use crate::stream::{completed_within, CpuStream, StreamError};
 
 use super::KvStoreError;
 
@@ -99,19 +98,17 @@ impl KvStream {
             .on_complete(fence.value, Box::new(move |_| f()));
     }
 
-    /// Runs `kernel` on a CPU stream; a CUDA stream takes no closures (the memory, on
-    /// `device`, is not host memory).
+    /// Runs `kernel` on a CPU stream; a CUDA stream takes no closures (the memory is on its
+    /// device, not in host memory).
     pub(crate) fn submit_host(
         &self,
-        device: Option<DeviceKey>,
         kernel: impl FnOnce() + Send + 'static,
     ) -> Result<Fence, StreamError> {
         match self {
             KvStream::Cpu(s) => s.submit(&[], kernel),
-            KvStream::Cuda(s) => Err(match device {
-                Some(device) => StreamError::NotHost(device),
-                None => StreamError::Closed(s.id()),
-            }),
+            KvStream::Cuda(s) => Err(StreamError::NotHost(DeviceKey::cuda(
+                s.cuda().device().ordinal(),
+            ))),
         }
     }
 }
@@ -122,45 +119,35 @@ pub(crate) struct KvDevice {
     pub(crate) stream: KvStream,
     pub(crate) backing: Arc<dyn VirtualBacking>,
     pub(crate) shared: Arc<dyn SharedMapping>,
-    resident: Resident,
     /// Host memory for swap copies charged to a host tier (on the host, the provider's own).
     host: Option<HostMechanism>,
 }
 
-/// Where the device's own count of the store's memory comes from.
-enum Resident {
-    /// The memfd's allocated pages, as the kernel counts them.
-    Host(Arc<HostBacking>),
-    /// The VMM handles the backing holds mapped (live less those pooled unmapped), as the
-    /// driver was asked for them.
-    Cuda(Arc<CudaVmmBacking>),
-}
-
 impl KvDevice {
     pub(crate) fn open(provider: DeviceProvider) -> Result<KvDevice, KvStoreError> {
-        Ok(match &provider {
+        // The backing does both: reserving and mapping, and sharing prefix blocks.
+        let (stream, backing, shared, host): (
+            _,
+            Arc<dyn VirtualBacking>,
+            Arc<dyn SharedMapping>,
+            _,
+        ) = match &provider {
             DeviceProvider::Host(p) => {
-                let backing = p.mechanism().backing();
-                KvDevice {
-                    stream: KvStream::Cpu(p.stream(0)?.clone()),
-                    backing: backing.clone(),
-                    shared: backing.clone(),
-                    resident: Resident::Host(backing),
-                    host: None,
-                    provider,
-                }
+                let b = p.mechanism().backing();
+                (KvStream::Cpu(p.stream(0)?.clone()), b.clone(), b, None)
             }
             DeviceProvider::Cuda(p) => {
-                let backing = p.mechanism().backing();
-                KvDevice {
-                    stream: KvStream::Cuda(p.stream(0)?.clone()),
-                    backing: backing.clone(),
-                    shared: backing.clone(),
-                    resident: Resident::Cuda(backing),
-                    host: Some(HostMechanism::new()?),
-                    provider,
-                }
+                let b = p.mechanism().backing();
+                let host = Some(HostMechanism::new()?);
+                (KvStream::Cuda(p.stream(0)?.clone()), b.clone(), b, host)
             }
+        };
+        Ok(KvDevice {
+            provider,
+            stream,
+            backing,
+            shared,
+            host,
         })
     }
 
@@ -183,28 +170,18 @@ impl KvDevice {
         }
     }
 
-    /// Waits (without blocking the thread) until `fence` completes, at most `limit`: false if
-    /// it did not (a stream that failed never completes its fences).
+    /// Waits (without blocking the thread) until `fence` of its stream completes, at most
+    /// `limit`: false if it did not.
     pub(crate) async fn wait(&self, fence: Fence, limit: std::time::Duration) -> bool {
-        let timeline = self.stream.timeline();
-        if timeline.completed() >= fence.value {
-            return true;
-        }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        timeline.on_complete(
-            fence.value,
-            Box::new(move |_| {
-                let _ = tx.send(());
-            }),
-        );
-        matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(())))
+        completed_within(self.stream.timeline().as_ref(), fence.value, limit).await
     }
 
-    /// Bytes of the store's memory as the device counts it.
+    /// Bytes of the store's memory as the device counts it: the memfd's allocated pages (as
+    /// the kernel counts them), or the VMM handles mapped (as the driver was asked for them).
     pub(crate) fn resident_bytes(&self) -> u64 {
-        match &self.resident {
-            Resident::Host(b) => b.resident_bytes().unwrap_or(0),
-            Resident::Cuda(b) => b.live_bytes().saturating_sub(b.pooled_bytes()),
+        match &self.provider {
+            DeviceProvider::Host(p) => p.mechanism().backing().resident_bytes().unwrap_or(0),
+            DeviceProvider::Cuda(p) => p.mechanism().backing().mapped_bytes(),
         }
     }
 }

@@ -49,6 +49,15 @@ impl KvStoreState {
         self.table.end_open(seq, writer, 0, None);
     }
 
+    /// A new sequence's memory: a reservation per buffer on the device, nothing mapped.
+    pub(super) fn reserve_memory(&self) -> Result<KvSequence, KvError> {
+        KvSequence::reserve(
+            self.device.backing.clone(),
+            self.config.shape,
+            self.config.chunk_granules,
+        )
+    }
+
     /// Sends a sequence's memory to the deferred-free queue with its last fence.
     pub(super) fn retire(&mut self, entry: SeqEntry) {
         let SeqEntry {
@@ -454,7 +463,7 @@ impl KvStoreState {
                 // The copy out is a kernel on the stream, which frees the memory once the
                 // rows are out.
                 let copy = saved.copy();
-                match self.stream.submit_host(None, move || {
+                match self.stream.submit_host(move || {
                     copy(&out.memory.seq);
                     drop(out);
                 }) {

@@ -90,16 +90,12 @@ impl Drop for StepMemory {
     fn drop(&mut self) {
         let seqs = std::mem::take(&mut *self.lock());
         if !seqs.is_empty() {
-            free_after_stream(&self.stream, seqs);
+            // Memory, then what paid for it, once everything queued on the stream so far has
+            // run (on a stream that takes no more work, once the last value it issued
+            // completes; one that failed never does, and the memory is kept).
+            self.stream.after_queued(move || drop(seqs));
         }
     }
-}
-
-/// Frees `seqs` (memory, then what paid for it) once everything queued on `stream` so far has
-/// run (or, on a stream that no longer takes work, when the last value it issued completes; a
-/// stream that failed never completes it, and the memory is kept).
-pub(super) fn free_after_stream(stream: &KvStream, seqs: Vec<StepSeq>) {
-    stream.after_queued(move || drop(seqs));
 }
 
 /// The memory of a step, as a host kernel sees it: sequence `i` is the step's `i`-th, its new
@@ -274,12 +270,7 @@ impl KvStep {
         F: FnOnce(&mut StepKv<'_>) + Send + 'static,
     {
         let memory = Arc::clone(self.memory());
-        let device = self
-            .views
-            .first()
-            .and_then(|v| v.first())
-            .map(|v| v.k.device);
-        let fence = self.stream.submit_host(device, move || {
+        let fence = self.stream.submit_host(move || {
             let mut seqs = memory.lock();
             kernel(&mut StepKv { seqs: &mut seqs });
         })?;

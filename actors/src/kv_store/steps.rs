@@ -24,11 +24,7 @@ impl KvStoreState {
                 return;
             }
         };
-        let memory = match KvSequence::reserve(
-            self.device.backing.clone(),
-            shape,
-            self.config.chunk_granules,
-        ) {
+        let memory = match self.reserve_memory() {
             Ok(s) => s,
             Err(e) => {
                 self.table.end_open(seq, writer, 0, None);
@@ -375,11 +371,7 @@ impl KvStoreState {
             }
             Ok(Some(found)) => found,
         };
-        let memory = match KvSequence::reserve(
-            self.device.backing.clone(),
-            shape,
-            self.config.chunk_granules,
-        ) {
+        let memory = match self.reserve_memory() {
             Ok(m) => m,
             Err(e) => {
                 self.table.end_restore(seq, writer, false);
