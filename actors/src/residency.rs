@@ -84,7 +84,7 @@ pub enum ResidencyError {
     /// ([`ResidencyHandle::with_device_weights`]).
     #[error("the weights are not on the device this call works with")]
     WrongDevice,
-    /// The kernels over the weights failed to queue, or returned a fence of another stream.
+    /// The kernels over the weights failed to queue.
     #[error("the device kernels over the weights failed: {0}")]
     Kernels(#[source] MemoryError),
 }
@@ -117,7 +117,7 @@ pub struct ResidencyStats {
 
 type WeightsFn = Box<dyn FnOnce(&[u8]) + Send + 'static>;
 type DeviceWeightsFn =
-    Box<dyn FnOnce(BufferView, &CudaStreamHandle) -> Result<Fence, MemoryError> + Send + 'static>;
+    Box<dyn FnOnce(BufferView, &CudaStreamHandle) -> Result<(), MemoryError> + Send + 'static>;
 
 /// The residency mailbox.
 pub(crate) enum ResidencyMsg {
@@ -148,7 +148,7 @@ pub(crate) enum ResidencyMsg {
     UseDevice {
         /// The layer.
         layer: usize,
-        /// Queues the kernels and returns their fence.
+        /// Queues the kernels.
         f: DeviceWeightsFn,
         /// The kernels' fence, once queued.
         reply: RpcReplyPort<Result<Fence, ResidencyError>>,
@@ -410,15 +410,16 @@ impl ResidencyState {
         };
         let stream = provider.stream(0)?.clone();
         let buffer = self.resident(layer).await?;
-        let fence = f(buffer.view(), &stream).map_err(ResidencyError::Kernels)?;
-        let used = TimelineFence::new(fence, stream.timeline()).ok_or_else(|| {
-            ResidencyError::Kernels(MemoryError::Unsupported {
-                capability: "fencing weights",
-                reason: "the fence is of another stream than the provider's first",
-            })
-        })?;
-        // Kept until the kernels finish: an offload or a free waits for this fence.
+        let queued = f(buffer.view(), &stream);
+        // The weights record a fence of the store's own after whatever `f` queued, failed or
+        // not (it may have queued some): an offload or a free waits for it. On a stream that
+        // takes no more work, the last value it issued.
+        let fence = stream
+            .submit(&[], |_| Ok(()))
+            .unwrap_or_else(|_| stream.last_issued());
+        let used = TimelineFence::new(fence, stream.timeline()).expect("a fence of this stream");
         buffer.record_use(used);
+        queued.map_err(ResidencyError::Kernels)?;
         Ok(fence)
     }
 
@@ -636,14 +637,14 @@ impl ResidencyHandle {
     }
 
     /// Queues the server's kernels over a GPU layer's weights: `f` gets the weights' device
-    /// address and the CUDA stream, queues its kernels there, and returns their fence (a fence
-    /// of that stream, e.g. from `CudaStreamHandle::submit`), which the weights record: they
-    /// are not offloaded or freed before it completes. Offloaded weights are reloaded first.
+    /// address and the CUDA stream and queues its kernels there. Residency then records a
+    /// fence of that stream after them, which the weights keep (they are not offloaded or
+    /// freed before it completes), and returns it. Offloaded weights are reloaded first.
     /// Host weights answer `WrongDevice` (use [`ResidencyHandle::with_weights`]).
     pub async fn with_device_weights(
         &self,
         layer: usize,
-        f: impl FnOnce(BufferView, &CudaStreamHandle) -> Result<Fence, MemoryError> + Send + 'static,
+        f: impl FnOnce(BufferView, &CudaStreamHandle) -> Result<(), MemoryError> + Send + 'static,
     ) -> Result<Fence, ResidencyError> {
         self.ask(|reply| ResidencyMsg::UseDevice {
             layer,
