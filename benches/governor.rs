@@ -1,6 +1,8 @@
 //! reserve → commit → release through the Governor actor from a tokio task, against the same
 //! three calls on the ledger behind a `Mutex` (the floor), 64 concurrent holders, and a
 //! request granted under pressure: it waits while one of 8 holder actors frees memory for it.
+//! Then standing credit: a grant within credit, 64 holders taking from their own lines against
+//! the ledger behind a `Mutex`, and the Governor's cost of one 32-layer decode step.
 //! Writes `target/reports/governor.json`.
 
 mod common;
@@ -10,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::ledger::{HolderId, Ledger};
 use procmem_actors::procmem::MemoryRole;
-use procmem_actors::{GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest};
+use procmem_actors::{
+    CreditLine, GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
 
@@ -288,7 +292,136 @@ fn pressure_grant_latencies() -> Vec<u64> {
     })
 }
 
+/// `holders` credit lines of `chunk` bytes each, topped up once, on a Governor of a runtime
+/// that stays alive with them.
+fn credit_lines(
+    holders: usize,
+    chunk: u64,
+) -> (tokio::runtime::Runtime, GovernorHandle, Vec<CreditLine>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (g, lines) = rt.block_on(async {
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("credit", 1 << 50))
+            .await
+            .unwrap();
+        let mut lines = Vec::new();
+        for i in 0..holders {
+            let h = g.register_holder(format!("c{i}"), 0, None).await.unwrap();
+            let line = g.open_credit(h, MemoryRole::KvCache, chunk).await.unwrap();
+            drop(line.reserve(chunk, 0, None).await.unwrap());
+            lines.push(line);
+        }
+        (g, lines)
+    });
+    (rt, g, lines)
+}
+
+const CREDIT_BATCH: usize = 100;
+
+/// Nanoseconds per grant within credit (take), over batches, sorted; the leases are dropped
+/// outside the timed part.
+fn credit_grant_ns() -> Vec<f64> {
+    let (_rt, _g, lines) = credit_lines(1, 1 << 30);
+    let line = &lines[0];
+    let mut held = Vec::with_capacity(CREDIT_BATCH);
+    let mut samples = Vec::with_capacity(SAMPLES / CREDIT_BATCH * 10);
+    for round in 0..(SAMPLES / CREDIT_BATCH * 10 + 100) {
+        let start = Instant::now();
+        for _ in 0..CREDIT_BATCH {
+            held.push(line.take(4096).expect("within credit"));
+        }
+        let ns = start.elapsed().as_nanos() as f64 / CREDIT_BATCH as f64;
+        held.clear();
+        if round >= 100 {
+            samples.push(ns);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    samples
+}
+
+/// Ops per second of 64 threads each doing take + release on its own credit line, and of 64
+/// threads doing reserve + commit + release on one ledger behind a `Mutex`.
+fn credit_vs_mutex_ops_per_s() -> (f64, f64) {
+    const OPS: usize = 20_000;
+    let (_rt, _g, lines) = credit_lines(CONCURRENT, 1 << 20);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for line in &lines {
+            s.spawn(move || {
+                for _ in 0..OPS {
+                    drop(std::hint::black_box(
+                        line.take(4096).expect("within credit"),
+                    ));
+                }
+            });
+        }
+    });
+    let credit = (CONCURRENT * OPS) as f64 / start.elapsed().as_secs_f64();
+
+    let mut ledger = Ledger::new();
+    let a = ledger.add_authority("bench", 1 << 50);
+    let holders: Vec<_> = (0..CONCURRENT)
+        .map(|i| ledger.register_holder(a, format!("m{i}"), 0).unwrap())
+        .collect();
+    let ledger = Mutex::new(ledger);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for &h in &holders {
+            let ledger = &ledger;
+            s.spawn(move || {
+                for _ in 0..OPS / 10 {
+                    let g = ledger
+                        .lock()
+                        .unwrap()
+                        .reserve(h, a, MemoryRole::KvCache, 4096)
+                        .unwrap();
+                    let l = ledger.lock().unwrap().commit(h, g.id, 4096).unwrap();
+                    ledger.lock().unwrap().release(h, l.id, 4096).unwrap();
+                }
+            });
+        }
+    });
+    let mutex = (CONCURRENT * (OPS / 10)) as f64 / start.elapsed().as_secs_f64();
+    (credit, mutex)
+}
+
+/// Nanoseconds of Governor work in one decode step of a 32-layer model: 64 K/V buffers each
+/// growing by one granule, taken from the store's credit line, and given back when the
+/// sequence ends (both timed). Sorted over steps.
+fn step_cost_ns() -> Vec<f64> {
+    const BUFFERS: usize = 64;
+    const GRANULE: u64 = 2 << 20;
+    let (_rt, _g, lines) = credit_lines(1, 1 << 40);
+    let line = &lines[0];
+    let mut held: Vec<Lease> = Vec::with_capacity(BUFFERS);
+    let mut samples = Vec::with_capacity(SAMPLES / 10);
+    for step in 0..(SAMPLES / 10 + 100) {
+        let start = Instant::now();
+        for _ in 0..BUFFERS {
+            held.push(line.take(GRANULE).expect("within credit"));
+        }
+        held.clear();
+        let ns = start.elapsed().as_nanos() as f64;
+        if step >= 100 {
+            samples.push(ns);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    samples
+}
+
+fn pf(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
 fn main() {
+    let credit_grant = credit_grant_ns();
+    let (credit_ops, mutex_ops) = credit_vs_mutex_ops_per_s();
+    let step = step_cost_ns();
     let multi = actor_latencies(2, true);
     let single = actor_latencies(0, true);
     let cast = actor_latencies(2, false);
@@ -317,6 +450,15 @@ fn main() {
             "pressure_samples": pressure.len(),
             "pressure_grant_p50_ns": percentile(&pressure, 0.50),
             "pressure_grant_p99_ns": percentile(&pressure, 0.99),
+            "credit_grant": "CreditLine::take of 4 KiB within credit (one atomic operation), per op over batches of 100",
+            "credit_grant_p50_ns": pf(&credit_grant, 0.50),
+            "credit_grant_p99_ns": pf(&credit_grant, 0.99),
+            "concurrent_64_credit_ops_per_s": credit_ops,
+            "concurrent_64_mutex_ops_per_s": mutex_ops,
+            "concurrent_64_vs_mutex_ratio": credit_ops / mutex_ops,
+            "step_cost": "64 K/V buffers of a 32-layer model each grow one 2 MiB granule from credit; the leases are dropped in the timed part",
+            "step_cost_32_layers_ns": pf(&step, 0.50),
+            "step_cost_32_layers_p99_ns": pf(&step, 0.99),
         }),
     );
 }

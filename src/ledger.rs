@@ -19,13 +19,14 @@
 //! typed error, and a refused operation changes nothing.
 
 pub mod admission;
+mod credit;
 mod error;
 mod pressure;
 mod reports;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -112,8 +113,11 @@ pub struct AuthoritySnapshot {
     pub capacity: u64,
     /// Approved but not yet committed.
     pub provisional: u64,
-    /// Committed (leased).
+    /// Committed (leased), standing credit included.
     pub leased: u64,
+    /// Of `leased`, bytes approved in advance to children as standing credit (used by them
+    /// or not: a child's unused part is known only to the child).
+    pub credit: u64,
     /// Holders with their provisional and leased bytes, largest first.
     pub holders: Vec<HolderUsage>,
 }
@@ -170,6 +174,8 @@ pub struct HolderReport {
     pub grants: Vec<(GrantId, MemoryRole, u64)>,
     /// Its leases: identity, role, bytes still held.
     pub leases: Vec<(LeaseId, MemoryRole, u64)>,
+    /// Which of its leases are standing credit (these may hold zero bytes).
+    pub credit_lines: Vec<LeaseId>,
 }
 
 /// What retiring a holder did.
@@ -205,6 +211,8 @@ pub struct Ledger {
     holders: BTreeMap<HolderId, HolderBooks>,
     grants: BTreeMap<GrantId, Claim>,
     leases: BTreeMap<LeaseId, Claim>,
+    /// Leases that are standing credit: kept at zero bytes until closed.
+    credit: BTreeSet<LeaseId>,
 }
 
 impl Default for Ledger {
@@ -224,6 +232,7 @@ impl Ledger {
             holders: BTreeMap::new(),
             grants: BTreeMap::new(),
             leases: BTreeMap::new(),
+            credit: BTreeSet::new(),
         }
     }
 
@@ -364,7 +373,11 @@ impl Ledger {
 
     fn forget_if_done(&mut self, holder: HolderId) {
         if let Some(b) = self.holders.get(&holder) {
-            if b.retired && b.leased == 0 && b.provisional == 0 {
+            let lines = self
+                .credit
+                .iter()
+                .any(|l| self.leases.get(l).is_some_and(|c| c.holder == holder));
+            if b.retired && b.leased == 0 && b.provisional == 0 && !lines {
                 self.holders.remove(&holder);
             }
         }
@@ -541,7 +554,8 @@ impl Ledger {
     }
 
     /// Releases `bytes` of a lease (all or part) because that memory was actually freed.
-    /// Returns the bytes left on the lease; a lease at zero is gone.
+    /// Returns the bytes left on the lease; a lease at zero is gone, unless it is standing
+    /// credit (that goes when it is closed).
     pub fn release(
         &mut self,
         holder: HolderId,
@@ -565,7 +579,7 @@ impl Ledger {
         }
         let authority = charge.authority;
         let remaining = charge.bytes - bytes;
-        if remaining == 0 {
+        if remaining == 0 && !self.credit.contains(&lease) {
             self.leases.remove(&lease);
         } else {
             self.leases.get_mut(&lease).expect("checked").bytes = remaining;

@@ -144,6 +144,22 @@ pub const GOVERNOR_PRESSURE_FREED_BYTES_TOTAL: Metric = metric(
     AUTHORITY,
     "Bytes holders reported freed for pressure tickets.",
 );
+/// Bytes approved to children as standing credit, used or not.
+pub const GOVERNOR_CREDIT_BYTES: Metric = metric(
+    "procmem_governor_credit_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes approved to children as standing credit, used or not.",
+);
+/// Unused credit taken back from children to make room.
+pub const GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL: Metric = metric(
+    "procmem_governor_credit_reclaimed_bytes_total",
+    Kind::Counter,
+    Unit::Bytes,
+    AUTHORITY,
+    "Unused credit taken back from children to make room.",
+);
 /// Times the Governor died and was restarted with the holders' books.
 pub const GOVERNOR_RESTARTS_TOTAL: Metric = metric(
     "procmem_governor_restarts_total",
@@ -253,6 +269,8 @@ pub const ALL: &[Metric] = &[
     GOVERNOR_WAITS_TOTAL,
     GOVERNOR_PRESSURE_TICKETS_TOTAL,
     GOVERNOR_PRESSURE_FREED_BYTES_TOTAL,
+    GOVERNOR_CREDIT_BYTES,
+    GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL,
     GOVERNOR_RESTARTS_TOTAL,
     AUTHORITY_OS_RESIDENT_BYTES,
     AUTHORITY_DRIFT_BYTES,

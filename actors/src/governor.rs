@@ -14,6 +14,7 @@
 //! and a reply whose caller is gone is rolled back on the spot.
 
 mod address;
+mod credit;
 mod handles;
 mod metrics;
 mod state;
@@ -38,6 +39,7 @@ use tokio::time::Instant;
 
 use address::Address;
 pub(crate) use address::Recovery;
+pub use credit::{CreditLine, MAX_CREDIT};
 pub use handles::{CommitRefused, GovernorHandle, Grant, Lease};
 
 use crate::pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
@@ -101,6 +103,10 @@ pub struct GovernorSnapshot {
     pub waits: u64,
     /// Bytes holders reported freed in answer to tickets.
     pub freed_by_pressure: u64,
+    /// Credit the children hold unused now (part of `books.credit`).
+    pub credit_unused: u64,
+    /// Unused credit taken back so far to make room.
+    pub credit_reclaimed: u64,
 }
 
 /// The Governor's mailbox.
@@ -162,6 +168,41 @@ pub(crate) enum GovernorMsg {
         bytes: u64,
         /// Bytes left on the lease.
         reply: Option<RpcReplyPort<Result<u64, LedgerError>>>,
+    },
+    /// Opens a standing credit line (a lease of zero bytes) whose unused bytes are `shared`.
+    OpenCredit {
+        /// Its holder.
+        holder: HolderId,
+        /// What its bytes are for.
+        role: MemoryRole,
+        /// The child's unused bytes.
+        shared: Arc<credit::CreditShared>,
+        /// The line's identity.
+        reply: RpcReplyPort<Result<LeaseId, LedgerError>>,
+    },
+    /// Commits a grant into a credit line; `take` of it come back as a lease.
+    TopUpCredit {
+        /// The holder of both.
+        holder: HolderId,
+        /// The grant.
+        grant: GrantId,
+        /// The line.
+        line: LeaseId,
+        /// The line's role.
+        role: MemoryRole,
+        /// Bytes the caller takes at once.
+        take: u64,
+        /// The lease of `take` bytes.
+        reply: RpcReplyPort<Result<Lease, LedgerError>>,
+    },
+    /// The child closed its line, `unused` bytes going back.
+    CloseCredit {
+        /// Its holder.
+        holder: HolderId,
+        /// The line.
+        line: LeaseId,
+        /// Unused bytes returned.
+        unused: u64,
     },
     /// Sets the capacity; lowering it makes room by pressure, never by taking bytes.
     SetCapacity {
@@ -272,6 +313,7 @@ struct Counts {
     denials: u64,
     waits: u64,
     freed_by_pressure: u64,
+    credit_reclaimed: u64,
 }
 
 impl Actor for Governor {
@@ -395,6 +437,25 @@ impl Actor for Governor {
                     let _ = reply.send(result);
                 }
             }
+            GovernorMsg::OpenCredit {
+                holder,
+                role,
+                shared,
+                reply,
+            } => state.open_credit(holder, role, shared, reply),
+            GovernorMsg::TopUpCredit {
+                holder,
+                grant,
+                line,
+                role,
+                take,
+                reply,
+            } => state.top_up_credit(holder, grant, line, role, take, reply),
+            GovernorMsg::CloseCredit {
+                holder,
+                line,
+                unused,
+            } => state.close_credit(holder, line, unused),
             GovernorMsg::SetCapacity { bytes, reply } => {
                 state
                     .ledger
@@ -420,6 +481,8 @@ impl Actor for Governor {
                     denials: state.counts.denials,
                     waits: state.counts.waits,
                     freed_by_pressure: state.counts.freed_by_pressure,
+                    credit_unused: state.credit_unused(),
+                    credit_reclaimed: state.counts.credit_reclaimed,
                 });
             }
             GovernorMsg::PressureReport(report) => {

@@ -91,8 +91,8 @@ pub use cuda_provider::{
 pub use deferred_free::{DeferredQueue, DeferredStats, DrainReport, StreamRegistry};
 pub use device_provider::DeviceProvider;
 pub use governor::{
-    CommitRefused, GovernorConfig, GovernorError, GovernorHandle, GovernorSnapshot, Grant, Lease,
-    ReserveRequest,
+    CommitRefused, CreditLine, GovernorConfig, GovernorError, GovernorHandle, GovernorSnapshot,
+    Grant, Lease, ReserveRequest, MAX_CREDIT,
 };
 pub use kv_store::{
     AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream, Opened,

@@ -121,6 +121,9 @@ pub enum LedgerError {
     /// The lease was never issued here, or was already released in full.
     #[error("{0} is unknown: never issued here, or already released")]
     UnknownLease(LeaseId),
+    /// The lease is not an open credit line.
+    #[error("{0} is not an open credit line")]
+    NotCredit(LeaseId),
     /// The grant or lease belongs to another holder.
     #[error("issued to {owner}, presented by {caller}")]
     NotYours {

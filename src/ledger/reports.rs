@@ -50,6 +50,7 @@ impl Ledger {
             capacity: a.capacity,
             provisional: a.provisional,
             leased: a.leased,
+            credit: self.credit_bytes(authority),
             holders: self.top_holders(authority, usize::MAX),
         })
     }
@@ -67,13 +68,18 @@ impl Ledger {
         let mut by_authority: BTreeMap<AuthorityId, [u64; 2]> = BTreeMap::new();
         let mut by_holder: BTreeMap<HolderId, [u64; 2]> = BTreeMap::new();
         // Slot 0 sums grants (provisional), slot 1 leases.
+        // A standing credit line may hold zero bytes; no other charge may.
         let charges = self
             .grants
             .iter()
-            .map(|(id, c)| (id.to_string(), c, 0))
-            .chain(self.leases.iter().map(|(id, c)| (id.to_string(), c, 1)));
-        for (id, c, slot) in charges {
-            if c.bytes == 0 {
+            .map(|(id, c)| (id.to_string(), c, 0, false))
+            .chain(
+                self.leases
+                    .iter()
+                    .map(|(id, c)| (id.to_string(), c, 1, self.credit.contains(id))),
+            );
+        for (id, c, slot, standing) in charges {
+            if c.bytes == 0 && !standing {
                 return Err(format!("{id} is empty"));
             }
             by_authority.entry(c.authority).or_default()[slot] += c.bytes;
@@ -85,6 +91,9 @@ impl Ledger {
             if h.authority != c.authority {
                 return Err(format!("{id} charged to the wrong authority"));
             }
+        }
+        if let Some(line) = self.credit.iter().find(|l| !self.leases.contains_key(l)) {
+            return Err(format!("credit line {line} has no lease"));
         }
         for (id, a) in &self.authorities {
             let [p, l] = by_authority.get(id).copied().unwrap_or_default();
@@ -118,6 +127,7 @@ impl Ledger {
             holders: BTreeMap::new(),
             grants: BTreeMap::new(),
             leases: BTreeMap::new(),
+            credit: BTreeSet::new(),
             ..self.clone()
         };
         for a in next.authorities.values_mut() {
@@ -169,8 +179,14 @@ impl Ledger {
                 .checked_add(*bytes)
                 .ok_or(LedgerError::ZeroBytes)?;
         }
+        for line in &report.credit_lines {
+            if !report.leases.iter().any(|(id, _, _)| id == line) {
+                return Err(LedgerError::UnknownLease(*line));
+            }
+        }
         for (id, _, bytes) in &report.leases {
-            if !ours(id.0) || self.leases.contains_key(id) || *bytes == 0 {
+            let standing = report.credit_lines.contains(id);
+            if !ours(id.0) || self.leases.contains_key(id) || (*bytes == 0 && !standing) {
                 return Err(LedgerError::UnknownLease(*id));
             }
             leased = leased.checked_add(*bytes).ok_or(LedgerError::ZeroBytes)?;
@@ -193,6 +209,7 @@ impl Ledger {
         for (id, role, bytes) in &report.leases {
             self.leases.insert(*id, charge(*role, *bytes));
         }
+        self.credit.extend(report.credit_lines.iter().copied());
         self.holders.insert(
             report.holder,
             HolderBooks {

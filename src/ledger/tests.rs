@@ -427,6 +427,7 @@ fn books_rebuilt_from_holder_reports_equal_the_old_books() {
             retired: false,
             grants: vec![(g1.id, MemoryRole::KvCache, 100)],
             leases: vec![],
+            credit_lines: vec![],
         },
         HolderReport {
             holder: h2,
@@ -435,6 +436,7 @@ fn books_rebuilt_from_holder_reports_equal_the_old_books() {
             retired: false,
             grants: vec![],
             leases: vec![(l2.id, MemoryRole::Weights, 250)],
+            credit_lines: vec![],
         },
     ];
     let mut new = old.successor(old.issued());
@@ -515,4 +517,114 @@ fn books_split_off_a_topology_keep_the_authority_and_issue_their_own_ids() {
     ));
     host_books.check_invariants().unwrap();
     gpu_books.check_invariants().unwrap();
+}
+
+#[test]
+fn a_credit_line_is_a_lease_that_stays_open_at_zero_until_closed() {
+    let mut l = Ledger::new();
+    let a = l.add_authority("gpu", 1000);
+    let h = l.register_holder(a, "kv", 0).unwrap();
+    let line = l.open_credit(h, MemoryRole::KvCache).unwrap();
+    assert_eq!(line.claim.bytes, 0);
+    l.check_invariants().unwrap();
+    let g = l.reserve(h, a, MemoryRole::KvCache, 600).unwrap();
+    assert_eq!(l.commit_into(h, g.id, line.id).unwrap(), 600);
+    let s = l.snapshot(a).unwrap();
+    assert_eq!((s.provisional, s.leased, s.credit), (0, 600, 600));
+    // Capacity bounds credit as any approval: 400 more fit, 401 do not.
+    assert!(l.reserve(h, a, MemoryRole::KvCache, 401).is_err());
+    // Released to zero (all taken back), the line stays open and can be topped up again.
+    assert_eq!(l.release(h, line.id, 600).unwrap(), 0);
+    assert!(l.is_credit(line.id) && l.lease(line.id).is_some());
+    l.check_invariants().unwrap();
+    let g2 = l.reserve(h, a, MemoryRole::KvCache, 100).unwrap();
+    assert_eq!(l.commit_into(h, g2.id, line.id).unwrap(), 100);
+    // Closed with bytes still used: an ordinary lease, gone at its last release.
+    assert_eq!(l.close_credit(h, line.id).unwrap(), 100);
+    assert!(!l.is_credit(line.id));
+    assert_eq!(l.release(h, line.id, 100).unwrap(), 0);
+    assert!(l.lease(line.id).is_none());
+    l.check_invariants().unwrap();
+    assert_eq!(l.totals(a), Some((1000, 0, 0)));
+}
+
+#[test]
+fn credit_operations_refuse_foreign_and_wrong_handles_changing_nothing() {
+    let mut l = Ledger::new();
+    let a = l.add_authority("gpu", 1000);
+    let h = l.register_holder(a, "kv", 0).unwrap();
+    let other = l.register_holder(a, "other", 0).unwrap();
+    let line = l.open_credit(h, MemoryRole::KvCache).unwrap();
+    let g = l.reserve(h, a, MemoryRole::KvCache, 10).unwrap();
+    let before = l.snapshot(a).unwrap();
+    assert!(
+        l.commit_into(other, g.id, line.id).is_err(),
+        "another holder's grant"
+    );
+    let theirs = l.reserve(other, a, MemoryRole::KvCache, 10).unwrap();
+    assert!(
+        l.commit_into(h, theirs.id, line.id).is_err(),
+        "grant of another holder"
+    );
+    let ordinary = l.commit(h, g.id, 10).unwrap();
+    let g3 = l.reserve(h, a, MemoryRole::KvCache, 5).unwrap();
+    assert_eq!(
+        l.commit_into(h, g3.id, ordinary.id),
+        Err(LedgerError::NotCredit(ordinary.id)),
+        "an ordinary lease is no credit line"
+    );
+    assert!(
+        l.close_credit(other, line.id).is_err(),
+        "closed by another holder"
+    );
+    assert!(l.close_credit(h, ordinary.id).is_err());
+    assert_eq!(l.snapshot(a).unwrap().credit, before.credit);
+    l.check_invariants().unwrap();
+    // A retired holder keeps its open line until it is closed.
+    l.cancel(h, g3.id).unwrap();
+    l.release(h, ordinary.id, 10).unwrap();
+    l.retire_holder(h).unwrap();
+    assert!(l.holder(h).is_some(), "kept while its line is open");
+    assert!(
+        l.open_credit(h, MemoryRole::KvCache).is_err(),
+        "retired holders open none"
+    );
+    l.close_credit(h, line.id).unwrap();
+    assert!(l.holder(h).is_none(), "gone with its last line");
+    l.check_invariants().unwrap();
+}
+
+#[test]
+fn a_report_with_credit_lines_rebuilds_them_zero_byte_lines_included() {
+    let mut old = Ledger::new();
+    let a = old.add_authority("gpu", 1000);
+    let h = old.register_holder(a, "kv", 0).unwrap();
+    let empty = old.open_credit(h, MemoryRole::KvCache).unwrap();
+    let full = old.open_credit(h, MemoryRole::KvCache).unwrap();
+    let g = old.reserve(h, a, MemoryRole::KvCache, 300).unwrap();
+    old.commit_into(h, g.id, full.id).unwrap();
+    let report = HolderReport {
+        holder: h,
+        name: "kv".into(),
+        priority: 0,
+        retired: false,
+        grants: vec![],
+        leases: vec![
+            (empty.id, MemoryRole::KvCache, 0),
+            (full.id, MemoryRole::KvCache, 300),
+        ],
+        credit_lines: vec![empty.id, full.id],
+    };
+    let mut new = old.successor(old.issued());
+    new.recover_holder(a, &report).unwrap();
+    new.check_invariants().unwrap();
+    assert!(new.is_credit(empty.id) && new.is_credit(full.id));
+    assert_eq!(new.snapshot(a).unwrap().credit, 300);
+    // A zero-byte lease that is not a credit line, or a line that is not a lease, is refused.
+    let mut bad = report.clone();
+    bad.credit_lines = vec![full.id];
+    assert!(old.successor(old.issued()).recover_holder(a, &bad).is_err());
+    let mut bad = report;
+    bad.leases.remove(0);
+    assert!(old.successor(old.issued()).recover_holder(a, &bad).is_err());
 }

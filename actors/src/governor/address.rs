@@ -12,12 +12,13 @@
 //! only the account's maps are behind a short mutex.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 
 use procmem::ledger::{self, GrantId, HolderId, HolderReport, LeaseId, Priority};
 use procmem::MemoryRole;
 use ractor::{ActorRef, MessagingErr};
 
+use super::credit::CreditShared;
 use super::GovernorMsg;
 use crate::pressure::TicketInbox;
 
@@ -33,6 +34,9 @@ struct Record {
     holders: BTreeMap<HolderId, HolderEntry>,
     grants: HashMap<GrantId, (HolderId, MemoryRole, u64)>,
     leases: HashMap<LeaseId, (HolderId, MemoryRole, u64)>,
+    /// Open credit lines (their leases are in `leases`, and stay there at zero bytes) and
+    /// the unused bytes each child holds.
+    credit: HashMap<LeaseId, Weak<CreditShared>>,
     issued: u64,
     capacity: Option<u64>,
     stopping: bool,
@@ -61,6 +65,7 @@ impl Address {
                 holders: BTreeMap::new(),
                 grants: HashMap::new(),
                 leases: HashMap::new(),
+                credit: HashMap::new(),
                 issued: 0,
                 capacity: None,
                 stopping: false,
@@ -184,9 +189,10 @@ impl Address {
         let gate = self.gate();
         {
             let mut r = self.record();
+            let standing = r.credit.contains_key(&lease);
             if let Some(entry) = r.leases.get_mut(&lease) {
                 entry.2 = entry.2.saturating_sub(bytes);
-                if entry.2 == 0 {
+                if entry.2 == 0 && !standing {
                     let holder = entry.0;
                     r.leases.remove(&lease);
                     Self::forget_if_done(&mut r, holder);
@@ -197,6 +203,64 @@ impl Address {
             Some(msg) => Self::send(&gate, msg),
             None => Ok(()),
         }
+    }
+
+    /// A credit line was opened (at zero bytes).
+    pub(crate) fn credit_opened(&self, line: &ledger::LeaseRecord, shared: &Arc<CreditShared>) {
+        let mut r = self.record();
+        Self::saw(&mut r, line.id.get());
+        let c = &line.claim;
+        r.leases.insert(line.id, (c.holder, c.role, c.bytes));
+        r.credit.insert(line.id, Arc::downgrade(shared));
+    }
+
+    /// `grant` was committed into the credit line `line`, which now holds `total` bytes.
+    pub(crate) fn credit_topped_up(&self, grant: GrantId, line: LeaseId, total: u64) {
+        let mut r = self.record();
+        r.grants.remove(&grant);
+        if let Some(entry) = r.leases.get_mut(&line) {
+            entry.2 = total;
+        }
+    }
+
+    /// The credit line was closed with `unused` bytes going back; `then` is sent under the
+    /// gate. What its children still hold comes back as their leases are released.
+    pub(crate) fn credit_closed(
+        &self,
+        line: LeaseId,
+        unused: u64,
+        then: Option<GovernorMsg>,
+    ) -> Result<(), MessagingErr<GovernorMsg>> {
+        let gate = self.gate();
+        {
+            let mut r = self.record();
+            r.credit.remove(&line);
+            if let Some(entry) = r.leases.get_mut(&line) {
+                entry.2 = entry.2.saturating_sub(unused);
+                if entry.2 == 0 {
+                    let holder = entry.0;
+                    r.leases.remove(&line);
+                    Self::forget_if_done(&mut r, holder);
+                }
+            }
+        }
+        match then {
+            Some(msg) => Self::send(&gate, msg),
+            None => Ok(()),
+        }
+    }
+
+    /// The open credit lines: line, holder, the child's unused bytes. (A line whose child
+    /// dropped every handle is closing: its close is on its way.)
+    pub(crate) fn credit_lines(&self) -> Vec<(LeaseId, HolderId, Arc<CreditShared>)> {
+        let r = self.record();
+        r.credit
+            .iter()
+            .filter_map(|(line, shared)| {
+                let holder = r.leases.get(line)?.0;
+                Some((*line, holder, shared.upgrade()?))
+            })
+            .collect()
     }
 
     /// The Governor's capacity was set to `bytes`.
@@ -255,6 +319,7 @@ impl Address {
                         retired: h.retired,
                         grants: Vec::new(),
                         leases: Vec::new(),
+                        credit_lines: Vec::new(),
                     },
                 )
             })
@@ -267,6 +332,9 @@ impl Address {
         for (id, (holder, role, bytes)) in &r.leases {
             if let Some(report) = reports.get_mut(holder) {
                 report.leases.push((*id, *role, *bytes));
+                if r.credit.contains_key(id) {
+                    report.credit_lines.push(*id);
+                }
             }
         }
         let recovery = reports
@@ -274,6 +342,7 @@ impl Address {
             .map(|mut report| {
                 report.grants.sort_unstable();
                 report.leases.sort_unstable();
+                report.credit_lines.sort_unstable();
                 let inbox = r.holders.get(&report.holder).and_then(|h| h.inbox.clone());
                 (report, inbox)
             })

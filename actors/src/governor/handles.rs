@@ -11,12 +11,13 @@ use ractor::{Actor, RpcReplyPort};
 use tokio::task::JoinHandle;
 
 use super::address::Address;
+use super::credit::CreditShared;
 use super::{
     Governor, GovernorConfig, GovernorError, GovernorMsg, GovernorSnapshot, ReserveRequest,
 };
 use crate::pressure::TicketInbox;
 
-async fn ask<T: Send + 'static>(
+pub(super) async fn ask<T: Send + 'static>(
     address: &Address,
     build: impl FnOnce(RpcReplyPort<T>) -> GovernorMsg,
 ) -> Result<T, GovernorError> {
@@ -107,6 +108,11 @@ impl Grant {
         }
     }
 
+    /// Consumed by the Governor (committed into a credit line): nothing left to return.
+    pub(super) fn spent(mut self) {
+        self.grant = None;
+    }
+
     /// Returns the grant now and waits for the Governor to confirm.
     pub async fn cancel(mut self) -> Result<u64, GovernorError> {
         let grant = self.grant.take().expect("a live grant");
@@ -160,11 +166,36 @@ pub struct CommitRefused {
 /// (then it goes when that memory is actually freed).
 #[must_use = "a lease dropped releases its bytes"]
 pub struct Lease {
-    address: Arc<Address>,
+    home: Home,
     id: LeaseId,
     holder: HolderId,
     role: MemoryRole,
     remaining: u64,
+}
+
+/// Where a lease's bytes go back to.
+enum Home {
+    /// The Governor.
+    Governor(Arc<Address>),
+    /// The credit line it was taken from, while that is open (then the Governor). One
+    /// reference, not two: taking from credit is on the decode path.
+    Credit(Arc<CreditShared>),
+}
+
+impl Home {
+    fn address(&self) -> &Arc<Address> {
+        match self {
+            Home::Governor(address) => address,
+            Home::Credit(line) => line.address(),
+        }
+    }
+
+    fn share(&self) -> Home {
+        match self {
+            Home::Governor(address) => Home::Governor(Arc::clone(address)),
+            Home::Credit(line) => Home::Credit(Arc::clone(line)),
+        }
+    }
 }
 
 impl Lease {
@@ -177,11 +208,28 @@ impl Lease {
     ) -> Self {
         address.grant_committed(grant, &lease);
         Lease {
-            address,
+            home: Home::Governor(address),
             id: lease.id,
             holder: lease.claim.holder,
             role: lease.claim.role,
             remaining: lease.claim.bytes,
+        }
+    }
+
+    /// `bytes` of the credit line `line` (already counted in the account and the books).
+    pub(super) fn from_credit(
+        line: LeaseId,
+        holder: HolderId,
+        role: MemoryRole,
+        bytes: u64,
+        credit: Arc<CreditShared>,
+    ) -> Self {
+        Lease {
+            home: Home::Credit(credit),
+            id: line,
+            holder,
+            role,
+            remaining: bytes,
         }
     }
 
@@ -209,7 +257,7 @@ impl Lease {
     /// caller settles them with the Governor itself).
     pub(super) fn defuse(mut self) -> (LeaseId, u64) {
         let bytes = std::mem::take(&mut self.remaining);
-        let _ = self.address.lease_released(self.id, bytes, None);
+        let _ = self.home.address().lease_released(self.id, bytes, None);
         (self.id, bytes)
     }
 
@@ -242,6 +290,9 @@ impl Lease {
     /// keep their order). Refuses zero or more than the lease holds, changing nothing.
     pub fn release(&mut self, bytes: u64) -> Result<(), GovernorError> {
         self.take(bytes)?;
+        if self.back_to_credit(bytes) {
+            return Ok(());
+        }
         if self.send_release(bytes, None).is_err() {
             tracing::debug!(lease = %self.id, bytes, "governor down; the release is in the account");
         }
@@ -255,7 +306,7 @@ impl Lease {
     pub fn split(&mut self, bytes: u64) -> Result<Lease, GovernorError> {
         self.take(bytes)?;
         Ok(Lease {
-            address: Arc::clone(&self.address),
+            home: self.home.share(),
             id: self.id,
             holder: self.holder,
             role: self.role,
@@ -266,12 +317,21 @@ impl Lease {
     /// Releases everything and waits for the Governor to confirm.
     pub async fn release_all(mut self) -> Result<u64, GovernorError> {
         let bytes = std::mem::take(&mut self.remaining);
-        if bytes == 0 {
-            return Ok(0);
+        if bytes == 0 || self.back_to_credit(bytes) {
+            return Ok(bytes);
         }
         let (tx, rx) = ractor::concurrency::oneshot();
         let sent = self.send_release(bytes, Some(tx.into()));
         answer(sent, rx).await?.map(|_| bytes).map_err(Into::into)
+    }
+
+    /// Returns `bytes` to the credit line they came from, if it is open: no message, the
+    /// books do not change (the line still holds them, unused now).
+    fn back_to_credit(&self, bytes: u64) -> bool {
+        match &self.home {
+            Home::Credit(line) => line.give_back(bytes),
+            Home::Governor(_) => false,
+        }
     }
 
     /// Tells the Governor `bytes` came back. The account changes with the message, under the
@@ -282,7 +342,7 @@ impl Lease {
         bytes: u64,
         reply: Option<RpcReplyPort<Result<u64, LedgerError>>>,
     ) -> Result<(), ractor::MessagingErr<GovernorMsg>> {
-        self.address.lease_released(
+        self.home.address().lease_released(
             self.id,
             bytes,
             Some(GovernorMsg::Release {
@@ -297,7 +357,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.remaining > 0 {
+        if self.remaining > 0 && !self.back_to_credit(self.remaining) {
             let _ = self.send_release(self.remaining, None);
         }
     }
@@ -310,6 +370,7 @@ impl fmt::Debug for Lease {
             .field("holder", &self.holder)
             .field("role", &self.role)
             .field("bytes", &self.remaining)
+            .field("from_credit", &matches!(self.home, Home::Credit(_)))
             .finish()
     }
 }

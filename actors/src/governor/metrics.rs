@@ -3,9 +3,9 @@
 use ::metrics::{Counter, Gauge};
 use procmem::metrics::{
     GOVERNOR_APPROVED_BYTES, GOVERNOR_CAPACITY_BYTES, GOVERNOR_COMMITTED_BYTES,
-    GOVERNOR_DENIALS_TOTAL, GOVERNOR_GRANTS_TOTAL, GOVERNOR_PRESSURE_FREED_BYTES_TOTAL,
-    GOVERNOR_PRESSURE_TICKETS_TOTAL, GOVERNOR_PROVISIONAL_BYTES, GOVERNOR_WAITING_REQUESTS,
-    GOVERNOR_WAITS_TOTAL,
+    GOVERNOR_CREDIT_BYTES, GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL, GOVERNOR_DENIALS_TOTAL,
+    GOVERNOR_GRANTS_TOTAL, GOVERNOR_PRESSURE_FREED_BYTES_TOTAL, GOVERNOR_PRESSURE_TICKETS_TOTAL,
+    GOVERNOR_PROVISIONAL_BYTES, GOVERNOR_WAITING_REQUESTS, GOVERNOR_WAITS_TOTAL,
 };
 
 pub(super) struct GovernorMetrics {
@@ -14,6 +14,8 @@ pub(super) struct GovernorMetrics {
     provisional: Gauge,
     committed: Gauge,
     waiting: Gauge,
+    credit: Gauge,
+    pub(super) credit_reclaimed: Counter,
     pub(super) grants: Counter,
     pub(super) denials: Counter,
     pub(super) waits: Counter,
@@ -30,6 +32,8 @@ impl GovernorMetrics {
             provisional: GOVERNOR_PROVISIONAL_BYTES.gauge(&label),
             committed: GOVERNOR_COMMITTED_BYTES.gauge(&label),
             waiting: GOVERNOR_WAITING_REQUESTS.gauge(&label),
+            credit: GOVERNOR_CREDIT_BYTES.gauge(&label),
+            credit_reclaimed: GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL.counter(&label),
             grants: GOVERNOR_GRANTS_TOTAL.counter(&label),
             denials: GOVERNOR_DENIALS_TOTAL.counter(&label),
             waits: GOVERNOR_WAITS_TOTAL.counter(&label),
@@ -38,7 +42,15 @@ impl GovernorMetrics {
         }
     }
 
-    pub(super) fn publish(&self, capacity: u64, provisional: u64, leased: u64, waiting: usize) {
+    pub(super) fn publish(
+        &self,
+        capacity: u64,
+        provisional: u64,
+        leased: u64,
+        credit: u64,
+        waiting: usize,
+    ) {
+        self.credit.set(credit as f64);
         self.capacity.set(capacity as f64);
         self.approved.set((provisional + leased) as f64);
         self.provisional.set(provisional as f64);

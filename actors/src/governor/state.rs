@@ -9,6 +9,8 @@ impl GovernorState {
         myself: &ActorRef<GovernorMsg>,
         holder: HolderId,
     ) -> Result<Retired, LedgerError> {
+        // Its credit lines close: unused bytes return now, used ones as they are released.
+        self.close_lines_of(holder);
         let result = self.ledger.retire_holder(holder);
         if result.is_ok() {
             self.address.holder_retired(holder);
@@ -49,6 +51,14 @@ impl GovernorState {
         {
             let _ = reply.send(Err(e.into()));
             return;
+        }
+        // Unused credit goes back before a request is refused or made to wait for it.
+        let short = self
+            .ledger
+            .shortfall(self.authority, request.bytes)
+            .unwrap_or(0);
+        if short > 0 {
+            self.reclaim_credit(short);
         }
         let now = Instant::now();
         let ask = Ask {
@@ -263,7 +273,12 @@ impl GovernorState {
         if admission::shortfall(&self.ledger, self.authority, &self.waiters) > 0 {
             self.sweep_closed_waiters();
         }
-        let shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
+        let mut shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
+        if shortfall > 0 && self.reclaim_credit(shortfall) > 0 {
+            // Unused credit came back before any holder is asked to evict.
+            self.pump();
+            shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
+        }
         if shortfall == 0 {
             // Room for everyone: the next shortfall starts a new round (promises stay).
             self.round.ask_again();
@@ -324,7 +339,8 @@ impl GovernorState {
     pub(super) fn publish(&self) {
         let (capacity, provisional, leased) =
             self.ledger.totals(self.authority).expect("own authority");
+        let credit = self.ledger.credit_bytes(self.authority);
         self.metrics
-            .publish(capacity, provisional, leased, self.waiters.len());
+            .publish(capacity, provisional, leased, credit, self.waiters.len());
     }
 }

@@ -11,6 +11,8 @@ use tokio::time::Instant;
 use super::*;
 use crate::pressure::PressureTicket;
 
+mod credit;
+
 #[derive(Debug, Clone, Copy)]
 enum Behavior {
     FreeAll,
