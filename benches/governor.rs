@@ -162,6 +162,8 @@ enum ChunkMsg {
     Refill(RpcReplyPort<bool>),
 }
 
+impl ractor::Message for ChunkMsg {}
+
 procmem_actors::holder_mailbox!(ChunkMsg::Ticket);
 
 struct ChunkState {

@@ -157,6 +157,8 @@ pub(crate) enum DeferredFreeMsg {
     },
 }
 
+impl ractor::Message for DeferredFreeMsg {}
+
 /// The deferred-free actor of one stream.
 ///
 /// It takes each allocation whose owner let go and hangs it on the timeline of the first

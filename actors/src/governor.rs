@@ -232,6 +232,10 @@ pub(crate) enum GovernorMsg {
     },
 }
 
+// Local only (never sent across a cluster): ractor's `cluster` feature wants each message
+// type to say so.
+impl ractor::Message for GovernorMsg {}
+
 impl From<PressureReport> for GovernorMsg {
     fn from(report: PressureReport) -> Self {
         GovernorMsg::PressureReport(report)

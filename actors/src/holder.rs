@@ -18,6 +18,9 @@ use tokio::task::JoinHandle;
 ///     Other,
 /// }
 /// holder_mailbox!(MyHolderMsg::Ticket);
+/// // This crate enables ractor's `cluster` feature (the node Governor runs on
+/// // `ractor_cluster`), so each message type says it is one: local only here.
+/// impl ractor::Message for MyHolderMsg {}
 /// ```
 #[macro_export]
 macro_rules! holder_mailbox {

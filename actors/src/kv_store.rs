@@ -307,6 +307,8 @@ pub(crate) enum KvStoreMsg {
     },
 }
 
+impl ractor::Message for KvStoreMsg {}
+
 crate::holder_mailbox!(KvStoreMsg::Ticket);
 
 /// One whole prompt block, shared by every sequence whose prompt starts the same way. Its

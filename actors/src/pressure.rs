@@ -36,6 +36,8 @@ pub struct PressureTicket {
     pub(crate) answer_to: DerivedActorRef<PressureReport>,
 }
 
+impl ractor::Message for PressureTicket {}
+
 impl PressureTicket {
     /// Answers the ticket: bytes freed now (their lease releases already sent, before this
     /// report), and bytes that will be released once a fence completes. The report tells the
@@ -62,6 +64,8 @@ pub struct PressureReport {
     /// Bytes that will be released after their fences complete.
     pub freed_pending_fence: u64,
 }
+
+impl ractor::Message for PressureReport {}
 
 /// How a Governor reaches a holder of any kind: a derived reference of any actor whose
 /// message type converts from [`PressureTicket`].

@@ -154,6 +154,8 @@ pub(crate) enum ProviderMsg<K: ProviderKind> {
     },
 }
 
+impl<K: ProviderKind> ractor::Message for ProviderMsg<K> {}
+
 impl<K: ProviderKind> std::fmt::Debug for ProviderMsg<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -167,6 +167,8 @@ pub(crate) enum ResidencyMsg {
     },
 }
 
+impl ractor::Message for ResidencyMsg {}
+
 crate::holder_mailbox!(ResidencyMsg::Ticket);
 
 enum Slot {

@@ -34,6 +34,8 @@ enum HolderMsg {
     Panic,
 }
 
+impl ractor::Message for HolderMsg {}
+
 crate::holder_mailbox!(HolderMsg::Ticket);
 
 struct HolderState {
@@ -381,6 +383,7 @@ async fn holders_of_different_kinds_take_tickets_through_one_message_type() {
     enum OtherMsg {
         Pressure(PressureTicket),
     }
+    impl ractor::Message for OtherMsg {}
     crate::holder_mailbox!(OtherMsg::Pressure);
     impl Actor for OtherKind {
         type Msg = OtherMsg;
