@@ -63,6 +63,8 @@ const fn metric(
 const AUTHORITY: &[&str] = &["authority"];
 const STREAM: &[&str] = &["stream"];
 const BACKING: &[&str] = &["backing"];
+const NODE_PROCESS: &[&str] = &["authority", "process"];
+const NONE: &[&str] = &[];
 
 /// Bytes the authority may approve.
 pub const GOVERNOR_CAPACITY_BYTES: Metric = metric(
@@ -159,6 +161,62 @@ pub const GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL: Metric = metric(
     Unit::Bytes,
     AUTHORITY,
     "Unused credit taken back from children to make room.",
+);
+/// Bytes the node Governor may approve to the processes of one authority.
+pub const NODE_CAPACITY_BYTES: Metric = metric(
+    "procmem_node_capacity_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Bytes the node Governor may approve to the processes of one authority.",
+);
+/// Credit the node Governor approved to processes.
+pub const NODE_CREDIT_BYTES: Metric = metric(
+    "procmem_node_credit_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    AUTHORITY,
+    "Credit the node Governor approved to processes.",
+);
+/// Credit the node Governor approved to one process.
+pub const NODE_PROCESS_CREDIT_BYTES: Metric = metric(
+    "procmem_node_process_credit_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NODE_PROCESS,
+    "Credit the node Governor approved to one process.",
+);
+/// Bytes one process last reported the OS or driver holds for it.
+pub const NODE_PROCESS_OS_BYTES: Metric = metric(
+    "procmem_node_process_os_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NODE_PROCESS,
+    "Bytes one process last reported the OS or driver holds for it.",
+);
+/// Pressure tickets the node Governor sent to processes.
+pub const NODE_TICKETS_TOTAL: Metric = metric(
+    "procmem_node_tickets_total",
+    Kind::Counter,
+    Unit::Count,
+    AUTHORITY,
+    "Pressure tickets the node Governor sent to processes.",
+);
+/// Frames from peers that did not decode or validate, dropped.
+pub const NODE_REJECTED_FRAMES_TOTAL: Metric = metric(
+    "procmem_node_rejected_frames_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Frames from peers that did not decode or validate, dropped.",
+);
+/// Processes confirmed gone whose credit came back.
+pub const NODE_REAPED_PROCESSES_TOTAL: Metric = metric(
+    "procmem_node_reaped_processes_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Processes confirmed gone whose credit came back.",
 );
 /// Times the Governor died and was restarted with the holders' books.
 pub const GOVERNOR_RESTARTS_TOTAL: Metric = metric(
@@ -283,6 +341,13 @@ pub const ALL: &[Metric] = &[
     BACKING_UNMAP_CALLS_TOTAL,
     BACKING_UNMAP_SECONDS,
     HOLDER_FAILURES_TOTAL,
+    NODE_CAPACITY_BYTES,
+    NODE_CREDIT_BYTES,
+    NODE_PROCESS_CREDIT_BYTES,
+    NODE_PROCESS_OS_BYTES,
+    NODE_TICKETS_TOTAL,
+    NODE_REJECTED_FRAMES_TOTAL,
+    NODE_REAPED_PROCESSES_TOTAL,
 ];
 
 impl Metric {

@@ -39,6 +39,7 @@ use tokio::time::Instant;
 
 use address::Address;
 pub(crate) use address::Recovery;
+pub use address::Upstream;
 pub use credit::{CreditLine, MAX_CREDIT};
 pub use handles::{CommitRefused, GovernorHandle, Grant, Lease};
 
@@ -211,6 +212,8 @@ pub(crate) enum GovernorMsg {
         /// Answered once the new capacity is in the books.
         reply: Option<RpcReplyPort<()>>,
     },
+    /// Looks at the queue again (after the upstream changed).
+    Nudge,
     /// The books and the queue.
     Snapshot {
         /// The snapshot.
@@ -307,6 +310,8 @@ pub(crate) struct GovernorState {
     outstanding: Option<(TicketId, Timer)>,
     next_ticket: u64,
     tickets_sent: u64,
+    // What was last asked of the upstream, and when to ask again if still short.
+    upstream_asked: (u64, Instant),
     counts: Counts,
     metrics: GovernorMetrics,
 }
@@ -339,6 +344,7 @@ impl Actor for Governor {
             waiters: WaitQueue::default(),
             limits: AdmissionLimits {
                 max_waiters: config.max_waiters,
+                elastic: false,
             },
             deadlines: BTreeSet::new(),
             deadline_timer: None,
@@ -346,6 +352,7 @@ impl Actor for Governor {
             outstanding: None,
             next_ticket: 1,
             tickets_sent: 0,
+            upstream_asked: (0, Instant::now()),
             counts: Counts::default(),
             metrics: GovernorMetrics::new(&config.name),
         };
@@ -472,6 +479,7 @@ impl Actor for Governor {
                     let _ = reply.send(());
                 }
             }
+            GovernorMsg::Nudge => state.round.changed(),
             GovernorMsg::Snapshot { reply } => {
                 let _ = reply.send(GovernorSnapshot {
                     books: state

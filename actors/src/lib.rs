@@ -78,6 +78,7 @@ mod governor;
 mod holder;
 mod kv_store;
 mod manager;
+pub mod node;
 mod pressure;
 mod provider;
 mod residency;
@@ -92,7 +93,7 @@ pub use deferred_free::{DeferredQueue, DeferredStats, DrainReport, StreamRegistr
 pub use device_provider::DeviceProvider;
 pub use governor::{
     CommitRefused, CreditLine, GovernorConfig, GovernorError, GovernorHandle, GovernorSnapshot,
-    Grant, Lease, ReserveRequest, MAX_CREDIT,
+    Grant, Lease, ReserveRequest, Upstream, MAX_CREDIT,
 };
 pub use kv_store::{
     AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream, Opened,

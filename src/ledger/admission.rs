@@ -33,11 +33,17 @@ pub enum Refusal {
 pub struct AdmissionLimits {
     /// Requests that may wait at once; one more is refused with [`Refusal::Busy`].
     pub max_waiters: usize,
+    /// The capacity can grow (it is credit from a parent that may approve more): a request
+    /// larger than it waits instead of being refused as one that can never fit.
+    pub elastic: bool,
 }
 
 impl Default for AdmissionLimits {
     fn default() -> Self {
-        AdmissionLimits { max_waiters: 4096 }
+        AdmissionLimits {
+            max_waiters: 4096,
+            elastic: false,
+        }
     }
 }
 
@@ -66,7 +72,7 @@ pub fn admit<T>(
     let Some((capacity, provisional, leased)) = ledger.totals(authority) else {
         return Admission::Deny(Refusal::NoRoom);
     };
-    if ask.bytes > capacity {
+    if ask.bytes > capacity && !limits.elastic {
         return Admission::Deny(Refusal::NeverFits);
     }
     let free = capacity.saturating_sub(provisional.saturating_add(leased));
@@ -101,14 +107,19 @@ pub enum Front {
 }
 
 /// Decides the first waiter of `queue` (its sequence number in the answer).
-pub fn front<T>(ledger: &Ledger, authority: AuthorityId, queue: &WaitQueue<T>) -> Front {
+pub fn front<T>(
+    ledger: &Ledger,
+    authority: AuthorityId,
+    queue: &WaitQueue<T>,
+    limits: AdmissionLimits,
+) -> Front {
     let Some((seq, bytes, _)) = queue.front() else {
         return Front::Empty;
     };
     let Some((capacity, _, _)) = ledger.totals(authority) else {
         return Front::Deny(seq);
     };
-    if bytes > capacity {
+    if bytes > capacity && !limits.elastic {
         Front::Deny(seq)
     } else if ledger.fits(authority, bytes).unwrap_or(false) {
         Front::Grant(seq)
@@ -188,7 +199,10 @@ mod tests {
         q.push(0, u64::MAX, ());
         assert_eq!(q.bytes(), u64::MAX, "waiting bytes saturate");
         let now = Instant::now();
-        let lim = AdmissionLimits { max_waiters: 2 };
+        let lim = AdmissionLimits {
+            max_waiters: 2,
+            elastic: false,
+        };
         assert_eq!(
             admit(&l, a, &q, ask(u64::MAX, 0, true), now, lim),
             Admission::Deny(Refusal::Busy)
@@ -229,12 +243,36 @@ mod tests {
         let mut q = WaitQueue::default();
         let big = q.push(1, 80, ());
         let small = q.push(0, 10, ());
-        assert_eq!(front(&l, a, &q), Front::Grant(big));
+        assert_eq!(
+            front(&l, a, &q, AdmissionLimits::default()),
+            Front::Grant(big)
+        );
         l.set_capacity(a, 50).unwrap();
-        assert_eq!(front(&l, a, &q), Front::Deny(big));
+        assert_eq!(
+            front(&l, a, &q, AdmissionLimits::default()),
+            Front::Deny(big)
+        );
+        // Under an upstream that may approve more, it waits instead.
+        let elastic = AdmissionLimits {
+            elastic: true,
+            ..AdmissionLimits::default()
+        };
+        assert_eq!(front(&l, a, &q, elastic), Front::Wait);
+        let ask = Ask {
+            bytes: 80,
+            priority: 0,
+            deadline: Some(Instant::now() + Duration::from_secs(1)),
+        };
+        assert_eq!(
+            admit(&l, a, &q, ask, Instant::now(), elastic),
+            Admission::Wait
+        );
         q.remove(big);
-        assert_eq!(front(&l, a, &q), Front::Grant(small));
+        assert_eq!(
+            front(&l, a, &q, AdmissionLimits::default()),
+            Front::Grant(small)
+        );
         q.remove(small);
-        assert_eq!(front(&l, a, &q), Front::Empty);
+        assert_eq!(front(&l, a, &q, AdmissionLimits::default()), Front::Empty);
     }
 }

@@ -48,7 +48,15 @@ pub(crate) struct Address {
     gate: RwLock<Option<ActorRef<GovernorMsg>>>,
     /// Taken after the gate, never before it.
     record: Mutex<Record>,
+    /// Told how many bytes waiters need beyond the capacity (see [`Upstream`]).
+    upstream: Mutex<Option<Upstream>>,
 }
+
+/// Where a Governor whose capacity is itself credit (a process under a node Governor) asks
+/// for more: called with the bytes its waiters need beyond its capacity. The Governor then
+/// asks its own holders only for what it holds over its capacity (the node decides who gives
+/// back, through tickets that lower the capacity).
+pub type Upstream = std::sync::Arc<dyn Fn(u64) + Send + Sync>;
 
 /// What a restarted Governor is handed as its first message: each holder's report of what it
 /// owns, with its ticket inbox. Only a Governor's supervisor makes one.
@@ -70,7 +78,29 @@ impl Address {
                 capacity: None,
                 stopping: false,
             }),
+            upstream: Mutex::new(None),
         }
+    }
+
+    /// Sets (or clears) where the Governor asks for more capacity.
+    pub(crate) fn set_upstream(&self, upstream: Option<Upstream>) {
+        *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = upstream;
+    }
+
+    /// Whether the Governor has an upstream.
+    pub(crate) fn has_upstream(&self) -> bool {
+        self.upstream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// Where the Governor asks for more capacity, if anywhere.
+    pub(crate) fn upstream(&self) -> Option<Upstream> {
+        self.upstream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn record(&self) -> std::sync::MutexGuard<'_, Record> {

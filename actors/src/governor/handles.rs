@@ -494,6 +494,13 @@ impl GovernorHandle {
         .await?
     }
 
+    /// Makes the capacity credit from `upstream` (a node Governor's link): waiters beyond it
+    /// are asked of the upstream, not of the holders. `None` makes the Governor govern alone.
+    pub fn set_upstream(&self, upstream: Option<super::Upstream>) {
+        self.address.set_upstream(upstream);
+        let _ = self.address.cast(GovernorMsg::Nudge);
+    }
+
     /// Sets the capacity.
     pub async fn set_capacity(&self, bytes: u64) -> Result<(), GovernorError> {
         ask(&self.address, |reply| GovernorMsg::SetCapacity {

@@ -72,7 +72,7 @@ impl GovernorState {
             &self.waiters,
             ask,
             now.into_std(),
-            self.limits,
+            self.limits(),
         ) {
             Admission::GrantNow => self.grant(request, reply),
             Admission::Deny(Refusal::Busy) => {
@@ -223,7 +223,8 @@ impl GovernorState {
     /// queue. A grant whose caller left is rolled back by `grant`.
     pub(super) fn pump(&mut self) {
         loop {
-            match admission::front(&self.ledger, self.authority, &self.waiters) {
+            let limits = self.limits();
+            match admission::front(&self.ledger, self.authority, &self.waiters, limits) {
                 Front::Grant(seq) => {
                     let waiter = self.waiters.remove(seq).expect("front exists");
                     self.deadlines.remove(&(waiter.deadline, seq));
@@ -278,6 +279,9 @@ impl GovernorState {
             // Unused credit came back before any holder is asked to evict.
             self.pump();
             shortfall = admission::shortfall(&self.ledger, self.authority, &self.waiters);
+        }
+        if let Some(upstream) = self.address.upstream() {
+            shortfall = self.ask_upstream(&upstream, shortfall);
         }
         if shortfall == 0 {
             // Room for everyone: the next shortfall starts a new round (promises stay).
@@ -334,6 +338,32 @@ impl GovernorState {
                 return;
             }
         }
+    }
+
+    /// The admission limits now: with an upstream the capacity is elastic.
+    fn limits(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            elastic: self.address.has_upstream(),
+            ..self.limits
+        }
+    }
+
+    /// With an upstream, what waiters need beyond the capacity is asked of it (again after a
+    /// ticket's time if still short); only bytes held over the capacity are asked of the
+    /// holders. Returns that.
+    fn ask_upstream(&mut self, upstream: &Upstream, shortfall: u64) -> u64 {
+        let (capacity, provisional, leased) =
+            self.ledger.totals(self.authority).unwrap_or_default();
+        let over = provisional.saturating_add(leased).saturating_sub(capacity);
+        let need = shortfall.saturating_sub(over);
+        let now = Instant::now();
+        if need > 0 && (need != self.upstream_asked.0 || now >= self.upstream_asked.1) {
+            self.upstream_asked = (need, now + self.ticket_timeout);
+            upstream(need);
+        } else if need == 0 {
+            self.upstream_asked.0 = 0;
+        }
+        over
     }
 
     pub(super) fn publish(&self) {

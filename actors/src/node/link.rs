@@ -1,0 +1,468 @@
+//! A process's link to its node Governor: its Governor's capacity is the credit the node
+//! approved, raised only after an approval and lowered before anything is given back.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::time::Instant;
+
+use super::wire::{self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest};
+use super::{link_group, NODE_GROUP, TICK};
+use crate::governor::GovernorHandle;
+
+/// How a process joins its node Governor.
+#[derive(Clone)]
+pub struct LinkConfig {
+    /// The node Governor's address.
+    pub node: SocketAddr,
+    /// The cluster cookie.
+    pub cookie: String,
+    /// This process's name.
+    pub name: String,
+    /// How much it matters: less important processes give back first.
+    pub priority: u32,
+    /// The authority on the node its Governor's capacity comes from.
+    pub authority: String,
+    /// Credit is asked for at least this many bytes at a time.
+    pub chunk: u64,
+    /// How long one ask may wait at the node.
+    pub wait: Duration,
+    /// What the OS or driver says this process's memory of that authority holds (reported to
+    /// the node); without it, the Governor's approved bytes are reported.
+    pub os_bytes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+}
+
+impl std::fmt::Debug for LinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkConfig")
+            .field("node", &self.node)
+            .field("name", &self.name)
+            .field("priority", &self.priority)
+            .field("authority", &self.authority)
+            .field("chunk", &self.chunk)
+            .finish()
+    }
+}
+
+impl LinkConfig {
+    /// Joins `authority` on the node at `node`, asking 64 MiB at a time.
+    pub fn new(node: SocketAddr, cookie: impl Into<String>, name: impl Into<String>) -> Self {
+        LinkConfig {
+            node,
+            cookie: cookie.into(),
+            name: name.into(),
+            priority: 0,
+            authority: "host".into(),
+            chunk: 64 << 20,
+            wait: Duration::from_secs(2),
+            os_bytes: None,
+        }
+    }
+}
+
+/// Why a process could not join its node.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// The cluster could not be reached or started.
+    #[error("cluster: {0}")]
+    Cluster(String),
+    /// The node refused.
+    #[error("the node refused: {0}")]
+    Refused(String),
+}
+
+/// A process's link to its node Governor.
+#[derive(Debug, Clone)]
+pub struct NodeLink {
+    actor: ActorRef<LinkMsg>,
+    server: ActorRef<ractor_cluster::NodeServerMessage>,
+    token: u64,
+}
+
+struct LinkState {
+    config: LinkConfig,
+    governor: GovernorHandle,
+    server: ActorRef<ractor_cluster::NodeServerMessage>,
+    node: Option<ActorRef<NodeMsg>>,
+    token: u64,
+    credit: u64,
+    asking: bool,
+    ticket: Option<Ticket>,
+    last_report: Instant,
+    last_connect: Instant,
+}
+
+struct Ticket {
+    id: u64,
+    owed: u64,
+    gave: u64,
+    deadline: Instant,
+}
+
+/// The link actor.
+struct Link;
+
+async fn find_node(wait: Duration) -> Option<ActorRef<NodeMsg>> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let remote = ractor::pg::get_members(&NODE_GROUP.to_string())
+            .into_iter()
+            .find(|c| !c.get_id().is_local());
+        if let Some(cell) = remote {
+            return Some(ActorRef::from(cell));
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn call(
+    node: &ActorRef<NodeMsg>,
+    request: NodeRequest,
+    wait: Duration,
+) -> Result<NodeReply, String> {
+    let bytes = node
+        .call(
+            |reply| NodeMsg::Call {
+                request: Ok(request),
+                reply,
+            },
+            Some(wait),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    match bytes {
+        ractor::rpc::CallResult::Success(bytes) => {
+            wire::decode::<NodeReply>(&bytes).map_err(|e| e.to_string())
+        }
+        ractor::rpc::CallResult::Timeout => Err("timed out".into()),
+        ractor::rpc::CallResult::SenderError => Err("node gone".into()),
+    }
+}
+
+fn pid() -> u32 {
+    std::process::id()
+}
+
+impl NodeLink {
+    /// Connects to the node, joins it and makes `governor`'s capacity the credit the node
+    /// holds for this process (zero at first: the first waiter asks for a chunk).
+    pub async fn join(config: LinkConfig, governor: GovernorHandle) -> Result<Self, LinkError> {
+        let server = ractor_cluster::NodeServer::new(
+            0,
+            config.cookie.clone(),
+            format!("{}-{}", config.name, pid()),
+            "localhost".into(),
+            None,
+            None,
+        )
+        .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+        .with_max_inbound_frame_size(64 * 1024);
+        let (server, _) = Actor::spawn(None, server, ())
+            .await
+            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        ractor_cluster::client_connect(&server, config.node)
+            .await
+            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        let node = find_node(Duration::from_secs(5))
+            .await
+            .ok_or_else(|| LinkError::Cluster("no node Governor (wrong cookie?)".into()))?;
+        let token = loop {
+            let t = rand_token();
+            if t != 0 {
+                break t;
+            }
+        };
+        let join = NodeRequest::Join {
+            token,
+            pid: pid(),
+            name: config.name.clone(),
+            priority: config.priority,
+            authority: config.authority.clone(),
+            held: 0,
+        };
+        let credit = match call(&node, join, Duration::from_secs(5)).await {
+            Ok(NodeReply::Joined { credit }) => credit,
+            Ok(NodeReply::Refused { reason }) => return Err(LinkError::Refused(reason)),
+            Ok(other) => return Err(LinkError::Refused(format!("{other:?}"))),
+            Err(e) => return Err(LinkError::Cluster(e)),
+        };
+        governor
+            .set_capacity(credit)
+            .await
+            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        let state = LinkState {
+            config,
+            governor: governor.clone(),
+            server: server.clone(),
+            node: Some(node),
+            token,
+            credit,
+            asking: false,
+            ticket: None,
+            last_report: Instant::now(),
+            last_connect: Instant::now(),
+        };
+        let (actor, _) = Actor::spawn(None, Link, state)
+            .await
+            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        ractor::pg::join(link_group(token), vec![actor.get_cell()]);
+        let me = actor.clone();
+        governor.set_upstream(Some(Arc::new(move |bytes| {
+            let _ = me.cast(LinkMsg::Need(bytes));
+        })));
+        Ok(NodeLink {
+            actor,
+            server,
+            token,
+        })
+    }
+
+    /// This process's token on the node.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// Leaves the node: the caller has freed its memory; its credit goes back.
+    pub async fn leave(self) {
+        let _ = self.actor.cast(LinkMsg::Tick);
+        if let Some(node) = ractor::pg::get_members(&NODE_GROUP.to_string())
+            .into_iter()
+            .find(|c| !c.get_id().is_local())
+        {
+            let node: ActorRef<NodeMsg> = ActorRef::from(node);
+            let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Leave { token: self.token })));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.actor.stop(None);
+        self.server.stop(None);
+    }
+}
+
+fn rand_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(pid());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+impl Actor for Link {
+    type Msg = LinkMsg;
+    type State = LinkState;
+    type Arguments = LinkState;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<LinkMsg>,
+        state: LinkState,
+    ) -> Result<LinkState, ActorProcessingErr> {
+        myself.send_interval(TICK, || LinkMsg::Tick);
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<LinkMsg>,
+        msg: LinkMsg,
+        state: &mut LinkState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            LinkMsg::Need(bytes) => state.need(&myself, bytes),
+            LinkMsg::Asked(result) => {
+                state.asking = false;
+                if let Ok(NodeReply::Granted { bytes }) = result {
+                    // Approved by the node first, then usable here.
+                    state.credit = state.credit.saturating_add(bytes);
+                    state.set_capacity().await;
+                } else {
+                    tracing::debug!(?result, "credit ask not granted");
+                }
+            }
+            LinkMsg::Notice(Ok(LinkNotice::Ticket {
+                id,
+                authority,
+                bytes,
+                deadline_ms,
+            })) if authority == state.config.authority => {
+                state.ticket(id, bytes, deadline_ms).await;
+            }
+            LinkMsg::Notice(other) => {
+                tracing::warn!(?other, "node notice dropped");
+            }
+            LinkMsg::Tick => state.tick().await,
+        }
+        Ok(())
+    }
+}
+
+impl LinkState {
+    fn owed(&self) -> u64 {
+        self.ticket.as_ref().map_or(0, |t| t.owed)
+    }
+
+    async fn set_capacity(&self) {
+        let capacity = self.credit.saturating_sub(self.owed());
+        let _ = self.governor.set_capacity(capacity).await;
+    }
+
+    fn need(&mut self, myself: &ActorRef<LinkMsg>, bytes: u64) {
+        let Some(node) = self.node.clone() else {
+            return; // Cut off: grow no further until rejoined.
+        };
+        if self.asking || self.ticket.is_some() {
+            return;
+        }
+        self.asking = true;
+        let ask = NodeRequest::Ask {
+            token: self.token,
+            authority: self.config.authority.clone(),
+            bytes: bytes.max(self.config.chunk),
+            wait_ms: self.config.wait.as_millis() as u64,
+        };
+        let wait = self.config.wait + Duration::from_secs(1);
+        let me = myself.clone();
+        tokio::spawn(async move {
+            let result = call(&node, ask, wait).await;
+            let _ = me.cast(LinkMsg::Asked(result));
+        });
+    }
+
+    fn give(&self, bytes: u64, ticket: u64) {
+        if let Some(node) = &self.node {
+            let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Give {
+                token: self.token,
+                authority: self.config.authority.clone(),
+                bytes,
+                ticket,
+            })));
+        }
+    }
+
+    /// Gives back unused capacity at once; for the rest, lowers the capacity so the Governor
+    /// asks the holders, and gives back as they free (on each tick) until the deadline.
+    async fn ticket(&mut self, id: u64, bytes: u64, deadline_ms: u64) {
+        let approved = match self.governor.snapshot().await {
+            Ok(s) => s.books.approved(),
+            Err(_) => return,
+        };
+        let unused = self.credit.saturating_sub(approved);
+        let now = unused.min(bytes);
+        self.ticket = Some(Ticket {
+            id,
+            owed: bytes.min(self.credit),
+            gave: 0,
+            deadline: Instant::now() + Duration::from_millis(deadline_ms.min(60_000)),
+        });
+        // Lower first, then give: local approvals never exceed what the node approved.
+        self.set_capacity().await;
+        if now > 0 {
+            self.settle(now);
+        }
+        if self.owed() == 0 {
+            self.finish().await;
+        }
+    }
+
+    fn settle(&mut self, bytes: u64) {
+        let Some(t) = self.ticket.as_mut() else {
+            return;
+        };
+        self.credit -= bytes;
+        t.owed -= bytes.min(t.owed);
+        t.gave += bytes;
+        let id = t.id;
+        self.give(bytes, id);
+    }
+
+    async fn finish(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            if t.gave == 0 {
+                // Nothing to give: say so, so the node asks the next process now.
+                self.give(0, t.id);
+            }
+        }
+        self.set_capacity().await;
+    }
+
+    async fn tick(&mut self) {
+        let snapshot = self.governor.snapshot().await.ok();
+        let approved = snapshot.as_ref().map_or(0, |s| s.books.approved());
+        if let Some(t) = &self.ticket {
+            let floor = self.credit.saturating_sub(t.owed);
+            let can = self.credit.saturating_sub(approved.max(floor));
+            let expired = Instant::now() >= t.deadline;
+            if can > 0 {
+                self.settle(can);
+            }
+            if self.owed() == 0 || expired {
+                self.finish().await;
+            }
+        }
+        if self
+            .node
+            .as_ref()
+            .is_some_and(|n| n.get_status() != ractor::ActorStatus::Running)
+        {
+            tracing::warn!("node session lost: keeping credit, growing no further");
+            self.node = None;
+            self.asking = false;
+        }
+        if self.node.is_none() && self.last_connect.elapsed() >= Duration::from_millis(500) {
+            self.last_connect = Instant::now();
+            self.rejoin().await;
+        }
+        if self.last_report.elapsed() >= Duration::from_millis(100) {
+            self.last_report = Instant::now();
+            if let Some(node) = &self.node {
+                let os_bytes = self.config.os_bytes.as_ref().map_or(approved, |f| f());
+                let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Report {
+                    token: self.token,
+                    authority: self.config.authority.clone(),
+                    approved,
+                    os_bytes,
+                })));
+            }
+        }
+    }
+
+    /// Reconnects and rejoins with the credit it holds (a restarted node adopts it, no more
+    /// than it has free).
+    async fn rejoin(&mut self) {
+        if ractor_cluster::client_connect(&self.server, self.config.node)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let Some(node) = find_node(Duration::from_millis(300)).await else {
+            return;
+        };
+        let join = NodeRequest::Join {
+            token: self.token,
+            pid: pid(),
+            name: self.config.name.clone(),
+            priority: self.config.priority,
+            authority: self.config.authority.clone(),
+            held: self.credit,
+        };
+        if let Ok(NodeReply::Joined { credit }) = call(&node, join, Duration::from_secs(2)).await {
+            if credit != self.credit {
+                tracing::warn!(held = self.credit, credit, "rejoined with other credit");
+            }
+            self.credit = credit;
+            self.node = Some(node);
+            self.ticket = None;
+            self.set_capacity().await;
+            tracing::info!(credit, "rejoined the node");
+        }
+    }
+}

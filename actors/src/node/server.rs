@@ -1,0 +1,724 @@
+//! The node Governor: the books of each authority across the processes of one machine.
+//!
+//! Each process is a holder of the node's [`Ledger`] with one credit line per authority it
+//! joined; its credit is that line's bytes. Asks are granted from what is free, in priority
+//! order; what does not fit waits while tickets go to processes, least important first, one at
+//! a time, each answered by a give-back (or its time running out).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use procmem::ledger::{AuthorityId, HolderId, LeaseId, Ledger, Priority};
+use procmem::metrics as m;
+use procmem::MemoryRole;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::time::Instant;
+
+use super::wire::{
+    encode_reply, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
+    ProcessStatus, WireError,
+};
+use super::{link_group, Watched, NODE_GROUP, TICK};
+
+/// How to start a node Governor.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The cluster node's name.
+    pub name: String,
+    /// The cookie peers must present.
+    pub cookie: String,
+    /// TCP port to listen on.
+    pub port: u16,
+    /// Address to listen on (loopback unless told otherwise).
+    pub listen: IpAddr,
+    /// Authorities and their capacities, in bytes ("host", "cuda:0").
+    pub authorities: Vec<(String, u64)>,
+    /// How long a process has to answer a ticket before the next one is asked.
+    pub ticket_timeout: Duration,
+    /// The longest an ask may wait.
+    pub max_wait: Duration,
+}
+
+impl NodeConfig {
+    /// A node on loopback `port` with one authority.
+    pub fn new(cookie: impl Into<String>, port: u16, authority: &str, capacity: u64) -> Self {
+        NodeConfig {
+            name: "procmem-node".into(),
+            cookie: cookie.into(),
+            port,
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            authorities: vec![(authority.into(), capacity)],
+            ticket_timeout: Duration::from_millis(500),
+            max_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A running node Governor.
+#[derive(Debug, Clone)]
+pub struct NodeHandle {
+    /// The Governor actor.
+    pub governor: ActorRef<NodeMsg>,
+    /// The cluster's node server.
+    pub server: ActorRef<ractor_cluster::NodeServerMessage>,
+}
+
+impl NodeHandle {
+    /// Starts the cluster node server and the node Governor, which joins [`NODE_GROUP`].
+    pub async fn start(config: NodeConfig) -> Result<Self, ractor::SpawnErr> {
+        let server = ractor_cluster::NodeServer::new(
+            config.port,
+            config.cookie.clone(),
+            config.name.clone(),
+            "localhost".into(),
+            None,
+            None,
+        )
+        .with_listen_addr(config.listen)
+        .with_max_inbound_frame_size(64 * 1024);
+        let (server, _) = Actor::spawn(None, server, ()).await?;
+        let (governor, _) = Actor::spawn(None, NodeGovernor, config).await?;
+        ractor::pg::join(NODE_GROUP.into(), vec![governor.get_cell()]);
+        Ok(NodeHandle { governor, server })
+    }
+
+    /// The node's books.
+    pub async fn status(&self) -> Option<NodeStatus> {
+        let request = NodeRequest::Status;
+        let bytes = ractor::call!(self.governor, |reply| NodeMsg::Call {
+            request: Ok(request),
+            reply
+        })
+        .ok()?;
+        match super::wire::decode::<NodeReply>(&bytes) {
+            Ok(NodeReply::Status(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Stops the Governor and the server.
+    pub fn stop(&self) {
+        self.governor.stop(None);
+        self.server.stop(None);
+    }
+}
+
+/// The node Governor actor.
+#[derive(Debug, Default)]
+pub struct NodeGovernor;
+
+struct Member {
+    holder: HolderId,
+    line: LeaseId,
+    approved: u64,
+    os_bytes: u64,
+}
+
+struct Process {
+    pid: u32,
+    name: String,
+    priority: Priority,
+    members: BTreeMap<AuthorityId, Member>,
+    link: Option<ActorRef<LinkMsg>>,
+    watched: Watched,
+}
+
+struct Pending {
+    token: u64,
+    authority: AuthorityId,
+    bytes: u64,
+    priority: Priority,
+    deadline: Instant,
+    reply: RpcReplyPort<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Round {
+    outstanding: Option<(u64, u64, Instant)>,
+    asked: BTreeSet<(Priority, u64)>,
+}
+
+/// The node Governor's state.
+pub struct NodeState {
+    config: NodeConfig,
+    ledger: Ledger,
+    authorities: BTreeMap<String, AuthorityId>,
+    processes: BTreeMap<u64, Process>,
+    pending: Vec<Pending>,
+    rounds: BTreeMap<AuthorityId, Round>,
+    next_ticket: u64,
+    status: NodeStatus,
+}
+
+impl Actor for NodeGovernor {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = NodeConfig;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        config: NodeConfig,
+    ) -> Result<NodeState, ActorProcessingErr> {
+        let mut ledger = Ledger::new();
+        let mut authorities = BTreeMap::new();
+        for (name, capacity) in &config.authorities {
+            authorities.insert(name.clone(), ledger.add_authority(name.clone(), *capacity));
+        }
+        myself.send_interval(TICK, || NodeMsg::Tick);
+        let state = NodeState {
+            config,
+            ledger,
+            authorities,
+            processes: BTreeMap::new(),
+            pending: Vec::new(),
+            rounds: BTreeMap::new(),
+            next_ticket: 1,
+            status: NodeStatus::default(),
+        };
+        state.publish();
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        state: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Call {
+                request: Err(e),
+                reply,
+            } => {
+                state.rejected(&e);
+                let _ = reply.send(encode_reply(&NodeReply::Refused {
+                    reason: e.to_string(),
+                }));
+            }
+            NodeMsg::Cast(Err(e)) => state.rejected(&e),
+            NodeMsg::Call {
+                request: Ok(request),
+                reply,
+            } => state.request(request, reply),
+            NodeMsg::Cast(Ok(notice)) => state.notice(notice),
+            NodeMsg::Tick => state.tick(),
+        }
+        state.pump();
+        state.drive_tickets();
+        state.publish();
+        Ok(())
+    }
+}
+
+fn refuse(reply: RpcReplyPort<Vec<u8>>, reason: &str) {
+    let _ = reply.send(encode_reply(&NodeReply::Refused {
+        reason: reason.into(),
+    }));
+}
+
+impl NodeState {
+    fn rejected(&mut self, e: &WireError) {
+        self.status.rejected_frames += 1;
+        m::NODE_REJECTED_FRAMES_TOTAL.counter(&[]).increment(1);
+        tracing::warn!(%e, "frame dropped");
+    }
+
+    fn request(&mut self, request: NodeRequest, reply: RpcReplyPort<Vec<u8>>) {
+        match request {
+            NodeRequest::Join {
+                token,
+                pid,
+                name,
+                priority,
+                authority,
+                held,
+            } => self.join(token, pid, name, priority, &authority, held, reply),
+            NodeRequest::Ask {
+                token,
+                authority,
+                bytes,
+                wait_ms,
+            } => self.ask(token, &authority, bytes, wait_ms, reply),
+            NodeRequest::Status => {
+                let _ = reply.send(encode_reply(&NodeReply::Status(self.snapshot())));
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn join(
+        &mut self,
+        token: u64,
+        pid: u32,
+        name: String,
+        priority: Priority,
+        authority: &str,
+        held: u64,
+        reply: RpcReplyPort<Vec<u8>>,
+    ) {
+        let Some(&aid) = self.authorities.get(authority) else {
+            return refuse(reply, "unknown authority");
+        };
+        if let Some(p) = self.processes.get(&token) {
+            if p.pid != pid {
+                self.rejected(&WireError::Invalid("token of another process"));
+                return refuse(reply, "token of another process");
+            }
+        } else {
+            let watched = match Watched::open(pid) {
+                Ok(w) => w,
+                Err(_) => return refuse(reply, "no such process"),
+            };
+            self.processes.insert(
+                token,
+                Process {
+                    pid,
+                    name: name.clone(),
+                    priority,
+                    members: BTreeMap::new(),
+                    link: None,
+                    watched,
+                },
+            );
+        }
+        let credit = match self.member(token, aid) {
+            Some(line_bytes) => line_bytes,
+            None => match self.add_member(token, aid, &name, priority, held) {
+                Ok(credit) => credit,
+                Err(reason) => return refuse(reply, reason),
+            },
+        };
+        self.find_link(token);
+        tracing::info!(token, pid, %name, authority, credit, held, "process joined");
+        if reply
+            .send(encode_reply(&NodeReply::Joined { credit }))
+            .is_err()
+        {
+            tracing::debug!(token, "join reply undeliverable");
+        }
+    }
+
+    /// Credit of `token` on `aid`, if it joined it.
+    fn member(&self, token: u64, aid: AuthorityId) -> Option<u64> {
+        let m = self.processes.get(&token)?.members.get(&aid)?;
+        Some(self.ledger.lease(m.line).map_or(0, |c| c.bytes))
+    }
+
+    /// Registers the process on `aid` and adopts up to `held` bytes it says it holds (no more
+    /// than is free: no byte is approved twice).
+    fn add_member(
+        &mut self,
+        token: u64,
+        aid: AuthorityId,
+        name: &str,
+        priority: Priority,
+        held: u64,
+    ) -> Result<u64, &'static str> {
+        let holder = self
+            .ledger
+            .register_holder(aid, name.to_owned(), priority)
+            .map_err(|_| "cannot register")?;
+        let line = self
+            .ledger
+            .open_credit(holder, MemoryRole::Other)
+            .map_err(|_| "cannot open credit")?
+            .id;
+        let free = self.ledger.snapshot(aid).map_or(0, |s| s.free());
+        let adopted = held.min(free);
+        if adopted > 0 {
+            self.approve(holder, aid, line, adopted);
+        }
+        if adopted < held {
+            tracing::warn!(
+                token,
+                held,
+                adopted,
+                "a rejoining process holds more than is free"
+            );
+        }
+        if let Some(p) = self.processes.get_mut(&token) {
+            p.members.insert(
+                aid,
+                Member {
+                    holder,
+                    line,
+                    approved: 0,
+                    os_bytes: 0,
+                },
+            );
+        }
+        Ok(adopted)
+    }
+
+    fn approve(&mut self, holder: HolderId, aid: AuthorityId, line: LeaseId, bytes: u64) -> bool {
+        match self.ledger.reserve(holder, aid, MemoryRole::Other, bytes) {
+            Ok(grant) => self.ledger.commit_into(holder, grant.id, line).is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    fn find_link(&mut self, token: u64) {
+        let Some(p) = self.processes.get_mut(&token) else {
+            return;
+        };
+        let alive = p
+            .link
+            .as_ref()
+            .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running);
+        if !alive {
+            p.link = ractor::pg::get_members(&link_group(token))
+                .into_iter()
+                .find(|c| c.get_status() == ractor::ActorStatus::Running)
+                .map(ActorRef::from);
+        }
+    }
+
+    fn ask(
+        &mut self,
+        token: u64,
+        authority: &str,
+        bytes: u64,
+        wait_ms: u64,
+        reply: RpcReplyPort<Vec<u8>>,
+    ) {
+        let Some(&aid) = self.authorities.get(authority) else {
+            return refuse(reply, "unknown authority");
+        };
+        let Some((holder, line, priority)) = self
+            .processes
+            .get(&token)
+            .and_then(|p| p.members.get(&aid).map(|m| (m.holder, m.line, p.priority)))
+        else {
+            self.rejected(&WireError::Invalid("ask from a process that did not join"));
+            return refuse(reply, "not joined");
+        };
+        let capacity = self.ledger.totals(aid).map_or(0, |t| t.0);
+        if bytes > capacity {
+            return refuse(reply, "larger than the node's capacity");
+        }
+        let first = !self
+            .pending
+            .iter()
+            .any(|p| p.authority == aid && p.priority >= priority);
+        if first && self.ledger.fits(aid, bytes).unwrap_or(false) {
+            self.grant(token, holder, aid, line, bytes, reply);
+            return;
+        }
+        if wait_ms == 0 {
+            return refuse(reply, "no room");
+        }
+        let wait = Duration::from_millis(wait_ms).min(self.config.max_wait);
+        self.pending.push(Pending {
+            token,
+            authority: aid,
+            bytes,
+            priority,
+            deadline: Instant::now() + wait,
+            reply,
+        });
+        // A new waiter: processes asked before may have more to give now.
+        self.rounds.entry(aid).or_default().asked.clear();
+    }
+
+    fn grant(
+        &mut self,
+        token: u64,
+        holder: HolderId,
+        aid: AuthorityId,
+        line: LeaseId,
+        bytes: u64,
+        reply: RpcReplyPort<Vec<u8>>,
+    ) {
+        if !self.approve(holder, aid, line, bytes) {
+            return refuse(reply, "no room");
+        }
+        if reply
+            .send(encode_reply(&NodeReply::Granted { bytes }))
+            .is_err()
+        {
+            // The process never learns of it: it goes back at once.
+            let _ = self.ledger.release(holder, line, bytes);
+            tracing::debug!(token, bytes, "grant undeliverable; rolled back");
+        }
+    }
+
+    fn notice(&mut self, notice: NodeNotice) {
+        match notice {
+            NodeNotice::Give {
+                token,
+                authority,
+                bytes,
+                ticket,
+            } => {
+                let found = self.authorities.get(&authority).and_then(|aid| {
+                    let m = self.processes.get(&token)?.members.get(aid)?;
+                    Some((*aid, m.holder, m.line))
+                });
+                let Some((aid, holder, line)) = found else {
+                    return self.rejected(&WireError::Invalid("give from a stranger"));
+                };
+                if bytes > 0 && self.ledger.release(holder, line, bytes).is_err() {
+                    return self.rejected(&WireError::Invalid("give of more than its credit"));
+                }
+                let round = self.rounds.entry(aid).or_default();
+                if round
+                    .outstanding
+                    .is_some_and(|(id, t, _)| id == ticket && t == token)
+                {
+                    round.outstanding = None;
+                }
+            }
+            NodeNotice::Report {
+                token,
+                authority,
+                approved,
+                os_bytes,
+            } => {
+                let member = self.authorities.get(&authority).and_then(|aid| {
+                    self.processes
+                        .get_mut(&token)
+                        .and_then(|p| p.members.get_mut(aid))
+                });
+                match member {
+                    Some(m) => {
+                        m.approved = approved;
+                        m.os_bytes = os_bytes;
+                    }
+                    None => self.rejected(&WireError::Invalid("report from a stranger")),
+                }
+            }
+            NodeNotice::Leave { token } => {
+                if self.processes.contains_key(&token) {
+                    self.reap(token, "left");
+                } else {
+                    self.rejected(&WireError::Invalid("leave from a stranger"));
+                }
+            }
+        }
+    }
+
+    /// The process is gone (exited, or left): its credit comes back.
+    fn reap(&mut self, token: u64, why: &str) {
+        let Some(p) = self.processes.remove(&token) else {
+            return;
+        };
+        let mut returned = 0u64;
+        for m in p.members.values() {
+            let bytes = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+            if bytes > 0 && self.ledger.release(m.holder, m.line, bytes).is_ok() {
+                returned += bytes;
+            }
+            let _ = self.ledger.close_credit(m.holder, m.line);
+            let _ = self.ledger.retire_holder(m.holder);
+            m::NODE_PROCESS_CREDIT_BYTES
+                .gauge(&[self.authority_name(m.line), &p.name])
+                .set(0.0);
+        }
+        self.pending.retain(|w| w.token != token);
+        for round in self.rounds.values_mut() {
+            if round.outstanding.is_some_and(|(_, t, _)| t == token) {
+                round.outstanding = None;
+            }
+        }
+        self.status.reaped += 1;
+        m::NODE_REAPED_PROCESSES_TOTAL.counter(&[]).increment(1);
+        tracing::info!(token, pid = p.pid, name = %p.name, returned, why, "process reaped");
+    }
+
+    fn authority_name(&self, line: LeaseId) -> &str {
+        self.ledger
+            .lease(line)
+            .and_then(|c| {
+                self.authorities
+                    .iter()
+                    .find(|(_, a)| **a == c.authority)
+                    .map(|(n, _)| n.as_str())
+            })
+            .unwrap_or("")
+    }
+
+    fn tick(&mut self) {
+        let now = Instant::now();
+        // Waiters past their deadline are refused.
+        let (expired, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|w| w.deadline <= now || w.reply.is_closed());
+        self.pending = kept;
+        for w in expired {
+            refuse(w.reply, "deadline passed while waiting for room");
+        }
+        // Processes confirmed gone: their credit comes back.
+        let dead: Vec<u64> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.watched.exited())
+            .map(|(t, _)| *t)
+            .collect();
+        for token in dead {
+            self.reap(token, "exited");
+        }
+        let tokens: Vec<u64> = self.processes.keys().copied().collect();
+        for token in tokens {
+            self.find_link(token);
+        }
+        for round in self.rounds.values_mut() {
+            if round.outstanding.is_some_and(|(_, _, d)| d <= now) {
+                round.outstanding = None;
+            }
+        }
+    }
+
+    /// Grants waiters in order (priority, then arrival) while the first fits.
+    fn pump(&mut self) {
+        let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
+        for aid in aids {
+            loop {
+                let best = self
+                    .pending
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| w.authority == aid)
+                    .max_by_key(|(i, w)| (w.priority, std::cmp::Reverse(*i)))
+                    .map(|(i, w)| (i, w.bytes));
+                let Some((i, bytes)) = best else { break };
+                if !self.ledger.fits(aid, bytes).unwrap_or(false) {
+                    break;
+                }
+                let w = self.pending.remove(i);
+                let found = self
+                    .processes
+                    .get(&w.token)
+                    .and_then(|p| p.members.get(&aid))
+                    .map(|m| (m.holder, m.line));
+                match found {
+                    Some((holder, line)) => self.grant(w.token, holder, aid, line, bytes, w.reply),
+                    None => refuse(w.reply, "process gone"),
+                }
+            }
+        }
+    }
+
+    /// For each authority short of room, one ticket at a time to the next process, least
+    /// important first.
+    fn drive_tickets(&mut self) {
+        let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
+        for aid in aids {
+            let wanted: u64 = self
+                .pending
+                .iter()
+                .filter(|w| w.authority == aid)
+                .map(|w| w.bytes)
+                .fold(0u64, u64::saturating_add);
+            let free = self.ledger.snapshot(aid).map_or(0, |s| s.free());
+            let shortfall = wanted.saturating_sub(free);
+            let round = self.rounds.entry(aid).or_default();
+            if shortfall == 0 {
+                round.asked.clear();
+                continue;
+            }
+            if round.outstanding.is_some() {
+                continue;
+            }
+            let next = self
+                .processes
+                .iter()
+                .filter_map(|(token, p)| {
+                    let m = p.members.get(&aid)?;
+                    let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+                    (credit > 0 && p.link.is_some()).then_some((p.priority, *token))
+                })
+                .filter(|k| !round.asked.contains(k))
+                .min();
+            let Some(key) = next else { continue };
+            round.asked.insert(key);
+            let id = self.next_ticket;
+            self.next_ticket += 1;
+            let timeout = self.config.ticket_timeout;
+            let name = self
+                .authorities
+                .iter()
+                .find(|(_, a)| **a == aid)
+                .map(|(n, _)| n.clone())
+                .unwrap_or_default();
+            let link = self.processes.get(&key.1).and_then(|p| p.link.clone());
+            let sent = link.is_some_and(|l| {
+                l.cast(LinkMsg::Notice(Ok(LinkNotice::Ticket {
+                    id,
+                    authority: name.clone(),
+                    bytes: shortfall,
+                    deadline_ms: timeout.as_millis() as u64,
+                })))
+                .is_ok()
+            });
+            if sent {
+                let round = self.rounds.entry(aid).or_default();
+                round.outstanding = Some((id, key.1, Instant::now() + timeout));
+                self.status.tickets += 1;
+                m::NODE_TICKETS_TOTAL.counter(&[&name]).increment(1);
+                tracing::debug!(token = key.1, id, shortfall, "node ticket sent");
+            }
+        }
+    }
+
+    fn snapshot(&self) -> NodeStatus {
+        let mut status = self.status.clone();
+        status.authorities = self
+            .authorities
+            .iter()
+            .map(|(name, aid)| {
+                let capacity = self.ledger.totals(*aid).map_or(0, |t| t.0);
+                (name.clone(), capacity, self.ledger.credit_bytes(*aid))
+            })
+            .collect();
+        status.processes = self
+            .processes
+            .iter()
+            .flat_map(|(token, p)| {
+                p.members.iter().map(move |(aid, m)| ProcessStatus {
+                    token: *token,
+                    pid: p.pid,
+                    name: p.name.clone(),
+                    authority: self
+                        .authorities
+                        .iter()
+                        .find(|(_, a)| *a == aid)
+                        .map(|(n, _)| n.clone())
+                        .unwrap_or_default(),
+                    credit: self.ledger.lease(m.line).map_or(0, |c| c.bytes),
+                    approved: m.approved,
+                    os_bytes: m.os_bytes,
+                    connected: p
+                        .link
+                        .as_ref()
+                        .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running),
+                })
+            })
+            .collect();
+        status.waiting = self.pending.len() as u64;
+        status
+    }
+
+    fn publish(&self) {
+        for (name, aid) in &self.authorities {
+            let (capacity, _, _) = self.ledger.totals(*aid).unwrap_or_default();
+            m::NODE_CAPACITY_BYTES.gauge(&[name]).set(capacity as f64);
+            m::NODE_CREDIT_BYTES
+                .gauge(&[name])
+                .set(self.ledger.credit_bytes(*aid) as f64);
+        }
+        for p in self.processes.values() {
+            for m in p.members.values() {
+                let authority = self.authority_name(m.line);
+                let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+                m::NODE_PROCESS_CREDIT_BYTES
+                    .gauge(&[authority, &p.name])
+                    .set(credit as f64);
+                m::NODE_PROCESS_OS_BYTES
+                    .gauge(&[authority, &p.name])
+                    .set(m.os_bytes as f64);
+            }
+        }
+    }
+}

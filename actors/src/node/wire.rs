@@ -1,0 +1,438 @@
+//! What crosses the cluster between a process and its node Governor, and how it is checked.
+//!
+//! `ractor_cluster` carries each message as a variant name and a byte payload inside its own
+//! authenticated, length-checked frames. The payload is ours: `postcard` (a kept serde
+//! format whose decoder returns errors, never panics) of the types below. Every payload is
+//! decoded defensively (a frame that does not decode becomes a [`WireError`] the receiving
+//! actor counts and drops) and then validated ([`NodeRequest::validate`]) before it can touch
+//! the books. ractor's own `BytesConvertable` decoders index slices and may panic on a short
+//! payload, so none of them is used here.
+
+use ractor::message::{BoxedDowncastErr, SerializedMessage};
+use ractor::RpcReplyPort;
+use serde::{Deserialize, Serialize};
+
+/// The largest payload either side accepts (the cluster's frames are capped as well).
+pub const MAX_PAYLOAD: usize = 4096;
+/// The longest name a process or an authority may have.
+pub const MAX_NAME: usize = 128;
+
+/// A process's request to its node Governor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeRequest {
+    /// Joins (or rejoins) the node for one authority; `held` is the credit the process holds
+    /// from before (after a reconnect or a node restart), zero on a first join.
+    Join {
+        /// The process's token: random, fixed for its life.
+        token: u64,
+        /// Its operating-system process id (the node watches it to know when it is gone).
+        pid: u32,
+        /// Its name.
+        name: String,
+        /// How much it matters: less important processes are asked to give back first.
+        priority: u32,
+        /// The authority's name on the node ("host", "cuda:0").
+        authority: String,
+        /// Credit it holds already.
+        held: u64,
+    },
+    /// Asks for `bytes` more credit, waiting for room up to `wait_ms`.
+    Ask {
+        /// The process.
+        token: u64,
+        /// The authority.
+        authority: String,
+        /// Bytes wanted.
+        bytes: u64,
+        /// How long it may wait, in milliseconds.
+        wait_ms: u64,
+    },
+    /// The books of the node (for operators and tests).
+    Status,
+}
+
+/// A process's one-way notice to its node Governor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeNotice {
+    /// Gives `bytes` of credit back (zero: the answer to a ticket when there is nothing).
+    Give {
+        /// The process.
+        token: u64,
+        /// The authority.
+        authority: String,
+        /// Bytes given back.
+        bytes: u64,
+        /// The ticket this answers, or 0.
+        ticket: u64,
+    },
+    /// What the process holds now, as its own books and the OS say.
+    Report {
+        /// The process.
+        token: u64,
+        /// The authority.
+        authority: String,
+        /// Bytes its Governor approved to its holders.
+        approved: u64,
+        /// Bytes the OS or driver reports its memory holds.
+        os_bytes: u64,
+    },
+    /// The process leaves: its memory is freed, its credit goes back.
+    Leave {
+        /// The process.
+        token: u64,
+    },
+}
+
+/// The node Governor's answer to a [`NodeRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeReply {
+    /// Joined: the credit the node's books hold for the process.
+    Joined {
+        /// Credit in bytes.
+        credit: u64,
+    },
+    /// `bytes` more credit, approved.
+    Granted {
+        /// Bytes.
+        bytes: u64,
+    },
+    /// Refused, and why.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+    /// The node's books.
+    Status(NodeStatus),
+}
+
+/// The node's books at one moment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct NodeStatus {
+    /// Per authority: name, capacity, credit approved to processes.
+    pub authorities: Vec<(String, u64, u64)>,
+    /// Per process and authority.
+    pub processes: Vec<ProcessStatus>,
+    /// Requests waiting for room.
+    pub waiting: u64,
+    /// Tickets sent to processes.
+    pub tickets: u64,
+    /// Frames that did not decode or did not validate.
+    pub rejected_frames: u64,
+    /// Processes whose credit came back because they were confirmed gone.
+    pub reaped: u64,
+}
+
+/// One process's figures on one authority.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessStatus {
+    /// Its token.
+    pub token: u64,
+    /// Its pid.
+    pub pid: u32,
+    /// Its name.
+    pub name: String,
+    /// The authority.
+    pub authority: String,
+    /// Credit the node approved to it.
+    pub credit: u64,
+    /// What it last reported approved to its holders.
+    pub approved: u64,
+    /// What it last reported the OS holds for it.
+    pub os_bytes: u64,
+    /// Whether its session is up.
+    pub connected: bool,
+}
+
+/// The node Governor's one-way notice to a process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LinkNotice {
+    /// Give back `bytes` of credit: unused first, then by asking your holders.
+    Ticket {
+        /// The ticket.
+        id: u64,
+        /// The authority.
+        authority: String,
+        /// Bytes wanted.
+        bytes: u64,
+        /// How long the process has, in milliseconds.
+        deadline_ms: u64,
+    },
+}
+
+/// Why a payload was dropped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// Larger than [`MAX_PAYLOAD`].
+    #[error("payload of {0} bytes is over the limit")]
+    TooLarge(usize),
+    /// Not a payload of this protocol.
+    #[error("payload does not decode: {0}")]
+    Garbage(String),
+    /// A variant this side does not know, or a call where a cast belongs.
+    #[error("unknown message kind {0:?}")]
+    UnknownKind(String),
+    /// It decoded, but its fields are not acceptable.
+    #[error("invalid: {0}")]
+    Invalid(&'static str),
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, BoxedDowncastErr> {
+    postcard::to_stdvec(value).map_err(|_| BoxedDowncastErr)
+}
+
+/// Decodes a payload of at most [`MAX_PAYLOAD`] bytes that must be consumed whole.
+pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, WireError> {
+    if bytes.len() > MAX_PAYLOAD {
+        return Err(WireError::TooLarge(bytes.len()));
+    }
+    match postcard::take_from_bytes::<T>(bytes) {
+        Ok((value, [])) => Ok(value),
+        Ok((_, rest)) => Err(WireError::Garbage(format!("{} trailing bytes", rest.len()))),
+        Err(e) => Err(WireError::Garbage(e.to_string())),
+    }
+}
+
+/// Encodes a reply for the wire.
+pub fn encode_reply(reply: &NodeReply) -> Vec<u8> {
+    // A reply of these types always encodes (no maps, no unsupported types).
+    postcard::to_stdvec(reply).unwrap_or_default()
+}
+
+fn name_ok(name: &str) -> bool {
+    !name.is_empty() && name.len() <= MAX_NAME && !name.chars().any(char::is_control)
+}
+
+impl NodeRequest {
+    /// Checks fields no well-behaved process sends.
+    pub fn validate(&self) -> Result<(), WireError> {
+        match self {
+            NodeRequest::Join {
+                token,
+                pid,
+                name,
+                authority,
+                ..
+            } => {
+                if *token == 0 {
+                    return Err(WireError::Invalid("token 0"));
+                }
+                if *pid == 0 || *pid > i32::MAX as u32 {
+                    return Err(WireError::Invalid("pid out of range"));
+                }
+                if !name_ok(name) || !name_ok(authority) {
+                    return Err(WireError::Invalid("bad name"));
+                }
+                Ok(())
+            }
+            NodeRequest::Ask {
+                bytes, authority, ..
+            } => {
+                if *bytes == 0 {
+                    return Err(WireError::Invalid("zero bytes"));
+                }
+                if !name_ok(authority) {
+                    return Err(WireError::Invalid("bad name"));
+                }
+                Ok(())
+            }
+            NodeRequest::Status => Ok(()),
+        }
+    }
+}
+
+impl NodeNotice {
+    /// Checks fields no well-behaved process sends.
+    pub fn validate(&self) -> Result<(), WireError> {
+        match self {
+            // Zero bytes is an answer to a ticket ("nothing to give"), never a bare notice.
+            NodeNotice::Give {
+                bytes,
+                authority,
+                ticket,
+                ..
+            } if (*bytes == 0 && *ticket == 0) || !name_ok(authority) => {
+                Err(WireError::Invalid("bad give"))
+            }
+            NodeNotice::Report { authority, .. } if !name_ok(authority) => {
+                Err(WireError::Invalid("bad name"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+const CALL: &str = "call";
+const CAST: &str = "cast";
+
+/// The node Governor's mailbox: what processes send (checked), and its own timers.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// A request from a process; the reply goes back as bytes.
+    Call {
+        /// The request, or why its payload was dropped.
+        request: Result<NodeRequest, WireError>,
+        /// Where the encoded [`NodeReply`] goes.
+        reply: RpcReplyPort<Vec<u8>>,
+    },
+    /// A one-way notice from a process.
+    Cast(Result<NodeNotice, WireError>),
+    /// The node's own periodic check (local only).
+    Tick,
+}
+
+impl ractor::Message for NodeMsg {
+    fn serializable() -> bool {
+        true
+    }
+
+    fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        match self {
+            NodeMsg::Call {
+                request: Ok(request),
+                reply,
+            } => Ok(SerializedMessage::Call {
+                variant: CALL.into(),
+                args: encode(&request)?,
+                reply,
+                metadata: None,
+            }),
+            NodeMsg::Cast(Ok(notice)) => Ok(SerializedMessage::Cast {
+                variant: CAST.into(),
+                args: encode(&notice)?,
+                metadata: None,
+            }),
+            _ => Err(BoxedDowncastErr),
+        }
+    }
+
+    fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
+        // Never an error: a bad frame becomes a message the node counts and drops, so that
+        // nothing a peer sends can stop the actor.
+        Ok(match bytes {
+            SerializedMessage::Call {
+                variant,
+                args,
+                reply,
+                ..
+            } => NodeMsg::Call {
+                request: if variant == CALL {
+                    decode::<NodeRequest>(&args).and_then(|r| r.validate().map(|()| r))
+                } else {
+                    Err(WireError::UnknownKind(variant))
+                },
+                reply,
+            },
+            SerializedMessage::Cast { variant, args, .. } => NodeMsg::Cast(if variant == CAST {
+                decode::<NodeNotice>(&args).and_then(|n| n.validate().map(|()| n))
+            } else {
+                Err(WireError::UnknownKind(variant))
+            }),
+            SerializedMessage::CallReply(..) => {
+                NodeMsg::Cast(Err(WireError::UnknownKind("reply".into())))
+            }
+        })
+    }
+}
+
+/// A process's link actor's mailbox: notices from the node (checked) and local events.
+#[derive(Debug)]
+pub enum LinkMsg {
+    /// A notice from the node.
+    Notice(Result<LinkNotice, WireError>),
+    /// The process's Governor waits for `bytes` it has no room for (local only).
+    Need(u64),
+    /// An ask to the node came back (local only).
+    Asked(Result<NodeReply, String>),
+    /// The link's own periodic check (local only).
+    Tick,
+}
+
+impl ractor::Message for LinkMsg {
+    fn serializable() -> bool {
+        true
+    }
+
+    fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        match self {
+            LinkMsg::Notice(Ok(notice)) => Ok(SerializedMessage::Cast {
+                variant: CAST.into(),
+                args: encode(&notice)?,
+                metadata: None,
+            }),
+            _ => Err(BoxedDowncastErr),
+        }
+    }
+
+    fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
+        Ok(LinkMsg::Notice(match bytes {
+            SerializedMessage::Cast { variant, args, .. } if variant == CAST => {
+                decode::<LinkNotice>(&args)
+            }
+            SerializedMessage::Cast { variant, .. } | SerializedMessage::Call { variant, .. } => {
+                Err(WireError::UnknownKind(variant))
+            }
+            SerializedMessage::CallReply(..) => Err(WireError::UnknownKind("reply".into())),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_truncation_and_trailing_bytes_are_errors_not_panics() {
+        let good = NodeRequest::Ask {
+            token: 7,
+            authority: "host".into(),
+            bytes: 1 << 20,
+            wait_ms: 100,
+        };
+        let bytes = postcard::to_stdvec(&good).unwrap();
+        assert_eq!(decode::<NodeRequest>(&bytes).unwrap(), good);
+        for cut in 0..bytes.len() {
+            assert!(
+                decode::<NodeRequest>(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut long = bytes.clone();
+        long.push(0);
+        assert!(decode::<NodeRequest>(&long).is_err(), "trailing byte");
+        assert!(decode::<NodeRequest>(&[0xff; 64]).is_err(), "garbage");
+        assert!(matches!(
+            decode::<NodeRequest>(&vec![0; MAX_PAYLOAD + 1]),
+            Err(WireError::TooLarge(_))
+        ));
+        // A string length far past the payload.
+        let mut huge_name = vec![0u8]; // Join
+        huge_name.extend([1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(decode::<NodeRequest>(&huge_name).is_err());
+    }
+
+    #[test]
+    fn requests_no_well_behaved_process_sends_are_invalid() {
+        let join = |token, pid, name: &str| NodeRequest::Join {
+            token,
+            pid,
+            name: name.into(),
+            priority: 0,
+            authority: "host".into(),
+            held: 0,
+        };
+        assert!(join(1, 1, "a").validate().is_ok());
+        assert!(join(0, 1, "a").validate().is_err());
+        assert!(join(1, 0, "a").validate().is_err());
+        assert!(join(1, u32::MAX, "a").validate().is_err());
+        assert!(join(1, 1, "").validate().is_err());
+        assert!(join(1, 1, &"x".repeat(MAX_NAME + 1)).validate().is_err());
+        assert!(join(1, 1, "a\nb").validate().is_err());
+        let ask = NodeRequest::Ask {
+            token: 1,
+            authority: "host".into(),
+            bytes: 0,
+            wait_ms: 0,
+        };
+        assert!(ask.validate().is_err());
+    }
+}

@@ -1,0 +1,792 @@
+//! Several server processes under one node Governor, every one a real process on loopback:
+//! the node, the servers (each a Governor, a CPU provider and a KV store over real memfd
+//! memory) and hostile peers are this test binary run again in a role (`node_role`, ignored
+//! when run alone). The test process only orchestrates: it reads what the children print, and
+//! what the kernel says of them (the servers' KV lives in memfds: their allocated blocks,
+//! through `/proc/<pid>/fd`).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use procmem_actors::node::wire::{NodeNotice, NodeRequest, WireError};
+use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::{KvStoreHandle, PreemptMode};
+
+const ROLE: &str = "PROCMEM_NODE_ROLE";
+const COOKIE: &str = "procmem-test-cookie";
+const MIB: u64 = 1 << 20;
+
+/// 16 KiB per token over 4 layers: a 64-token prompt is 1 MiB of KV.
+const SHAPE: KvShape = KvShape {
+    layers: 4,
+    q_heads: 8,
+    kv_heads: 4,
+    head_dim: 128,
+    max_tokens: 256,
+    dtype: procmem_actors::procmem::kv::KvDtype::F32,
+};
+const PROMPT: usize = 64;
+
+// ---------------------------------------------------------------------------------------------
+// The roles, run in child processes.
+
+#[test]
+#[ignore = "a role of the multi-process tests below, run by them in a child process"]
+fn node_role() {
+    let role = std::env::var(ROLE).expect("run by the multi-process tests");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        match role.as_str() {
+            "node" => run_node().await,
+            "server" => run_server().await,
+            "hostile" => run_hostile().await,
+            other => panic!("unknown role {other}"),
+        }
+    });
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} not set"))
+}
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// The node: prints its books every 10 ms as `STATUS total capacity rejected reaped
+/// tickets token:credit,...`.
+async fn run_node() {
+    let port: u16 = env("PORT").parse().unwrap();
+    let capacity: u64 = env("CAPACITY").parse().unwrap();
+    let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
+    config.ticket_timeout = Duration::from_millis(300);
+    let node = NodeHandle::start(config).await.unwrap();
+    say("READY".into());
+    loop {
+        if let Some(s) = node.status().await {
+            let (_, cap, total) = s.authorities[0].clone();
+            let procs: Vec<String> = s
+                .processes
+                .iter()
+                .map(|p| format!("{}:{}:{}", p.pid, p.credit, p.connected as u8))
+                .collect();
+            say(format!(
+                "STATUS {total} {cap} {} {} {} {}",
+                s.rejected_frames,
+                s.reaped,
+                s.tickets,
+                procs.join(",")
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn item(seq: u64, pos: usize, layer: usize) -> procmem_actors::AttendItem {
+    common::kv_item(&SHAPE, seq, pos, layer)
+}
+
+/// Runs `seq` over its whole prompt, one token per step.
+async fn fill(kv: &KvStoreHandle, seq: u64, from: usize) -> Result<(), String> {
+    for pos in from..PROMPT {
+        let step = kv.prepare(vec![seq]).await.map_err(|e| e.to_string())?;
+        for layer in 0..SHAPE.layers {
+            step.attend(layer, vec![item(seq, pos, layer)])
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        step.finish().await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn prompt(seq: u64) -> Vec<u32> {
+    (0..PROMPT as u32)
+        .map(|i| i * 31 + seq as u32 * 1009)
+        .collect()
+}
+
+/// A server: a Governor whose capacity is its node credit, a CPU provider and a KV store.
+/// `CACHE` sequences are run and closed (their prompts stay cached); then `BURST` sequences are
+/// run and held. Prints `CACHED`, `BURST first_grant_ms total_ms` and `CAP capacity os` lines.
+async fn run_server() {
+    let port: u16 = env("PORT").parse().unwrap();
+    let (g, p) = common::system(0, 1).await;
+    let mut link = LinkConfig::new(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        COOKIE,
+        env("NAME"),
+    );
+    link.priority = env("PRIORITY").parse().unwrap();
+    link.chunk = MIB;
+    link.wait = Duration::from_secs(3);
+    let provider = p.clone();
+    link.os_bytes = Some(std::sync::Arc::new(move || common::os_bytes(&provider)));
+    let node = NodeLink::join(link, g.clone()).await.unwrap();
+    let (kv, _) = KvStoreHandle::spawn(
+        common::kv_config(SHAPE, 1, PreemptMode::Recompute, Duration::from_secs(3)),
+        g.clone(),
+        p.clone(),
+    )
+    .await
+    .unwrap();
+    say(format!("JOINED {}", node.token()));
+    let watch = {
+        let (g, p) = (g.clone(), p.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(s) = g.snapshot().await {
+                    say(format!("CAP {} {}", s.books.capacity, common::os_bytes(&p)));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let cache: u64 = env("CACHE").parse().unwrap();
+    for seq in 1..=cache {
+        kv.open(seq, prompt(seq), 0).await.unwrap();
+        fill(&kv, seq, 0).await.unwrap();
+        kv.close(seq);
+    }
+    say(format!("CACHED {}", common::os_bytes(&p)));
+    let burst: u64 = env("BURST").parse().unwrap();
+    if let Ok(go) = std::env::var("GO") {
+        // The burst waits for the test's word.
+        while !std::path::Path::new(&go).exists() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    if burst > 0 {
+        let start = Instant::now();
+        let mut first = None;
+        for seq in 1000..1000 + burst {
+            let opened = kv.open(seq, prompt(seq), 0).await.unwrap();
+            fill(&kv, seq, opened.cached_tokens).await.unwrap();
+            first.get_or_insert(start.elapsed());
+        }
+        say(format!(
+            "BURST {} {}",
+            first.unwrap_or_default().as_millis(),
+            start.elapsed().as_millis()
+        ));
+    }
+    let _keep = (watch, node, kv);
+    std::future::pending::<()>().await;
+}
+
+/// A peer with the cookie that sends what no well-behaved process sends, through the
+/// cluster's real sessions, then asks for the node's books. Prints `SENT kind` per frame.
+async fn run_hostile() {
+    use procmem_actors::node::wire::NodeMsg;
+    use ractor::message::{BoxedDowncastErr, SerializedMessage};
+
+    /// Any payload under any variant name: what a hostile peer can put in a frame.
+    struct Raw(String, Vec<u8>, bool);
+    impl ractor::Message for Raw {
+        fn serializable() -> bool {
+            true
+        }
+        fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+            if self.2 {
+                let (tx, _rx) = ractor::concurrency::oneshot();
+                Ok(SerializedMessage::Call {
+                    variant: self.0,
+                    args: self.1,
+                    reply: tx.into(),
+                    metadata: None,
+                })
+            } else {
+                Ok(SerializedMessage::Cast {
+                    variant: self.0,
+                    args: self.1,
+                    metadata: None,
+                })
+            }
+        }
+    }
+
+    let port: u16 = env("PORT").parse().unwrap();
+    let cookie = env("COOKIE");
+    let server = ractor_cluster::NodeServer::new(
+        0,
+        cookie,
+        "hostile".into(),
+        "localhost".into(),
+        None,
+        None,
+    );
+    let (server, _) = ractor::Actor::spawn(None, server, ()).await.unwrap();
+    ractor_cluster::client_connect(&server, ("127.0.0.1", port))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let node = loop {
+        let found = ractor::pg::get_members(&procmem_actors::node::NODE_GROUP.to_string())
+            .into_iter()
+            .find(|c| !c.get_id().is_local());
+        if let Some(cell) = found {
+            break cell;
+        }
+        if Instant::now() > deadline {
+            say("NOJOIN".into());
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let raw: ractor::ActorRef<Raw> = node.clone().into();
+    let enc = |n: &NodeNotice| postcard::to_stdvec(n).unwrap();
+    let encr = |r: &NodeRequest| postcard::to_stdvec(r).unwrap();
+    let victim: u64 = env("VICTIM").parse().unwrap();
+    let give = |bytes| NodeNotice::Give {
+        token: victim,
+        authority: "host".into(),
+        bytes,
+        ticket: 0,
+    };
+    let valid = enc(&give(1));
+    let frames: Vec<(&str, Raw)> = vec![
+        ("garbage_cast", Raw("cast".into(), vec![0xff; 40], false)),
+        ("garbage_call", Raw("call".into(), vec![0xfe; 40], true)),
+        (
+            "unknown_variant",
+            Raw("detonate".into(), valid.clone(), false),
+        ),
+        (
+            "truncated",
+            Raw("cast".into(), valid[..valid.len() - 1].to_vec(), false),
+        ),
+        (
+            "trailing_bytes",
+            Raw("cast".into(), [valid.clone(), vec![0]].concat(), false),
+        ),
+        (
+            "over_payload_limit",
+            Raw("cast".into(), vec![0; 8192], false),
+        ),
+        ("empty", Raw("cast".into(), vec![], false)),
+        (
+            "give_zero_without_ticket",
+            Raw("cast".into(), enc(&give(0)), false),
+        ),
+        (
+            "give_more_than_credit",
+            Raw("cast".into(), enc(&give(u64::MAX)), false),
+        ),
+        (
+            "give_from_a_stranger",
+            Raw(
+                "cast".into(),
+                enc(&NodeNotice::Give {
+                    token: 12345,
+                    authority: "host".into(),
+                    bytes: 1,
+                    ticket: 0,
+                }),
+                false,
+            ),
+        ),
+        (
+            "leave_of_a_stranger",
+            Raw("cast".into(), enc(&NodeNotice::Leave { token: 999 }), false),
+        ),
+        (
+            "join_token_zero",
+            Raw(
+                "call".into(),
+                encr(&NodeRequest::Join {
+                    token: 0,
+                    pid: 1,
+                    name: "x".into(),
+                    priority: 0,
+                    authority: "host".into(),
+                    held: u64::MAX,
+                }),
+                true,
+            ),
+        ),
+        (
+            "join_with_a_name_too_long",
+            Raw(
+                "call".into(),
+                encr(&NodeRequest::Join {
+                    token: 5,
+                    pid: std::process::id(),
+                    name: "x".repeat(4000),
+                    priority: 0,
+                    authority: "host".into(),
+                    held: 0,
+                }),
+                true,
+            ),
+        ),
+        (
+            "ask_without_joining",
+            Raw(
+                "call".into(),
+                encr(&NodeRequest::Ask {
+                    token: 77,
+                    authority: "host".into(),
+                    bytes: u64::MAX,
+                    wait_ms: u64::MAX,
+                }),
+                true,
+            ),
+        ),
+    ];
+    let _ = WireError::Invalid("");
+    for (kind, frame) in frames {
+        let _ = raw.cast(frame);
+        say(format!("SENT {kind}"));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    say("DONE".into());
+    let _keep: ractor::ActorRef<NodeMsg> = node.into();
+    std::future::pending::<()>().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The orchestration, in the test process.
+
+struct Proc {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Proc {
+    fn spawn(role: &str, vars: &[(&str, String)]) -> Proc {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            "node_role",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, role)
+        .env("RUST_LOG", "off")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                // The harness prints its own "test node_role ... " before the role's first line.
+                let line = match line.strip_prefix("test node_role ... ") {
+                    Some(rest) => rest.to_string(),
+                    None => line,
+                };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc { child, lines }
+    }
+
+    /// The next line starting with `prefix` (others are handed to `seen`), within `within`.
+    fn wait(&self, prefix: &str, within: Duration, mut seen: impl FnMut(&str)) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(line) => seen(&line),
+                Err(RecvTimeoutError::Timeout) => panic!("no {prefix:?} within {within:?}"),
+                Err(RecvTimeoutError::Disconnected) => panic!("child exited before {prefix:?}"),
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `total capacity rejected reaped tickets [(pid, credit, connected)]` of a STATUS line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Status {
+    total: u64,
+    capacity: u64,
+    rejected: u64,
+    reaped: u64,
+    tickets: u64,
+    procs: Vec<(u32, u64, bool)>,
+}
+
+fn parse(line: &str) -> Status {
+    let f: Vec<&str> = line.split(' ').collect();
+    let procs = f
+        .get(6)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.split(',')
+                .map(|p| {
+                    let v: Vec<&str> = p.split(':').collect();
+                    (v[0].parse().unwrap(), v[1].parse().unwrap(), v[2] == "1")
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Status {
+        total: f[1].parse().unwrap(),
+        capacity: f[2].parse().unwrap(),
+        rejected: f[3].parse().unwrap(),
+        reaped: f[4].parse().unwrap(),
+        tickets: f[5].parse().unwrap(),
+        procs,
+    }
+}
+
+/// The node's latest status line (lines queue up while the test does other things); every
+/// line read on the way is checked: approved credit never exceeds the node's capacity.
+fn status(node: &Proc) -> Status {
+    let check = |line: &str| {
+        let s = parse(line);
+        assert!(s.total <= s.capacity, "credit over capacity: {s:?}");
+        s
+    };
+    let mut s = check(&node.wait("STATUS", Duration::from_secs(5), |_| {}));
+    while let Ok(line) = node.lines.try_recv() {
+        if line.starts_with("STATUS") {
+            s = check(&line);
+        }
+    }
+    s
+}
+
+/// Waits for a status that satisfies `pred`.
+fn status_until(node: &Proc, within: Duration, pred: impl Fn(&Status) -> bool) -> Status {
+    let deadline = Instant::now() + within;
+    loop {
+        let s = status(node);
+        if pred(&s) {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node never reached it; last {s:?}"
+        );
+    }
+}
+
+/// Bytes the kernel holds in `pid`'s memfds (the servers' KV, mapped or cached unmapped):
+/// `st_blocks` of each memfd, through `/proc/<pid>/fd`.
+fn shmem(pid: u32) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    fds.flatten()
+        .filter(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"))
+        })
+        .filter_map(|fd| std::fs::metadata(fd.path()).ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn node(capacity: u64) -> (Proc, u16) {
+    let port = free_port();
+    let node = Proc::spawn(
+        "node",
+        &[
+            ("PORT", port.to_string()),
+            ("CAPACITY", capacity.to_string()),
+        ],
+    );
+    node.wait("READY", Duration::from_secs(20), |_| {});
+    (node, port)
+}
+
+fn server(port: u16, name: &str, priority: u32, cache: u64, burst: u64) -> Proc {
+    server_with(port, name, priority, cache, burst, &[])
+}
+
+fn server_with(
+    port: u16,
+    name: &str,
+    priority: u32,
+    cache: u64,
+    burst: u64,
+    more: &[(&str, String)],
+) -> Proc {
+    let mut vars = vec![
+        ("PORT", port.to_string()),
+        ("NAME", name.to_string()),
+        ("PRIORITY", priority.to_string()),
+        ("CACHE", cache.to_string()),
+        ("BURST", burst.to_string()),
+    ];
+    vars.extend(more.iter().cloned());
+    Proc::spawn("server", &vars)
+}
+
+/// Samples the kernel's figures for both servers until `until` prints `prefix`; returns the
+/// largest sum seen and the line.
+fn sample_until(servers: &[&Proc], until: &Proc, prefix: &str, within: Duration) -> (u64, String) {
+    let deadline = Instant::now() + within;
+    let mut peak = 0;
+    loop {
+        let sum: u64 = servers.iter().map(|p| shmem(p.pid())).sum();
+        peak = peak.max(sum);
+        match until.lines.try_recv() {
+            Ok(line) if line.starts_with(prefix) => return (peak, line),
+            Ok(_) => {}
+            Err(_) => std::thread::sleep(Duration::from_millis(2)),
+        }
+        assert!(Instant::now() < deadline, "no {prefix:?} within {within:?}");
+    }
+}
+
+#[test]
+fn two_servers_share_one_budget_and_a_burst_evicts_the_idle_servers_cache() {
+    let budget = 12 * MIB;
+    let (node, port) = node(budget);
+    // A caches 8 prompts (8 MiB) and idles; B then needs 6 MiB more than is free.
+    let a = server(port, "idle", 0, 8, 0);
+    let (a_peak, _) = sample_until(&[&a], &a, "CACHED", Duration::from_secs(60));
+    assert!(a_peak >= 7 * MIB, "A really holds its cache: {a_peak}");
+    let b = server(port, "bursty", 5, 0, 8);
+    let (peak, line) = sample_until(&[&a, &b], &b, "BURST", Duration::from_secs(60));
+    let f: Vec<u64> = line
+        .split(' ')
+        .skip(1)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let s = status(&node);
+    eprintln!(
+        "node_budget: budget {budget} B, peak of both servers' memfd bytes {peak} B, A after {} B, \
+         B {} B; burst first grant {} ms, 8 sequences {} ms; tickets {}",
+        shmem(a.pid()),
+        shmem(b.pid()),
+        f[0],
+        f[1],
+        s.tickets
+    );
+    assert!(
+        peak <= budget,
+        "the kernel held {peak} B for the two, over {budget}"
+    );
+    assert!(s.tickets > 0, "the idle server was asked");
+    assert!(
+        shmem(a.pid()) < 7 * MIB,
+        "the idle server's cache was evicted"
+    );
+    assert!(shmem(b.pid()) >= 7 * MIB, "the burst got its memory");
+    common::figure("node_budget", 1, 1);
+}
+
+#[test]
+fn a_server_killed_with_sigkill_gets_its_credit_back_within_a_second() {
+    let (node, port) = node(12 * MIB);
+    let mut a = server(port, "victim", 0, 4, 0);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let go = std::env::temp_dir().join(format!("procmem-node-go-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let b = server_with(
+        port,
+        "survivor",
+        5,
+        2,
+        9,
+        &[("GO", go.to_string_lossy().into_owned())],
+    );
+    b.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 2);
+    let a_pid = a.pid();
+    let a_credit = before.procs.iter().find(|p| p.0 == a_pid).unwrap().1;
+    assert!(a_credit >= 4 * MIB);
+    let killed = Instant::now();
+    a.kill9();
+    let after = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 1);
+    let back = killed.elapsed();
+    let b_credit = after.procs[0].1;
+    eprintln!(
+        "node_kill9: {a_credit} B of credit back {} ms after SIGKILL; node total {} B = B's credit {b_credit} B",
+        back.as_millis(),
+        after.total
+    );
+    assert!(back < Duration::from_secs(1), "credit back after {back:?}");
+    assert_eq!(after.total, b_credit, "books: only the survivor's credit");
+    assert!(
+        shmem(b.pid()) <= b_credit,
+        "the survivor's memory is within its credit"
+    );
+    assert_eq!(after.reaped, before.reaped + 1);
+    // The survivor goes on, into what the dead one held: 2 + 9 MiB of a 12 MiB budget.
+    std::fs::write(&go, b"go").unwrap();
+    let (peak, _) = sample_until(&[&b], &b, "BURST", Duration::from_secs(60));
+    let _ = std::fs::remove_file(&go);
+    let end = status(&node);
+    assert!(
+        peak >= 10 * MIB && peak <= end.capacity,
+        "the survivor grew to {peak}"
+    );
+    common::figure("node_kill9", 1, 1);
+}
+
+#[test]
+fn a_restarted_node_rebuilds_its_books_from_the_processes_and_approves_no_byte_twice() {
+    let budget = 8 * MIB;
+    let (mut node1, port) = node(budget);
+    let a = server(port, "holder", 0, 5, 0);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node1, Duration::from_secs(5), |s| s.procs.len() == 1);
+    let held = before.procs[0].1;
+    node1.kill9();
+    // A new node on the same port: the process rejoins with what it holds.
+    let node2 = Proc::spawn(
+        "node",
+        &[("PORT", port.to_string()), ("CAPACITY", budget.to_string())],
+    );
+    node2.wait("READY", Duration::from_secs(20), |_| {});
+    let rebuilt = status_until(&node2, Duration::from_secs(10), |s| s.procs.len() == 1);
+    assert_eq!(
+        rebuilt.procs[0].1, held,
+        "rebuilt from the process's report"
+    );
+    assert_eq!(rebuilt.total, held);
+    // Another process asks for more than is free: it gets only what is free (A's memory is
+    // not approved twice), the rest by A giving back under a ticket.
+    let b = server(port, "newcomer", 5, 0, 5);
+    let (peak, _) = sample_until(&[&a, &b], &b, "BURST", Duration::from_secs(60));
+    let end = status(&node2);
+    eprintln!(
+        "node_restart: A held {held} B before the restart, {} B in the rebuilt books; \
+         with a newcomer the peak of both servers' memfd bytes was {peak} B of {budget} B",
+        rebuilt.procs[0].1
+    );
+    assert!(peak <= budget && end.total <= budget);
+    common::figure("node_restart", 1, 1);
+}
+
+/// Raw TCP: what anyone on the machine can send to the node's port before authenticating.
+fn raw_frames(port: u16) -> Vec<(&'static str, Vec<u8>)> {
+    let frame = |len: u64, body: &[u8]| [len.to_be_bytes().to_vec(), body.to_vec()].concat();
+    vec![
+        ("random_bytes", vec![0x5a; 300]),
+        ("length_u64_max", frame(u64::MAX, b"x")),
+        ("length_zero", frame(0, b"")),
+        ("length_over_limit", frame(1 << 40, &[0; 16])),
+        ("valid_length_garbage_body", frame(32, &[0xff; 32])),
+        ("truncated_frame", frame(1000, &[1; 10])),
+        (
+            "http_request",
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        ),
+        ("one_byte", vec![7]),
+    ]
+    .into_iter()
+    .inspect(|_| assert!(port > 0))
+    .collect()
+}
+
+#[test]
+fn hostile_frames_leave_the_node_running_and_its_books_unchanged() {
+    let (node, port) = node(8 * MIB);
+    let a = server(port, "bystander", 0, 2, 0);
+    let token: u64 = a.wait("JOINED", Duration::from_secs(30), |_| {})[7..]
+        .parse()
+        .unwrap();
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 1);
+    let mut kinds = 0;
+    let mut survived = 0;
+    for (kind, bytes) in raw_frames(port) {
+        kinds += 1;
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let _ = s.write_all(&bytes);
+        let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+        let _ = s.read(&mut [0u8; 64]);
+        drop(s);
+        let now = status(&node);
+        if now.procs == before.procs && now.total == before.total {
+            survived += 1;
+        } else {
+            eprintln!("hostile {kind}: books changed: {now:?}");
+        }
+    }
+    // A peer with the wrong cookie never reaches the node Governor.
+    let wrong = Proc::spawn(
+        "hostile",
+        &[
+            ("PORT", port.to_string()),
+            ("COOKIE", "not-the-cookie".into()),
+            ("VICTIM", token.to_string()),
+        ],
+    );
+    wrong.wait("NOJOIN", Duration::from_secs(20), |_| {});
+    kinds += 1;
+    survived += 1;
+    // A peer with the cookie, sending malformed and invalid payloads through real sessions.
+    let evil = Proc::spawn(
+        "hostile",
+        &[
+            ("PORT", port.to_string()),
+            ("COOKIE", COOKIE.into()),
+            ("VICTIM", token.to_string()),
+        ],
+    );
+    let mut sent = Vec::new();
+    evil.wait("DONE", Duration::from_secs(30), |l| {
+        if let Some(k) = l.strip_prefix("SENT ") {
+            sent.push(k.to_string());
+        }
+    });
+    let after = status_until(&node, Duration::from_secs(5), |s| {
+        s.rejected >= before.rejected + sent.len() as u64
+    });
+    kinds += sent.len();
+    if after.procs == before.procs && after.total == before.total {
+        survived += sent.len();
+    }
+    eprintln!(
+        "hostile_frames: {kinds} kinds ({} raw TCP, 1 wrong cookie, {} through the session: {}), \
+         {} rejected frames counted, books {} B before and after",
+        raw_frames(port).len(),
+        sent.len(),
+        sent.join(" "),
+        after.rejected - before.rejected,
+        after.total
+    );
+    assert_eq!(after.procs, before.procs, "books unchanged");
+    assert!(kinds >= 10);
+    common::figure("hostile_frames", survived, kinds);
+    assert_eq!(survived, kinds);
+}
