@@ -6,6 +6,8 @@
 //!
 //! `cargo run --release --example inference_server -- --help`
 
+mod common;
+
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -13,6 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use common::parse_bytes;
+use procmem_actors::node::{LinkConfig, NodeLink};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvElement, KvShape};
@@ -97,6 +101,17 @@ struct Args {
     /// Execution device.
     #[arg(long, value_enum, default_value_t = Device::Host)]
     device: Device,
+    /// Join the node Governor at this address (several servers, one budget; see
+    /// `examples/node_governor.rs`): the budget of the KV device's authority is then credit
+    /// from the node, asked for as it is needed, instead of `--budget`.
+    #[arg(long)]
+    node: Option<SocketAddr>,
+    /// The node's cookie.
+    #[arg(long, default_value = "procmem")]
+    node_cookie: String,
+    /// This server's priority on the node: less important servers give back first.
+    #[arg(long, default_value_t = 0)]
+    node_priority: u32,
 }
 
 /// Requests one run may serve.
@@ -196,27 +211,6 @@ fn matvec(w: &[f32], rows: usize, x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = [
-        ("TiB", 1u64 << 40),
-        ("GiB", 1 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-        ("B", 1),
-    ]
-    .iter()
-    .find_map(|(suffix, m)| s.strip_suffix(suffix).map(|n| (n.trim(), *m)))
-    .unwrap_or((s, 1));
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a byte count (try 64MiB)"))?;
-    if !(n.is_finite() && n >= 0.0) {
-        return Err(format!("'{s}' is not a byte count"));
-    }
-    Ok((n * mult as f64) as u64)
-}
-
 struct Request {
     id: u64,
     prompt: Vec<u32>,
@@ -282,6 +276,44 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// Joins the node Governor at `addr`: the Governor of the KV device's authority takes its
+/// capacity from the node from now on.
+async fn join_node(
+    args: &Args,
+    addr: SocketAddr,
+    memory: &MemoryManager,
+    cuda: bool,
+) -> Result<NodeLink, String> {
+    let (device, tier, authority) = if cuda {
+        (
+            DeviceKey::cuda(0),
+            procmem_actors::procmem::MemoryTier::Device,
+            "cuda:0",
+        )
+    } else {
+        (
+            DeviceKey::HOST,
+            procmem_actors::procmem::MemoryTier::Host,
+            "host",
+        )
+    };
+    let governor = memory
+        .governor(device, tier)
+        .ok_or("no Governor for the KV device")?
+        .clone();
+    let mut config = LinkConfig::new(addr, args.node_cookie.clone(), "inference_server");
+    config.priority = args.node_priority;
+    config.authority = authority.into();
+    let link = NodeLink::join(config, governor)
+        .await
+        .map_err(|e| format!("cannot join the node at {addr}: {e}"))?;
+    println!(
+        "joined the node Governor at {addr} ({authority}, priority {})",
+        args.node_priority
+    );
+    Ok(link)
 }
 
 async fn serve(args: Args) -> Result<(), String> {
@@ -369,6 +401,10 @@ async fn serve(args: Args) -> Result<(), String> {
         builder = builder.metrics_addr(addr);
     }
     let memory = builder.build().await.map_err(|e| e.to_string())?;
+    let node = match args.node {
+        Some(addr) => Some(join_node(&args, addr, &memory, cuda).await?),
+        None => None,
+    };
     println!(
         "procmem inference server: {:?} model ({} layers, {} q heads / {} kv heads, head dim {}), {} requests x {} at once",
         args.model_size, model.shape.layers, model.shape.q_heads, model.shape.kv_heads, model.shape.head_dim,
@@ -682,6 +718,10 @@ async fn serve(args: Args) -> Result<(), String> {
         tokio::time::sleep(Duration::from_secs(args.linger)).await;
     }
     let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+    if let Some(node) = node {
+        // Everything is freed: the credit goes back to the node.
+        node.leave().await;
+    }
 
     println!();
     println!("summary");

@@ -339,6 +339,7 @@ async fn run_hostile() {
                     token: 77,
                     authority: "host".into(),
                     bytes: u64::MAX,
+                    at_least: u64::MAX,
                     wait_ms: u64::MAX,
                 }),
                 true,

@@ -225,7 +225,9 @@ impl Started {
     }
 }
 
-fn install_metrics(addr: SocketAddr) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
+pub(crate) fn install_metrics(
+    addr: SocketAddr,
+) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
     let metrics_error = |why: String| ManagerError::Metrics { addr, why };
     let (recorder, exporter) = PrometheusBuilder::new()
         .with_http_listener(addr)

@@ -326,6 +326,7 @@ impl LinkState {
             token: self.token,
             authority: self.config.authority.clone(),
             bytes: bytes.max(self.config.chunk),
+            at_least: bytes,
             wait_ms: self.config.wait.as_millis() as u64,
         };
         let wait = self.config.wait + Duration::from_secs(1);

@@ -38,6 +38,11 @@ pub struct NodeConfig {
     pub ticket_timeout: Duration,
     /// The longest an ask may wait.
     pub max_wait: Duration,
+    /// After a start, asks wait this long before anything is approved, so the processes that
+    /// held credit before a restart rejoin (and are counted) before any newcomer is served.
+    pub rejoin_grace: Duration,
+    /// Serve Prometheus metrics of the node's books here (off unless given).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl NodeConfig {
@@ -51,6 +56,8 @@ impl NodeConfig {
             authorities: vec![(authority.into(), capacity)],
             ticket_timeout: Duration::from_millis(500),
             max_wait: Duration::from_secs(30),
+            rejoin_grace: Duration::from_millis(1500),
+            metrics: None,
         }
     }
 }
@@ -65,8 +72,15 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
-    /// Starts the cluster node server and the node Governor, which joins [`NODE_GROUP`].
+    /// Starts the cluster node server and the node Governor, which joins [`NODE_GROUP`] (and
+    /// the metrics endpoint, if asked for).
     pub async fn start(config: NodeConfig) -> Result<Self, ractor::SpawnErr> {
+        if let Some(addr) = config.metrics {
+            let (handle, _exporter) = crate::manager::install_metrics(addr)
+                .map_err(|e| ractor::SpawnErr::StartupFailed(e.to_string().into()))?;
+            // The recorder is global; the handle renders it, the exporter task serves it.
+            std::mem::forget(handle);
+        }
         let server = ractor_cluster::NodeServer::new(
             config.port,
             config.cookie.clone(),
@@ -149,6 +163,8 @@ pub struct NodeState {
     rounds: BTreeMap<AuthorityId, Round>,
     next_ticket: u64,
     status: NodeStatus,
+    /// Nothing is approved before this (see [`NodeConfig::rejoin_grace`]).
+    serving_from: Instant,
 }
 
 impl Actor for NodeGovernor {
@@ -168,7 +184,6 @@ impl Actor for NodeGovernor {
         }
         myself.send_interval(TICK, || NodeMsg::Tick);
         let state = NodeState {
-            config,
             ledger,
             authorities,
             processes: BTreeMap::new(),
@@ -176,6 +191,8 @@ impl Actor for NodeGovernor {
             rounds: BTreeMap::new(),
             next_ticket: 1,
             status: NodeStatus::default(),
+            serving_from: Instant::now() + config.rejoin_grace,
+            config,
         };
         state.publish();
         Ok(state)
@@ -239,8 +256,9 @@ impl NodeState {
                 token,
                 authority,
                 bytes,
+                at_least,
                 wait_ms,
-            } => self.ask(token, &authority, bytes, wait_ms, reply),
+            } => self.ask(token, &authority, (bytes, at_least), wait_ms, reply),
             NodeRequest::Status => {
                 let _ = reply.send(encode_reply(&NodeReply::Status(self.snapshot())));
             }
@@ -375,11 +393,12 @@ impl NodeState {
         }
     }
 
+    /// `(chunk, need)`: the chunk if it fits now, else the need (now or once room is made).
     fn ask(
         &mut self,
         token: u64,
         authority: &str,
-        bytes: u64,
+        (chunk, bytes): (u64, u64),
         wait_ms: u64,
         reply: RpcReplyPort<Vec<u8>>,
     ) {
@@ -402,9 +421,13 @@ impl NodeState {
             .pending
             .iter()
             .any(|p| p.authority == aid && p.priority >= priority);
-        if first && self.ledger.fits(aid, bytes).unwrap_or(false) {
-            self.grant(token, holder, aid, line, bytes, reply);
-            return;
+        let serving = Instant::now() >= self.serving_from;
+        if first && serving {
+            let fits = |b| self.ledger.fits(aid, b).unwrap_or(false);
+            if let Some(b) = [chunk, bytes].into_iter().find(|b| fits(*b)) {
+                self.grant(token, holder, aid, line, b, reply);
+                return;
+            }
         }
         if wait_ms == 0 {
             return refuse(reply, "no room");
@@ -572,6 +595,9 @@ impl NodeState {
 
     /// Grants waiters in order (priority, then arrival) while the first fits.
     fn pump(&mut self) {
+        if Instant::now() < self.serving_from {
+            return;
+        }
         let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
         for aid in aids {
             loop {

@@ -36,7 +36,8 @@ pub enum NodeRequest {
         /// Credit it holds already.
         held: u64,
     },
-    /// Asks for `bytes` more credit, waiting for room up to `wait_ms`.
+    /// Asks for `bytes` more credit (a chunk), or at least `at_least` (what its waiters need),
+    /// waiting for room up to `wait_ms`.
     Ask {
         /// The process.
         token: u64,
@@ -44,6 +45,8 @@ pub enum NodeRequest {
         authority: String,
         /// Bytes wanted.
         bytes: u64,
+        /// Bytes needed (at most `bytes`).
+        at_least: u64,
         /// How long it may wait, in milliseconds.
         wait_ms: u64,
     },
@@ -225,10 +228,13 @@ impl NodeRequest {
                 Ok(())
             }
             NodeRequest::Ask {
-                bytes, authority, ..
+                bytes,
+                at_least,
+                authority,
+                ..
             } => {
-                if *bytes == 0 {
-                    return Err(WireError::Invalid("zero bytes"));
+                if *at_least == 0 || at_least > bytes {
+                    return Err(WireError::Invalid("zero bytes, or need over the ask"));
                 }
                 if !name_ok(authority) {
                     return Err(WireError::Invalid("bad name"));
@@ -386,6 +392,7 @@ mod tests {
             token: 7,
             authority: "host".into(),
             bytes: 1 << 20,
+            at_least: 1,
             wait_ms: 100,
         };
         let bytes = postcard::to_stdvec(&good).unwrap();
@@ -427,12 +434,16 @@ mod tests {
         assert!(join(1, 1, "").validate().is_err());
         assert!(join(1, 1, &"x".repeat(MAX_NAME + 1)).validate().is_err());
         assert!(join(1, 1, "a\nb").validate().is_err());
-        let ask = NodeRequest::Ask {
+        let ask = |bytes, at_least| NodeRequest::Ask {
             token: 1,
             authority: "host".into(),
-            bytes: 0,
+            bytes,
+            at_least,
             wait_ms: 0,
         };
-        assert!(ask.validate().is_err());
+        assert!(ask(10, 5).validate().is_ok());
+        assert!(ask(0, 0).validate().is_err());
+        assert!(ask(10, 0).validate().is_err());
+        assert!(ask(5, 10).validate().is_err());
     }
 }
