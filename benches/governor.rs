@@ -10,6 +10,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use procmem_actors::node::wire::{NodeMsg, NodeRequest};
+use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink, NODE_GROUP};
 use procmem_actors::procmem::ledger::{HolderId, Ledger};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
@@ -420,7 +422,113 @@ fn pf(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+const NODE_PORT_ENV: &str = "PROCMEM_BENCH_NODE_PORT";
+const REFILLS: usize = 2_000;
+
+/// This bench run again as the node Governor process (until its parent kills it).
+fn run_node(port: u16) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut config = NodeConfig::new("bench", port, "host", 1 << 50);
+        config.rejoin_grace = Duration::ZERO;
+        let _node = NodeHandle::start(config).await.unwrap();
+        println!("READY");
+        std::future::pending::<()>().await;
+    });
+}
+
+/// Nanoseconds of a reserve that does not fit the process's capacity, so its Governor asks the
+/// node Governor (another process, over loopback) for a refill of credit: the reserve's whole
+/// wait, sorted. Each grant is kept, so every reserve needs a refill.
+fn cross_process_refill_ns() -> (Vec<u64>, Vec<u64>) {
+    use std::io::BufRead;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut node = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(NODE_PORT_ENV, port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufReader::new(node.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready.trim(), "READY");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let samples = rt.block_on(async {
+        let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 0))
+            .await
+            .unwrap();
+        let mut config = LinkConfig::new(
+            std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+            "bench",
+            "bench",
+        );
+        config.chunk = 1 << 20;
+        let link = NodeLink::join(config, g.clone()).await.unwrap();
+        let h = g.register_holder("bench", 0, None).await.unwrap();
+        let mut held = Vec::with_capacity(REFILLS + 100);
+        let mut samples = Vec::with_capacity(REFILLS);
+        for i in 0..REFILLS + 100 {
+            let start = Instant::now();
+            let grant = g
+                .reserve(ReserveRequest {
+                    holder: h,
+                    role: MemoryRole::KvCache,
+                    bytes: 1 << 20,
+                    priority: 0,
+                    deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+                })
+                .await
+                .unwrap();
+            let ns = start.elapsed().as_nanos() as u64;
+            held.push(grant.commit(1 << 20).await.unwrap());
+            if i >= 100 {
+                samples.push(ns);
+            }
+        }
+        drop(held);
+        // The floor: a bare call through the same cluster session (the node's books).
+        let node: ractor::ActorRef<NodeMsg> = ractor::pg::get_members(&NODE_GROUP.to_string())
+            .into_iter()
+            .find(|c| !c.get_id().is_local())
+            .unwrap()
+            .into();
+        let mut rpc = Vec::with_capacity(REFILLS);
+        for i in 0..REFILLS + 100 {
+            let start = Instant::now();
+            ractor::call!(node, |reply| NodeMsg::Call {
+                request: Ok(NodeRequest::Status),
+                reply
+            })
+            .unwrap();
+            if i >= 100 {
+                rpc.push(start.elapsed().as_nanos() as u64);
+            }
+        }
+        link.leave().await;
+        rpc.sort_unstable();
+        (samples, rpc)
+    });
+    let _ = node.kill();
+    let _ = node.wait();
+    let (mut samples, rpc) = samples;
+    samples.sort_unstable();
+    (samples, rpc)
+}
+
 fn main() {
+    if let Ok(port) = std::env::var(NODE_PORT_ENV) {
+        return run_node(port.parse().unwrap());
+    }
+    let (refill, cluster_rpc) = cross_process_refill_ns();
     let credit_grant = credit_grant_ns();
     let (credit_ops, mutex_ops) = credit_vs_mutex_ops_per_s();
     let step = step_cost_ns();
@@ -461,6 +569,13 @@ fn main() {
             "step_cost": "64 K/V buffers of a 32-layer model each grow one 2 MiB granule from credit; the leases are dropped in the timed part",
             "step_cost_32_layers_ns": pf(&step, 0.50),
             "step_cost_32_layers_p99_ns": pf(&step, 0.99),
+            "cross_process_refill": "a reserve over the process's capacity: its Governor asks the node Governor (another process, ractor_cluster over loopback) for credit, then grants",
+            "cross_process_refill_samples": refill.len(),
+            "cross_process_refill_p50_ns": percentile(&refill, 0.50),
+            "cross_process_refill_p99_ns": percentile(&refill, 0.99),
+            "cluster_rpc_p50_ns": percentile(&cluster_rpc, 0.50),
+            "cluster_rpc_p99_ns": percentile(&cluster_rpc, 0.99),
+            "cross_process_refill_vs_cluster_rpc_p50_ratio": percentile(&refill, 0.50) as f64 / percentile(&cluster_rpc, 0.50) as f64,
         }),
     );
 }
