@@ -109,6 +109,9 @@ struct Args {
     /// The node's cookie.
     #[arg(long, default_value = "procmem")]
     node_cookie: String,
+    /// The host budget follows the machine: its cgroup's limits and memory pressure (PSI).
+    #[arg(long)]
+    follow_machine: bool,
     /// This server's priority on the node: less important servers give back first.
     #[arg(long, default_value_t = 0)]
     node_priority: u32,
@@ -400,6 +403,7 @@ async fn serve(args: Args) -> Result<(), String> {
     if let Some(addr) = args.metrics_addr {
         builder = builder.metrics_addr(addr);
     }
+    builder = builder.follow_machine(args.follow_machine);
     let memory = builder.build().await.map_err(|e| e.to_string())?;
     let node = match args.node {
         Some(addr) => Some(join_node(&args, addr, &memory, cuda).await?),

@@ -4,6 +4,7 @@
 mod allocator;
 mod file;
 mod mechanism;
+pub mod pressure;
 
 pub use allocator::{allocation_bytes, allocation_bytes_mut, HostAllocator};
 pub use file::unlinked_file;

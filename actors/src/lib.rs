@@ -77,6 +77,7 @@ mod device_provider;
 mod governor;
 mod holder;
 mod kv_store;
+pub mod machine;
 mod manager;
 pub mod node;
 mod pressure;

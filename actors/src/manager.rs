@@ -82,6 +82,8 @@ struct Inner {
     exporter: Mutex<Option<JoinHandle<()>>>,
     holders: Mutex<Vec<ActorCell>>,
     sampler: Mutex<Option<JoinHandle<()>>>,
+    /// The host capacity following the machine, where asked for.
+    machine: Mutex<Option<crate::machine::HostPressure>>,
 }
 
 /// Publishes what only the OS can tell: physical bytes per authority and their drift from the
@@ -399,6 +401,13 @@ impl MemoryManager {
         {
             s.abort();
         }
+        drop(
+            self.inner
+                .machine
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         if report.is_zero() {
             // Books at zero: nothing is left to refund, so nothing needs to run on. Otherwise
             // the Governors stay, so refunds still on their way land in the books.

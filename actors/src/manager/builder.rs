@@ -27,6 +27,7 @@ pub struct MemoryManagerBuilder {
     unified: Option<bool>,
     metrics_addr: Option<SocketAddr>,
     streams: usize,
+    follow_machine: bool,
 }
 
 impl MemoryManagerBuilder {
@@ -51,6 +52,13 @@ impl MemoryManagerBuilder {
     /// Serves Prometheus metrics on `addr` at `/metrics` (off unless set).
     pub fn metrics_addr(mut self, addr: SocketAddr) -> Self {
         self.metrics_addr = Some(addr);
+        self
+    }
+
+    /// Makes the host authority's capacity follow the machine: its cgroup's limits and memory
+    /// pressure (PSI), sampled once a second (see [`crate::machine`]). Off unless set.
+    pub fn follow_machine(mut self, follow: bool) -> Self {
+        self.follow_machine = follow;
         self
     }
 
@@ -190,7 +198,19 @@ impl MemoryManagerBuilder {
             exporter: Mutex::new(started.exporter.take()),
             holders: Mutex::new(Vec::new()),
             sampler: Mutex::new(None),
+            machine: Mutex::new(None),
         });
+        if self.follow_machine {
+            if let Some(governor) = inner.topology.governor(DeviceKey::HOST, MemoryTier::Host) {
+                let follow = crate::machine::HostPressure::spawn(
+                    governor.clone(),
+                    procmem::host::pressure::PressurePolicy::new(host_budget),
+                    crate::machine::LinuxSource::detect(),
+                    std::time::Duration::from_secs(1),
+                );
+                *inner.machine.lock().unwrap_or_else(|p| p.into_inner()) = Some(follow);
+            }
+        }
         let sampler = tokio::spawn(sample(Arc::downgrade(&inner)));
         *inner.sampler.lock().unwrap_or_else(|p| p.into_inner()) = Some(sampler);
         *started = Started::default();

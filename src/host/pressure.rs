@@ -1,0 +1,257 @@
+//! The host authority's capacity following the machine: cgroup limits and Linux PSI, as pure
+//! parsing and a pure policy (the actors crate reads the files on a timer and applies it).
+//!
+//! The capacity is the configured budget, cut to the cgroup's limit (`memory.high` where set,
+//! else `memory.max`; cgroup v1's soft and hard limits likewise) less a reserve for memory the
+//! Governor does not govern. When memory pressure (`some avg10`, the share of the last ten
+//! seconds some task stalled on memory) rises above a threshold, each sample lowers the
+//! capacity by a step, down to a floor, so pressure tickets make room before the kernel reclaims
+//! or the OOM killer acts; once pressure falls below half the threshold each sample gives a
+//! step back.
+
+/// One reading of a PSI file (`/proc/pressure/memory` or a cgroup's `memory.pressure`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PsiSample {
+    /// `some avg10`: percent of the last 10 s in which some task stalled on memory.
+    pub some_avg10: f64,
+    /// `full avg10`: percent in which all non-idle tasks stalled.
+    pub full_avg10: f64,
+    /// `some total`: microseconds of stall since boot.
+    pub some_total_us: u64,
+}
+
+/// Why a file did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot parse {what}: {line:?}")]
+pub struct ParseError {
+    /// Which file.
+    pub what: &'static str,
+    /// The line.
+    pub line: String,
+}
+
+fn field(line: &str, key: &str) -> Option<String> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=').map(str::to_owned))
+}
+
+/// Parses a PSI file.
+pub fn parse_psi(text: &str) -> Result<PsiSample, ParseError> {
+    let bad = |line: &str| ParseError {
+        what: "PSI",
+        line: line.chars().take(200).collect(),
+    };
+    let mut sample = PsiSample::default();
+    let mut saw_some = false;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let kind = line.split_whitespace().next().unwrap_or("");
+        let avg10: f64 = field(line, "avg10")
+            .and_then(|v| v.parse().ok())
+            .filter(|v: &f64| v.is_finite() && (0.0..=100.0).contains(v))
+            .ok_or_else(|| bad(line))?;
+        let total: u64 = field(line, "total")
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad(line))?;
+        match kind {
+            "some" => {
+                sample.some_avg10 = avg10;
+                sample.some_total_us = total;
+                saw_some = true;
+            }
+            "full" => sample.full_avg10 = avg10,
+            _ => return Err(bad(line)),
+        }
+    }
+    if saw_some {
+        Ok(sample)
+    } else {
+        Err(bad(text))
+    }
+}
+
+/// Parses a cgroup limit file: a byte count, or `max` (v2) or a number near `i64::MAX` (v1's
+/// "no limit") for none.
+pub fn parse_limit(text: &str) -> Result<Option<u64>, ParseError> {
+    let t = text.trim();
+    if t == "max" {
+        return Ok(None);
+    }
+    let v: u64 = t.parse().map_err(|_| ParseError {
+        what: "cgroup limit",
+        line: t.chars().take(200).collect(),
+    })?;
+    // cgroup v1 writes "no limit" as i64::MAX rounded down to a page.
+    Ok((v < 1 << 62).then_some(v))
+}
+
+/// The limits of the cgroup the process runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CgroupLimits {
+    /// Hard limit (`memory.max`; v1 `memory.limit_in_bytes`): the OOM killer acts there.
+    pub max: Option<u64>,
+    /// Throttling limit (`memory.high`; v1 `memory.soft_limit_in_bytes`): reclaim starts there.
+    pub high: Option<u64>,
+}
+
+impl CgroupLimits {
+    /// The lower of the two limits, if any is set.
+    pub fn effective(&self) -> Option<u64> {
+        match (self.max, self.high) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+/// How the host capacity follows the machine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PressurePolicy {
+    /// The budget asked for.
+    pub configured: u64,
+    /// Kept free under a cgroup limit for memory the Governor does not govern (the heap,
+    /// code, other libraries).
+    pub reserve: u64,
+    /// `some avg10` (percent) above which the capacity is lowered.
+    pub threshold: f64,
+    /// Fraction of the base capacity each sample under pressure takes off (and gives back).
+    pub step: f64,
+    /// The capacity never goes below this fraction of its base.
+    pub floor: f64,
+}
+
+impl PressurePolicy {
+    /// `configured` bytes, 64 MiB reserve, threshold 10 %, steps of 10 %, floor 25 %.
+    pub fn new(configured: u64) -> Self {
+        PressurePolicy {
+            configured,
+            reserve: 64 << 20,
+            threshold: 10.0,
+            step: 0.10,
+            floor: 0.25,
+        }
+    }
+}
+
+/// The policy's state: how far pressure has cut the capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PressureGauge {
+    /// Fraction of the base taken off, in `[0, 1 - floor]`.
+    cut: f64,
+}
+
+impl PressureGauge {
+    /// The capacity after one sample: the base from the limits, cut further while `psi` says
+    /// memory is under pressure, and restored step by step as it falls.
+    pub fn next(
+        &mut self,
+        policy: &PressurePolicy,
+        limits: CgroupLimits,
+        psi: Option<PsiSample>,
+    ) -> u64 {
+        let base = match limits.effective() {
+            Some(limit) => policy.configured.min(limit.saturating_sub(policy.reserve)),
+            None => policy.configured,
+        };
+        let step = policy.step.clamp(0.0, 1.0);
+        let most = (1.0 - policy.floor.clamp(0.0, 1.0)).max(0.0);
+        if let Some(psi) = psi {
+            if psi.some_avg10 > policy.threshold {
+                self.cut = (self.cut + step).min(most);
+            } else if psi.some_avg10 < policy.threshold / 2.0 {
+                self.cut = (self.cut - step).max(0.0);
+            }
+        }
+        let kept = (1.0 - self.cut).clamp(0.0, 1.0);
+        (base as f64 * kept) as u64
+    }
+
+    /// Fraction of the base taken off now.
+    pub fn cut(&self) -> f64 {
+        self.cut
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psi_files_parse_and_garbage_is_an_error() {
+        let text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=332564551\n\
+                    full avg10=2.00 avg60=0.00 avg300=0.00 total=313283928\n";
+        let s = parse_psi(text).unwrap();
+        assert_eq!(
+            (s.some_avg10, s.full_avg10, s.some_total_us),
+            (12.5, 2.0, 332564551)
+        );
+        assert!(parse_psi("").is_err());
+        assert!(parse_psi("some avg10=x total=1").is_err());
+        assert!(parse_psi("some avg10=101 total=1").is_err(), "over 100 %");
+        assert!(parse_psi("some avg10=NaN total=1").is_err());
+        assert!(parse_psi("weird avg10=1 total=1").is_err());
+        assert!(parse_psi("full avg10=1 total=1").is_err(), "no some line");
+    }
+
+    #[test]
+    fn limits_parse_max_and_v1_unlimited_as_none() {
+        assert_eq!(parse_limit("max\n"), Ok(None));
+        assert_eq!(parse_limit("9223372036854771712"), Ok(None));
+        assert_eq!(parse_limit("123731968\n"), Ok(Some(123731968)));
+        assert!(parse_limit("-1").is_err());
+        assert!(parse_limit("").is_err());
+        let l = CgroupLimits {
+            max: Some(100),
+            high: Some(80),
+        };
+        assert_eq!(l.effective(), Some(80));
+        assert_eq!(CgroupLimits::default().effective(), None);
+    }
+
+    #[test]
+    fn capacity_follows_limits_and_pressure_with_hysteresis_and_a_floor() {
+        let mut p = PressurePolicy::new(1000);
+        p.reserve = 100;
+        let mut g = PressureGauge::default();
+        let calm = Some(PsiSample::default());
+        let hot = Some(PsiSample {
+            some_avg10: 50.0,
+            ..PsiSample::default()
+        });
+        let between = Some(PsiSample {
+            some_avg10: 7.0,
+            ..PsiSample::default()
+        });
+        let none = CgroupLimits::default();
+        assert_eq!(g.next(&p, none, calm), 1000);
+        let limited = CgroupLimits {
+            max: Some(600),
+            high: None,
+        };
+        assert_eq!(g.next(&p, limited, calm), 500, "limit less the reserve");
+        assert_eq!(g.next(&p, none, hot), 900);
+        assert_eq!(g.next(&p, none, hot), 800);
+        for _ in 0..20 {
+            g.next(&p, none, hot);
+        }
+        assert_eq!(g.next(&p, none, hot), 250, "never below the floor");
+        assert_eq!(
+            g.next(&p, none, between),
+            250,
+            "between half and the threshold: held"
+        );
+        assert_eq!(g.next(&p, none, calm), 350, "calm gives a step back");
+        assert_eq!(g.next(&p, none, None), 350, "no reading: held");
+        let tiny = CgroupLimits {
+            max: Some(50),
+            high: None,
+        };
+        assert_eq!(
+            g.next(&p, tiny, calm),
+            0,
+            "a limit under the reserve leaves nothing"
+        );
+        let mut huge = PressurePolicy::new(u64::MAX);
+        huge.reserve = u64::MAX;
+        assert_eq!(PressureGauge::default().next(&huge, none, calm), u64::MAX);
+    }
+}
