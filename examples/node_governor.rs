@@ -22,6 +22,9 @@ use procmem_actors::node::{NodeConfig, NodeHandle};
 #[derive(Parser, Debug)]
 #[command(about = "The node Governor: one memory budget for several server processes")]
 struct Args {
+    /// The node's name in the cluster (default `procmem-node:<port>`).
+    #[arg(long)]
+    name: Option<String>,
     /// TCP port of the cluster node.
     #[arg(long, default_value_t = 7341)]
     port: u16,
@@ -66,13 +69,15 @@ fn main() -> ExitCode {
         }
     };
     rt.block_on(async move {
+        let defaults = NodeConfig::new(args.cookie.clone(), args.port, "host", 0);
         let config = NodeConfig {
+            name: args.name.clone().unwrap_or(defaults.name.clone()),
             port: args.port,
             listen: args.listen,
             authorities: args.authorities.clone(),
             metrics: args.metrics_addr,
             rejoin_grace: Duration::from_millis(args.rejoin_grace_ms),
-            ..NodeConfig::new(args.cookie.clone(), args.port, "host", 0)
+            ..defaults
         };
         let node = match NodeHandle::start(config).await {
             Ok(node) => node,

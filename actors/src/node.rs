@@ -26,6 +26,7 @@
 
 mod link;
 mod server;
+mod watch;
 pub mod wire;
 
 use std::os::fd::OwnedFd;
@@ -33,9 +34,14 @@ use std::time::Duration;
 
 pub use link::{LinkConfig, LinkError, NodeLink};
 pub use server::{NodeConfig, NodeGovernor, NodeHandle};
+pub use watch::ClusterWatch;
 
 /// The process group the node Governor joins; processes find it there.
 pub const NODE_GROUP: &str = "procmem.node";
+
+/// The process group of the cluster's watchers: every node Governor publishes its summary
+/// ([`wire::NodeSummary`]) to each member, twice a second.
+pub const WATCH_GROUP: &str = "procmem.cluster.watch";
 
 /// The process group of one process's link (`token` in hex).
 pub fn link_group(token: u64) -> String {

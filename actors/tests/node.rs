@@ -50,6 +50,7 @@ fn node_role() {
             "node" => run_node().await,
             "server" => run_server().await,
             "hostile" => run_hostile().await,
+            "watch" => run_watch().await,
             other => panic!("unknown role {other}"),
         }
     });
@@ -72,6 +73,9 @@ async fn run_node() {
     let capacity: u64 = env("CAPACITY").parse().unwrap();
     let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
     config.ticket_timeout = Duration::from_millis(300);
+    if let Ok(name) = std::env::var("NODE_NAME") {
+        config.name = name;
+    }
     let node = NodeHandle::start(config).await.unwrap();
     say("READY".into());
     loop {
@@ -134,6 +138,12 @@ async fn run_server() {
     link.wait = Duration::from_secs(3);
     let provider = p.clone();
     link.os_bytes = Some(std::sync::Arc::new(move || common::os_bytes(&provider)));
+    link.model = "smol".into();
+    let cached = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let reported = std::sync::Arc::clone(&cached);
+    link.cached_prefixes = Some(std::sync::Arc::new(move || {
+        reported.load(std::sync::atomic::Ordering::Relaxed)
+    }));
     let node = NodeLink::join(link, g.clone()).await.unwrap();
     let (kv, _) = KvStoreHandle::spawn(
         common::kv_config(SHAPE, 1, PreemptMode::Recompute, Duration::from_secs(3)),
@@ -144,11 +154,17 @@ async fn run_server() {
     .unwrap();
     say(format!("JOINED {}", node.token()));
     let watch = {
-        let (g, p) = (g.clone(), p.clone());
+        let (g, p, kv) = (g.clone(), p.clone(), kv.clone());
         tokio::spawn(async move {
             loop {
                 if let Ok(s) = g.snapshot().await {
                     say(format!("CAP {} {}", s.books.capacity, common::os_bytes(&p)));
+                }
+                if let Ok(stats) = kv.stats().await {
+                    cached.store(
+                        stats.prefix_entries as u64,
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -357,6 +373,34 @@ async fn run_hostile() {
     std::future::pending::<()>().await;
 }
 
+/// A router's view: prints `SUMMARY node credit models` for every node, every 100 ms.
+async fn run_watch() {
+    let nodes: Vec<SocketAddr> = env("NODES")
+        .split(',')
+        .map(|p| SocketAddr::from(([127, 0, 0, 1], p.parse().unwrap())))
+        .collect();
+    let watch = procmem_actors::node::ClusterWatch::connect(nodes, COOKIE)
+        .await
+        .unwrap();
+    loop {
+        for (s, _) in watch.latest() {
+            let models: Vec<String> = s
+                .models
+                .iter()
+                .map(|(m, n, c)| format!("{m}:{n}:{c}"))
+                .collect();
+            say(format!(
+                "SUMMARY {} {} {} {}",
+                s.node,
+                s.authorities[0].1,
+                s.authorities[0].2,
+                models.join(",")
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The orchestration, in the test process.
 
@@ -523,12 +567,17 @@ fn free_port() -> u16 {
 }
 
 fn node(capacity: u64) -> (Proc, u16) {
+    node_named(capacity, "procmem-node")
+}
+
+fn node_named(capacity: u64, name: &str) -> (Proc, u16) {
     let port = free_port();
     let node = Proc::spawn(
         "node",
         &[
             ("PORT", port.to_string()),
             ("CAPACITY", capacity.to_string()),
+            ("NODE_NAME", name.to_string()),
         ],
     );
     node.wait("READY", Duration::from_secs(20), |_| {});
@@ -790,4 +839,37 @@ fn hostile_frames_leave_the_node_running_and_its_books_unchanged() {
     assert!(kinds >= 10);
     common::figure("hostile_frames", survived, kinds);
     assert_eq!(survived, kinds);
+}
+
+#[test]
+fn a_watcher_sees_every_node_and_the_prefixes_each_model_caches() {
+    let (n1, p1) = node_named(16 * MIB, "node-one");
+    let (n2, p2) = node_named(8 * MIB, "node-two");
+    let a = server(p1, "server", 0, 3, 0);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let watch = Proc::spawn("watch", &[("NODES", format!("{p1},{p2}"))]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (mut one, mut two) = (None, None);
+    while one.is_none() || two.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "not every node seen: {one:?} {two:?}"
+        );
+        let line = watch.wait("SUMMARY", Duration::from_secs(20), |_| {});
+        let f: Vec<&str> = line.split(' ').collect();
+        match f[1] {
+            // Node one: the server's model, with the prefixes it cached (3 prompts).
+            "node-one"
+                if f.get(4)
+                    .is_some_and(|m| m.starts_with("smol:1:") && !m.ends_with(":0")) =>
+            {
+                one = Some(line.clone())
+            }
+            "node-two" => two = Some(line.clone()),
+            _ => {}
+        }
+    }
+    eprintln!("cluster_view: {} | {}", one.unwrap(), two.unwrap());
+    drop((n1, n2, a));
+    common::figure("cluster_view", 1, 1);
 }

@@ -32,6 +32,10 @@ pub struct LinkConfig {
     /// What the OS or driver says this process's memory of that authority holds (reported to
     /// the node); without it, the Governor's approved bytes are reported.
     pub os_bytes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    /// The model this process serves (reported to the node, published to routers).
+    pub model: String,
+    /// Prefix-cache entries it holds now, where it can tell.
+    pub cached_prefixes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
 }
 
 impl std::fmt::Debug for LinkConfig {
@@ -58,6 +62,8 @@ impl LinkConfig {
             chunk: 64 << 20,
             wait: Duration::from_secs(2),
             os_bytes: None,
+            model: "model".into(),
+            cached_prefixes: None,
         }
     }
 }
@@ -425,11 +431,14 @@ impl LinkState {
             self.last_report = Instant::now();
             if let Some(node) = &self.node {
                 let os_bytes = self.config.os_bytes.as_ref().map_or(approved, |f| f());
+                let cached_prefixes = self.config.cached_prefixes.as_ref().map_or(0, |f| f());
                 let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Report {
                     token: self.token,
                     authority: self.config.authority.clone(),
                     approved,
                     os_bytes,
+                    model: self.config.model.clone(),
+                    cached_prefixes,
                 })));
             }
         }

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use super::wire::{
     encode_reply, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
-    ProcessStatus, WireError,
+    NodeSummary, ProcessStatus, WatchMsg, WireError,
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
 
@@ -49,7 +49,7 @@ impl NodeConfig {
     /// A node on loopback `port` with one authority.
     pub fn new(cookie: impl Into<String>, port: u16, authority: &str, capacity: u64) -> Self {
         NodeConfig {
-            name: "procmem-node".into(),
+            name: format!("procmem-node:{port}"),
             cookie: cookie.into(),
             port,
             listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -127,6 +127,8 @@ struct Member {
     line: LeaseId,
     approved: u64,
     os_bytes: u64,
+    model: String,
+    cached_prefixes: u64,
 }
 
 struct Process {
@@ -165,6 +167,7 @@ pub struct NodeState {
     status: NodeStatus,
     /// Nothing is approved before this (see [`NodeConfig::rejoin_grace`]).
     serving_from: Instant,
+    last_summary: Instant,
 }
 
 impl Actor for NodeGovernor {
@@ -192,6 +195,7 @@ impl Actor for NodeGovernor {
             next_ticket: 1,
             status: NodeStatus::default(),
             serving_from: Instant::now() + config.rejoin_grace,
+            last_summary: Instant::now(),
             config,
         };
         state.publish();
@@ -364,6 +368,8 @@ impl NodeState {
                     line,
                     approved: 0,
                     os_bytes: 0,
+                    model: String::new(),
+                    cached_prefixes: 0,
                 },
             );
         }
@@ -498,6 +504,8 @@ impl NodeState {
                 authority,
                 approved,
                 os_bytes,
+                model,
+                cached_prefixes,
             } => {
                 let member = self.authorities.get(&authority).and_then(|aid| {
                     self.processes
@@ -508,6 +516,8 @@ impl NodeState {
                     Some(m) => {
                         m.approved = approved;
                         m.os_bytes = os_bytes;
+                        m.model = model;
+                        m.cached_prefixes = cached_prefixes;
                     }
                     None => self.rejected(&WireError::Invalid("report from a stranger")),
                 }
@@ -590,6 +600,48 @@ impl NodeState {
             if round.outstanding.is_some_and(|(_, _, d)| d <= now) {
                 round.outstanding = None;
             }
+        }
+        if now.duration_since(self.last_summary) >= Duration::from_millis(500) {
+            self.last_summary = now;
+            self.publish_summary();
+        }
+    }
+
+    /// The node's figures for routers: to every member of [`super::WATCH_GROUP`].
+    fn publish_summary(&self) {
+        let watchers = ractor::pg::get_members(&super::WATCH_GROUP.to_string());
+        if watchers.is_empty() {
+            return;
+        }
+        let mut models: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        for p in self.processes.values() {
+            for m in p.members.values().filter(|m| !m.model.is_empty()) {
+                let e = models.entry(m.model.clone()).or_default();
+                e.0 += 1;
+                e.1 = e.1.saturating_add(m.cached_prefixes);
+            }
+        }
+        let summary = NodeSummary {
+            node: self.config.name.clone(),
+            authorities: self
+                .authorities
+                .iter()
+                .map(|(name, aid)| {
+                    let s = self.ledger.snapshot(*aid).ok();
+                    let (capacity, free) = s.map_or((0, 0), |s| (s.capacity, s.free()));
+                    (name.clone(), capacity, self.ledger.credit_bytes(*aid), free)
+                })
+                .collect(),
+            pressure: std::fs::read_to_string("/proc/pressure/memory")
+                .ok()
+                .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
+                .map(|p| p.some_avg10),
+            models: models.into_iter().map(|(m, (n, c))| (m, n, c)).collect(),
+            waiting: self.pending.len() as u64,
+        };
+        for w in watchers {
+            let w: ActorRef<WatchMsg> = ActorRef::from(w);
+            let _ = w.cast(WatchMsg::Summary(Ok(summary.clone())));
         }
     }
 

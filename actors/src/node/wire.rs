@@ -78,6 +78,10 @@ pub enum NodeNotice {
         approved: u64,
         /// Bytes the OS or driver reports its memory holds.
         os_bytes: u64,
+        /// The model it serves.
+        model: String,
+        /// Prefix-cache entries it holds (what a router places requests by).
+        cached_prefixes: u64,
     },
     /// The process leaves: its memory is freed, its credit goes back.
     Leave {
@@ -144,6 +148,57 @@ pub struct ProcessStatus {
     pub os_bytes: u64,
     /// Whether its session is up.
     pub connected: bool,
+}
+
+/// What a node Governor publishes to the cluster's watchers (a router, `cluster_status`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    /// The node's name.
+    pub node: String,
+    /// Per authority: name, capacity, credit approved, free.
+    pub authorities: Vec<(String, u64, u64, u64)>,
+    /// The machine's memory pressure (PSI `some avg10`, percent), where the kernel reports it.
+    pub pressure: Option<f64>,
+    /// Per model: name, processes serving it, prefix-cache entries they hold.
+    pub models: Vec<(String, u64, u64)>,
+    /// Requests waiting for room.
+    pub waiting: u64,
+}
+
+/// A watcher's mailbox: node summaries, checked.
+#[derive(Debug)]
+pub enum WatchMsg {
+    /// A node's summary, or why its payload was dropped.
+    Summary(Result<NodeSummary, WireError>),
+}
+
+impl ractor::Message for WatchMsg {
+    fn serializable() -> bool {
+        true
+    }
+
+    fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        match self {
+            WatchMsg::Summary(Ok(summary)) => Ok(SerializedMessage::Cast {
+                variant: CAST.into(),
+                args: encode(&summary)?,
+                metadata: None,
+            }),
+            WatchMsg::Summary(Err(_)) => Err(BoxedDowncastErr),
+        }
+    }
+
+    fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
+        Ok(WatchMsg::Summary(match bytes {
+            SerializedMessage::Cast { variant, args, .. } if variant == CAST => {
+                decode::<NodeSummary>(&args)
+            }
+            SerializedMessage::Cast { variant, .. } | SerializedMessage::Call { variant, .. } => {
+                Err(WireError::UnknownKind(variant))
+            }
+            SerializedMessage::CallReply(..) => Err(WireError::UnknownKind("reply".into())),
+        }))
+    }
 }
 
 /// The node Governor's one-way notice to a process.
@@ -259,9 +314,9 @@ impl NodeNotice {
             } if (*bytes == 0 && *ticket == 0) || !name_ok(authority) => {
                 Err(WireError::Invalid("bad give"))
             }
-            NodeNotice::Report { authority, .. } if !name_ok(authority) => {
-                Err(WireError::Invalid("bad name"))
-            }
+            NodeNotice::Report {
+                authority, model, ..
+            } if !name_ok(authority) || !name_ok(model) => Err(WireError::Invalid("bad name")),
             _ => Ok(()),
         }
     }

@@ -1,0 +1,76 @@
+//! What a router sees: every node Governor's summary, refreshed once a second.
+//!
+//! ```text
+//! cargo run --release --example cluster_status -- --node 127.0.0.1:7341 --node 10.0.0.2:7341
+//! ```
+//!
+//! It joins the cluster's watch group with the cookie; each node Governor publishes its
+//! summary there twice a second: per authority the capacity, the credit approved and what is
+//! free, the machine's memory pressure, and per model the processes serving it and the
+//! prefix-cache entries they hold.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use procmem_actors::node::ClusterWatch;
+
+#[derive(Parser, Debug)]
+#[command(about = "Every node Governor's figures, refreshed")]
+struct Args {
+    /// A node Governor's address; repeatable.
+    #[arg(long = "node", required = true)]
+    nodes: Vec<SocketAddr>,
+    /// The cluster cookie.
+    #[arg(long, default_value = "procmem")]
+    cookie: String,
+    /// Print this many refreshes, then exit (0: until killed).
+    #[arg(long, default_value_t = 0)]
+    count: u64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let Ok(rt) = tokio::runtime::Runtime::new() else {
+        eprintln!("cannot start the runtime");
+        return ExitCode::FAILURE;
+    };
+    rt.block_on(async move {
+        let watch = match ClusterWatch::connect(args.nodes.clone(), &args.cookie).await {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("cannot join the cluster: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let mut printed = 0;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let latest = watch.latest();
+            println!("-- {} of {} nodes reporting", latest.len(), args.nodes.len());
+            for (s, age) in latest {
+                let pressure = s
+                    .pressure
+                    .map_or("n/a".to_string(), |p| format!("{p:.1}%"));
+                for (name, capacity, credit, free) in &s.authorities {
+                    println!(
+                        "{:<24} {name:<8} capacity {capacity:>14} credit {credit:>14} free {free:>14} \
+                         pressure {pressure:>6} waiting {} (seen {} ms ago)",
+                        s.node,
+                        s.waiting,
+                        age.as_millis()
+                    );
+                }
+                for (model, processes, cached) in &s.models {
+                    println!("{:<24}   model {model}: {processes} processes, {cached} cached prefixes", s.node);
+                }
+            }
+            printed += 1;
+            if args.count > 0 && printed >= args.count {
+                watch.stop();
+                return ExitCode::SUCCESS;
+            }
+        }
+    })
+}
