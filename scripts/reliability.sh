@@ -8,7 +8,7 @@ log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input) =="
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" |
-    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|^governor_restart:.*|^model_check:.*|^kv_progress:.*|test result: FAILED.*"
+    grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|^governor_restart:.*|^model_check:.*|^model_check_credit:.*|^kv_progress:.*|^node_[a-z0-9]+:.*|^hostile_frames:.*|^cluster_view:.*|test result: FAILED.*"
 tests_rc=${PIPESTATUS[0]}
 # A test's stderr can land in the middle of the harness's own line: take the figures from
 # anywhere on a line.
@@ -45,6 +45,7 @@ printf '%-34s %s\n' "figure" "passed/total"
 echo "$figures" | grep -v "^FIGURE bad_input\|^FIGURE model_check" | awk '{printf "%-34s %s\n", $2, $3}'
 # The model checker's row carries the states it explored and the properties that held.
 grep -oE "^model_check: .*every fix in.*" "$log" | sed -E 's/^model_check: /model_check                        /'
+grep -oE "^model_check_credit: .*every fix in.*" "$log" | sed -E 's/^model_check_credit: /model_check_credit                 /'
 echo "$figures" | grep -E "^FIGURE bad_input" | awk '{split($3, a, "/"); p += a[1]; t += a[2]} END {printf "%-34s %d/%d\n", "bad-input classes (all APIs + CLI)", p, t}'
 printf '%-34s %d/%d\n' "security properties" "$sec_pass" "${#security[@]}"
 if [ -n "$loom" ]; then
