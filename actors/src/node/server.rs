@@ -16,10 +16,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::Instant;
 
 use super::wire::{
-    encode_reply, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
-    NodeSummary, ProcessStatus, WatchMsg, WireError,
+    encode_reply, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus, WireError,
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
+
+mod admission;
+mod report;
 
 /// How to start a node Governor.
 #[derive(Debug, Clone)]
@@ -560,18 +562,6 @@ impl NodeState {
         tracing::info!(token, pid = p.pid, name = %p.name, returned, why, "process reaped");
     }
 
-    fn authority_name(&self, line: LeaseId) -> &str {
-        self.ledger
-            .lease(line)
-            .and_then(|c| {
-                self.authorities
-                    .iter()
-                    .find(|(_, a)| **a == c.authority)
-                    .map(|(n, _)| n.as_str())
-            })
-            .unwrap_or("")
-    }
-
     fn tick(&mut self) {
         let now = Instant::now();
         // Waiters past their deadline are refused.
@@ -604,199 +594,6 @@ impl NodeState {
         if now.duration_since(self.last_summary) >= Duration::from_millis(500) {
             self.last_summary = now;
             self.publish_summary();
-        }
-    }
-
-    /// The node's figures for routers: to every member of [`super::WATCH_GROUP`].
-    fn publish_summary(&self) {
-        let watchers = ractor::pg::get_members(&super::WATCH_GROUP.to_string());
-        if watchers.is_empty() {
-            return;
-        }
-        let mut models: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-        for p in self.processes.values() {
-            for m in p.members.values().filter(|m| !m.model.is_empty()) {
-                let e = models.entry(m.model.clone()).or_default();
-                e.0 += 1;
-                e.1 = e.1.saturating_add(m.cached_prefixes);
-            }
-        }
-        let summary = NodeSummary {
-            node: self.config.name.clone(),
-            authorities: self
-                .authorities
-                .iter()
-                .map(|(name, aid)| {
-                    let s = self.ledger.snapshot(*aid).ok();
-                    let (capacity, free) = s.map_or((0, 0), |s| (s.capacity, s.free()));
-                    (name.clone(), capacity, self.ledger.credit_bytes(*aid), free)
-                })
-                .collect(),
-            pressure: std::fs::read_to_string("/proc/pressure/memory")
-                .ok()
-                .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
-                .map(|p| p.some_avg10),
-            models: models.into_iter().map(|(m, (n, c))| (m, n, c)).collect(),
-            waiting: self.pending.len() as u64,
-        };
-        for w in watchers {
-            let w: ActorRef<WatchMsg> = ActorRef::from(w);
-            let _ = w.cast(WatchMsg::Summary(Ok(summary.clone())));
-        }
-    }
-
-    /// Grants waiters in order (priority, then arrival) while the first fits.
-    fn pump(&mut self) {
-        if Instant::now() < self.serving_from {
-            return;
-        }
-        let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
-        for aid in aids {
-            loop {
-                let best = self
-                    .pending
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, w)| w.authority == aid)
-                    .max_by_key(|(i, w)| (w.priority, std::cmp::Reverse(*i)))
-                    .map(|(i, w)| (i, w.bytes));
-                let Some((i, bytes)) = best else { break };
-                if !self.ledger.fits(aid, bytes).unwrap_or(false) {
-                    break;
-                }
-                let w = self.pending.remove(i);
-                let found = self
-                    .processes
-                    .get(&w.token)
-                    .and_then(|p| p.members.get(&aid))
-                    .map(|m| (m.holder, m.line));
-                match found {
-                    Some((holder, line)) => self.grant(w.token, holder, aid, line, bytes, w.reply),
-                    None => refuse(w.reply, "process gone"),
-                }
-            }
-        }
-    }
-
-    /// For each authority short of room, one ticket at a time to the next process, least
-    /// important first.
-    fn drive_tickets(&mut self) {
-        let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
-        for aid in aids {
-            let wanted: u64 = self
-                .pending
-                .iter()
-                .filter(|w| w.authority == aid)
-                .map(|w| w.bytes)
-                .fold(0u64, u64::saturating_add);
-            let free = self.ledger.snapshot(aid).map_or(0, |s| s.free());
-            let shortfall = wanted.saturating_sub(free);
-            let round = self.rounds.entry(aid).or_default();
-            if shortfall == 0 {
-                round.asked.clear();
-                continue;
-            }
-            if round.outstanding.is_some() {
-                continue;
-            }
-            let next = self
-                .processes
-                .iter()
-                .filter_map(|(token, p)| {
-                    let m = p.members.get(&aid)?;
-                    let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-                    (credit > 0 && p.link.is_some()).then_some((p.priority, *token))
-                })
-                .filter(|k| !round.asked.contains(k))
-                .min();
-            let Some(key) = next else { continue };
-            round.asked.insert(key);
-            let id = self.next_ticket;
-            self.next_ticket += 1;
-            let timeout = self.config.ticket_timeout;
-            let name = self
-                .authorities
-                .iter()
-                .find(|(_, a)| **a == aid)
-                .map(|(n, _)| n.clone())
-                .unwrap_or_default();
-            let link = self.processes.get(&key.1).and_then(|p| p.link.clone());
-            let sent = link.is_some_and(|l| {
-                l.cast(LinkMsg::Notice(Ok(LinkNotice::Ticket {
-                    id,
-                    authority: name.clone(),
-                    bytes: shortfall,
-                    deadline_ms: timeout.as_millis() as u64,
-                })))
-                .is_ok()
-            });
-            if sent {
-                let round = self.rounds.entry(aid).or_default();
-                round.outstanding = Some((id, key.1, Instant::now() + timeout));
-                self.status.tickets += 1;
-                m::NODE_TICKETS_TOTAL.counter(&[&name]).increment(1);
-                tracing::debug!(token = key.1, id, shortfall, "node ticket sent");
-            }
-        }
-    }
-
-    fn snapshot(&self) -> NodeStatus {
-        let mut status = self.status.clone();
-        status.authorities = self
-            .authorities
-            .iter()
-            .map(|(name, aid)| {
-                let capacity = self.ledger.totals(*aid).map_or(0, |t| t.0);
-                (name.clone(), capacity, self.ledger.credit_bytes(*aid))
-            })
-            .collect();
-        status.processes = self
-            .processes
-            .iter()
-            .flat_map(|(token, p)| {
-                p.members.iter().map(move |(aid, m)| ProcessStatus {
-                    token: *token,
-                    pid: p.pid,
-                    name: p.name.clone(),
-                    authority: self
-                        .authorities
-                        .iter()
-                        .find(|(_, a)| *a == aid)
-                        .map(|(n, _)| n.clone())
-                        .unwrap_or_default(),
-                    credit: self.ledger.lease(m.line).map_or(0, |c| c.bytes),
-                    approved: m.approved,
-                    os_bytes: m.os_bytes,
-                    connected: p
-                        .link
-                        .as_ref()
-                        .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running),
-                })
-            })
-            .collect();
-        status.waiting = self.pending.len() as u64;
-        status
-    }
-
-    fn publish(&self) {
-        for (name, aid) in &self.authorities {
-            let (capacity, _, _) = self.ledger.totals(*aid).unwrap_or_default();
-            m::NODE_CAPACITY_BYTES.gauge(&[name]).set(capacity as f64);
-            m::NODE_CREDIT_BYTES
-                .gauge(&[name])
-                .set(self.ledger.credit_bytes(*aid) as f64);
-        }
-        for p in self.processes.values() {
-            for m in p.members.values() {
-                let authority = self.authority_name(m.line);
-                let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-                m::NODE_PROCESS_CREDIT_BYTES
-                    .gauge(&[authority, &p.name])
-                    .set(credit as f64);
-                m::NODE_PROCESS_OS_BYTES
-                    .gauge(&[authority, &p.name])
-                    .set(m.os_bytes as f64);
-            }
         }
     }
 }

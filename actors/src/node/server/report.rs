@@ -1,0 +1,123 @@
+//! What the node Governor shows: its status for operators and tests, its metrics, and the
+//! summary it publishes to the cluster's watchers.
+
+use std::collections::BTreeMap;
+
+use procmem::ledger::LeaseId;
+use procmem::metrics as m;
+use ractor::ActorRef;
+
+use super::NodeState;
+use crate::node::wire::{NodeStatus, NodeSummary, ProcessStatus, WatchMsg};
+
+impl NodeState {
+    pub(super) fn snapshot(&self) -> NodeStatus {
+        let mut status = self.status.clone();
+        status.authorities = self
+            .authorities
+            .iter()
+            .map(|(name, aid)| {
+                let capacity = self.ledger.totals(*aid).map_or(0, |t| t.0);
+                (name.clone(), capacity, self.ledger.credit_bytes(*aid))
+            })
+            .collect();
+        status.processes = self
+            .processes
+            .iter()
+            .flat_map(|(token, p)| {
+                p.members.iter().map(move |(aid, m)| ProcessStatus {
+                    token: *token,
+                    pid: p.pid,
+                    name: p.name.clone(),
+                    authority: self
+                        .authorities
+                        .iter()
+                        .find(|(_, a)| *a == aid)
+                        .map(|(n, _)| n.clone())
+                        .unwrap_or_default(),
+                    credit: self.ledger.lease(m.line).map_or(0, |c| c.bytes),
+                    approved: m.approved,
+                    os_bytes: m.os_bytes,
+                    connected: p
+                        .link
+                        .as_ref()
+                        .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running),
+                })
+            })
+            .collect();
+        status.waiting = self.pending.len() as u64;
+        status
+    }
+
+    pub(super) fn publish(&self) {
+        for (name, aid) in &self.authorities {
+            let (capacity, _, _) = self.ledger.totals(*aid).unwrap_or_default();
+            m::NODE_CAPACITY_BYTES.gauge(&[name]).set(capacity as f64);
+            m::NODE_CREDIT_BYTES
+                .gauge(&[name])
+                .set(self.ledger.credit_bytes(*aid) as f64);
+        }
+        for p in self.processes.values() {
+            for m in p.members.values() {
+                let authority = self.authority_name(m.line);
+                let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+                m::NODE_PROCESS_CREDIT_BYTES
+                    .gauge(&[authority, &p.name])
+                    .set(credit as f64);
+                m::NODE_PROCESS_OS_BYTES
+                    .gauge(&[authority, &p.name])
+                    .set(m.os_bytes as f64);
+            }
+        }
+    }
+
+    /// The node's figures for routers: to every member of [`super::WATCH_GROUP`].
+    pub(super) fn publish_summary(&self) {
+        let watchers = ractor::pg::get_members(&crate::node::WATCH_GROUP.to_string());
+        if watchers.is_empty() {
+            return;
+        }
+        let mut models: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        for p in self.processes.values() {
+            for m in p.members.values().filter(|m| !m.model.is_empty()) {
+                let e = models.entry(m.model.clone()).or_default();
+                e.0 += 1;
+                e.1 = e.1.saturating_add(m.cached_prefixes);
+            }
+        }
+        let summary = NodeSummary {
+            node: self.config.name.clone(),
+            authorities: self
+                .authorities
+                .iter()
+                .map(|(name, aid)| {
+                    let s = self.ledger.snapshot(*aid).ok();
+                    let (capacity, free) = s.map_or((0, 0), |s| (s.capacity, s.free()));
+                    (name.clone(), capacity, self.ledger.credit_bytes(*aid), free)
+                })
+                .collect(),
+            pressure: std::fs::read_to_string("/proc/pressure/memory")
+                .ok()
+                .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
+                .map(|p| p.some_avg10),
+            models: models.into_iter().map(|(m, (n, c))| (m, n, c)).collect(),
+            waiting: self.pending.len() as u64,
+        };
+        for w in watchers {
+            let w: ActorRef<WatchMsg> = ActorRef::from(w);
+            let _ = w.cast(WatchMsg::Summary(Ok(summary.clone())));
+        }
+    }
+
+    pub(super) fn authority_name(&self, line: LeaseId) -> &str {
+        self.ledger
+            .lease(line)
+            .and_then(|c| {
+                self.authorities
+                    .iter()
+                    .find(|(_, a)| **a == c.authority)
+                    .map(|(n, _)| n.as_str())
+            })
+            .unwrap_or("")
+    }
+}
