@@ -37,8 +37,9 @@ pub enum ShapeError {
         /// KV heads.
         kv_heads: usize,
     },
-    /// A token's bytes and the granularity must divide one another, so blocks hold whole tokens.
-    #[error("a token takes {token_bytes} bytes, which neither divides nor is a multiple of the granularity {granularity}")]
+    /// The smallest block of whole tokens filling whole granules spans more than
+    /// [`MAX_BLOCK_GRANULES`] granules.
+    #[error("a token takes {token_bytes} bytes: whole tokens fill whole granules of {granularity} bytes only over more than {MAX_BLOCK_GRANULES} granules")]
     Unaligned {
         /// Bytes per token.
         token_bytes: u64,
@@ -101,7 +102,10 @@ impl KvShape {
             .checked_mul(self.head_dim)
             .and_then(|_| self.layers.checked_mul(2))
             .ok_or(ShapeError::Overflow)?;
-        if granularity % token_bytes != 0 && token_bytes % granularity != 0 {
+        // A shareable block is the smallest run of whole tokens that fills whole granules;
+        // refused when that takes more than `MAX_BLOCK_GRANULES` granules.
+        let block = lcm(token_bytes, granularity).ok_or(ShapeError::Overflow)?;
+        if block / granularity > MAX_BLOCK_GRANULES {
             return Err(ShapeError::Unaligned {
                 token_bytes,
                 granularity,
@@ -139,15 +143,32 @@ impl KvShape {
         (self.max_tokens as u64 * self.token_bytes()).next_multiple_of(granularity)
     }
 
-    /// Tokens in one shareable block: the smallest whole number of tokens filling whole granules.
+    /// Tokens in one shareable block: the smallest whole number of tokens filling whole granules
+    /// (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages).
     pub fn block_tokens(&self, granularity: u64) -> usize {
-        (granularity / self.token_bytes()).max(1) as usize
+        let t = self.token_bytes();
+        lcm(t, granularity).map_or(1, |b| (b / t).max(1) as usize)
     }
 
     /// Bytes of one shareable block in one buffer.
     pub fn block_bytes(&self, granularity: u64) -> u64 {
         self.block_tokens(granularity) as u64 * self.token_bytes()
     }
+}
+
+/// The most granules one shareable block may span.
+pub const MAX_BLOCK_GRANULES: u64 = 64;
+
+/// Least common multiple, `None` on overflow or a zero.
+fn lcm(a: u64, b: u64) -> Option<u64> {
+    if a == 0 || b == 0 {
+        return None;
+    }
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    (a / x).checked_mul(b)
 }
 
 /// Bytes of a buffer that must be mapped to hold `tokens`, growing in `chunk`-byte steps
@@ -198,6 +219,23 @@ mod tests {
         }
         assert_eq!(shape().validate(0), Err(ShapeError::Zero("granularity")));
         assert_eq!(shape().validate(4096), Ok(()));
+        // 3 KV heads of 64 f32s (SmolLM2): 768-byte tokens, 16 to a block of 3 pages.
+        let smol = KvShape {
+            kv_heads: 3,
+            q_heads: 9,
+            head_dim: 64,
+            ..shape()
+        };
+        assert_eq!(smol.validate(4096), Ok(()));
+        assert_eq!((smol.block_tokens(4096), smol.block_bytes(4096)), (16, 12288));
+        // A prime token size would need thousands of pages per block: refused.
+        let odd = KvShape {
+            kv_heads: 1,
+            head_dim: 1021,
+            q_heads: 1,
+            ..shape()
+        };
+        assert!(matches!(odd.validate(4096), Err(ShapeError::Unaligned { .. })));
     }
 
     fn shape() -> KvShape {
@@ -257,14 +295,14 @@ mod tests {
             .validate(4096),
             Err(ShapeError::Grouping { .. })
         ));
-        assert!(matches!(
-            KvShape {
-                head_dim: 24,
-                ..shape()
-            }
-            .validate(4096),
-            Err(ShapeError::Unaligned { .. })
-        ));
+        // Tokens that do not divide a page now make blocks of several pages.
+        let s24 = KvShape {
+            head_dim: 24,
+            ..shape()
+        };
+        assert_eq!(s24.validate(4096), Ok(()));
+        assert_eq!(s24.block_bytes(4096) % 4096, 0);
+        assert_eq!(s24.block_bytes(4096) % s24.token_bytes(), 0);
         assert!(matches!(
             KvShape {
                 max_tokens: usize::MAX,

@@ -1,0 +1,47 @@
+//! A real model over procmem's managed KV: a llama-architecture GGUF (SmolLM2-135M-Instruct is
+//! the one `scripts/fetch-model.sh` fetches) with candle's quantized matmuls for the weights'
+//! math, each layer's quantized tensors a residency unit, and the KV in the KV store's flat
+//! buffers, read in place by this project's decode operator.
+
+#![deny(missing_docs)]
+
+pub mod gguf;
+pub mod serve;
+pub mod smollm;
+pub mod tokenizer;
+
+use std::path::PathBuf;
+
+pub use serve::{Completion, Engine, Request, RunStats};
+pub use smollm::{argmax, decode_step, top2, Loaded, Smol};
+pub use tokenizer::TextCodec;
+
+/// Why the model could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The file is not a GGUF this loader reads.
+    #[error("model file: {0}")]
+    Format(String),
+    /// A tensor operation failed.
+    #[error("compute: {0}")]
+    Compute(String),
+    /// The KV store refused a step.
+    #[error("step refused: {0}")]
+    Prepare(#[source] procmem_actors::KvStoreError),
+    /// The KV store failed.
+    #[error("kv store: {0}")]
+    Store(String),
+    /// Model residency failed.
+    #[error("weights: {0}")]
+    Weights(String),
+}
+
+/// The GGUF `scripts/fetch-model.sh` unpacks: `$PROCMEM_MODEL_DIR` or `target/models` of the
+/// workspace, if it is there.
+pub fn smollm2_path() -> Option<PathBuf> {
+    let dir = std::env::var_os("PROCMEM_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models"));
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    path.is_file().then_some(path)
+}

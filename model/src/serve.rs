@@ -1,0 +1,241 @@
+//! Serving completions: requests decoded in batches over the managed KV, greedy, with the
+//! KV store's preemptions answered (a swapped sequence is restored, a dropped one replays its
+//! known tokens; greedy decoding makes either give the same completion).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::{
+    GovernorError, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager, ResidencyConfig,
+    ResidencyHandle, Restored, SeqId,
+};
+
+use crate::smollm::{argmax, decode_step, Loaded, Smol};
+use crate::ModelError;
+
+/// One prompt to complete.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Its sequence id (unique among live ones).
+    pub id: SeqId,
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_new: usize,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, Default)]
+pub struct Completion {
+    /// Its id.
+    pub id: SeqId,
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// The logits each generated token was chosen from (when asked for).
+    pub logits: Vec<Vec<f32>>,
+    /// Prompt tokens whose KV came from shared cached blocks at its first open.
+    pub cached_tokens: usize,
+    /// Times pressure preempted it.
+    pub preempted: u32,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default)]
+pub struct RunStats {
+    /// Decode steps.
+    pub steps: u64,
+    /// Tokens generated.
+    pub generated: u64,
+    /// Preemptions met.
+    pub preemptions: u64,
+    /// Restores (swapped back, or dropped and replayed).
+    pub restores: u64,
+    /// Requests shed (closed and started over) because a step did not fit.
+    pub shed: u64,
+}
+
+/// A model served over one manager's KV store and residency.
+pub struct Engine {
+    /// The model.
+    pub model: Arc<Smol>,
+    /// Its layers.
+    pub weights: ResidencyHandle,
+    /// Its KV.
+    pub kv: KvStoreHandle,
+    /// The KV's shape.
+    pub shape: KvShape,
+    /// Generation stops at this token.
+    pub eos: Option<u32>,
+}
+
+struct Live {
+    req: Request,
+    completion: Completion,
+    /// Prompt and generated tokens.
+    known: Vec<u32>,
+    /// Tokens whose KV the store holds.
+    pos: usize,
+    opened: bool,
+}
+
+impl Live {
+    fn done(&self, eos: Option<u32>) -> bool {
+        self.completion.tokens.len() >= self.req.max_new
+            || (eos.is_some() && self.completion.tokens.last().copied() == eos)
+    }
+}
+
+impl Engine {
+    /// Puts `loaded`'s layers under residency (offloadable: each layer a unit, priority 10)
+    /// and opens a KV store of `kv_config` (its shape set from the model) on `memory`.
+    pub async fn start(
+        memory: &MemoryManager,
+        loaded: Loaded,
+        mut kv_config: KvStoreConfig,
+        eos: Option<u32>,
+    ) -> Result<Self, ModelError> {
+        let shape = loaded
+            .model
+            .kv_shape(kv_config.shape.dtype, kv_config.shape.max_tokens);
+        kv_config.shape = shape;
+        let weights = memory
+            .residency(ResidencyConfig {
+                name: "weights".into(),
+                priority: 10,
+                wait: std::time::Duration::from_secs(5),
+            })
+            .await
+            .map_err(|e| ModelError::Weights(e.to_string()))?;
+        for (layer, bytes) in loaded.layers.into_iter().enumerate() {
+            weights
+                .load(layer, bytes, false)
+                .await
+                .map_err(|e| ModelError::Weights(e.to_string()))?;
+        }
+        let kv = memory
+            .kv_store(kv_config)
+            .await
+            .map_err(|e| ModelError::Store(e.to_string()))?;
+        Ok(Engine {
+            model: loaded.model,
+            weights,
+            kv,
+            shape,
+            eos,
+        })
+    }
+
+    /// Greedy completions of `requests`, `concurrency` decoded at once.
+    pub async fn generate(
+        &self,
+        requests: Vec<Request>,
+        concurrency: usize,
+        keep_logits: bool,
+    ) -> Result<(Vec<Completion>, RunStats), ModelError> {
+        let mut waiting: VecDeque<Live> = requests
+            .into_iter()
+            .map(|req| Live {
+                completion: Completion {
+                    id: req.id,
+                    ..Completion::default()
+                },
+                known: req.prompt.clone(),
+                req,
+                pos: 0,
+                opened: false,
+            })
+            .collect();
+        let mut active: Vec<Live> = Vec::new();
+        let mut parked: VecDeque<Live> = VecDeque::new();
+        let mut finished = Vec::new();
+        let mut stats = RunStats::default();
+        let concurrency = concurrency.max(1);
+        while !(waiting.is_empty() && active.is_empty() && parked.is_empty()) {
+            // Preempted sequences come back first, oldest first.
+            while active.len() < concurrency {
+                let Some(mut r) = parked.pop_front() else { break };
+                match self.kv.restore(r.req.id).await {
+                    Ok(Restored::Swapped { tokens }) => r.pos = tokens,
+                    Ok(Restored::Recompute { .. }) => r.pos = 0,
+                    Err(KvStoreError::Unavailable) => {
+                        return Err(ModelError::Store("the KV store stopped".into()))
+                    }
+                    Err(_) if !active.is_empty() => {
+                        parked.push_front(r);
+                        break;
+                    }
+                    Err(e) => return Err(ModelError::Store(e.to_string())),
+                }
+                stats.restores += 1;
+                active.push(r);
+            }
+            while active.len() < concurrency && parked.is_empty() {
+                let Some(mut r) = waiting.pop_front() else { break };
+                let opened = self
+                    .kv
+                    .open(r.req.id, r.known.clone(), 0)
+                    .await
+                    .map_err(|e| ModelError::Store(e.to_string()))?;
+                if !r.opened {
+                    r.completion.cached_tokens = opened.cached_tokens;
+                }
+                r.opened = true;
+                r.pos = opened.cached_tokens.min(r.known.len() - 1);
+                active.push(r);
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let batch: Vec<(SeqId, u32, usize)> = active
+                .iter()
+                .map(|r| (r.req.id, r.known[r.pos], r.pos))
+                .collect();
+            match decode_step(&self.model, &self.weights, &self.kv, self.shape, &batch).await {
+                Ok(logits) => {
+                    stats.steps += 1;
+                    for (r, l) in active.iter_mut().zip(logits) {
+                        r.pos += 1;
+                        if r.pos == r.known.len() {
+                            let t = argmax(&l);
+                            r.known.push(t);
+                            r.completion.tokens.push(t);
+                            if keep_logits {
+                                r.completion.logits.push(l);
+                            }
+                            stats.generated += 1;
+                        }
+                    }
+                    let (done, going): (Vec<_>, Vec<_>) =
+                        active.drain(..).partition(|r| r.done(self.eos));
+                    active = going;
+                    for r in done {
+                        self.kv.close(r.req.id);
+                        finished.push(r.completion);
+                    }
+                }
+                Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
+                    stats.preemptions += 1;
+                    if let Some(i) = active.iter().position(|r| r.req.id == seq) {
+                        let mut r = active.remove(i);
+                        r.completion.preempted += 1;
+                        parked.push_back(r);
+                    }
+                }
+                Err(ModelError::Prepare(KvStoreError::Governor(
+                    GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
+                ))) if active.len() > 1 => {
+                    // The batch does not fit: the newest request starts over later.
+                    let mut r = active.pop().expect("more than one");
+                    self.kv.close(r.req.id);
+                    r.pos = 0;
+                    stats.shed += 1;
+                    waiting.push_front(r);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        finished.sort_by_key(|c| c.id);
+        Ok((finished, stats))
+    }
+}

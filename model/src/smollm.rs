@@ -1,0 +1,324 @@
+//! The llama-architecture forward pass: candle for the weights' math (embeddings, RMSNorm,
+//! RoPE, quantized projections, SwiGLU), this project for the KV and the attention. Each
+//! decode step: per layer, the projections run inside the layer's residency unit (its
+//! quantized tensors, reloaded if they were offloaded), the new K/V are written into the KV
+//! store's flat buffers and the decode operator reads them there, on the step's stream.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
+use procmem_actors::{KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
+
+use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
+use crate::ModelError;
+
+fn cerr(e: candle_core::Error) -> ModelError {
+    ModelError::Compute(e.to_string())
+}
+
+/// What stays outside the residency units: the embeddings (dequantized, as a lookup table),
+/// the final norm, the output head, and the RoPE tables.
+pub struct Smol {
+    /// The hyper-parameters.
+    pub config: Config,
+    embed: Tensor,
+    norm: Tensor,
+    output: QMatMul,
+    slots: Vec<Vec<TensorSlot>>,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A model as loaded: the shared part, each layer's packed bytes (for residency), the
+/// tokenizer's data.
+pub struct Loaded {
+    /// The model.
+    pub model: Arc<Smol>,
+    /// Layer `i`'s quantized tensors, packed.
+    pub layers: Vec<Vec<u8>>,
+    /// Vocabulary and merges.
+    pub tokenizer: TokenizerData,
+}
+
+fn qtensor(bytes: &[u8], slot: &TensorSlot) -> Result<QTensor, ModelError> {
+    qtensor_from_ggml(
+        slot.dtype,
+        &bytes[slot.offset..slot.offset + slot.len],
+        slot.dims.clone(),
+        &Device::Cpu,
+    )
+    .map_err(cerr)
+}
+
+fn dense(bytes: &[u8], slot: &TensorSlot) -> Result<Tensor, ModelError> {
+    qtensor(bytes, slot)?.dequantize(&Device::Cpu).map_err(cerr)
+}
+
+fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelError> {
+    QMatMul::from_qtensor(qtensor(bytes, slot)?).map_err(cerr)
+}
+
+/// `cos`/`sin` of `position × θ_i`, `θ_i = base^(-2i/d)`, for every position up to `max`.
+fn rope_tables(head_dim: usize, base: f32, max: usize) -> Result<(Tensor, Tensor), ModelError> {
+    let theta: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    let theta = Tensor::from_vec(theta, (1, head_dim / 2), &Device::Cpu).map_err(cerr)?;
+    let positions = Tensor::arange(0u32, max as u32, &Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.reshape((max, 1)))
+        .map_err(cerr)?;
+    let angles = positions.matmul(&theta).map_err(cerr)?;
+    Ok((angles.cos().map_err(cerr)?, angles.sin().map_err(cerr)?))
+}
+
+impl Smol {
+    /// Loads a llama GGUF (SmolLM2 and the like).
+    pub fn load(path: &Path, max_tokens: usize) -> Result<Loaded, ModelError> {
+        let mut gguf = Gguf::open(path)?;
+        let config = gguf.config()?;
+        let tokenizer = gguf.tokenizer()?;
+        let (embed_raw, embed_dtype, embed_dims) = gguf.raw("token_embd.weight")?;
+        let slot = |len, dtype: GgmlDType, dims: Vec<usize>| TensorSlot {
+            offset: 0,
+            len,
+            dtype,
+            dims,
+        };
+        let embed_slot = slot(embed_raw.len(), embed_dtype, embed_dims);
+        let embed = dense(&embed_raw, &embed_slot)?;
+        let (norm_raw, nd, ndims) = gguf.raw("output_norm.weight")?;
+        let norm = dense(&norm_raw, &slot(norm_raw.len(), nd, ndims))?;
+        // A tied head reads the embedding's quantized rows.
+        let output = if gguf.has("output.weight") {
+            let (raw, d, dims) = gguf.raw("output.weight")?;
+            matmul(&raw, &slot(raw.len(), d, dims))?
+        } else {
+            matmul(&embed_raw, &embed_slot)?
+        };
+        let mut layers = Vec::with_capacity(config.layers);
+        let mut slots = Vec::with_capacity(config.layers);
+        for layer in 0..config.layers {
+            let (bytes, s) = gguf.layer(layer)?;
+            layers.push(bytes);
+            slots.push(s);
+        }
+        let (cos, sin) = rope_tables(config.head_dim, config.rope_base, max_tokens.max(1))?;
+        Ok(Loaded {
+            model: Arc::new(Smol {
+                config,
+                embed,
+                norm,
+                output,
+                slots,
+                cos,
+                sin,
+            }),
+            layers,
+            tokenizer,
+        })
+    }
+
+    /// The KV shape of this model for `max_tokens` in `dtype`.
+    pub fn kv_shape(&self, dtype: KvDtype, max_tokens: usize) -> KvShape {
+        KvShape {
+            layers: self.config.layers,
+            q_heads: self.config.q_heads,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+            max_tokens,
+            dtype,
+        }
+    }
+
+    /// The residual stream of `tokens`, one row each: `[tokens, hidden]`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
+        let ids = Tensor::new(tokens, &Device::Cpu).map_err(cerr)?;
+        self.embed.index_select(&ids, 0).map_err(cerr)
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
+        candle_nn::ops::rms_norm(x, w, self.config.rms_eps).map_err(cerr)
+    }
+
+    /// Interleaved RoPE (the GGUF's Q/K rows are permuted for it) of one row `[heads × hd]`.
+    fn rope(&self, row: &Tensor, heads: usize, pos: usize) -> Result<Tensor, ModelError> {
+        let hd = self.config.head_dim;
+        let x = row.reshape((1, heads, 1, hd)).map_err(cerr)?;
+        let cos = self.cos.narrow(0, pos, 1).map_err(cerr)?;
+        let sin = self.sin.narrow(0, pos, 1).map_err(cerr)?;
+        candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
+            .and_then(|t| t.reshape(heads * hd))
+            .map_err(cerr)
+    }
+
+    /// Layer `layer`'s attention inputs for the rows of `x` at `positions`: `(q, k, v)` per
+    /// row, RoPE applied to q and k. `bytes` are the layer's packed tensors.
+    #[allow(clippy::type_complexity)]
+    pub fn qkv(
+        &self,
+        layer: usize,
+        bytes: &[u8],
+        x: &Tensor,
+        positions: &[usize],
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>, ModelError> {
+        let s = &self.slots[layer];
+        let h = self.rms(x, &dense(bytes, &s[0])?)?;
+        let q = matmul(bytes, &s[1])?.forward(&h).map_err(cerr)?;
+        let k = matmul(bytes, &s[2])?.forward(&h).map_err(cerr)?;
+        let v = matmul(bytes, &s[3])?.forward(&h).map_err(cerr)?;
+        let c = &self.config;
+        let mut out = Vec::with_capacity(positions.len());
+        for (i, &pos) in positions.iter().enumerate() {
+            let row = |t: &Tensor| t.get(i).map_err(cerr);
+            let q = self.rope(&row(&q)?, c.q_heads, pos)?;
+            let k = self.rope(&row(&k)?, c.kv_heads, pos)?;
+            out.push((
+                q.to_vec1::<f32>().map_err(cerr)?,
+                k.to_vec1::<f32>().map_err(cerr)?,
+                row(&v)?.to_vec1::<f32>().map_err(cerr)?,
+            ));
+        }
+        Ok(out)
+    }
+
+    /// The rest of layer `layer`: the attention's output projection and residual, then the
+    /// SwiGLU feed-forward and its residual. Returns the new residual stream.
+    pub fn finish_layer(
+        &self,
+        layer: usize,
+        bytes: &[u8],
+        x: &Tensor,
+        attended: Vec<Vec<f32>>,
+    ) -> Result<Tensor, ModelError> {
+        let s = &self.slots[layer];
+        let rows = attended.len();
+        let flat: Vec<f32> = attended.into_iter().flatten().collect();
+        let a = Tensor::from_vec(flat, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
+        let x = (matmul(bytes, &s[4])?.forward(&a).map_err(cerr)? + x).map_err(cerr)?;
+        let h = self.rms(&x, &dense(bytes, &s[5])?)?;
+        let gate = matmul(bytes, &s[6])?.forward(&h).map_err(cerr)?;
+        let up = matmul(bytes, &s[7])?.forward(&h).map_err(cerr)?;
+        let act = (candle_nn::ops::silu(&gate).map_err(cerr)? * up).map_err(cerr)?;
+        let down = matmul(bytes, &s[8])?.forward(&act).map_err(cerr)?;
+        (down + x).map_err(cerr)
+    }
+
+    /// Logits of each row of the final residual stream: `[rows][vocab]`.
+    pub fn logits(&self, x: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
+        let h = self.rms(x, &self.norm)?;
+        self.output
+            .forward(&h)
+            .and_then(|l| l.to_dtype(DType::F32))
+            .and_then(|l| l.to_vec2::<f32>())
+            .map_err(cerr)
+    }
+}
+
+/// The index of the largest logit (the first, on a tie).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The two largest logits, largest first.
+pub fn top2(logits: &[f32]) -> (f32, f32) {
+    let mut v = logits.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    (v[0], v.get(1).copied().unwrap_or(f32::NEG_INFINITY))
+}
+
+/// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
+/// every row so far, on the step's stream (the server's own kernel over the managed KV).
+async fn attend(
+    step: &KvStep,
+    shape: KvShape,
+    layer: usize,
+    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn run<T: procmem_actors::procmem::kv::KvElement>(
+        kv: &mut StepKv<'_>,
+        shape: KvShape,
+        layer: usize,
+        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
+        let store = |e: procmem_actors::procmem::kv::KvError| ModelError::Store(e.to_string());
+        let mut outs = Vec::with_capacity(qkv.len());
+        for (i, (q, k, v)) in qkv.iter().enumerate() {
+            kv.write(i, layer, &narrow(k), &narrow(v)).map_err(store)?;
+            let keys = kv.keys::<T>(i, layer).map_err(store)?;
+            let values = kv.values::<T>(i, layer).map_err(store)?;
+            let mut out = vec![0f32; q.len()];
+            gqa_decode(
+                q,
+                keys,
+                values,
+                keys.len() / shape.token_elems(),
+                shape.q_heads,
+                shape.kv_heads,
+                shape.head_dim,
+                &mut out,
+            );
+            outs.push(out);
+        }
+        Ok(outs)
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    step.submit(move |kv| {
+        let _ = tx.send(match shape.dtype {
+            KvDtype::F32 => run::<f32>(kv, shape, layer, &qkv),
+            KvDtype::F16 => run::<procmem_actors::procmem::kv::f16>(kv, shape, layer, &qkv),
+        });
+    })
+    .map_err(|e| ModelError::Store(e.to_string()))?;
+    rx.await
+        .map_err(|_| ModelError::Store("the step's kernel was dropped".into()))?
+}
+
+/// One decode step of `batch` (`(sequence, token, position)`): each sequence takes its token
+/// at its position through every layer over the managed KV. Returns each row's logits. The
+/// sequences must be open in `kv`, each at `position` tokens.
+pub async fn decode_step(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    kv: &KvStoreHandle,
+    shape: KvShape,
+    batch: &[(SeqId, u32, usize)],
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let step = kv
+        .prepare(batch.iter().map(|b| b.0).collect())
+        .await
+        .map_err(ModelError::Prepare)?;
+    let tokens: Vec<u32> = batch.iter().map(|b| b.1).collect();
+    let positions: Vec<usize> = batch.iter().map(|b| b.2).collect();
+    let mut x = model.embed(&tokens)?;
+    for layer in 0..model.config.layers {
+        let (m, xs, pos) = (Arc::clone(model), x.clone(), positions.clone());
+        let qkv = weights
+            .with_weights(layer, move |w| m.qkv(layer, w, &xs, &pos))
+            .await
+            .map_err(|e| ModelError::Weights(e.to_string()))??;
+        let attended = attend(&step, shape, layer, qkv).await?;
+        let (m, xs) = (Arc::clone(model), x.clone());
+        x = weights
+            .with_weights(layer, move |w| m.finish_layer(layer, w, &xs, attended))
+            .await
+            .map_err(|e| ModelError::Weights(e.to_string()))??;
+    }
+    let fence = step
+        .last_fence()
+        .ok_or_else(|| ModelError::Store("a step with no kernel".into()))?;
+    step.complete(fence)
+        .await
+        .map_err(|e| ModelError::Store(e.to_string()))?;
+    model.logits(&x)
+}

@@ -1,0 +1,167 @@
+//! What the SmolLM2 tests share: the prompts, candle's own model as the reference, and
+//! this project's engine.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_model::{smollm2_path, top2, Completion, Engine, Request, RunStats, Smol, TextCodec};
+
+pub const NEW_TOKENS: usize = 64;
+pub const MAX_TOKENS: usize = 512;
+
+const SYSTEM: &str = "You are a concise assistant. Answer in one or two sentences, plainly, \
+                      without lists, and never mention that you are an AI model.";
+
+/// Eight chat prompts; half share one system prompt (the first opens it, the later ones find
+/// its blocks cached).
+pub fn prompts() -> Vec<(Option<&'static str>, &'static str)> {
+    vec![
+        (Some(SYSTEM), "What is the capital of France?"),
+        (None, "Write a haiku about the sea."),
+        (None, "How many legs does a spider have?"),
+        (None, "Translate 'good morning' into Spanish."),
+        (Some(SYSTEM), "Why is the sky blue?"),
+        (Some(SYSTEM), "Name three primary colors."),
+        (Some(SYSTEM), "What does a compiler do?"),
+        (None, "What is 12 times 12?"),
+    ]
+}
+
+pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
+    KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        // The engine sets the rest of the shape from the model.
+        shape: KvShape {
+            layers: 0,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            max_tokens: MAX_TOKENS,
+            dtype: KvDtype::F32,
+        },
+        chunk_granules: 3,
+        preempt,
+        wait: Duration::from_millis(500),
+        swap: SwapSpace::Auto,
+        map_ahead: false,
+    }
+}
+
+/// candle-transformers' `quantized_llama` with its own KV cache: greedy tokens, and the
+/// logits each came from. The prompt goes in one token at a time, as ours does.
+pub fn reference(path: &std::path::Path, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+    let mut logits = Vec::new();
+    let mut tokens = Vec::new();
+    let mut known = prompt.to_vec();
+    for pos in 0..prompt.len() + NEW_TOKENS - 1 {
+        let input = Tensor::new(&[known[pos]], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let l: Vec<f32> = model
+            .forward(&input, pos)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        if pos + 1 >= prompt.len() {
+            let next = procmem_model::argmax(&l);
+            tokens.push(next);
+            logits.push(l);
+            known.push(next);
+        }
+    }
+    (tokens, logits)
+}
+
+/// This project's engine over a fresh manager (`budget` bytes of host, or the default).
+pub async fn ours(
+    budget: Option<u64>,
+    preempt: PreemptMode,
+    prompts: &[Vec<u32>],
+) -> (Vec<Completion>, RunStats) {
+    let path = smollm2_path().unwrap();
+    let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
+    let mut builder = MemoryManager::builder();
+    if let Some(b) = budget {
+        builder = builder.host_budget(b);
+    }
+    let memory = builder.build().await.unwrap();
+    let engine = Engine::start(&memory, loaded, kv_config(preempt), None)
+        .await
+        .unwrap();
+    let requests = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            id: i as u64 + 1,
+            prompt: p.clone(),
+            max_new: NEW_TOKENS,
+        })
+        .collect();
+    let out = engine.generate(requests, 4, true).await.unwrap();
+    drop(engine);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "books after shutdown: {report:?}");
+    out
+}
+
+/// The GGUF, its tokenizer and the prompts in the chat template; `None` (said) without it.
+pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
+    let Some(path) = smollm2_path() else {
+        eprintln!("SKIPPED: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
+        return None;
+    };
+    let loaded = Smol::load(&path, 8).unwrap();
+    let codec = TextCodec::new(&loaded.tokenizer).unwrap();
+    let prompts = prompts()
+        .into_iter()
+        .map(|(s, u)| codec.chat(s, u).unwrap())
+        .collect();
+    Some((path, codec, prompts))
+}
+
+/// Compares ours with candle's per prompt: the first step's largest relative logit
+/// difference (floor 1), and where the greedy tokens part, with both sides' top two there.
+pub struct Agreement {
+    pub first_step: Vec<f32>,
+    pub parted: Vec<(usize, usize, (f32, f32), (f32, f32))>,
+}
+
+pub fn compare(path: &std::path::Path, codec: &TextCodec, prompts: &[Vec<u32>], mine: &[Completion]) -> Agreement {
+    let mut first_step = Vec::new();
+    let mut parted = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let (theirs, their_logits) = reference(path, prompt);
+        let c = &mine[i];
+        first_step.push(
+            c.logits[0]
+                .iter()
+                .zip(&their_logits[0])
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+                .fold(0f32, f32::max),
+        );
+        if let Some(at) = c.tokens.iter().zip(&theirs).position(|(a, b)| a != b) {
+            parted.push((i, at, top2(&c.logits[at]), top2(&their_logits[at])));
+        } else {
+            assert_eq!(c.tokens, theirs, "prompt {i}");
+        }
+        eprintln!(
+            "prompt {i} ({} tokens, {} from cached blocks): {:?}",
+            prompt.len(),
+            c.cached_tokens,
+            codec.decode(&c.tokens).unwrap()
+        );
+    }
+    Agreement { first_step, parted }
+}
