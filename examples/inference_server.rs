@@ -101,6 +101,13 @@ struct Args {
     /// Execution device.
     #[arg(long, value_enum, default_value_t = Device::Host)]
     device: Device,
+    /// Serve a real model instead of the synthetic one: `smollm2` (fetched by
+    /// `scripts/fetch-model.sh`) or a llama-architecture GGUF path. Its requests cycle through
+    /// built-in chat prompts, half sharing one system prompt; `--max-new-tokens` bounds each
+    /// completion, `--budget` as for the synthetic model (fractions are of peak KV on top of
+    /// the weights).
+    #[arg(long)]
+    model: Option<String>,
     /// Join the node Governor at this address (several servers, one budget; see
     /// `examples/node_governor.rs`): the budget of the KV device's authority is then credit
     /// from the node, asked for as it is needed, instead of `--budget`.
@@ -341,6 +348,42 @@ async fn serve(args: Args) -> Result<(), String> {
         if value > max {
             return Err(format!("{flag} {value} is too large (at most {max})"));
         }
+    }
+    if let Some(model) = &args.model {
+        if matches!(args.device, Device::Cuda) {
+            return Err(
+                "--model runs on the host backend only (its kernels are candle's CPU ones)".into(),
+            );
+        }
+        let (budget, fraction) = match args.budget.trim() {
+            "auto" => (None, Some(0.5)),
+            b if b.ends_with('x') => match b[..b.len() - 1].trim().parse::<f64>() {
+                Ok(f) if f.is_finite() && f > 0.0 => (None, Some(f)),
+                _ => {
+                    return Err(format!(
+                        "'{b}' is not a fraction of peak demand (try 0.25x)"
+                    ))
+                }
+            },
+            b => (Some(parse_bytes(b)?), None),
+        };
+        return common::real_model::serve(common::real_model::RealRun {
+            model: model.clone(),
+            requests: args.requests.min(4096),
+            concurrency: args.concurrency.min(64),
+            max_new: args.max_new_tokens.min(256),
+            budget,
+            fraction,
+            preempt: match args.preempt {
+                Preempt::Swap => PreemptMode::Swap,
+                Preempt::Recompute => PreemptMode::Recompute,
+            },
+            dtype: match args.kv_dtype {
+                Dtype::F32 => KvDtype::F32,
+                Dtype::F16 => KvDtype::F16,
+            },
+        })
+        .await;
     }
     let cuda = matches!(args.device, Device::Cuda);
     if cuda && !procmem_actors::procmem::cuda::driver_present() {

@@ -1,6 +1,8 @@
 //! What the examples share: command-line parsing.
 #![allow(dead_code)]
 
+pub mod real_model;
+
 /// A byte count: a number with an optional `B`, `KiB`, `MiB`, `GiB` or `TiB` suffix.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();

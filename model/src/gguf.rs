@@ -96,8 +96,8 @@ fn num(content: &Content, key: &str) -> Result<usize, ModelError> {
 impl Gguf {
     /// Opens and checks a GGUF file of the llama architecture.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let mut file = File::open(path)
-            .map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
+        let mut file =
+            File::open(path).map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
         let content = Content::read(&mut file).map_err(|e| ModelError::Format(e.to_string()))?;
         let arch = md(&content, "general.architecture")?
             .to_string()
@@ -184,7 +184,9 @@ impl Gguf {
         let len = elems / block * info.ggml_dtype.type_size();
         let mut bytes = vec![0u8; len];
         self.file
-            .seek(SeekFrom::Start(self.content.tensor_data_offset + info.offset))
+            .seek(SeekFrom::Start(
+                self.content.tensor_data_offset + info.offset,
+            ))
             .and_then(|_| self.file.read_exact(&mut bytes))
             .map_err(|e| ModelError::Format(format!("{name}: {e}")))?;
         Ok((bytes, info.ggml_dtype, info.shape.dims().to_vec()))

@@ -53,6 +53,10 @@ pub struct RunStats {
     pub restores: u64,
     /// Requests shed (closed and started over) because a step did not fit.
     pub shed: u64,
+    /// Layers residency offloaded under pressure, and reloaded.
+    pub offloads: u64,
+    /// Layers reloaded.
+    pub reloads: u64,
 }
 
 /// A model served over one manager's KV store and residency.
@@ -150,11 +154,18 @@ impl Engine {
         let mut parked: VecDeque<Live> = VecDeque::new();
         let mut finished = Vec::new();
         let mut stats = RunStats::default();
-        let concurrency = concurrency.max(1);
+        // Under pressure the batch shrinks (a preemption sets it to what is left running) and
+        // grows back by one every 16 steps that went through: restores that preempt each
+        // other in turn would otherwise make no progress.
+        let most = concurrency.max(1);
+        let mut limit = most;
+        let mut calm = 0u32;
         while !(waiting.is_empty() && active.is_empty() && parked.is_empty()) {
             // Preempted sequences come back first, oldest first.
-            while active.len() < concurrency {
-                let Some(mut r) = parked.pop_front() else { break };
+            while active.len() < limit {
+                let Some(mut r) = parked.pop_front() else {
+                    break;
+                };
                 match self.kv.restore(r.req.id).await {
                     Ok(Restored::Swapped { tokens }) => r.pos = tokens,
                     Ok(Restored::Recompute { .. }) => r.pos = 0,
@@ -170,8 +181,10 @@ impl Engine {
                 stats.restores += 1;
                 active.push(r);
             }
-            while active.len() < concurrency && parked.is_empty() {
-                let Some(mut r) = waiting.pop_front() else { break };
+            while active.len() < limit && parked.is_empty() {
+                let Some(mut r) = waiting.pop_front() else {
+                    break;
+                };
                 let opened = self
                     .kv
                     .open(r.req.id, r.known.clone(), 0)
@@ -194,6 +207,11 @@ impl Engine {
             match decode_step(&self.model, &self.weights, &self.kv, self.shape, &batch).await {
                 Ok(logits) => {
                     stats.steps += 1;
+                    calm += 1;
+                    if calm >= 16 && limit < most {
+                        limit += 1;
+                        calm = 0;
+                    }
                     for (r, l) in active.iter_mut().zip(logits) {
                         r.pos += 1;
                         if r.pos == r.known.len() {
@@ -216,6 +234,8 @@ impl Engine {
                 }
                 Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
                     stats.preemptions += 1;
+                    limit = (active.len() - 1).max(1);
+                    calm = 0;
                     if let Some(i) = active.iter().position(|r| r.req.id == seq) {
                         let mut r = active.remove(i);
                         r.completion.preempted += 1;
@@ -226,6 +246,8 @@ impl Engine {
                     GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
                 ))) if active.len() > 1 => {
                     // The batch does not fit: the newest request starts over later.
+                    limit = (active.len() - 1).max(1);
+                    calm = 0;
                     let mut r = active.pop().expect("more than one");
                     self.kv.close(r.req.id);
                     r.pos = 0;
@@ -236,6 +258,10 @@ impl Engine {
             }
         }
         finished.sort_by_key(|c| c.id);
+        if let Ok(w) = self.weights.stats().await {
+            stats.offloads = w.offloads;
+            stats.reloads = w.reloads;
+        }
         Ok((finished, stats))
     }
 }

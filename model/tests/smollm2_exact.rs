@@ -21,7 +21,10 @@ async fn greedy_tokens_equal_candles_own_quantized_llama() {
     let a = compare(&path, &codec, &prompts, &mine);
     for (i, at, (a1, a2), (b1, b2)) in &a.parted {
         eprintln!("prompt {i} parts at token {at}: ours top two {a1} {a2}, candle's {b1} {b2}");
-        assert!(a1 - a2 <= 1e-3 && b1 - b2 <= 1e-3, "prompt {i} parts without a near-tie");
+        assert!(
+            a1 - a2 <= 1e-3 && b1 - b2 <= 1e-3,
+            "prompt {i} parts without a near-tie"
+        );
     }
     let worst = a.first_step.iter().copied().fold(0f32, f32::max);
     eprintln!(
@@ -30,5 +33,8 @@ async fn greedy_tokens_equal_candles_own_quantized_llama() {
     );
     assert!(worst <= 1e-3, "first-step logits differ by {worst}");
     assert!(a.parted.len() <= 1, "{} prompts parted", a.parted.len());
-    assert!(mine.iter().any(|c| c.cached_tokens > 0), "the shared system prompt was shared");
+    assert!(
+        mine.iter().any(|c| c.cached_tokens > 0),
+        "the shared system prompt was shared"
+    );
 }

@@ -227,7 +227,10 @@ mod tests {
             ..shape()
         };
         assert_eq!(smol.validate(4096), Ok(()));
-        assert_eq!((smol.block_tokens(4096), smol.block_bytes(4096)), (16, 12288));
+        assert_eq!(
+            (smol.block_tokens(4096), smol.block_bytes(4096)),
+            (16, 12288)
+        );
         // A prime token size would need thousands of pages per block: refused.
         let odd = KvShape {
             kv_heads: 1,
@@ -235,7 +238,10 @@ mod tests {
             q_heads: 1,
             ..shape()
         };
-        assert!(matches!(odd.validate(4096), Err(ShapeError::Unaligned { .. })));
+        assert!(matches!(
+            odd.validate(4096),
+            Err(ShapeError::Unaligned { .. })
+        ));
     }
 
     fn shape() -> KvShape {

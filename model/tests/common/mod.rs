@@ -47,7 +47,7 @@ pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
         },
         chunk_granules: 3,
         preempt,
-        wait: Duration::from_millis(500),
+        wait: Duration::from_secs(5),
         swap: SwapSpace::Auto,
         map_ahead: false,
     }
@@ -90,6 +90,16 @@ pub async fn ours(
     preempt: PreemptMode,
     prompts: &[Vec<u32>],
 ) -> (Vec<Completion>, RunStats) {
+    ours_n(budget, preempt, prompts, NEW_TOKENS).await
+}
+
+/// The same, `new` tokens each.
+pub async fn ours_n(
+    budget: Option<u64>,
+    preempt: PreemptMode,
+    prompts: &[Vec<u32>],
+    new: usize,
+) -> (Vec<Completion>, RunStats) {
     let path = smollm2_path().unwrap();
     let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
     let mut builder = MemoryManager::builder();
@@ -106,7 +116,7 @@ pub async fn ours(
         .map(|(i, p)| Request {
             id: i as u64 + 1,
             prompt: p.clone(),
-            max_new: NEW_TOKENS,
+            max_new: new,
         })
         .collect();
     let out = engine.generate(requests, 4, true).await.unwrap();
@@ -135,10 +145,18 @@ pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
 /// difference (floor 1), and where the greedy tokens part, with both sides' top two there.
 pub struct Agreement {
     pub first_step: Vec<f32>,
-    pub parted: Vec<(usize, usize, (f32, f32), (f32, f32))>,
+    pub parted: Vec<Parted>,
 }
 
-pub fn compare(path: &std::path::Path, codec: &TextCodec, prompts: &[Vec<u32>], mine: &[Completion]) -> Agreement {
+/// A prompt, the token where the two part, and the top two logits there (ours, candle's).
+pub type Parted = (usize, usize, (f32, f32), (f32, f32));
+
+pub fn compare(
+    path: &std::path::Path,
+    codec: &TextCodec,
+    prompts: &[Vec<u32>],
+    mine: &[Completion],
+) -> Agreement {
     let mut first_step = Vec::new();
     let mut parted = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {

