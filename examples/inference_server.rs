@@ -19,11 +19,11 @@ use common::parse_bytes;
 use procmem_actors::node::{LinkConfig, NodeLink};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
-use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvElement, KvShape};
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
     GovernorError, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager, PreemptMode,
-    ResidencyConfig, ResidencyHandle, Restored, StepKv, SwapKind, SwapSpace,
+    ResidencyConfig, ResidencyHandle, Restored, SwapKind, SwapSpace,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -996,53 +996,18 @@ async fn step(
     Ok(Stepped::Ok)
 }
 
-/// The server's own attention kernel for one layer, on the step's stream: it writes each
-/// sequence's new K/V row into the flat buffers (in the KV's element type) and runs the GQA
-/// decode over every row so far, reading the buffers in place.
+/// The server's own attention kernel for one layer, on the step's stream: each sequence's new
+/// K/V row written into the flat buffers, the GQA decode over every row so far, in place (the
+/// same kernel serves the real model: `procmem_model::smollm::attend`).
 async fn attend(
     step: &KvStep,
     shape: KvShape,
     layer: usize,
     qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
 ) -> Result<Vec<Vec<f32>>, String> {
-    fn run<T: KvElement>(
-        kv: &mut StepKv<'_>,
-        shape: KvShape,
-        layer: usize,
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-    ) -> Result<Vec<Vec<f32>>, String> {
-        let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
-        let mut outs = Vec::with_capacity(qkv.len());
-        for (i, (q, k, v)) in qkv.iter().enumerate() {
-            kv.write(i, layer, &narrow(k), &narrow(v))
-                .map_err(|e| e.to_string())?;
-            let keys = kv.keys::<T>(i, layer).map_err(|e| e.to_string())?;
-            let values = kv.values::<T>(i, layer).map_err(|e| e.to_string())?;
-            let mut out = vec![0f32; q.len()];
-            gqa_decode(
-                q,
-                keys,
-                values,
-                keys.len() / shape.token_elems(),
-                shape.q_heads,
-                shape.kv_heads,
-                shape.head_dim,
-                &mut out,
-            );
-            outs.push(out);
-        }
-        Ok(outs)
-    }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    step.submit(move |kv| {
-        let _ = tx.send(match shape.dtype {
-            KvDtype::F32 => run::<f32>(kv, shape, layer, &qkv),
-            KvDtype::F16 => run::<f16>(kv, shape, layer, &qkv),
-        });
-    })
-    .map_err(|e| e.to_string())?;
-    rx.await
-        .map_err(|_| "the attention kernel panicked".to_string())?
+    procmem_model::smollm::attend(step, shape, layer, qkv)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// The server's GPU side: the decode kernels (kernels/decode.cu, loaded from their PTX) and

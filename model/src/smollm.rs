@@ -238,7 +238,8 @@ pub fn top2(logits: &[f32]) -> (f32, f32) {
 
 /// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
 /// every row so far, on the step's stream (the server's own kernel over the managed KV).
-async fn attend(
+/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
+pub async fn attend(
     step: &KvStep,
     shape: KvShape,
     layer: usize,
