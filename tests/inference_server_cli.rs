@@ -180,6 +180,17 @@ fn bad_input_exits_2_with_a_clear_message() {
         (&["--budget", "1e400x"], "not a fraction of peak demand"),
         (&["--budget", "0.01x"], "more than the budget"),
         (&["--preempt", "maybe"], "invalid value 'maybe'"),
+        (
+            &["--model", "/no/such/model.gguf"],
+            "neither `smollm2` nor a GGUF file",
+        ),
+        (&["--model", "Cargo.toml"], "model file"),
+        (
+            &["--model", "smollm2", "--device", "cuda"],
+            "host backend only",
+        ),
+        (&["--node", "127.0.0.1:1"], "cannot join the node"),
+        (&["--node", "nowhere"], "invalid value 'nowhere'"),
     ];
     for (args, message) in cases {
         let out = run(args);
