@@ -518,16 +518,7 @@ impl Ledger {
                 return Err(LedgerError::Denied(Box::new(denial)));
             }
         }
-        self.grants.remove(&grant);
-        let a = self
-            .authorities
-            .get_mut(&charge.authority)
-            .expect("grant's authority");
-        a.provisional -= charge.bytes;
-        a.leased += actual;
-        let h = self.holders.get_mut(&holder).expect("grant's holder");
-        h.provisional -= charge.bytes;
-        h.leased += actual;
+        self.grant_to_leased(grant, &charge, actual);
         let id = LeaseId(self.fresh());
         let lease = Claim {
             bytes: actual,
@@ -535,6 +526,24 @@ impl Ledger {
         };
         self.leases.insert(id, lease.clone());
         Ok(LeaseRecord { id, claim: lease })
+    }
+
+    /// Takes `grant` (whose charge is `charge`) off the books' provisional bytes and books
+    /// `leased` bytes in its place, for its authority and its holder: a commit's one step.
+    fn grant_to_leased(&mut self, grant: GrantId, charge: &Claim, leased: u64) {
+        self.grants.remove(&grant);
+        let a = self
+            .authorities
+            .get_mut(&charge.authority)
+            .expect("grant's authority");
+        a.provisional -= charge.bytes;
+        a.leased += leased;
+        let h = self
+            .holders
+            .get_mut(&charge.holder)
+            .expect("grant's holder");
+        h.provisional -= charge.bytes;
+        h.leased += leased;
     }
 
     /// Returns a grant unused; reports the bytes returned.

@@ -80,6 +80,25 @@ impl Watched {
     }
 }
 
+/// This process's own cluster node server, listening on loopback only (a process that joins
+/// a node, or watches nodes, needs one to connect out from), named `name`.
+pub(crate) async fn local_node_server(
+    cookie: &str,
+    name: String,
+) -> Result<ractor::ActorRef<ractor_cluster::NodeServerMessage>, LinkError> {
+    let server =
+        ractor_cluster::NodeServer::new(0, cookie.to_owned(), name, "localhost".into(), None, None)
+            .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+            .with_max_inbound_frame_size(MAX_FRAME);
+    ractor::Actor::spawn(None, server, ())
+        .await
+        .map(|(server, _)| server)
+        .map_err(|e| LinkError::Cluster(e.to_string()))
+}
+
+/// The largest cluster frame any party here accepts.
+pub(crate) const MAX_FRAME: u64 = 64 * 1024;
+
 /// How often the node and the links look at their timers, sessions and pidfds.
 pub(crate) const TICK: Duration = Duration::from_millis(20);
 

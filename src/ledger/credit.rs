@@ -42,16 +42,7 @@ impl Ledger {
         let charge = self.owned_grant(holder, grant)?.clone();
         // Cannot overflow: both are parts of what the authority approved, a `u64`.
         let total = self.credit_line(holder, line)?.bytes + charge.bytes;
-        self.grants.remove(&grant);
-        let a = self
-            .authorities
-            .get_mut(&charge.authority)
-            .expect("grant's authority");
-        a.provisional -= charge.bytes;
-        a.leased += charge.bytes;
-        let h = self.holders.get_mut(&holder).expect("grant's holder");
-        h.provisional -= charge.bytes;
-        h.leased += charge.bytes;
+        self.grant_to_leased(grant, &charge, charge.bytes);
         self.leases.get_mut(&line).expect("checked").bytes = total;
         Ok(total)
     }

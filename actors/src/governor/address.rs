@@ -280,6 +280,11 @@ impl Address {
         }
     }
 
+    /// The unused bytes of the open credit line `line`, if it is open and its child alive.
+    pub(crate) fn credit_line(&self, line: LeaseId) -> Option<Arc<CreditShared>> {
+        self.record().credit.get(&line)?.upgrade()
+    }
+
     /// The open credit lines: line, holder, the child's unused bytes. (A line whose child
     /// dropped every handle is closing: its close is on its way.)
     pub(crate) fn credit_lines(&self) -> Vec<(LeaseId, HolderId, Arc<CreditShared>)> {

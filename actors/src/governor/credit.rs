@@ -309,7 +309,7 @@ impl GovernorState {
         take: u64,
         reply: RpcReplyPort<Result<Lease, LedgerError>>,
     ) {
-        let Some(shared) = self.line_shared(line) else {
+        let Some(shared) = self.address.credit_line(line) else {
             let _ = reply.send(Err(LedgerError::NotCredit(line)));
             return;
         };
@@ -346,14 +346,6 @@ impl GovernorState {
             // Dropped here: its bytes go back to the line (or to the books if it closed).
             drop(lease);
         }
-    }
-
-    fn line_shared(&self, line: LeaseId) -> Option<Arc<CreditShared>> {
-        self.address
-            .credit_lines()
-            .into_iter()
-            .find(|(l, _, _)| *l == line)
-            .map(|(_, _, s)| s)
     }
 
     /// Releases `bytes` of a line in the books and the account (the Governor itself acts).

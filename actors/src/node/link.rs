@@ -158,19 +158,8 @@ impl NodeLink {
     /// Connects to the node, joins it and makes `governor`'s capacity the credit the node
     /// holds for this process (zero at first: the first waiter asks for a chunk).
     pub async fn join(config: LinkConfig, governor: GovernorHandle) -> Result<Self, LinkError> {
-        let server = ractor_cluster::NodeServer::new(
-            0,
-            config.cookie.clone(),
-            format!("{}-{}", config.name, pid()),
-            "localhost".into(),
-            None,
-            None,
-        )
-        .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
-        .with_max_inbound_frame_size(64 * 1024);
-        let (server, _) = Actor::spawn(None, server, ())
-            .await
-            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        let server =
+            super::local_node_server(&config.cookie, format!("{}-{}", config.name, pid())).await?;
         ractor_cluster::client_connect(&server, config.node)
             .await
             .map_err(|e| LinkError::Cluster(e.to_string()))?;
@@ -236,11 +225,7 @@ impl NodeLink {
     /// Leaves the node: the caller has freed its memory; its credit goes back.
     pub async fn leave(self) {
         let _ = self.actor.cast(LinkMsg::Tick);
-        if let Some(node) = ractor::pg::get_members(&NODE_GROUP.to_string())
-            .into_iter()
-            .find(|c| !c.get_id().is_local())
-        {
-            let node: ActorRef<NodeMsg> = ActorRef::from(node);
+        if let Some(node) = find_node(Duration::ZERO).await {
             let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Leave { token: self.token })));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -92,7 +92,7 @@ impl NodeHandle {
             None,
         )
         .with_listen_addr(config.listen)
-        .with_max_inbound_frame_size(64 * 1024);
+        .with_max_inbound_frame_size(super::MAX_FRAME);
         let (server, _) = Actor::spawn(None, server, ()).await?;
         let (governor, _) = Actor::spawn(None, NodeGovernor, config).await?;
         ractor::pg::join(NODE_GROUP.into(), vec![governor.get_cell()]);

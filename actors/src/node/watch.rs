@@ -64,19 +64,8 @@ impl ClusterWatch {
     /// Connects to the node Governors at `nodes` with `cookie` and joins [`WATCH_GROUP`];
     /// nodes that cannot be reached now are tried again every two seconds.
     pub async fn connect(nodes: Vec<SocketAddr>, cookie: &str) -> Result<Self, LinkError> {
-        let server = ractor_cluster::NodeServer::new(
-            0,
-            cookie.to_owned(),
-            format!("watch-{}", std::process::id()),
-            "localhost".into(),
-            None,
-            None,
-        )
-        .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
-        .with_max_inbound_frame_size(64 * 1024);
-        let (server, _) = Actor::spawn(None, server, ())
-            .await
-            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+        let server =
+            super::local_node_server(cookie, format!("watch-{}", std::process::id())).await?;
         let latest: Latest = Arc::default();
         let rejected = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (actor, _) = Actor::spawn(None, Watcher, (Arc::clone(&latest), Arc::clone(&rejected)))
