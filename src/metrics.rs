@@ -7,6 +7,9 @@
 
 use metrics::Unit;
 
+mod holders;
+pub use holders::*;
+
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -42,6 +45,8 @@ pub struct Metric {
     pub labels: &'static [&'static str],
     /// What it measures.
     pub help: &'static str,
+    /// A histogram's bucket upper bounds, in its unit (empty for other kinds).
+    pub buckets: &'static [f64],
 }
 
 const fn metric(
@@ -57,8 +62,36 @@ const fn metric(
         unit,
         labels,
         help,
+        buckets: &[],
     }
 }
+
+/// A latency histogram, in seconds, with buckets chosen for its range.
+const fn latency(
+    name: &'static str,
+    labels: &'static [&'static str],
+    help: &'static str,
+    buckets: &'static [f64],
+) -> Metric {
+    Metric {
+        name,
+        kind: Kind::Histogram,
+        unit: Unit::Seconds,
+        labels,
+        help,
+        buckets,
+    }
+}
+
+/// Buckets for what takes microseconds (a grant, a refund after a fence, a mapping call),
+/// with a tail up to seconds for what waited.
+pub const MICROSECONDS: &[f64] = &[
+    2e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0, 10.0,
+];
+/// Buckets for what takes milliseconds (a swap, a weight offload or reload).
+pub const MILLISECONDS: &[f64] = &[
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
 
 const AUTHORITY: &[&str] = &["authority"];
 const STREAM: &[&str] = &["stream"];
@@ -259,12 +292,11 @@ pub const DEFERRED_FREE_BYTES_TOTAL: Metric = metric(
     "Bytes freed after their fences, per stream.",
 );
 /// From fence completion to the Governor refund.
-pub const DEFERRED_FREE_FENCE_TO_REFUND_SECONDS: Metric = metric(
+pub const DEFERRED_FREE_FENCE_TO_REFUND_SECONDS: Metric = latency(
     "procmem_deferred_free_fence_to_refund_seconds",
-    Kind::Histogram,
-    Unit::Seconds,
     STREAM,
     "From fence completion to the Governor refund.",
+    MICROSECONDS,
 );
 /// Allocations whose deferred-free queue was gone, freed after their fences on their own.
 pub const DEFERRED_FREE_ORPHANS_TOTAL: Metric = metric(
@@ -283,12 +315,11 @@ pub const BACKING_MAP_CALLS_TOTAL: Metric = metric(
     "Commit (map) calls on a virtual backing.",
 );
 /// Latency of commit (map) calls.
-pub const BACKING_MAP_SECONDS: Metric = metric(
+pub const BACKING_MAP_SECONDS: Metric = latency(
     "procmem_backing_map_seconds",
-    Kind::Histogram,
-    Unit::Seconds,
     BACKING,
     "Latency of commit (map) calls.",
+    MICROSECONDS,
 );
 /// Decommit (unmap) calls on a virtual backing.
 pub const BACKING_UNMAP_CALLS_TOTAL: Metric = metric(
@@ -299,12 +330,11 @@ pub const BACKING_UNMAP_CALLS_TOTAL: Metric = metric(
     "Decommit (unmap) calls on a virtual backing.",
 );
 /// Latency of decommit (unmap) calls.
-pub const BACKING_UNMAP_SECONDS: Metric = metric(
+pub const BACKING_UNMAP_SECONDS: Metric = latency(
     "procmem_backing_unmap_seconds",
-    Kind::Histogram,
-    Unit::Seconds,
     BACKING,
     "Latency of decommit (unmap) calls.",
+    MICROSECONDS,
 );
 /// Holder actors that crashed.
 pub const HOLDER_FAILURES_TOTAL: Metric = metric(
@@ -315,8 +345,9 @@ pub const HOLDER_FAILURES_TOTAL: Metric = metric(
     "Holder actors that crashed.",
 );
 
-/// Every metric, in the order the README's table lists them.
-pub const ALL: &[Metric] = &[
+/// The metrics of the books, the deferred free, the backing and the node Governor, in the
+/// order the README's table lists them (the holders' follow: [`all`]).
+const CORE: &[Metric] = &[
     GOVERNOR_CAPACITY_BYTES,
     GOVERNOR_APPROVED_BYTES,
     GOVERNOR_PROVISIONAL_BYTES,
@@ -385,9 +416,14 @@ impl Metric {
     }
 }
 
+/// Every metric, in the order the README's table lists them.
+pub fn all() -> impl Iterator<Item = &'static Metric> {
+    CORE.iter().chain(holders::HOLDERS)
+}
+
 /// Describes every metric to the installed recorder.
 pub fn describe_all() {
-    for m in ALL {
+    for m in all() {
         m.describe();
     }
 }
@@ -398,11 +434,11 @@ mod tests {
 
     #[test]
     fn names_follow_prometheus_conventions_and_are_unique() {
-        let mut names: Vec<_> = ALL.iter().map(|m| m.name).collect();
+        let mut names: Vec<_> = all().map(|m| m.name).collect();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), ALL.len(), "a name listed twice");
-        for m in ALL {
+        assert_eq!(names.len(), all().count(), "a name listed twice");
+        for m in all() {
             assert!(m.name.starts_with("procmem_"), "{}", m.name);
             assert_eq!(
                 m.kind == Kind::Counter,
@@ -416,6 +452,13 @@ mod tests {
                 _ => {}
             }
             assert!(m.help.ends_with('.'), "{}", m.name);
+            assert_eq!(
+                m.kind == Kind::Histogram,
+                !m.buckets.is_empty(),
+                "{}: a histogram has buckets, nothing else does",
+                m.name
+            );
+            assert!(m.buckets.windows(2).all(|w| w[0] < w[1]), "{}", m.name);
         }
     }
 }

@@ -381,6 +381,7 @@ impl Actor for Governor {
                     state
                         .address
                         .holder_registered(*holder, &name, priority, inbox.clone());
+                    state.metrics.sync_holders(&state.ledger, state.authority);
                 }
                 if let (Ok(holder), Some(inbox)) = (&result, inbox) {
                     myself.get_cell().monitor(inbox.get_cell());
@@ -499,7 +500,7 @@ impl Actor for Governor {
             }
             GovernorMsg::PressureReport(report) => {
                 let freed = report.freed_now.saturating_add(report.freed_pending_fence);
-                state.metrics.freed_by_pressure.increment(freed);
+                state.metrics.freed(report.holder, freed);
                 state.counts.freed_by_pressure =
                     state.counts.freed_by_pressure.saturating_add(freed);
                 // Bytes freed now were released before the report (same sender, same

@@ -30,6 +30,7 @@ use crate::stream::StreamError;
 
 mod device;
 mod lending;
+mod metrics;
 mod state;
 mod step;
 mod steps;
@@ -201,8 +202,16 @@ pub struct KvStoreStats {
     pub os_resident_bytes: u64,
     /// Sequences preempted so far, either mode.
     pub preemptions: u64,
+    /// Of those, preempted with their K/V copied out to the swap space.
+    pub preempted_by_swap: u64,
+    /// Of those, preempted with their K/V dropped (to be recomputed).
+    pub preempted_by_recompute: u64,
+    /// Prompt tokens looked up in the prefix cache at `open`, so far.
+    pub prefix_query_tokens: u64,
     /// Prompt tokens whose K/V came from shared blocks at `open`, so far.
     pub prefix_hit_tokens: u64,
+    /// Shared prompt blocks evicted from the prefix cache, so far.
+    pub prefix_blocks_evicted: u64,
     /// Pressure tickets answered so far.
     pub tickets: u64,
     /// Bytes freed in answer to those tickets, so far.
@@ -214,6 +223,20 @@ pub struct KvStoreStats {
     /// Swaps that fell back to dropping the KV (recompute) because the swap space had no
     /// room or failed, so far.
     pub swap_fallbacks: u64,
+    /// Sequences whose K/V was copied out to the swap space, so far.
+    pub swap_outs: u64,
+    /// Bytes of those copies.
+    pub swap_out_bytes: u64,
+    /// Sequences whose K/V was copied back, so far.
+    pub swap_ins: u64,
+    /// Bytes of those copies.
+    pub swap_in_bytes: u64,
+    /// Restores that copied the K/V back, so far.
+    pub restores_swapped: u64,
+    /// Restores that handed the sequence back empty, to be replayed, so far.
+    pub restores_recomputed: u64,
+    /// Tokens those restores handed back to be recomputed.
+    pub replayed_tokens: u64,
 }
 
 /// How many times at most a pressure ticket is looked at again, each time the kernel a
@@ -298,6 +321,8 @@ pub(crate) enum KvStoreMsg {
     /// Panics the actor (tests of supervision and cleanup).
     #[cfg(feature = "fault-injection")]
     Crash,
+    /// Publishes the store's metrics (internal, scheduled after a change).
+    Publish,
     /// A grant arrived for a waiting transaction (internal).
     Granted {
         /// The transaction.
@@ -416,6 +441,7 @@ pub(crate) struct KvStoreState {
     next_txn: u64,
     clock: u64,
     stats: KvStoreStats,
+    metrics: metrics::KvMetrics,
 }
 
 /// The KV store actor.
@@ -480,6 +506,7 @@ impl Actor for KvStore {
             Ok::<_, KvStoreError>((device, holder, swap))
         };
         let (device, holder, swap) = start.await?;
+        let metrics = metrics::KvMetrics::new(&config.name, governor.name());
         Ok(KvStoreState {
             stream: device.stream.clone(),
             device,
@@ -495,6 +522,7 @@ impl Actor for KvStore {
             next_txn: 1,
             clock: 0,
             stats: KvStoreStats::default(),
+            metrics,
             config,
         })
     }
@@ -542,7 +570,13 @@ impl Actor for KvStore {
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
             KvStoreMsg::Granted { txn, grant } => state.granted(&myself, txn, grant).await,
+            KvStoreMsg::Publish => {
+                state.metrics.armed = false;
+                state.publish().await;
+                return Ok(());
+            }
         }
+        state.changed(&myself).await;
         Ok(())
     }
 }

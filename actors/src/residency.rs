@@ -35,6 +35,8 @@ use crate::pressure::PressureTicket;
 use crate::provider::ProviderError;
 use crate::stream::completed_within;
 
+mod metrics;
+
 /// How to start model residency.
 #[derive(Debug, Clone)]
 pub struct ResidencyConfig {
@@ -113,6 +115,10 @@ pub struct ResidencyStats {
     pub offloads: u64,
     /// Reloads so far.
     pub reloads: u64,
+    /// Bytes offloaded so far.
+    pub offload_bytes_total: u64,
+    /// Bytes reloaded so far.
+    pub reload_bytes_total: u64,
 }
 
 type WeightsFn = Box<dyn FnOnce(&[u8]) + Send + 'static>;
@@ -198,6 +204,7 @@ pub(crate) struct ResidencyState {
     layers: Vec<Option<Layer>>,
     clock: u64,
     stats: ResidencyStats,
+    metrics: metrics::ResidencyMetrics,
 }
 
 /// The residency actor.
@@ -256,6 +263,7 @@ impl Actor for ModelResidency {
             ),
             None => None,
         };
+        let metrics = metrics::ResidencyMetrics::new(&config.name, device.name());
         Ok(ResidencyState {
             config,
             provider,
@@ -266,6 +274,7 @@ impl Actor for ModelResidency {
             layers: Vec::new(),
             clock: 0,
             stats: ResidencyStats::default(),
+            metrics,
         })
     }
 
@@ -312,6 +321,7 @@ impl Actor for ModelResidency {
                 let _ = reply.send(Ok(state.stats()));
             }
         }
+        state.metrics.publish(&state.stats());
         Ok(())
     }
 }
@@ -376,11 +386,14 @@ impl ResidencyState {
             Some(_) => None,
         };
         if let Some(bytes) = reload {
+            let started = Instant::now();
             let buffer = self.device_buffer(&bytes).await?;
             let entry = self.layers[layer].as_mut().expect("checked");
             // The host copy and its lease go once the device copy exists.
             entry.slot = Slot::Device(buffer);
             self.stats.reloads += 1;
+            self.stats.reload_bytes_total += bytes.len() as u64;
+            self.metrics.reload.record(started.elapsed().as_secs_f64());
         }
         let entry = self.layers[layer].as_mut().expect("checked");
         entry.last_used = clock;
@@ -458,6 +471,7 @@ impl ResidencyState {
             if pending >= ticket.bytes_wanted {
                 break;
             }
+            let started = Instant::now();
             let host_lease = match (&self.host, self.host_holder) {
                 (Some(host), Some(holder)) => {
                     let request = ReserveRequest {
@@ -521,6 +535,8 @@ impl ResidencyState {
             };
             pending += bytes;
             self.stats.offloads += 1;
+            self.stats.offload_bytes_total += bytes;
+            self.metrics.offload.record(started.elapsed().as_secs_f64());
         }
         ticket.report(0, pending);
     }

@@ -9,7 +9,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_actors::procmem::{DeviceKey, MemoryRole, MemoryTier};
+use procmem_actors::{
+    AttendItem, KvStoreConfig, MemoryManager, PreemptMode, ReserveRequest, Restored, SwapSpace,
+};
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -92,7 +95,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         })
         .await
         .unwrap();
-    kv.open(1, vec![], 0).await.unwrap();
+    kv.open(1, (0..20).collect(), 0).await.unwrap();
     let tf = shape.token_elems();
     for _ in 0..64 {
         let step = kv.prepare(vec![1]).await.unwrap();
@@ -107,12 +110,111 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         }
         step.finish().await.unwrap();
     }
+    // Another holder wants all but a page: the sequence is swapped out, then restored.
+    let governor = memory
+        .governor(DeviceKey::HOST, MemoryTier::Host)
+        .unwrap()
+        .clone();
+    let before = kv.stats().await.unwrap();
+    let other = governor.register_holder("other", 9, None).await.unwrap();
+    let capacity = governor.snapshot().await.unwrap().books.capacity;
+    let grant = governor
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Workspace,
+            bytes: capacity - before.leased_bytes / 2,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+        })
+        .await
+        .unwrap();
+    grant.cancel().await.unwrap();
+    assert!(matches!(
+        kv.restore(1).await.unwrap(),
+        Restored::Swapped { tokens: 64 }
+    ));
     tokio::time::sleep(Duration::from_millis(700)).await;
     let text = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
         .await
         .unwrap()
         .unwrap();
     let snapshot = memory.books().await.remove(0).1;
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(
+        (stats.preempted_by_swap, stats.swap_ins),
+        (1, 1),
+        "{stats:?}"
+    );
+    // Latencies are histograms (they sum across processes), never summaries.
+    assert!(!text.contains("quantile="), "a summary in:\n{text}");
+    for m in procmem_actors::procmem::metrics::all().filter(|m| !m.buckets.is_empty()) {
+        if text.contains(&format!("{}_count", m.name)) {
+            assert!(text.contains(&format!("{}_bucket{{", m.name)), "{}", m.name);
+        }
+    }
+    let kv_series = |name: &str| {
+        value(&text, &format!("{name}{{store=\"kv\",authority=\"host\"}}"))
+            .unwrap_or_else(|| panic!("{name} missing from:\n{text}")) as u64
+    };
+    let swap_mode = |name: &str, mode: &str| {
+        value(
+            &text,
+            &format!("{name}{{store=\"kv\",authority=\"host\",mode=\"{mode}\"}}"),
+        )
+        .unwrap_or_else(|| panic!("{name} {mode} missing")) as u64
+    };
+    // The store's series equal its own books.
+    assert_eq!(kv_series("procmem_kv_sequences"), stats.sequences as u64);
+    assert_eq!(kv_series("procmem_kv_tokens"), stats.tokens as u64);
+    assert_eq!(kv_series("procmem_kv_leased_bytes"), stats.leased_bytes);
+    assert_eq!(
+        kv_series("procmem_kv_os_resident_bytes"),
+        stats.os_resident_bytes
+    );
+    assert_eq!(kv_series("procmem_kv_prefix_query_tokens_total"), 20);
+    assert_eq!(
+        kv_series("procmem_kv_prefix_hit_tokens_total"),
+        stats.prefix_hit_tokens
+    );
+    assert_eq!(swap_mode("procmem_kv_preemptions_total", "swap"), 1);
+    assert_eq!(swap_mode("procmem_kv_preemptions_total", "recompute"), 0);
+    assert_eq!(swap_mode("procmem_kv_restores_total", "swap"), 1);
+    assert_eq!(kv_series("procmem_kv_swap_outs_total"), 1);
+    assert_eq!(kv_series("procmem_kv_swap_ins_total"), 1);
+    assert_eq!(
+        kv_series("procmem_kv_swap_out_bytes_total"),
+        stats.swap_out_bytes
+    );
+    assert!(stats.swap_out_bytes > 0 && stats.swap_in_bytes == stats.swap_out_bytes);
+    assert!(kv_series("procmem_kv_growth_map_seconds_count") > 0);
+    let usage = value(
+        &text,
+        "procmem_kv_authority_usage_ratio{store=\"kv\",authority=\"host\"}",
+    )
+    .unwrap();
+    assert!((usage - stats.leased_bytes as f64 / capacity as f64).abs() < 1e-9);
+    // Each holder's series, as the Governor's books say.
+    let holder = |name: &str, holder: &str| {
+        value(
+            &text,
+            &format!("{name}{{authority=\"host\",holder=\"{holder}\"}}"),
+        )
+        .unwrap_or_else(|| panic!("{name} {holder} missing")) as u64
+    };
+    assert_eq!(
+        holder("procmem_holder_approved_bytes", "kv"),
+        stats.leased_bytes
+    );
+    assert_eq!(holder("procmem_holder_approved_bytes", "other"), 0);
+    assert_eq!(
+        holder("procmem_holder_pressure_tickets_total", "kv"),
+        stats.tickets
+    );
+    assert!(stats.tickets >= 1);
+    assert_eq!(
+        holder("procmem_holder_pressure_freed_bytes_total", "kv"),
+        stats.freed_by_pressure
+    );
     for series in [
         "procmem_governor_capacity_bytes",
         "procmem_governor_committed_bytes",
@@ -134,6 +236,15 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
     );
     let grants = value(&text, "procmem_governor_grants_total{authority=\"host\"}").unwrap();
     assert_eq!(grants as u64, snapshot.grants);
+    // Every grant went through a reserve call, and each was timed.
+    assert_eq!(
+        value(
+            &text,
+            "procmem_governor_grant_seconds_count{authority=\"host\"}"
+        )
+        .map(|v| v as u64),
+        Some(snapshot.grants)
+    );
     assert_eq!(
         value(&text, "procmem_authority_drift_bytes{authority=\"host\"}"),
         Some(0.0)

@@ -381,6 +381,10 @@ impl fmt::Debug for Lease {
 pub struct GovernorHandle {
     pub(super) address: Arc<Address>,
     authority: AuthorityId,
+    /// The authority's name (its metrics' label).
+    name: Arc<str>,
+    /// From a reserve call to its grant.
+    grant_latency: ::metrics::Histogram,
 }
 
 impl fmt::Debug for GovernorHandle {
@@ -399,6 +403,7 @@ impl GovernorHandle {
         let mut ledger = Ledger::new();
         let authority = ledger.add_authority(config.name.clone(), config.capacity);
         let address = Arc::new(Address::new());
+        let name = config.name.clone();
         let (actor, join) = Actor::spawn(
             None,
             Governor,
@@ -406,7 +411,7 @@ impl GovernorHandle {
         )
         .await?;
         address.set(actor);
-        Ok((GovernorHandle { address, authority }, join))
+        Ok((GovernorHandle::new(address, authority, &name), join))
     }
 
     /// Spawns a Governor under a supervisor that restarts it when it dies (a panic or a kill):
@@ -428,13 +433,17 @@ impl GovernorHandle {
         config: GovernorConfig,
     ) -> Result<(Self, ractor::ActorCell), ractor::SpawnErr> {
         let address = Arc::new(Address::new());
+        let name = config.name.clone();
         let (supervisor, _) = Actor::spawn(
             None,
             super::supervisor::GovernorSupervisor,
             (ledger, authority, config, Arc::clone(&address)),
         )
         .await?;
-        Ok((GovernorHandle { address, authority }, supervisor.get_cell()))
+        Ok((
+            GovernorHandle::new(address, authority, &name),
+            supervisor.get_cell(),
+        ))
     }
 
     /// The Governor actor serving the authority now (for tests that kill it, and for
@@ -451,9 +460,23 @@ impl GovernorHandle {
         self.address.stop();
     }
 
+    fn new(address: Arc<Address>, authority: AuthorityId, name: &str) -> Self {
+        GovernorHandle {
+            address,
+            authority,
+            name: name.into(),
+            grant_latency: procmem::metrics::GOVERNOR_GRANT_SECONDS.histogram(&[name]),
+        }
+    }
+
     /// The authority it keeps the books of.
     pub fn authority(&self) -> AuthorityId {
         self.authority
+    }
+
+    /// The authority's name, as its metrics are labelled.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Registers a holder. With an inbox, it receives pressure tickets and is watched: if
@@ -487,11 +510,14 @@ impl GovernorHandle {
 
     /// Asks for a provisional grant; waits for room until the request's deadline.
     pub async fn reserve(&self, request: ReserveRequest) -> Result<Grant, GovernorError> {
-        ask(&self.address, |reply| GovernorMsg::Reserve {
+        let asked = std::time::Instant::now();
+        let grant = ask(&self.address, |reply| GovernorMsg::Reserve {
             request,
             reply,
         })
-        .await?
+        .await??;
+        self.grant_latency.record(asked.elapsed().as_secs_f64());
+        Ok(grant)
     }
 
     /// Makes the capacity credit from `upstream` (a node Governor's link): waiters beyond it

@@ -15,6 +15,7 @@ impl GovernorState {
         if result.is_ok() {
             self.address.holder_retired(holder);
             self.round.forget(holder);
+            self.metrics.sync_holders(&self.ledger, self.authority);
         }
         // Its waiting requests can never be granted: answer them now rather than let them
         // hold the queue until their deadlines.
@@ -134,6 +135,7 @@ impl GovernorState {
         for holder in dead {
             let _ = self.retire(myself, holder);
         }
+        self.metrics.sync_holders(&self.ledger, self.authority);
         let (_, provisional, leased) = self.ledger.totals(self.authority).unwrap_or_default();
         match self.ledger.check_invariants() {
             Ok(()) => tracing::info!(
@@ -329,7 +331,7 @@ impl GovernorState {
                 .is_some_and(|inbox| inbox.send_message(ticket).is_ok());
             if sent {
                 self.tickets_sent += 1;
-                self.metrics.tickets.increment(1);
+                self.metrics.ticket_sent(holder);
                 tracing::debug!(%holder, ticket = id.get(), wanted, "pressure ticket sent");
                 let timer = myself.send_after(deadline.saturating_duration_since(now), move || {
                     GovernorMsg::TicketDeadline { ticket: id }
@@ -372,5 +374,6 @@ impl GovernorState {
         let credit = self.ledger.credit_bytes(self.authority);
         self.metrics
             .publish(capacity, provisional, leased, credit, self.waiters.len());
+        self.metrics.publish_holders(&self.ledger);
     }
 }

@@ -98,6 +98,7 @@ impl KvStoreState {
         let holder = self.holder;
         let buffers = self.config.shape.buffers() as u64;
         let priority = self.config.priority;
+        let latency = self.metrics.growth_map.clone();
         tokio::spawn(async move {
             for (seq, writer, per) in seqs {
                 let bytes = per.saturating_mul(buffers);
@@ -120,10 +121,10 @@ impl KvStoreState {
                 let Ok(lease) = grant.commit(bytes).await else {
                     continue;
                 };
-                let memory = memory.clone();
+                let (memory, latency) = (memory.clone(), latency.clone());
                 let _ = tokio::task::spawn_blocking(move || {
                     if let Some(memory) = memory.upgrade() {
-                        memory.map_ahead(seq, writer, per, lease);
+                        memory.map_ahead(seq, writer, per, lease, &latency);
                     }
                 })
                 .await;

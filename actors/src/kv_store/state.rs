@@ -331,6 +331,7 @@ impl KvStoreState {
                     }
                     if let Some(block) = self.prefixes.remove(key) {
                         freed += block.bytes;
+                        self.stats.prefix_blocks_evicted += 1;
                     }
                 }
                 Victim::Sequence(id) => {
@@ -361,6 +362,7 @@ impl KvStoreState {
                 }
                 if let Some(block) = self.prefixes.remove(key) {
                     freed += block.bytes;
+                    self.stats.prefix_blocks_evicted += 1;
                 }
             }
         }
@@ -450,8 +452,10 @@ impl KvStoreState {
             Some(saved) if !self.device.is_host() => {
                 // The sequence's kernels have finished: the rows are copied out now, and the
                 // memory goes after the stream's queued work (nothing of it uses this memory).
-                saved.copy()(&out.memory.seq);
+                saved.copy(self.metrics.swap_out.clone())(&out.memory.seq);
                 if saved.copied() {
+                    self.stats.swap_outs += 1;
+                    self.stats.swap_out_bytes += saved.bytes();
                     entry.saved = Some(saved);
                 } else {
                     self.stats.swap_fallbacks += 1;
@@ -462,12 +466,14 @@ impl KvStoreState {
             Some(mut saved) => {
                 // The copy out is a kernel on the stream, which frees the memory once the
                 // rows are out.
-                let copy = saved.copy();
+                let copy = saved.copy(self.metrics.swap_out.clone());
                 match self.stream.submit_host(move || {
                     copy(&out.memory.seq);
                     drop(out);
                 }) {
                     Ok(fence) => {
+                        self.stats.swap_outs += 1;
+                        self.stats.swap_out_bytes += saved.bytes();
                         saved.fence = Some(fence);
                         entry.last_fence = Some(fence);
                         pending = bytes;
@@ -492,11 +498,35 @@ impl KvStoreState {
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
         self.stats.preemptions += 1;
+        match mode {
+            PreemptMode::Swap => self.stats.preempted_by_swap += 1,
+            PreemptMode::Recompute => self.stats.preempted_by_recompute += 1,
+        }
         Taken {
             freed,
             called_off_step,
             pending,
         }
+    }
+
+    /// After a message: publishes the metrics when due, else makes sure they are soon.
+    pub(super) async fn changed(&mut self, myself: &ActorRef<KvStoreMsg>) {
+        if self.metrics.due(tokio::time::Instant::now()) {
+            self.publish().await;
+        } else if !self.metrics.armed {
+            self.metrics.armed = true;
+            myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
+        }
+    }
+
+    /// Publishes the metrics now.
+    pub(super) async fn publish(&mut self) {
+        let stats = self.stats();
+        let capacity = match self.governor.snapshot().await {
+            Ok(s) => s.books.capacity,
+            Err(_) => 0,
+        };
+        self.metrics.publish(&stats, capacity);
     }
 
     pub(super) fn stats(&self) -> KvStoreStats {

@@ -62,7 +62,14 @@ impl StepMemory {
     /// after the step's, paid for by `lease`, unless that was done already or the sequence's
     /// growth changed meanwhile (then the lease goes back). Blocks while a host kernel holds
     /// the memory.
-    pub(super) fn map_ahead(&self, seq: SeqId, writer: Writer, per: u64, lease: Lease) {
+    pub(super) fn map_ahead(
+        &self,
+        seq: SeqId,
+        writer: Writer,
+        per: u64,
+        lease: Lease,
+        latency: &::metrics::Histogram,
+    ) {
         let mut seqs = self.lock();
         let Some(s) = seqs.iter_mut().find(|s| s.seq == seq && s.writer == writer) else {
             return;
@@ -71,7 +78,7 @@ impl StepMemory {
             return;
         }
         // The lease was committed before this maps: the books never trail the memory.
-        match s.memory.map_growth(per) {
+        match super::metrics::timed(latency, || s.memory.map_growth(per)) {
             Ok(growth) => {
                 s.charge.add(lease);
                 s.ahead = Some(growth);

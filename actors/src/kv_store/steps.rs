@@ -37,6 +37,7 @@ impl KvStoreState {
         // of the same prompt meanwhile shares nothing from them on instead of making them
         // again.
         let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
+        self.stats.prefix_query_tokens += prompt.len() as u64;
         let new_keys = lookup.claimed;
         let entry = SeqEntry {
             memory: Some(memory),
@@ -265,7 +266,7 @@ impl KvStoreState {
             if *per == 0 {
                 continue;
             }
-            match memory.map_growth(*per) {
+            match metrics::timed(&self.metrics.growth_map, || memory.map_growth(*per)) {
                 Ok(g) => mapped.push((*seq, g)),
                 Err(e) => {
                     failure = Some(e.into());
@@ -391,6 +392,8 @@ impl KvStoreState {
                 // Nothing was kept (or nothing to keep): the sequence starts again, empty.
                 entry.memory = Some(memory);
                 self.table.end_restore(seq, writer, true);
+                self.stats.restores_recomputed += 1;
+                self.stats.replayed_tokens += tokens as u64;
                 let _ = reply.send(Ok(Restored::Recompute { tokens }));
                 return;
             }
@@ -442,8 +445,9 @@ impl KvStoreState {
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
+        let (growth_map, swap_in) = (&self.metrics.growth_map, &self.metrics.swap_in);
         let result: Result<(), KvStoreError> = async {
-            let growth = memory.map_growth(per_buffer)?;
+            let growth = metrics::timed(growth_map, || memory.map_growth(per_buffer))?;
             match grant.commit(growth.bytes()).await {
                 Ok(lease) => entry.charge.add(lease),
                 Err(refused) => {
@@ -452,7 +456,7 @@ impl KvStoreState {
                 }
             }
             memory.publish(growth);
-            saved.restore_into(memory)?;
+            metrics::timed(swap_in, || saved.restore_into(memory))?;
             for _ in 0..tokens {
                 memory.advance()?;
             }
@@ -461,6 +465,9 @@ impl KvStoreState {
         .await;
         match result {
             Ok(()) => {
+                self.stats.swap_ins += 1;
+                self.stats.swap_in_bytes += saved.bytes();
+                self.stats.restores_swapped += 1;
                 // The copy and what pays for it in the swap space go before the answer.
                 drop(saved);
                 self.table.end_restore(seq, writer, true);

@@ -160,10 +160,14 @@ impl Saved {
 
     /// The copy out, to run as a kernel once `memory` is no longer used: every buffer's rows
     /// into the place reserved. It records whether it succeeded.
-    pub(super) fn copy(&self) -> impl FnOnce(&KvSequence) + Send + 'static {
+    pub(super) fn copy(
+        &self,
+        latency: ::metrics::Histogram,
+    ) -> impl FnOnce(&KvSequence) + Send + 'static {
         let (place, copied) = (Arc::clone(&self.place), Arc::clone(&self.copied));
         let (per_buffer, buffers) = (self.per_buffer, self.buffers);
         move |memory: &KvSequence| {
+            let start = std::time::Instant::now();
             let tokens = (per_buffer / memory.shape().token_bytes()) as usize;
             let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
             // Rows are read with the buffer's own copy (a memcpy on the host, a
@@ -197,6 +201,7 @@ impl Saved {
                 }
             });
             copied.store(ok, Ordering::Release);
+            latency.record(start.elapsed().as_secs_f64());
         }
     }
 

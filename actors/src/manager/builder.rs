@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use procmem::{DeviceKey, MemoryTier};
 use ractor::{Actor, ActorCell};
 use tokio::task::JoinHandle;
@@ -249,10 +249,15 @@ pub(crate) fn install_metrics(
     addr: SocketAddr,
 ) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
     let metrics_error = |why: String| ManagerError::Metrics { addr, why };
-    let (recorder, exporter) = PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .build()
-        .map_err(|e| metrics_error(e.to_string()))?;
+    // Every latency is a histogram with buckets for its range (summaries cannot be summed
+    // across processes).
+    let mut builder = PrometheusBuilder::new().with_http_listener(addr);
+    for m in procmem::metrics::all().filter(|m| !m.buckets.is_empty()) {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)
+            .map_err(|e| metrics_error(e.to_string()))?;
+    }
+    let (recorder, exporter) = builder.build().map_err(|e| metrics_error(e.to_string()))?;
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
     procmem::metrics::describe_all();

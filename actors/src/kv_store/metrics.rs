@@ -1,0 +1,121 @@
+//! The store's series: gauges and counters mirror [`KvStoreStats`] (so the endpoint and
+//! `KvStoreHandle::stats` agree), published at most every [`EVERY`] and once more after
+//! the last change; latencies are recorded where they happen.
+
+use ::metrics::{Counter, Gauge, Histogram};
+use procmem::metrics::{
+    KV_AUTHORITY_USAGE_RATIO, KV_GROWTH_MAP_SECONDS, KV_LEASED_BYTES, KV_OS_RESIDENT_BYTES,
+    KV_PREEMPTED_SEQUENCES, KV_PREEMPTIONS_TOTAL, KV_PREFIX_BLOCKS_EVICTED_TOTAL,
+    KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL, KV_REPLAYED_TOKENS_TOTAL,
+    KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL,
+    KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
+};
+use tokio::time::{Duration, Instant};
+
+use super::KvStoreStats;
+
+/// How often at most the gauges and counters are published.
+pub(super) const EVERY: Duration = Duration::from_millis(100);
+
+pub(super) struct KvMetrics {
+    sequences: Gauge,
+    preempted: Gauge,
+    tokens: Gauge,
+    leased: Gauge,
+    os_resident: Gauge,
+    usage: Gauge,
+    swapped: Gauge,
+    prefix_queries: Counter,
+    prefix_hits: Counter,
+    evicted: Counter,
+    preempted_swap: Counter,
+    preempted_recompute: Counter,
+    swap_outs: Counter,
+    swap_out_bytes: Counter,
+    swap_ins: Counter,
+    swap_in_bytes: Counter,
+    restored_swap: Counter,
+    restored_recompute: Counter,
+    replayed: Counter,
+    /// One sequence's growth mapped.
+    pub(super) growth_map: Histogram,
+    /// One sequence copied out to the swap space.
+    pub(super) swap_out: Histogram,
+    /// One sequence copied back.
+    pub(super) swap_in: Histogram,
+    /// When the series were last published.
+    pub(super) last: Option<Instant>,
+    /// Whether a publish is scheduled.
+    pub(super) armed: bool,
+}
+
+impl KvMetrics {
+    pub(super) fn new(store: &str, authority: &str) -> Self {
+        let l = [store, authority];
+        KvMetrics {
+            sequences: KV_SEQUENCES.gauge(&l),
+            preempted: KV_PREEMPTED_SEQUENCES.gauge(&l),
+            tokens: KV_TOKENS.gauge(&l),
+            leased: KV_LEASED_BYTES.gauge(&l),
+            os_resident: KV_OS_RESIDENT_BYTES.gauge(&l),
+            usage: KV_AUTHORITY_USAGE_RATIO.gauge(&l),
+            swapped: KV_SWAPPED_BYTES.gauge(&l),
+            prefix_queries: KV_PREFIX_QUERY_TOKENS_TOTAL.counter(&l),
+            prefix_hits: KV_PREFIX_HIT_TOKENS_TOTAL.counter(&l),
+            evicted: KV_PREFIX_BLOCKS_EVICTED_TOTAL.counter(&l),
+            preempted_swap: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "swap"]),
+            preempted_recompute: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "recompute"]),
+            swap_outs: KV_SWAP_OUTS_TOTAL.counter(&l),
+            swap_out_bytes: KV_SWAP_OUT_BYTES_TOTAL.counter(&l),
+            swap_ins: KV_SWAP_INS_TOTAL.counter(&l),
+            swap_in_bytes: KV_SWAP_IN_BYTES_TOTAL.counter(&l),
+            restored_swap: KV_RESTORES_TOTAL.counter(&[store, authority, "swap"]),
+            restored_recompute: KV_RESTORES_TOTAL.counter(&[store, authority, "recompute"]),
+            replayed: KV_REPLAYED_TOKENS_TOTAL.counter(&l),
+            growth_map: KV_GROWTH_MAP_SECONDS.histogram(&l),
+            swap_out: KV_SWAP_SECONDS.histogram(&[store, authority, "out"]),
+            swap_in: KV_SWAP_SECONDS.histogram(&[store, authority, "in"]),
+            last: None,
+            armed: false,
+        }
+    }
+
+    /// Sets every series from `s`; `capacity` is the authority's (0 when unknown).
+    pub(super) fn publish(&mut self, s: &KvStoreStats, capacity: u64) {
+        self.last = Some(Instant::now());
+        self.sequences.set(s.sequences as f64);
+        self.preempted.set(s.preempted as f64);
+        self.tokens.set(s.tokens as f64);
+        self.leased.set(s.leased_bytes as f64);
+        self.os_resident.set(s.os_resident_bytes as f64);
+        if capacity > 0 {
+            self.usage.set(s.leased_bytes as f64 / capacity as f64);
+        }
+        self.swapped.set(s.swapped_bytes as f64);
+        self.prefix_queries.absolute(s.prefix_query_tokens);
+        self.prefix_hits.absolute(s.prefix_hit_tokens);
+        self.evicted.absolute(s.prefix_blocks_evicted);
+        self.preempted_swap.absolute(s.preempted_by_swap);
+        self.preempted_recompute.absolute(s.preempted_by_recompute);
+        self.swap_outs.absolute(s.swap_outs);
+        self.swap_out_bytes.absolute(s.swap_out_bytes);
+        self.swap_ins.absolute(s.swap_ins);
+        self.swap_in_bytes.absolute(s.swap_in_bytes);
+        self.restored_swap.absolute(s.restores_swapped);
+        self.restored_recompute.absolute(s.restores_recomputed);
+        self.replayed.absolute(s.replayed_tokens);
+    }
+
+    /// Whether the series are due now (else a publish is scheduled for later).
+    pub(super) fn due(&self, now: Instant) -> bool {
+        self.last.is_none_or(|t| now.duration_since(t) >= EVERY)
+    }
+}
+
+/// Times `f` into `latency`.
+pub(super) fn timed<T>(latency: &Histogram, f: impl FnOnce() -> T) -> T {
+    let start = std::time::Instant::now();
+    let out = f();
+    latency.record(start.elapsed().as_secs_f64());
+    out
+}
