@@ -760,16 +760,6 @@ async fn serve(args: Args) -> Result<(), String> {
     let kv_stats = kv.stats().await.map_err(|e| e.to_string())?;
     let w_stats = weights.stats().await.map_err(|e| e.to_string())?;
     let books = memory.books().await;
-    if args.linger > 0 {
-        println!("lingering {} s to keep serving metrics", args.linger);
-        tokio::time::sleep(Duration::from_secs(args.linger)).await;
-    }
-    let report = memory.shutdown().await.map_err(|e| e.to_string())?;
-    if let Some(node) = node {
-        // Everything is freed: the credit goes back to the node.
-        node.leave().await;
-    }
-
     println!();
     println!("summary");
     println!(
@@ -851,13 +841,23 @@ async fn serve(args: Args) -> Result<(), String> {
             total - free
         );
     }
+    println!("  {:<34} {:>14.1}", "wall seconds", elapsed.as_secs_f64());
+    if args.linger > 0 {
+        // The summary above is what the endpoint serves meanwhile (memtop shows it).
+        println!("lingering {} s to keep serving metrics", args.linger);
+        tokio::time::sleep(Duration::from_secs(args.linger)).await;
+    }
+    let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+    if let Some(node) = node {
+        // Everything is freed: the credit goes back to the node.
+        node.leave().await;
+    }
     println!("  {:<34} {:>14}", "deferred frees", report.deferred_frees);
     println!(
         "  {:<34} {:>14}",
         "books after shutdown",
         if report.is_zero() { "zero" } else { "NOT ZERO" }
     );
-    println!("  {:<34} {:>14.1}", "wall seconds", elapsed.as_secs_f64());
     Ok(())
 }
 
