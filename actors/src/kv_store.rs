@@ -41,6 +41,7 @@ use device::KvDevice;
 pub use device::KvStream;
 pub use step::{KvStep, StepKv};
 use step::{StepMemory, StepSeq};
+pub(crate) use swap::default_disk_dir;
 use swap::{Saved, Space};
 pub use swap::{SwapKind, SwapSpace};
 

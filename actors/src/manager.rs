@@ -305,7 +305,8 @@ impl MemoryManager {
     /// Starts model residency whose weights live on `device`, charged to that device's
     /// authority. On a GPU whose memory is an authority of its own, offloaded layers go to
     /// the host tier (charged to the host authority); on the host, or where the device's
-    /// memory is the host's, nothing is offloaded (a host copy would free nothing).
+    /// memory is the host's, they go to an unlinked file on disk (a host copy would free
+    /// nothing).
     pub async fn residency_on(
         &self,
         device: DeviceKey,

@@ -1,5 +1,5 @@
 //! Model-weight residency: a holder actor keeping each layer's weights in device memory and
-//! offloading cold, unpinned layers to the host tier under pressure. The copy out runs on the
+//! offloading cold, unpinned layers to a lower tier under pressure. The copy out runs on the
 //! execution provider's stream and the device copy is freed only after that copy's fence;
 //! a layer is reloaded before it is used again.
 //!
@@ -10,14 +10,14 @@
 //! or a free waits for it. On a GPU the copy out is a device-to-host copy made once the
 //! layer's recorded fences have completed.
 //!
-//! Offloaded copies are charged to the host tier's Governor. Without one there is nowhere
-//! budgeted to put them, and where the device is the host itself (aliased tiers, one
-//! authority: the host provider) a copy in host memory would take exactly what the offload
-//! gives back, so residency then offloads nothing and answers pressure with nothing; the
-//! other holders (the KV store) give way. A host tier that is the device's own authority is
-//! refused at start.
+//! Offloaded copies go to the host tier, charged to its Governor, where one is given; without
+//! one (the host backend, where the device is host memory and a host copy would take exactly
+//! what the offload gives back) they go to an unlinked file on disk (`PROCMEM_SWAP_DIR`, else
+//! `/var/tmp`), as swapped KV does. A reload that finds too little room first offloads the
+//! residency's own coldest layers, so one layer's reload never waits on a ticket to itself. A
+//! host tier that is the device's own authority is refused at start.
 
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::fenced::RecordUse;
@@ -29,13 +29,14 @@ use tokio::time::{Duration, Instant};
 use crate::buffer::{BufferView, DeviceBuffer};
 use crate::cuda_provider::CudaStreamHandle;
 use crate::device_provider::DeviceProvider;
-use crate::governor::{GovernorHandle, Lease, ReserveRequest};
+use crate::governor::GovernorHandle;
 use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::provider::ProviderError;
 use crate::stream::completed_within;
 
 mod metrics;
+mod offload;
 
 /// How to start model residency.
 #[derive(Debug, Clone)]
@@ -75,6 +76,10 @@ pub enum ResidencyError {
     /// A Governor refused to register the holder at startup.
     #[error("model residency could not register with its Governor: {0}")]
     Register(#[from] crate::governor::GovernorError),
+    /// An offloaded layer's copy failed or did not finish in time: its weights are gone, and
+    /// it must be loaded again.
+    #[error("the offloaded copy of layer {0} was lost; load it again")]
+    CopyLost(usize),
     /// The host tier given is the device's own authority: offloading there frees nothing.
     #[error("the host tier is the device's own authority; offloading there frees nothing")]
     HostAliased,
@@ -98,6 +103,8 @@ pub enum Placement {
     Device,
     /// Offloaded to the host tier.
     Host,
+    /// Offloaded to a file on disk.
+    Disk,
 }
 
 /// Residency at one moment.
@@ -109,7 +116,7 @@ pub struct ResidencyStats {
     pub offloaded_layers: usize,
     /// Device bytes charged.
     pub device_bytes: u64,
-    /// Host-tier bytes held.
+    /// Bytes of the offloaded copies (host tier or disk).
     pub offloaded_bytes: u64,
     /// Offloads so far.
     pub offloads: u64,
@@ -179,12 +186,8 @@ crate::holder_mailbox!(ResidencyMsg::Ticket);
 
 enum Slot {
     Device(DeviceBuffer),
-    /// The host copy, filled by the copy kernel; its host-tier lease (if one was charged)
-    /// is released when the copy goes.
-    Host {
-        copy: Arc<Mutex<Vec<u8>>>,
-        _lease: Option<Lease>,
-    },
+    /// Offloaded: the copy (and what pays for it) goes once the layer is back.
+    Away(offload::Offloaded),
 }
 
 struct Layer {
@@ -202,6 +205,8 @@ pub(crate) struct ResidencyState {
     holder: HolderId,
     host_holder: Option<HolderId>,
     layers: Vec<Option<Layer>>,
+    /// Where copies go without a host tier.
+    disk_dir: PathBuf,
     clock: u64,
     stats: ResidencyStats,
     metrics: metrics::ResidencyMetrics,
@@ -217,8 +222,8 @@ pub struct ResidencyArgs {
     pub config: ResidencyConfig,
     /// The device tier's Governor.
     pub device: GovernorHandle,
-    /// The host tier's Governor, which offloaded copies are charged to; `None` (or the device
-    /// itself being host memory) means nothing is offloaded.
+    /// The host tier's Governor, which offloaded copies are charged to; `None` sends them to
+    /// an unlinked file on disk.
     pub host: Option<GovernorHandle>,
     /// The execution provider that holds device memory and runs copies (a `CpuProvider`
     /// or a `CudaProvider`, `.into()`).
@@ -272,6 +277,7 @@ impl Actor for ModelResidency {
             holder,
             host_holder,
             layers: Vec::new(),
+            disk_dir: crate::kv_store::default_disk_dir(),
             clock: 0,
             stats: ResidencyStats::default(),
             metrics,
@@ -306,15 +312,15 @@ impl Actor for ModelResidency {
                 let _ = reply.send(result);
             }
             ResidencyMsg::Placement { layer, reply } => {
-                let placement =
-                    state
-                        .layers
-                        .get(layer)
-                        .and_then(Option::as_ref)
-                        .map(|l| match l.slot {
-                            Slot::Device(_) => Placement::Device,
-                            Slot::Host { .. } => Placement::Host,
-                        });
+                let placement = state
+                    .layers
+                    .get(layer)
+                    .and_then(Option::as_ref)
+                    .map(|l| match &l.slot {
+                        Slot::Device(_) => Placement::Device,
+                        Slot::Away(a) if a.on_disk() => Placement::Disk,
+                        Slot::Away(_) => Placement::Host,
+                    });
                 let _ = reply.send(Ok(placement));
             }
             ResidencyMsg::Stats { reply } => {
@@ -362,6 +368,7 @@ impl ResidencyState {
                 max: MAX_LAYERS,
             });
         }
+        self.make_room(weights.len() as u64, layer).await;
         let buffer = self.device_buffer(weights).await?;
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);
@@ -374,32 +381,47 @@ impl ResidencyState {
         Ok(())
     }
 
+    /// With too little room for `need` bytes, this residency's own coldest layers (other than
+    /// `keep`) go first: a ticket the Governor sent for this load would come back to this
+    /// busy actor.
+    async fn make_room(&mut self, need: u64, keep: usize) {
+        let free = match self.device.snapshot().await {
+            Ok(s) => s.books.free(),
+            Err(_) => return,
+        };
+        if free < need {
+            self.offload(need - free, Some(keep)).await;
+        }
+    }
+
     /// The layer's device buffer, reloaded first if it was offloaded.
     async fn resident(&mut self, layer: usize) -> Result<&mut DeviceBuffer, ResidencyError> {
         let clock = self.clock;
-        let reload = match self.layers.get(layer).and_then(Option::as_ref) {
+        let bytes = match self.layers.get(layer).and_then(Option::as_ref) {
             None => return Err(ResidencyError::NoSuchLayer(layer)),
             Some(Layer {
-                slot: Slot::Host { copy, .. },
+                slot: Slot::Away(away),
                 ..
-            }) => Some(copy.lock().unwrap_or_else(|p| p.into_inner()).clone()),
+            }) => Some(self.copy_back(layer, away).await?),
             Some(_) => None,
         };
-        if let Some(bytes) = reload {
+        if let Some(bytes) = bytes {
             let started = Instant::now();
+            let need = bytes.len() as u64;
+            self.make_room(need, layer).await;
             let buffer = self.device_buffer(&bytes).await?;
             let entry = self.layers[layer].as_mut().expect("checked");
-            // The host copy and its lease go once the device copy exists.
+            // The copy and its lease go once the device copy exists.
             entry.slot = Slot::Device(buffer);
             self.stats.reloads += 1;
-            self.stats.reload_bytes_total += bytes.len() as u64;
+            self.stats.reload_bytes_total += need;
             self.metrics.reload.record(started.elapsed().as_secs_f64());
         }
         let entry = self.layers[layer].as_mut().expect("checked");
         entry.last_used = clock;
         match &mut entry.slot {
             Slot::Device(buffer) => Ok(buffer),
-            Slot::Host { .. } => unreachable!("reloaded above"),
+            Slot::Away(_) => unreachable!("reloaded above"),
         }
     }
 
@@ -438,109 +460,6 @@ impl ResidencyState {
         Ok(fence)
     }
 
-    /// Offloads cold, unpinned layers (least recently used first) until the wanted bytes are
-    /// covered. Each copy out runs on the stream; the device buffer is dropped right after
-    /// queuing it, so its memory is freed (and refunded) once the copy's fence completes.
-    async fn answer(&mut self, ticket: PressureTicket) {
-        tracing::debug!(
-            ticket = ticket.id.get(),
-            wanted = ticket.bytes_wanted,
-            "residency answering a pressure ticket"
-        );
-        if self.host.is_none() {
-            // Nowhere budgeted to put a copy: nothing is offloaded.
-            ticket.report(0, 0);
-            return;
-        }
-        let mut candidates: Vec<(u64, usize, u64)> = self
-            .layers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, l)| match l {
-                Some(Layer {
-                    slot: Slot::Device(b),
-                    pinned: false,
-                    last_used,
-                }) => Some((*last_used, i, b.charged_bytes())),
-                _ => None,
-            })
-            .collect();
-        candidates.sort();
-        let mut pending = 0;
-        for (_, layer, bytes) in candidates {
-            if pending >= ticket.bytes_wanted {
-                break;
-            }
-            let started = Instant::now();
-            let host_lease = match (&self.host, self.host_holder) {
-                (Some(host), Some(holder)) => {
-                    let request = ReserveRequest {
-                        holder,
-                        role: MemoryRole::Weights,
-                        bytes,
-                        priority: self.config.priority,
-                        deadline: None,
-                    };
-                    match host.reserve(request).await {
-                        Ok(grant) => grant.commit(bytes).await.ok(),
-                        // No room in the host tier: this layer stays where it is.
-                        Err(_) => continue,
-                    }
-                }
-                _ => None,
-            };
-            let entry = self.layers[layer].as_mut().expect("candidate exists");
-            let Slot::Device(buffer) = &entry.slot else {
-                continue;
-            };
-            let copy = Arc::new(Mutex::new(Vec::new()));
-            match &self.provider {
-                DeviceProvider::Host(provider) => {
-                    // The copy out is a kernel on the stream; the buffer is freed after it.
-                    let sink = Arc::clone(&copy);
-                    let queued = provider.stream(0).map(|s| {
-                        s.submit_reading(&[buffer], move |bytes| {
-                            sink.lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .extend_from_slice(bytes[0]);
-                        })
-                    });
-                    if !matches!(queued, Ok(Ok(_))) {
-                        continue;
-                    }
-                }
-                DeviceProvider::Cuda(provider) => {
-                    // The server's kernels over it must be done before a device-to-host copy.
-                    let Ok(stream) = provider.stream(0) else {
-                        continue;
-                    };
-                    if !idle(buffer, stream, self.config.wait).await {
-                        continue;
-                    }
-                    let mut bytes = vec![0u8; buffer.len() as usize];
-                    let allocator = self.provider.allocator();
-                    if allocator
-                        .read(buffer.allocation_handle(), 0, &mut bytes)
-                        .is_err()
-                    {
-                        continue;
-                    }
-                    *copy.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
-                }
-            }
-            // Dropping the device buffer queues it for free after the copy's fence.
-            entry.slot = Slot::Host {
-                copy,
-                _lease: host_lease,
-            };
-            pending += bytes;
-            self.stats.offloads += 1;
-            self.stats.offload_bytes_total += bytes;
-            self.metrics.offload.record(started.elapsed().as_secs_f64());
-        }
-        ticket.report(0, pending);
-    }
-
     fn stats(&self) -> ResidencyStats {
         let mut s = self.stats.clone();
         for l in self.layers.iter().flatten() {
@@ -549,10 +468,9 @@ impl ResidencyState {
                     s.resident_layers += 1;
                     s.device_bytes += b.charged_bytes();
                 }
-                Slot::Host { copy, .. } => {
+                Slot::Away(away) => {
                     s.offloaded_layers += 1;
-                    s.offloaded_bytes +=
-                        copy.lock().unwrap_or_else(|p| p.into_inner()).len() as u64;
+                    s.offloaded_bytes += away.bytes();
                 }
             }
         }

@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod gguf;
+mod quant;
 pub mod serve;
 pub mod smollm;
 pub mod tokenizer;

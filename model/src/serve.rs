@@ -57,7 +57,13 @@ pub struct RunStats {
     pub offloads: u64,
     /// Layers reloaded.
     pub reloads: u64,
+    /// Steps of a lone sequence that did not get room by their deadline and were tried again.
+    pub retries: u64,
 }
+
+/// Times in a row a lone sequence's step is tried again after its deadline passed without
+/// room, before the run fails with that error (the budget cannot hold it).
+const LONELY_RETRIES: u32 = 3;
 
 /// A model served over one manager's KV store and residency.
 pub struct Engine {
@@ -160,6 +166,8 @@ impl Engine {
         let most = concurrency.max(1);
         let mut limit = most;
         let mut calm = 0u32;
+        // Steps of a lone sequence refused in a row.
+        let mut lonely = 0u32;
         while !(waiting.is_empty() && active.is_empty() && parked.is_empty()) {
             // Preempted sequences come back first, oldest first.
             while active.len() < limit {
@@ -207,6 +215,7 @@ impl Engine {
             match decode_step(&self.model, &self.weights, &self.kv, self.shape, &batch).await {
                 Ok(logits) => {
                     stats.steps += 1;
+                    lonely = 0;
                     calm += 1;
                     if calm >= 16 && limit < most {
                         limit += 1;
@@ -253,6 +262,14 @@ impl Engine {
                     r.pos = 0;
                     stats.shed += 1;
                     waiting.push_front(r);
+                }
+                Err(ModelError::Prepare(KvStoreError::Governor(
+                    GovernorError::DeadlineExpired(_),
+                ))) if lonely < LONELY_RETRIES => {
+                    // One sequence alone did not get room by its deadline: holders may still
+                    // be freeing (a swap's copy, a fence), so it tries again, a few times.
+                    lonely += 1;
+                    stats.retries += 1;
                 }
                 Err(e) => return Err(e),
             }

@@ -13,6 +13,7 @@ use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::{KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
+use crate::quant::project;
 use crate::ModelError;
 
 fn cerr(e: candle_core::Error) -> ModelError {
@@ -167,9 +168,9 @@ impl Smol {
     ) -> Result<Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>, ModelError> {
         let s = &self.slots[layer];
         let h = self.rms(x, &dense(bytes, &s[0])?)?;
-        let q = matmul(bytes, &s[1])?.forward(&h).map_err(cerr)?;
-        let k = matmul(bytes, &s[2])?.forward(&h).map_err(cerr)?;
-        let v = matmul(bytes, &s[3])?.forward(&h).map_err(cerr)?;
+        let q = project(bytes, &s[1], &h)?;
+        let k = project(bytes, &s[2], &h)?;
+        let v = project(bytes, &s[3], &h)?;
         let c = &self.config;
         let mut out = Vec::with_capacity(positions.len());
         for (i, &pos) in positions.iter().enumerate() {
@@ -198,12 +199,12 @@ impl Smol {
         let rows = attended.len();
         let flat: Vec<f32> = attended.into_iter().flatten().collect();
         let a = Tensor::from_vec(flat, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
-        let x = (matmul(bytes, &s[4])?.forward(&a).map_err(cerr)? + x).map_err(cerr)?;
+        let x = (project(bytes, &s[4], &a)? + x).map_err(cerr)?;
         let h = self.rms(&x, &dense(bytes, &s[5])?)?;
-        let gate = matmul(bytes, &s[6])?.forward(&h).map_err(cerr)?;
-        let up = matmul(bytes, &s[7])?.forward(&h).map_err(cerr)?;
+        let gate = project(bytes, &s[6], &h)?;
+        let up = project(bytes, &s[7], &h)?;
         let act = (candle_nn::ops::silu(&gate).map_err(cerr)? * up).map_err(cerr)?;
-        let down = matmul(bytes, &s[8])?.forward(&act).map_err(cerr)?;
+        let down = project(bytes, &s[8], &act)?;
         (down + x).map_err(cerr)
     }
 

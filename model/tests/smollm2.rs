@@ -50,19 +50,28 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
     // Peak KV demand: 4 sequences of prompt + new tokens at once.
     let longest = prompts.iter().map(Vec::len).max().unwrap() + 32;
     let peak_kv = 4 * longest as u64 * shape.token_bytes() * shape.buffers() as u64;
-    for preempt in [PreemptMode::Swap, PreemptMode::Recompute] {
-        // The weights and half the peak KV demand of 4 sequences (room for two; 3/8, room
-        // for one and a half, once failed a step's grant under a loaded machine):
-        // cached prefixes are evicted and sequences preempted. (Host weights have no lower
-        // tier to be offloaded to: on the host backend they stay.)
-        let budget = weights + peak_kv / 2;
+    // The weights and half the peak KV demand of 4 sequences (room for two; 3/8, room for
+    // one and a half, once failed a step's grant under a loaded machine): cached prefixes are
+    // evicted and sequences preempted. Then three quarters of the weights beside it: layers
+    // cycle through disk (offloaded, reloaded) every step as well.
+    for (preempt, weight_share) in [
+        (PreemptMode::Swap, 4),
+        (PreemptMode::Recompute, 4),
+        (PreemptMode::Swap, 3),
+    ] {
+        let budget = weights * weight_share / 4 + peak_kv / 2;
         let (pressed, stats) = ours_n(Some(budget), preempt, &prompts, 32).await;
         eprintln!(
-            "real_model_pressure ({preempt:?}): budget {budget} B of {} B; {stats:?}",
+            "real_model_pressure ({preempt:?}, {weight_share}/4 of the weights): budget \
+             {budget} B of {} B; {stats:?}",
             weights + peak_kv
         );
         for (a, b) in free.iter().zip(&pressed) {
             assert_eq!(a.tokens, b.tokens, "request {} under {preempt:?}", a.id);
+        }
+        assert!(stats.preemptions > 0, "{stats:?}");
+        if weight_share < 4 {
+            assert!(stats.offloads > 0 && stats.reloads > 0, "{stats:?}");
         }
     }
 }

@@ -200,21 +200,21 @@ pub const RESIDENCY_LAYERS: Metric = metric(
     RESIDENCY_PLACEMENT,
     "Layers of a model residency, by placement (device or host).",
 );
-/// Layers offloaded to the host tier under pressure.
+/// Layers offloaded to the host tier or disk under pressure.
 pub const RESIDENCY_OFFLOADS_TOTAL: Metric = metric(
     "procmem_residency_offloads_total",
     Kind::Counter,
     Unit::Count,
     RESIDENCY,
-    "Layers offloaded to the host tier under pressure.",
+    "Layers offloaded to the host tier or disk under pressure.",
 );
-/// Bytes of layers offloaded to the host tier.
+/// Bytes of layers offloaded to the host tier or disk.
 pub const RESIDENCY_OFFLOAD_BYTES_TOTAL: Metric = metric(
     "procmem_residency_offload_bytes_total",
     Kind::Counter,
     Unit::Bytes,
     RESIDENCY,
-    "Bytes of layers offloaded to the host tier.",
+    "Bytes of layers offloaded to the host tier or disk.",
 );
 /// Offloaded layers reloaded into device memory before use.
 pub const RESIDENCY_RELOADS_TOTAL: Metric = metric(
@@ -232,11 +232,11 @@ pub const RESIDENCY_RELOAD_BYTES_TOTAL: Metric = metric(
     RESIDENCY,
     "Bytes of layers reloaded into device memory.",
 );
-/// Latency of one layer's offload (room in the host tier, then the copy out queued).
+/// Latency of one layer's offload (room in the lower tier, then the copy out queued).
 pub const RESIDENCY_OFFLOAD_SECONDS: Metric = latency(
     "procmem_residency_offload_seconds",
     RESIDENCY,
-    "Latency of one layer's offload (room in the host tier, then the copy out queued).",
+    "Latency of one layer's offload (room in the lower tier, then the copy out queued).",
     MILLISECONDS,
 );
 /// Latency of one layer's reload (room on the device, then the copy in).

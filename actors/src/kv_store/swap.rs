@@ -71,7 +71,7 @@ impl Space {
 }
 
 /// The directory `Auto` swaps to when KV lives in host memory.
-pub(super) fn default_disk_dir() -> PathBuf {
+pub(crate) fn default_disk_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PROCMEM_SWAP_DIR") {
         return PathBuf::from(dir);
     }

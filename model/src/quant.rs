@@ -1,0 +1,120 @@
+//! Quantized projections read where the weights live: candle's own `k_quants::matmul` over
+//! a layer's bytes in its residency unit, with no copy into a candle tensor each step.
+//!
+//! `QMatMul` owns its blocks, so building one per step would copy every layer's weights on
+//! every token (the whole model, about 80 MB for SmolLM2-135M). Here the managed bytes are
+//! viewed as candle's block type instead, once checked for size and alignment; the kernel is
+//! candle's, so the results are those of `QMatMul` on the same weights. Where candle is told
+//! to dequantize everything (`CANDLE_DEQUANTIZE_ALL`, which the exact comparison against
+//! candle's model sets) or the tensor is not block-quantized, `QMatMul` is built as before.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+use std::sync::OnceLock;
+
+use candle_core::quantized::k_quants::{
+    self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+    BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
+};
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{Device, Module, Tensor};
+
+use crate::gguf::TensorSlot;
+use crate::ModelError;
+
+fn cerr(e: candle_core::Error) -> ModelError {
+    ModelError::Compute(e.to_string())
+}
+
+/// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
+fn dequantize_all() -> bool {
+    static ALL: OnceLock<bool> = OnceLock::new();
+    *ALL.get_or_init(|| std::env::var_os("CANDLE_DEQUANTIZE_ALL").is_some())
+}
+
+/// `bytes` as candle's blocks of type `T`, if they are exactly a whole number of them at
+/// `T`'s alignment.
+fn blocks<T: GgmlType>(bytes: &[u8]) -> Option<&[T]> {
+    let size = std::mem::size_of::<T>();
+    if size == 0
+        || bytes.len() % size != 0
+        || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0
+    {
+        return None;
+    }
+    // SAFETY: the pointer is aligned for `T` and the length is a whole number of `T`s (both
+    // checked above), within one live, initialized `&[u8]` whose lifetime the result keeps.
+    // Every `T` passed here is one of candle's `#[repr(C)]` GGML block types, plain arrays
+    // and scalars of `u8`, `i8`, `i16`, `f16` and `f32`: every bit pattern is a valid value,
+    // and nothing is written through the result.
+    Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) })
+}
+
+fn run<T: GgmlType>(
+    bytes: &[u8],
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+) -> Option<Result<Vec<f32>, ModelError>> {
+    let rhs = blocks::<T>(bytes)?;
+    if k % T::BLCK_SIZE != 0 || rhs.len() != n * (k / T::BLCK_SIZE) {
+        return None;
+    }
+    let mut dst = vec![0f32; m * n];
+    Some(
+        k_quants::matmul((m, k, n), lhs, rhs, &mut dst)
+            .map(|()| dst)
+            .map_err(cerr),
+    )
+}
+
+/// `x · Wᵀ` for `x` of `[rows, k]` and the weight in `slot` of `bytes` (`[n, k]`, GGML
+/// quantized): `[rows, n]`.
+pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Tensor, ModelError> {
+    let weights = &bytes[slot.offset..slot.offset + slot.len];
+    let direct = match (dequantize_all(), slot.dims.as_slice()) {
+        (false, &[n, k]) => {
+            let (m, xk) = x.dims2().map_err(cerr)?;
+            if xk != k {
+                return Err(ModelError::Compute(format!(
+                    "projection of {xk} columns by a weight of {k}"
+                )));
+            }
+            let lhs = x
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(cerr)?;
+            let mkn = (m, k, n);
+            let out = match slot.dtype {
+                GgmlDType::Q4_0 => run::<BlockQ4_0>(weights, mkn, &lhs),
+                GgmlDType::Q4_1 => run::<BlockQ4_1>(weights, mkn, &lhs),
+                GgmlDType::Q5_0 => run::<BlockQ5_0>(weights, mkn, &lhs),
+                GgmlDType::Q5_1 => run::<BlockQ5_1>(weights, mkn, &lhs),
+                GgmlDType::Q8_0 => run::<BlockQ8_0>(weights, mkn, &lhs),
+                GgmlDType::Q8_1 => run::<BlockQ8_1>(weights, mkn, &lhs),
+                GgmlDType::Q2K => run::<BlockQ2K>(weights, mkn, &lhs),
+                GgmlDType::Q3K => run::<BlockQ3K>(weights, mkn, &lhs),
+                GgmlDType::Q4K => run::<BlockQ4K>(weights, mkn, &lhs),
+                GgmlDType::Q5K => run::<BlockQ5K>(weights, mkn, &lhs),
+                GgmlDType::Q6K => run::<BlockQ6K>(weights, mkn, &lhs),
+                GgmlDType::Q8K => run::<BlockQ8K>(weights, mkn, &lhs),
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => None,
+            };
+            out.map(|r| r.and_then(|v| Tensor::from_vec(v, (m, n), &Device::Cpu).map_err(cerr)))
+        }
+        _ => None,
+    };
+    match direct {
+        Some(result) => result,
+        None => {
+            let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                slot.dtype,
+                weights,
+                slot.dims.clone(),
+                &Device::Cpu,
+            )
+            .map_err(cerr)?;
+            QMatMul::from_qtensor(q)
+                .and_then(|m| m.forward(x))
+                .map_err(cerr)
+        }
+    }
+}
