@@ -2,33 +2,18 @@
 //! input ends with a clear message and exit code 2, never a panic or a hang.
 #![cfg(target_os = "linux")]
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
 fn binary() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    target
-        .join(profile)
-        .join("examples")
-        .join("inference_server")
+    common::example("inference_server")
 }
 
 fn run(args: &[&str]) -> Output {
-    let bin = binary();
-    assert!(
-        bin.exists(),
-        "{} not built (cargo test builds examples)",
-        bin.display()
-    );
-    let child = Command::new(bin)
+    let child = Command::new(binary())
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -4,30 +4,14 @@
 //! closed endpoint ends memtop with a line saying so, and an unreachable one is reported.
 #![cfg(target_os = "linux")]
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn example(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    let bin = target.join(profile).join("examples").join(name);
-    assert!(
-        bin.exists(),
-        "{} not built (cargo test builds examples)",
-        bin.display()
-    );
-    bin
-}
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -180,7 +164,10 @@ fn summary_value(summary: &str, after_line: Option<&str>, name: &str) -> f64 {
 #[test]
 fn memtop_shows_what_the_endpoint_and_the_summary_say() {
     let Some(tmux) = Tmux::new() else { return };
-    let (server, memtop) = (example("inference_server"), example("memtop"));
+    let (server, memtop) = (
+        common::example("inference_server"),
+        common::example("memtop"),
+    );
     let addr = free_port();
     let dir = std::env::temp_dir().join(format!("procmem-memtop-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
