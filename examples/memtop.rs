@@ -18,6 +18,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::process::ExitCode;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::Parser;
@@ -185,31 +186,76 @@ impl Endpoint {
         })
     }
 
-    /// One scrape: the body of a `200 OK`, or why not.
-    fn scrape(&self) -> Result<String, String> {
+    /// One scrape: the body of a `200 OK`, or why not. A whole scrape takes at most
+    /// `SCRAPE_LIMIT`, however slowly the endpoint drips.
+    fn scrape(&self) -> Result<String, Failed> {
+        let started = Instant::now();
         let timeout = Duration::from_secs(2);
-        let mut s = TcpStream::connect_timeout(&self.addr, timeout).map_err(|e| e.to_string())?;
-        s.set_read_timeout(Some(timeout))
-            .map_err(|e| e.to_string())?;
+        let mut s = TcpStream::connect_timeout(&self.addr, timeout).map_err(Failed::io)?;
+        s.set_read_timeout(Some(timeout)).map_err(Failed::io)?;
         write!(
             s,
             "GET {} HTTP/1.0\r\nHost: {}\r\nConnection: close\r\n\r\n",
             self.path, self.host
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(Failed::io)?;
         let mut reply = Vec::new();
-        s.take(64 << 20)
-            .read_to_end(&mut reply)
-            .map_err(|e| e.to_string())?;
+        let mut chunk = [0u8; 64 << 10];
+        loop {
+            let n = s.read(&mut chunk).map_err(Failed::io)?;
+            if n == 0 {
+                break;
+            }
+            reply.extend_from_slice(&chunk[..n]);
+            if reply.len() > 64 << 20 || started.elapsed() > SCRAPE_LIMIT {
+                return Err(Failed::slow(
+                    "the endpoint's reply is too large or too slow",
+                ));
+            }
+        }
         let reply = String::from_utf8_lossy(&reply);
-        let (head, body) = reply
-            .split_once("\r\n\r\n")
-            .ok_or("the connection closed before a reply")?;
+        let Some((head, body)) = reply.split_once("\r\n\r\n") else {
+            return Err(Failed {
+                gone: true,
+                why: "the connection closed before a reply".into(),
+            });
+        };
         let status = head.lines().next().unwrap_or_default();
         if status.split_whitespace().nth(1) != Some("200") {
-            return Err(format!("the endpoint answered {status:?}"));
+            return Err(Failed::slow(&format!("the endpoint answered {status:?}")));
         }
         Ok(body.to_string())
+    }
+}
+
+/// The most one scrape may take.
+const SCRAPE_LIMIT: Duration = Duration::from_secs(5);
+
+/// Why a scrape failed, and whether the endpoint is gone (nobody listens any more) rather
+/// than slow or answering oddly.
+#[derive(Debug)]
+struct Failed {
+    gone: bool,
+    why: String,
+}
+
+impl Failed {
+    fn io(e: std::io::Error) -> Failed {
+        use std::io::ErrorKind::*;
+        Failed {
+            gone: matches!(
+                e.kind(),
+                ConnectionRefused | ConnectionReset | ConnectionAborted | NotConnected
+            ),
+            why: e.to_string(),
+        }
+    }
+
+    fn slow(why: &str) -> Failed {
+        Failed {
+            gone: false,
+            why: why.to_string(),
+        }
     }
 }
 
@@ -241,7 +287,9 @@ struct TicketEvent {
 
 /// What memtop keeps between refreshes.
 struct View {
-    endpoint: Endpoint,
+    endpoint: Arc<Endpoint>,
+    /// Why the last scrape failed, while the endpoint is still there.
+    stale: Option<String>,
     scrape: Scrape,
     at: SystemTime,
     /// Per (authority, holder): tickets and bytes freed at the last scrape.
@@ -329,10 +377,16 @@ fn draw(frame: &mut Frame, view: &View) {
         Paragraph::new(Line::from(vec![
             Span::styled("memtop ", Style::new().add_modifier(Modifier::BOLD)),
             Span::raw(format!(
-                "{}  refreshed {}  q quits",
+                "{}  refreshed {}  q quits  ",
                 view.endpoint.url,
                 clock(view.at)
             )),
+            Span::styled(
+                view.stale
+                    .as_ref()
+                    .map_or(String::new(), |why| format!("stale: {why}")),
+                Style::new().fg(Color::Red),
+            ),
         ])),
         title,
     );
@@ -549,7 +603,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             "tokens",
             "preempt s/r",
             "prefix hit",
-            "layers d/h",
+            "layers d/o",
         ]
         .map(|h| Cell::from(h).style(Style::new().add_modifier(Modifier::BOLD))),
     );
@@ -589,17 +643,10 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             ("holder", holder.as_str()),
             ("authority", authority.as_str()),
         ];
-        let layers = match (
-            get(
-                "procmem_residency_layers",
-                &[r[0], r[1], ("placement", "device")],
-            ),
-            get(
-                "procmem_residency_layers",
-                &[r[0], r[1], ("placement", "host")],
-            ),
-        ) {
-            (Some(d), Some(hst)) => format!("{d}/{hst}"),
+        // Layers on the device / offloaded (to the host tier or disk).
+        let placed = |p: &str| get("procmem_residency_layers", &[r[0], r[1], ("placement", p)]);
+        let layers = match (placed("device"), placed("host"), placed("disk")) {
+            (Some(d), host, disk) => format!("{d}/{}", host.unwrap_or(0.0) + disk.unwrap_or(0.0)),
             _ => "-".into(),
         };
         Row::new(vec![
@@ -644,19 +691,23 @@ enum End {
 fn run(
     terminal: &mut DefaultTerminal,
     view: &mut View,
-    interval: Duration,
+    scrapes: &mpsc::Receiver<Result<String, Failed>>,
 ) -> std::io::Result<End> {
-    let mut next = Instant::now();
     loop {
-        if Instant::now() >= next {
-            match view.endpoint.scrape() {
-                Ok(text) => view.refresh(&text),
-                Err(why) => return Ok(End::Closed(why)),
+        while let Ok(scraped) = scrapes.try_recv() {
+            match scraped {
+                Ok(text) => {
+                    view.refresh(&text);
+                    view.stale = None;
+                }
+                Err(f) if f.gone => return Ok(End::Closed(f.why)),
+                Err(f) => view.stale = Some(f.why),
             }
-            next = Instant::now() + interval;
         }
         terminal.draw(|f| draw(f, view))?;
-        if event::poll(next.saturating_duration_since(Instant::now()))? {
+        // Keys are read while a scrape runs on its own thread: a slow endpoint never keeps
+        // `q` from working.
+        if event::poll(Duration::from_millis(100))? {
             if let Event::Key(key) = event::read()? {
                 let ctrl_c =
                     key.code == KeyCode::Char('c') && key.modifiers.contains(KeyModifiers::CONTROL);
@@ -668,6 +719,19 @@ fn run(
             }
         }
     }
+}
+
+/// Scrapes `endpoint` every `interval` on a thread of its own, until the receiver goes.
+fn scraper(endpoint: Arc<Endpoint>, interval: Duration) -> mpsc::Receiver<Result<String, Failed>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || loop {
+        let started = Instant::now();
+        if tx.send(endpoint.scrape()).is_err() {
+            return;
+        }
+        std::thread::sleep(interval.saturating_sub(started.elapsed()));
+    });
+    rx
 }
 
 fn main() -> ExitCode {
@@ -687,13 +751,19 @@ fn main() -> ExitCode {
     // said plainly on a normal terminal.
     let first = match endpoint.scrape() {
         Ok(text) => text,
-        Err(why) => {
-            eprintln!("memtop: cannot reach {}: {why}", endpoint.url);
+        Err(f) => {
+            eprintln!("memtop: cannot reach {}: {}", endpoint.url, f.why);
             return ExitCode::from(1);
         }
     };
+    let endpoint = Arc::new(endpoint);
+    let scrapes = scraper(
+        Arc::clone(&endpoint),
+        Duration::from_secs_f64(args.interval),
+    );
     let mut view = View {
         endpoint,
+        stale: None,
         scrape: Scrape::default(),
         at: SystemTime::now(),
         last_tickets: BTreeMap::new(),
@@ -703,11 +773,7 @@ fn main() -> ExitCode {
     view.refresh(&first);
     view.events.clear();
     let mut terminal = ratatui::init();
-    let ended = run(
-        &mut terminal,
-        &mut view,
-        Duration::from_secs_f64(args.interval),
-    );
+    let ended = run(&mut terminal, &mut view, &scrapes);
     ratatui::restore();
     match ended {
         Ok(End::Quit) => ExitCode::SUCCESS,

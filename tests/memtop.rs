@@ -284,7 +284,7 @@ fn memtop_shows_what_the_endpoint_and_the_summary_say() {
     };
     assert_eq!(
         *weights.last().unwrap(),
-        format!("{}/{}", layers("device"), layers("host"))
+        format!("{}/{}", layers("device"), layers("host") + layers("disk"))
     );
 
     // The endpoint is the main job's summary.

@@ -573,7 +573,12 @@ impl Actor for KvStore {
             KvStoreMsg::Granted { txn, grant } => state.granted(&myself, txn, grant).await,
             KvStoreMsg::Publish => {
                 state.metrics.armed = false;
-                state.publish().await;
+                // Memory freed after fences comes back with no message to the store: while
+                // the figures still move, it looks again.
+                if state.publish().await {
+                    state.metrics.armed = true;
+                    myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
+                }
                 return Ok(());
             }
         }

@@ -76,10 +76,13 @@ pub enum ResidencyError {
     /// A Governor refused to register the holder at startup.
     #[error("model residency could not register with its Governor: {0}")]
     Register(#[from] crate::governor::GovernorError),
-    /// An offloaded layer's copy failed or did not finish in time: its weights are gone, and
-    /// it must be loaded again.
+    /// An offloaded layer's copy could not be read back: its weights are gone, and it must be
+    /// loaded again. (A copy out that failed keeps the device copy instead.)
     #[error("the offloaded copy of layer {0} was lost; load it again")]
     CopyLost(usize),
+    /// An offloaded layer's copy kernel has not finished (its stream stopped taking work).
+    #[error("the copy out of layer {0} has not finished")]
+    CopyNotDone(usize),
     /// The host tier given is the device's own authority: offloading there frees nothing.
     #[error("the host tier is the device's own authority; offloading there frees nothing")]
     HostAliased,
@@ -114,6 +117,8 @@ pub struct ResidencyStats {
     pub resident_layers: usize,
     /// Layers offloaded.
     pub offloaded_layers: usize,
+    /// Of those, on disk.
+    pub disk_layers: usize,
     /// Device bytes charged.
     pub device_bytes: u64,
     /// Bytes of the offloaded copies (host tier or disk).
@@ -381,10 +386,17 @@ impl ResidencyState {
         Ok(())
     }
 
-    /// With too little room for `need` bytes, this residency's own coldest layers (other than
+    /// With too little room for `bytes`, this residency's own coldest layers (other than
     /// `keep`) go first: a ticket the Governor sent for this load would come back to this
     /// busy actor.
-    async fn make_room(&mut self, need: u64, keep: usize) {
+    async fn make_room(&mut self, bytes: u64, keep: usize) {
+        // What the allocation will be charged: its footprint on the device.
+        let request = AllocationRequest::new(bytes, MemoryRole::Weights);
+        let need = self
+            .provider
+            .allocator()
+            .footprint(&request)
+            .unwrap_or(bytes);
         let free = match self.device.snapshot().await {
             Ok(s) => s.books.free(),
             Err(_) => return,
@@ -397,7 +409,8 @@ impl ResidencyState {
     /// The layer's device buffer, reloaded first if it was offloaded.
     async fn resident(&mut self, layer: usize) -> Result<&mut DeviceBuffer, ResidencyError> {
         let clock = self.clock;
-        let bytes = match self.layers.get(layer).and_then(Option::as_ref) {
+        let started = Instant::now();
+        let back = match self.layers.get(layer).and_then(Option::as_ref) {
             None => return Err(ResidencyError::NoSuchLayer(layer)),
             Some(Layer {
                 slot: Slot::Away(away),
@@ -405,17 +418,23 @@ impl ResidencyState {
             }) => Some(self.copy_back(layer, away).await?),
             Some(_) => None,
         };
-        if let Some(bytes) = bytes {
-            let started = Instant::now();
-            let need = bytes.len() as u64;
-            self.make_room(need, layer).await;
-            let buffer = self.device_buffer(&bytes).await?;
-            let entry = self.layers[layer].as_mut().expect("checked");
-            // The copy and its lease go once the device copy exists.
-            entry.slot = Slot::Device(buffer);
-            self.stats.reloads += 1;
-            self.stats.reload_bytes_total += need;
-            self.metrics.reload.record(started.elapsed().as_secs_f64());
+        match back {
+            None => {}
+            // The copy out failed: the device copy never left.
+            Some(offload::Back::Kept(buffer)) => {
+                self.layers[layer].as_mut().expect("checked").slot = Slot::Device(buffer);
+            }
+            Some(offload::Back::Bytes(bytes)) => {
+                let need = bytes.len() as u64;
+                self.make_room(need, layer).await;
+                let buffer = self.device_buffer(&bytes).await?;
+                let entry = self.layers[layer].as_mut().expect("checked");
+                // The copy and its lease go once the device copy exists.
+                entry.slot = Slot::Device(buffer);
+                self.stats.reloads += 1;
+                self.stats.reload_bytes_total += need;
+                self.metrics.reload.record(started.elapsed().as_secs_f64());
+            }
         }
         let entry = self.layers[layer].as_mut().expect("checked");
         entry.last_used = clock;
@@ -470,6 +489,7 @@ impl ResidencyState {
                 }
                 Slot::Away(away) => {
                     s.offloaded_layers += 1;
+                    s.disk_layers += usize::from(away.on_disk());
                     s.offloaded_bytes += away.bytes();
                 }
             }

@@ -193,3 +193,56 @@ async fn a_fault_during_eviction_or_deferred_free_loses_nothing() {
     figure("fault_points_evict_and_free", passed, total);
     assert_eq!(passed, total);
 }
+
+/// A weights offload whose copy out fails loses nothing: the copy kernel keeps the device copy
+/// (nothing is freed), and the layer's next use finds it there, byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_weights_copy_keeps_the_layer_on_the_device() {
+    use procmem_actors::procmem::MemoryRole;
+    use procmem_actors::{
+        CpuProviderConfig, GovernorConfig, Placement, ReserveRequest, ResidencyArgs,
+        ResidencyConfig, ResidencyHandle,
+    };
+    let _serial = SERIAL.lock().await;
+    let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 20))
+        .await
+        .unwrap();
+    let provider = CpuProvider::spawn(CpuProviderConfig::default())
+        .await
+        .unwrap();
+    let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
+        config: ResidencyConfig {
+            name: "weights".into(),
+            priority: 1,
+            wait: Duration::from_millis(200),
+        },
+        device: device.clone(),
+        host: None,
+        provider: provider.into(),
+    })
+    .await
+    .unwrap();
+    let weights: Vec<u8> = (0..64 * 1024).map(|i| (i * 13 % 251) as u8).collect();
+    res.load(0, weights.clone(), false).await.unwrap();
+    fault::arm("residency.offload.copy", 0);
+    let other = device.register_holder("other", 9, None).await.unwrap();
+    let grant = device
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Workspace,
+            bytes: (1 << 20) - 32 * 1024,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_millis(300)),
+        })
+        .await;
+    assert!(!fault::disarm(), "the copy out failed");
+    assert!(grant.is_err(), "nothing was freed by a failed copy");
+    let back = res.with_weights(0, |w| w.to_vec()).await.unwrap();
+    assert!(back == weights, "the layer is intact");
+    assert_eq!(res.placement(0).await.unwrap(), Some(Placement::Device));
+    assert_eq!(
+        res.stats().await.unwrap().reloads,
+        0,
+        "nothing was reloaded"
+    );
+}

@@ -192,13 +192,13 @@ pub const KV_GROWTH_MAP_SECONDS: Metric = latency(
     "Latency of mapping one sequence's growth into its K/V buffers.",
     MICROSECONDS,
 );
-/// Layers of a model residency, by placement (device or host).
+/// Layers of a model residency, by placement (device, host or disk).
 pub const RESIDENCY_LAYERS: Metric = metric(
     "procmem_residency_layers",
     Kind::Gauge,
     Unit::Count,
     RESIDENCY_PLACEMENT,
-    "Layers of a model residency, by placement (device or host).",
+    "Layers of a model residency, by placement (device, host or disk).",
 );
 /// Layers offloaded to the host tier or disk under pressure.
 pub const RESIDENCY_OFFLOADS_TOTAL: Metric = metric(

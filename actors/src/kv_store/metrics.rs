@@ -1,6 +1,7 @@
 //! The store's series: gauges and counters mirror [`KvStoreStats`] (so the endpoint and
 //! `KvStoreHandle::stats` agree), published at most every [`EVERY`] and once more after
-//! the last change; latencies are recorded where they happen.
+//! the last change, and again while the memory figures still move (memory freed after its
+//! fences comes back with no message to the store); latencies are recorded where they happen.
 
 use ::metrics::{Counter, Gauge, Histogram};
 use procmem::metrics::{
@@ -47,6 +48,8 @@ pub(super) struct KvMetrics {
     pub(super) last: Option<Instant>,
     /// Whether a publish is scheduled.
     pub(super) armed: bool,
+    /// The leased and OS bytes last published.
+    memory: Option<(u64, u64)>,
 }
 
 impl KvMetrics {
@@ -77,12 +80,17 @@ impl KvMetrics {
             swap_in: KV_SWAP_SECONDS.histogram(&[store, authority, "in"]),
             last: None,
             armed: false,
+            memory: None,
         }
     }
 
-    /// Sets every series from `s`; `capacity` is the authority's (0 when unknown).
-    pub(super) fn publish(&mut self, s: &KvStoreStats, capacity: u64) {
+    /// Sets every series from `s`; `capacity` is the authority's (0 when unknown). True if the
+    /// memory figures moved since the last publish.
+    pub(super) fn publish(&mut self, s: &KvStoreStats, capacity: u64) -> bool {
         self.last = Some(Instant::now());
+        let memory = (s.leased_bytes, s.os_resident_bytes);
+        let moved = self.memory != Some(memory);
+        self.memory = Some(memory);
         self.sequences.set(s.sequences as f64);
         self.preempted.set(s.preempted as f64);
         self.tokens.set(s.tokens as f64);
@@ -104,6 +112,7 @@ impl KvMetrics {
         self.restored_swap.absolute(s.restores_swapped);
         self.restored_recompute.absolute(s.restores_recomputed);
         self.replayed.absolute(s.replayed_tokens);
+        moved
     }
 
     /// Whether the series are due now (else a publish is scheduled for later).

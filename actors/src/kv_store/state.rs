@@ -420,7 +420,7 @@ impl KvStoreState {
             }
             _ => None,
         };
-        let mode = match (self.config.preempt, &saved) {
+        let mut mode = match (self.config.preempt, &saved) {
             (PreemptMode::Swap, Some(_)) => PreemptMode::Swap,
             _ => PreemptMode::Recompute,
         };
@@ -458,7 +458,9 @@ impl KvStoreState {
                     self.stats.swap_out_bytes += saved.bytes();
                     entry.saved = Some(saved);
                 } else {
+                    // Nothing kept: the restore recomputes.
                     self.stats.swap_fallbacks += 1;
+                    mode = PreemptMode::Recompute;
                 }
                 self.stream.after_queued(move || drop(out));
                 pending = bytes;
@@ -512,21 +514,24 @@ impl KvStoreState {
     /// After a message: publishes the metrics when due, else makes sure they are soon.
     pub(super) async fn changed(&mut self, myself: &ActorRef<KvStoreMsg>) {
         if self.metrics.due(tokio::time::Instant::now()) {
-            self.publish().await;
+            if self.publish().await && !self.metrics.armed {
+                self.metrics.armed = true;
+                myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
+            }
         } else if !self.metrics.armed {
             self.metrics.armed = true;
             myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
         }
     }
 
-    /// Publishes the metrics now.
-    pub(super) async fn publish(&mut self) {
+    /// Publishes the metrics now; true if the store's memory moved since the last time.
+    pub(super) async fn publish(&mut self) -> bool {
         let stats = self.stats();
         let capacity = match self.governor.snapshot().await {
             Ok(s) => s.books.capacity,
             Err(_) => 0,
         };
-        self.metrics.publish(&stats, capacity);
+        self.metrics.publish(&stats, capacity)
     }
 
     pub(super) fn stats(&self) -> KvStoreStats {

@@ -14,6 +14,7 @@ use super::ResidencyStats;
 pub(super) struct ResidencyMetrics {
     on_device: Gauge,
     on_host: Gauge,
+    on_disk: Gauge,
     offloads: Counter,
     offload_bytes: Counter,
     reloads: Counter,
@@ -30,6 +31,7 @@ impl ResidencyMetrics {
         ResidencyMetrics {
             on_device: RESIDENCY_LAYERS.gauge(&[holder, authority, "device"]),
             on_host: RESIDENCY_LAYERS.gauge(&[holder, authority, "host"]),
+            on_disk: RESIDENCY_LAYERS.gauge(&[holder, authority, "disk"]),
             offloads: RESIDENCY_OFFLOADS_TOTAL.counter(&l),
             offload_bytes: RESIDENCY_OFFLOAD_BYTES_TOTAL.counter(&l),
             reloads: RESIDENCY_RELOADS_TOTAL.counter(&l),
@@ -42,7 +44,9 @@ impl ResidencyMetrics {
     /// Sets every series from `s`.
     pub(super) fn publish(&self, s: &ResidencyStats) {
         self.on_device.set(s.resident_layers as f64);
-        self.on_host.set(s.offloaded_layers as f64);
+        self.on_host
+            .set(s.offloaded_layers.saturating_sub(s.disk_layers) as f64);
+        self.on_disk.set(s.disk_layers as f64);
         self.offloads.absolute(s.offloads);
         self.offload_bytes.absolute(s.offload_bytes_total);
         self.reloads.absolute(s.reloads);

@@ -21,6 +21,9 @@ use crate::governor::{Lease, ReserveRequest};
 use crate::pressure::PressureTicket;
 use crate::stream::completed_within;
 
+/// How long a reload waits at least for its layer's copy kernel.
+const COPY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Where an offloaded layer's copy goes.
 enum Place {
     /// Host-tier memory; its lease (if one was charged) goes with the copy.
@@ -38,12 +41,34 @@ pub(super) struct Offloaded {
     len: usize,
     copied: Arc<AtomicBool>,
     fence: Option<Fence>,
+    /// The device copy, until the copy kernel has written the lower tier's: the kernel drops
+    /// it (freed after its fence) once its copy succeeded, and one that failed leaves it here,
+    /// so a failed copy loses nothing.
+    kept: Arc<Mutex<Option<DeviceBuffer>>>,
+}
+
+/// What a reload finds.
+pub(super) enum Back {
+    /// The copy's bytes.
+    Bytes(Vec<u8>),
+    /// The device copy, kept because the copy out failed: the layer never left.
+    Kept(DeviceBuffer),
 }
 
 impl Offloaded {
     /// Bytes of the copy.
     pub(super) fn bytes(&self) -> u64 {
         self.len as u64
+    }
+
+    /// Gives the device copy to the copy kernel (see `kept`). Where the copy is already
+    /// written (it ran first, or on a GPU it was made before) the buffer drops here, freed
+    /// after the stream's work on it.
+    fn hand_over(&self, buffer: DeviceBuffer) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.fence.is_some() && !self.copied.load(Ordering::Acquire) {
+            *kept = Some(buffer);
+        }
     }
 
     /// Whether the copy is on disk.
@@ -53,6 +78,9 @@ impl Offloaded {
 
     /// Writes `bytes` (the layer's) into the place; false on failure.
     fn fill(place: &Place, bytes: &[u8]) -> bool {
+        if procmem::fault::hit("residency.offload.copy").is_err() {
+            return false;
+        }
         match place {
             Place::Host { copy, .. } => {
                 let mut copy = copy.lock().unwrap_or_else(PoisonError::into_inner);
@@ -106,11 +134,16 @@ impl ResidencyState {
             else {
                 continue;
             };
-            // Dropping the device buffer queues it for free after the copy's fence.
-            entry.slot = Slot::Away(away);
+            // The device buffer goes to the copy kernel, which drops it (queued for free after
+            // its fence) once the copy is written.
+            if let Slot::Device(buffer) = std::mem::replace(&mut entry.slot, Slot::Away(away)) {
+                if let Slot::Away(away) = &entry.slot {
+                    away.hand_over(buffer);
+                }
+            }
             pending += bytes;
             self.stats.offloads += 1;
-            self.stats.offload_bytes_total += bytes;
+            self.stats.offload_bytes_total += len as u64;
             self.metrics.offload.record(started.elapsed().as_secs_f64());
         }
         pending
@@ -160,32 +193,39 @@ impl ResidencyState {
         ticket.report(0, pending);
     }
 
-    /// The bytes of an offloaded layer, once its copy kernel is done.
+    /// What an offloaded layer comes back from, once its copy kernel is done: the copy's
+    /// bytes, or the device copy itself where the copy out failed.
     pub(super) async fn copy_back(
         &self,
         layer: usize,
         away: &Offloaded,
-    ) -> Result<Vec<u8>, ResidencyError> {
+    ) -> Result<Back, ResidencyError> {
         if let (Some(fence), DeviceProvider::Host(provider)) = (away.fence, &self.provider) {
             let stream = provider.stream(0)?;
-            let done =
-                completed_within(stream.timeline().as_ref(), fence.value, self.config.wait).await;
-            if !done {
-                return Err(ResidencyError::CopyLost(layer));
+            // A copy kernel always finishes on a running stream; the limit only keeps a
+            // stopped one from holding the actor.
+            let limit = self.config.wait.max(COPY_WAIT);
+            if !completed_within(stream.timeline().as_ref(), fence.value, limit).await {
+                return Err(ResidencyError::CopyNotDone(layer));
             }
         }
         if !away.copied.load(Ordering::Acquire) {
-            return Err(ResidencyError::CopyLost(layer));
+            let kept = away
+                .kept
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            return kept.map(Back::Kept).ok_or(ResidencyError::CopyLost(layer));
         }
         match &*away.place {
-            Place::Host { copy, .. } => {
-                Ok(copy.lock().unwrap_or_else(PoisonError::into_inner).clone())
-            }
+            Place::Host { copy, .. } => Ok(Back::Bytes(
+                copy.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+            )),
             Place::Disk(file) => {
                 let mut bytes = vec![0u8; away.len];
                 file.read_exact_at(&mut bytes, 0)
                     .map_err(|_| ResidencyError::CopyLost(layer))?;
-                Ok(bytes)
+                Ok(Back::Bytes(bytes))
             }
         }
     }
@@ -202,13 +242,22 @@ async fn copy_out(
 ) -> Option<Offloaded> {
     let place = Arc::new(place);
     let copied = Arc::new(AtomicBool::new(false));
+    let kept: Arc<Mutex<Option<DeviceBuffer>>> = Arc::new(Mutex::new(None));
     let fence = match provider {
         DeviceProvider::Host(host) => {
-            let (sink, done) = (Arc::clone(&place), Arc::clone(&copied));
+            let (sink, done, keep) = (Arc::clone(&place), Arc::clone(&copied), Arc::clone(&kept));
             let stream = host.stream(0).ok()?;
             let fence = stream
                 .submit_reading(&[buffer], move |bytes| {
-                    done.store(Offloaded::fill(&sink, bytes[0]), Ordering::Release);
+                    // The flag is set under `keep`'s lock: the buffer is handed over either
+                    // before this runs (and dropped here) or after (and dropped there).
+                    let mut kept = keep.lock().unwrap_or_else(PoisonError::into_inner);
+                    let ok = Offloaded::fill(&sink, bytes[0]);
+                    done.store(ok, Ordering::Release);
+                    if ok {
+                        // Freed after this kernel's fence, as every use of it is.
+                        drop(kept.take());
+                    }
                 })
                 .ok()?;
             Some(fence)
@@ -236,5 +285,6 @@ async fn copy_out(
         len,
         copied,
         fence,
+        kept,
     })
 }
