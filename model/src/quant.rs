@@ -28,7 +28,10 @@ fn cerr(e: candle_core::Error) -> ModelError {
 /// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
 fn dequantize_all() -> bool {
     static ALL: OnceLock<bool> = OnceLock::new();
-    *ALL.get_or_init(|| std::env::var_os("CANDLE_DEQUANTIZE_ALL").is_some())
+    // Read as candle reads it: set, not empty and not "0".
+    *ALL.get_or_init(|| {
+        std::env::var("CANDLE_DEQUANTIZE_ALL").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
 }
 
 /// `bytes` as candle's blocks of type `T`, if they are exactly a whole number of them at
