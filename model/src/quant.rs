@@ -15,15 +15,12 @@ use candle_core::quantized::k_quants::{
     self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
     BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
 };
-use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Module, Tensor};
 
 use crate::gguf::TensorSlot;
+use crate::smollm::{cerr, matmul};
 use crate::ModelError;
-
-fn cerr(e: candle_core::Error) -> ModelError {
-    ModelError::Compute(e.to_string())
-}
 
 /// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
 fn dequantize_all() -> bool {
@@ -107,17 +104,6 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
     };
     match direct {
         Some(result) => result,
-        None => {
-            let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
-                slot.dtype,
-                weights,
-                slot.dims.clone(),
-                &Device::Cpu,
-            )
-            .map_err(cerr)?;
-            QMatMul::from_qtensor(q)
-                .and_then(|m| m.forward(x))
-                .map_err(cerr)
-        }
+        None => matmul(bytes, slot)?.forward(x).map_err(cerr),
     }
 }

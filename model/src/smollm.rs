@@ -16,7 +16,7 @@ use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
 use crate::quant::project;
 use crate::ModelError;
 
-fn cerr(e: candle_core::Error) -> ModelError {
+pub(crate) fn cerr(e: candle_core::Error) -> ModelError {
     ModelError::Compute(e.to_string())
 }
 
@@ -58,7 +58,7 @@ fn dense(bytes: &[u8], slot: &TensorSlot) -> Result<Tensor, ModelError> {
     qtensor(bytes, slot)?.dequantize(&Device::Cpu).map_err(cerr)
 }
 
-fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelError> {
+pub(crate) fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelError> {
     QMatMul::from_qtensor(qtensor(bytes, slot)?).map_err(cerr)
 }
 
