@@ -115,7 +115,13 @@ fn ours(path: &std::path::Path, prompt: &[u32], new: usize) -> Measured {
     })
 }
 
-fn candle(path: &std::path::Path, prompt: &[u32], new: usize, token_bytes: u64) -> Measured {
+fn candle(
+    path: &std::path::Path,
+    prompt: &[u32],
+    new: usize,
+    token_bytes: u64,
+    layers: u64,
+) -> Measured {
     let mut file = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
@@ -146,7 +152,6 @@ fn candle(path: &std::path::Path, prompt: &[u32], new: usize, token_bytes: u64) 
     // every layer holds all tokens, and while the last layer's new tensor is built its old one
     // is alive too.
     let total = prompt.len() as u64 + new as u64;
-    let layers = 30;
     Measured {
         tokens_per_s: new as f64 / elapsed,
         peak_kv_bytes: total * token_bytes + (total - 1) * token_bytes / layers,
@@ -173,6 +178,7 @@ fn main() {
     let c = &loaded.model.config;
     // f32 K and V, every layer: what both caches keep per token.
     let token_bytes = (c.layers * 2 * c.kv_heads * c.head_dim * 4) as u64;
+    let layers = c.layers as u64;
     drop(loaded);
     let mut rows = Vec::new();
     let mut ratios = Vec::new();
@@ -193,7 +199,7 @@ fn main() {
             "peak_kv_bytes": mine.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
         }));
         if context + new <= MAX_SEQ_LEN {
-            let theirs = candle(&path, &p, new, token_bytes);
+            let theirs = candle(&path, &p, new, token_bytes, layers);
             let same = mine
                 .tokens
                 .iter()
