@@ -576,8 +576,7 @@ impl Actor for KvStore {
                 // Memory freed after fences comes back with no message to the store: while
                 // the figures still move, it looks again.
                 if state.publish().await {
-                    state.metrics.armed = true;
-                    myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
+                    state.publish_soon(&myself);
                 }
                 return Ok(());
             }

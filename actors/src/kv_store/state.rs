@@ -499,7 +499,6 @@ impl KvStoreState {
         }
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
-        self.stats.preemptions += 1;
         match mode {
             PreemptMode::Swap => self.stats.preempted_by_swap += 1,
             PreemptMode::Recompute => self.stats.preempted_by_recompute += 1,
@@ -513,12 +512,16 @@ impl KvStoreState {
 
     /// After a message: publishes the metrics when due, else makes sure they are soon.
     pub(super) async fn changed(&mut self, myself: &ActorRef<KvStoreMsg>) {
-        if self.metrics.due(tokio::time::Instant::now()) {
-            if self.publish().await && !self.metrics.armed {
-                self.metrics.armed = true;
-                myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
-            }
-        } else if !self.metrics.armed {
+        // Not due yet, or published with the memory still moving: once more, soon.
+        let again = !self.metrics.due(tokio::time::Instant::now()) || self.publish().await;
+        if again {
+            self.publish_soon(myself);
+        }
+    }
+
+    /// Schedules one publish (none if one is scheduled already).
+    pub(super) fn publish_soon(&mut self, myself: &ActorRef<KvStoreMsg>) {
+        if !self.metrics.armed {
             self.metrics.armed = true;
             myself.send_after(metrics::EVERY, || KvStoreMsg::Publish);
         }
@@ -536,6 +539,9 @@ impl KvStoreState {
 
     pub(super) fn stats(&self) -> KvStoreStats {
         let mut stats = self.stats.clone();
+        stats.preemptions = stats.preempted_by_swap + stats.preempted_by_recompute;
+        // Every swap-in is a restore that copied the K/V back.
+        stats.restores_swapped = stats.swap_ins;
         stats.sequences = self.table.len();
         for (id, r) in self.table.iter() {
             if matches!(r.phase, Phase::Preempted { .. }) {

@@ -467,7 +467,6 @@ impl KvStoreState {
             Ok(()) => {
                 self.stats.swap_ins += 1;
                 self.stats.swap_in_bytes += saved.bytes();
-                self.stats.restores_swapped += 1;
                 // The copy and what pays for it in the swap space go before the answer.
                 drop(saved);
                 self.table.end_restore(seq, writer, true);
