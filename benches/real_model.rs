@@ -1,22 +1,36 @@
 //! real_model: SmolLM2-135M decoding over this project's managed KV against candle's own
-//! `quantized_llama` with its own KV cache: same GGUF, same prompt, same run, at several
-//! contexts. Writes `target/reports/real_model.json`:
-//! `rows` of `path` (`procmem` / `candle`), `context`, `tokens_per_s` (decode only, after the
-//! prompt is in), `peak_kv_bytes`, `kv_token_bytes` (the tokens' own K/V bytes), and
-//! `ratios` (procmem over candle, per context).
+//! models with their own KV caches: same GGUF, same prompt, same run, at several contexts.
+//! Writes `target/reports/real_model.json`: `rows` of `path`, `context`, `tokens_per_s`
+//! (decode only, after the prompt is in), `peak_kv_bytes`, `kv_token_bytes` (the tokens' own
+//! K/V bytes), and `ratios` (procmem over each candle path, per context).
+//!
+//! The paths, all alive at once and stepped in turn (procmem, then each candle model, one
+//! token each, then again), so a noisy machine slows them alike; each path's tokens/s is its
+//! new tokens over the sum of its own step times:
+//! - `procmem`: this project's engine (the KV store's step API, the decode operator over the
+//!   flat KV, weights under residency);
+//! - `candle`: candle-transformers' `quantized_llama`. It keeps RoPE tables for 4,096
+//!   positions (`MAX_SEQ_LEN`), so a longer context is reported as not run for it;
+//! - `candle_mistral`: candle-transformers' `quantized_mistral`, the same architecture with
+//!   RoPE tables as long as its config says and the same concatenating KV cache, loaded from
+//!   the same GGUF's quantized tensors under Hugging Face names, each head's query and key rows
+//!   put back in the order its half-split RoPE pairs (the GGUF's are interleaved for
+//!   llama.cpp's). It runs at every context; where `quantized_llama` runs too its tokens are
+//!   checked against it.
 //!
 //! `PROCMEM_BENCH_CONTEXTS` (comma-separated, default `256,2048,8192`) and
 //! `PROCMEM_BENCH_TOKENS` (new tokens timed per context, default 32) change the run. The
 //! model comes from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
-//!
-//! candle's model keeps RoPE tables for 4,096 positions (`MAX_SEQ_LEN`), so a context beyond
-//! that is reported as not run for candle rather than run into a panic.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::{gguf_file, QStorage, QTensor};
 use candle_core::{Device, Tensor};
+use candle_transformers::models::mistral::Config as MistralConfig;
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
+use candle_transformers::models::quantized_mistral::Model as Mistral;
+use candle_transformers::quantized_var_builder::VarBuilder;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
 use procmem_model::{argmax, decode_step, smollm2_path, Engine, Smol, TextCodec};
@@ -27,10 +41,26 @@ const TEXT: &str = "The history of computing memory is a history of trade-offs b
     memory holds the working set; disks hold everything else. An inference server adds one more \
     layer: the key and value cache of every sequence it serves, which grows with each token. ";
 
+#[derive(Default)]
 struct Measured {
-    tokens_per_s: f64,
+    /// Time in decode steps, summed.
+    busy: std::time::Duration,
     peak_kv_bytes: u64,
     tokens: Vec<u32>,
+}
+
+impl Measured {
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens.len() as f64 / self.busy.as_secs_f64()
+    }
+
+    /// Times one step and keeps its greedy token.
+    fn step(&mut self, f: impl FnOnce() -> Vec<f32>) {
+        let start = Instant::now();
+        let logits = f();
+        self.busy += start.elapsed();
+        self.tokens.push(argmax(&logits));
+    }
 }
 
 /// A prompt of exactly `context` tokens: a chat turn whose user text is `TEXT` repeated.
@@ -50,7 +80,155 @@ fn prompt(codec: &TextCodec, context: usize) -> Vec<u32> {
     p
 }
 
-fn ours(path: &std::path::Path, prompt: &[u32], new: usize) -> Measured {
+/// The GGUF's tensors under the names candle's `quantized_mistral` loads, as a GGUF in
+/// memory: the same quantized bytes, with each head's query and key rows moved from
+/// llama.cpp's interleaved order (`[head][pair][2]`) back to the half-split order
+/// (`[head][2][pair]`) that a non-interleaved RoPE pairs. A row is a whole number of
+/// quantized blocks (blocks run along the input dimension), so rows move as bytes.
+fn mistral_gguf(path: &std::path::Path, q_heads: usize, kv_heads: usize) -> Vec<u8> {
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let unpermute = |t: QTensor, heads: usize| -> QTensor {
+        let (rows, cols) = t.shape().dims2().unwrap();
+        let bytes = t.data().unwrap().into_owned();
+        let row = bytes.len() / rows;
+        let head_dim = rows / heads;
+        let half = head_dim / 2;
+        let mut out = Vec::with_capacity(bytes.len());
+        for h in 0..heads {
+            for two in 0..2 {
+                for i in 0..half {
+                    let from = h * head_dim + 2 * i + two;
+                    out.extend_from_slice(&bytes[from * row..(from + 1) * row]);
+                }
+            }
+        }
+        if std::env::var_os("NOPERM").is_some() {
+            return t;
+        }
+        // Borrowed: candle 0.9.2's `from_data` reads an owned buffer after dropping it.
+        let storage = QStorage::from_data(Cow::Borrowed(&out), &Device::Cpu, t.dtype()).unwrap();
+        QTensor::new(storage, (rows, cols)).unwrap()
+    };
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    for name in names {
+        let t = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+        let hf = |rest: &str| -> String {
+            let (layer, what) = rest.split_once('.').unwrap();
+            let what = match what {
+                "attn_norm.weight" => "input_layernorm.weight",
+                "ffn_norm.weight" => "post_attention_layernorm.weight",
+                "attn_q.weight" => "self_attn.q_proj.weight",
+                "attn_k.weight" => "self_attn.k_proj.weight",
+                "attn_v.weight" => "self_attn.v_proj.weight",
+                "attn_output.weight" => "self_attn.o_proj.weight",
+                "ffn_gate.weight" => "mlp.gate_proj.weight",
+                "ffn_up.weight" => "mlp.up_proj.weight",
+                "ffn_down.weight" => "mlp.down_proj.weight",
+                other => panic!("unexpected tensor blk.{layer}.{other}"),
+            };
+            format!("model.layers.{layer}.{what}")
+        };
+        match name.as_str() {
+            "token_embd.weight" => {
+                // Tied: the output projection is the embedding, as quantized_llama reads it
+                // when the GGUF has no `output.weight`.
+                if !content.tensor_infos.contains_key("output.weight") {
+                    let copy = QTensor::new(
+                        QStorage::from_data(t.data().unwrap(), &Device::Cpu, t.dtype()).unwrap(),
+                        t.shape().clone(),
+                    )
+                    .unwrap();
+                    tensors.push(("lm_head.weight".into(), copy));
+                }
+                tensors.push(("model.embed_tokens.weight".into(), t));
+            }
+            "output.weight" => tensors.push(("lm_head.weight".into(), t)),
+            "output_norm.weight" => tensors.push(("model.norm.weight".into(), t)),
+            n if n.ends_with(".attn_q.weight") => {
+                tensors.push((hf(&n["blk.".len()..]), unpermute(t, q_heads)))
+            }
+            n if n.ends_with(".attn_k.weight") => {
+                tensors.push((hf(&n["blk.".len()..]), unpermute(t, kv_heads)))
+            }
+            n if n.starts_with("blk.") => tensors.push((hf(&n["blk.".len()..]), t)),
+            other => panic!("unexpected tensor {other}"),
+        }
+    }
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &[], &refs).unwrap();
+    out.into_inner()
+}
+
+/// candle-transformers' `quantized_mistral` over [`mistral_gguf`]'s tensors, with RoPE
+/// tables for `positions`.
+fn candle_mistral_model(
+    gguf: &[u8],
+    config: &procmem_model::gguf::Config,
+    positions: usize,
+) -> Mistral {
+    let vb = VarBuilder::from_gguf_buffer(gguf, &Device::Cpu).unwrap();
+    let (intermediate_size, _) = vb
+        .get_no_shape("model.layers.0.mlp.up_proj.weight")
+        .unwrap()
+        .shape()
+        .dims2()
+        .unwrap();
+    let cfg = MistralConfig {
+        vocab_size: config.vocab,
+        hidden_size: config.hidden,
+        intermediate_size,
+        num_hidden_layers: config.layers,
+        num_attention_heads: config.q_heads,
+        head_dim: Some(config.head_dim),
+        num_key_value_heads: config.kv_heads,
+        hidden_act: candle_nn::Activation::Silu,
+        max_position_embeddings: positions,
+        rms_norm_eps: f64::from(config.rms_eps),
+        rope_theta: f64::from(config.rope_base),
+        sliding_window: None,
+        use_flash_attn: false,
+    };
+    Mistral::new(&cfg, vb).unwrap()
+}
+
+/// How many leading tokens two runs share.
+fn same_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// candle's prompt forward for one model: whole where its mask allows, else in chunks.
+fn candle_logits<M>(
+    model: &mut M,
+    forward: fn(&mut M, &Tensor, usize) -> candle_core::Result<Tensor>,
+    tokens: &[u32],
+    pos: usize,
+) -> Vec<f32> {
+    let input = Tensor::new(tokens, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    forward(model, &input, pos)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// One context: the three paths set up, their prompts in (untimed), then `new` tokens each,
+/// stepped in turn. Returns procmem, `quantized_llama` (where it runs) and `quantized_mistral`.
+fn measure(
+    path: &std::path::Path,
+    mistral: &[u8],
+    config: &procmem_model::gguf::Config,
+    prompt: &[u32],
+    new: usize,
+    token_bytes: u64,
+) -> (Measured, Option<Measured>, Measured) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -60,7 +238,7 @@ fn ours(path: &std::path::Path, prompt: &[u32], new: usize) -> Measured {
         let max_tokens = prompt.len() + new + 1;
         let loaded = Smol::load(path, max_tokens).unwrap();
         let memory = MemoryManager::builder().build().await.unwrap();
-        let config = KvStoreConfig {
+        let kv = KvStoreConfig {
             name: "kv".into(),
             priority: 0,
             shape: KvShape {
@@ -77,9 +255,9 @@ fn ours(path: &std::path::Path, prompt: &[u32], new: usize) -> Measured {
             swap: SwapSpace::Auto,
             map_ahead: true,
         };
-        let engine = Engine::start(&memory, loaded, config, None).await.unwrap();
+        let engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
         engine.kv.open(1, prompt.to_vec(), 0).await.unwrap();
-        let step = |token: u32, pos: usize| {
+        let ours = |token: u32, pos: usize| {
             let e = &engine;
             async move {
                 decode_step(&e.model, &e.weights, &e.kv, e.shape, &[(1, token, pos)])
@@ -88,75 +266,75 @@ fn ours(path: &std::path::Path, prompt: &[u32], new: usize) -> Measured {
                     .remove(0)
             }
         };
-        // The prompt goes in one token a step (the store's step API grows a sequence by one
-        // token); only the decode after it is timed.
+        // The store's step API grows a sequence by one token: the prompt goes in a token a
+        // step. candle's models take theirs at once (their fastest way); `quantized_mistral`
+        // in masked chunks of 512 (its attention matrix stays small).
         let mut logits = Vec::new();
         for (pos, &t) in prompt.iter().enumerate() {
-            logits = step(t, pos).await;
+            logits = ours(t, pos).await;
         }
-        let mut tokens = vec![argmax(&logits)];
-        let start = Instant::now();
+        let mut mine = Measured::default();
+        mine.tokens.push(argmax(&logits));
+
+        let mut llama = (prompt.len() + new <= MAX_SEQ_LEN).then(|| {
+            let mut file = std::fs::File::open(path).unwrap();
+            let content = gguf_file::Content::read(&mut file).unwrap();
+            let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+            let l = candle_logits(&mut model, ModelWeights::forward, prompt, 0);
+            let m = Measured {
+                tokens: vec![argmax(&l)],
+                ..Measured::default()
+            };
+            (model, m)
+        });
+        let mut mist_model = candle_mistral_model(mistral, config, max_tokens);
+        for (i, chunk) in prompt.chunks(512).enumerate() {
+            logits = candle_logits(&mut mist_model, Mistral::forward, chunk, i * 512);
+        }
+        let mut mist = Measured {
+            tokens: vec![argmax(&logits)],
+            ..Measured::default()
+        };
+
         for i in 0..new {
-            let l = step(tokens[i], prompt.len() + i).await;
-            tokens.push(argmax(&l));
+            let pos = prompt.len() + i;
+            let start = Instant::now();
+            let l = ours(mine.tokens[i], pos).await;
+            mine.busy += start.elapsed();
+            mine.tokens.push(argmax(&l));
+            if let Some((model, m)) = &mut llama {
+                let t = m.tokens[i];
+                m.step(|| candle_logits(model, ModelWeights::forward, &[t], pos));
+            }
+            let t = mist.tokens[i];
+            mist.step(|| candle_logits(&mut mist_model, Mistral::forward, &[t], pos));
         }
-        let elapsed = start.elapsed().as_secs_f64();
         let stats = engine.kv.stats().await.unwrap();
         engine.kv.close(1);
         drop(engine);
         memory.shutdown().await.unwrap();
-        tokens.truncate(new);
-        Measured {
-            tokens_per_s: new as f64 / elapsed,
-            // The sequence only grows: its memory at the end is its peak.
-            peak_kv_bytes: stats.leased_bytes,
-            tokens,
+        // The sequence only grows: its memory at the end is its peak.
+        mine.peak_kv_bytes = stats.leased_bytes;
+        // candle's caches are one K and one V tensor per layer, concatenated anew each step:
+        // at the end every layer holds all tokens, and while the last layer's new tensor is
+        // built its old one is alive too.
+        let total = prompt.len() as u64 + new as u64;
+        let layers = config.layers as u64;
+        let theirs = total * token_bytes + (total - 1) * token_bytes / layers;
+        let mut llama = llama.map(|(_, m)| m);
+        for m in [Some(&mut mine), llama.as_mut(), Some(&mut mist)]
+            .into_iter()
+            .flatten()
+        {
+            // The token after the last timed step was never fed back.
+            m.tokens.truncate(new);
         }
+        if let Some(m) = &mut llama {
+            m.peak_kv_bytes = theirs;
+        }
+        mist.peak_kv_bytes = theirs;
+        (mine, llama, mist)
     })
-}
-
-fn candle(
-    path: &std::path::Path,
-    prompt: &[u32],
-    new: usize,
-    token_bytes: u64,
-    layers: u64,
-) -> Measured {
-    let mut file = std::fs::File::open(path).unwrap();
-    let content = gguf_file::Content::read(&mut file).unwrap();
-    let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-    let forward = |model: &mut ModelWeights, tokens: &[u32], pos: usize| -> Vec<f32> {
-        let input = Tensor::new(tokens, &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        model
-            .forward(&input, pos)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    // Its prompt goes in at once (its fastest way); only the decode is timed.
-    let logits = forward(&mut model, prompt, 0);
-    let mut tokens = vec![argmax(&logits)];
-    let start = Instant::now();
-    for i in 0..new {
-        let l = forward(&mut model, &[tokens[i]], prompt.len() + i);
-        tokens.push(argmax(&l));
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    tokens.truncate(new);
-    // Its cache is one K and one V tensor per layer, concatenated anew each step: at the end
-    // every layer holds all tokens, and while the last layer's new tensor is built its old one
-    // is alive too.
-    let total = prompt.len() as u64 + new as u64;
-    Measured {
-        tokens_per_s: new as f64 / elapsed,
-        peak_kv_bytes: total * token_bytes + (total - 1) * token_bytes / layers,
-        tokens,
-    }
 }
 
 fn main() {
@@ -175,65 +353,79 @@ fn main() {
         .unwrap_or(32);
     let loaded = Smol::load(&path, 8).unwrap();
     let codec = TextCodec::new(&loaded.tokenizer).unwrap();
-    let c = &loaded.model.config;
-    // f32 K and V, every layer: what both caches keep per token.
+    let c = loaded.model.config.clone();
+    // f32 K and V, every layer: what every cache keeps per token.
     let token_bytes = (c.layers * 2 * c.kv_heads * c.head_dim * 4) as u64;
-    let layers = c.layers as u64;
     drop(loaded);
+    let mistral = mistral_gguf(&path, c.q_heads, c.kv_heads);
     let mut rows = Vec::new();
     let mut ratios = Vec::new();
     println!(
-        "{:>8} {:>8} {:>12} {:>14} {:>14}",
+        "{:>8} {:>15} {:>10} {:>14} {:>14}",
         "context", "path", "tokens/s", "peak KV B", "tokens' KV B"
     );
     for &context in &contexts {
         let p = prompt(&codec, context);
         let kv_token_bytes = (context + new) as u64 * token_bytes;
-        let mine = ours(&path, &p, new);
-        println!(
-            "{context:>8} {:>8} {:>12.2} {:>14} {:>14}",
-            "procmem", mine.tokens_per_s, mine.peak_kv_bytes, kv_token_bytes
-        );
-        rows.push(json!({
-            "path": "procmem", "context": context, "tokens_per_s": mine.tokens_per_s,
-            "peak_kv_bytes": mine.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
-        }));
-        if context + new <= MAX_SEQ_LEN {
-            let theirs = candle(&path, &p, new, token_bytes, layers);
-            let same = mine
-                .tokens
-                .iter()
-                .zip(&theirs.tokens)
-                .take_while(|(a, b)| a == b)
-                .count();
+        let (mine, llama, mist) = measure(&path, &mistral, &c, &p, new, token_bytes);
+        let row = |rows: &mut Vec<serde_json::Value>, path: &str, m: &Measured, note: String| {
             println!(
-                "{context:>8} {:>8} {:>12.2} {:>14} {:>14}   ratio {:.2}, first {same}/{new} tokens equal",
-                "candle",
-                theirs.tokens_per_s,
-                theirs.peak_kv_bytes,
-                kv_token_bytes,
-                mine.tokens_per_s / theirs.tokens_per_s
+                "{context:>8} {path:>15} {:>10.2} {:>14} {kv_token_bytes:>14}   {note}",
+                m.tokens_per_s(),
+                m.peak_kv_bytes
             );
             rows.push(json!({
-                "path": "candle", "context": context, "tokens_per_s": theirs.tokens_per_s,
-                "peak_kv_bytes": theirs.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
-                "same_tokens": same,
+                "path": path, "context": context, "tokens_per_s": m.tokens_per_s(),
+                "peak_kv_bytes": m.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
             }));
-            ratios.push(json!({
-                "context": context,
-                "tokens_per_s_ratio": mine.tokens_per_s / theirs.tokens_per_s,
-            }));
-        } else {
-            println!(
-                "{context:>8} {:>8} {:>12}   (quantized_llama keeps {MAX_SEQ_LEN} positions)",
-                "candle", "not run"
-            );
-            rows.push(json!({
-                "path": "candle", "context": context, "tokens_per_s": null,
-                "peak_kv_bytes": null, "kv_token_bytes": kv_token_bytes,
-                "not_run": format!("quantized_llama keeps RoPE tables for {MAX_SEQ_LEN} positions"),
-            }));
+        };
+        row(&mut rows, "procmem", &mine, String::new());
+        let mut ratio = json!({ "context": context });
+        match &llama {
+            Some(theirs) => {
+                let r = mine.tokens_per_s() / theirs.tokens_per_s();
+                let same = same_prefix(&mine.tokens, &theirs.tokens);
+                row(
+                    &mut rows,
+                    "candle",
+                    theirs,
+                    format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these"),
+                );
+                rows.last_mut().unwrap()["same_tokens_as_procmem"] = json!(same);
+                ratio["tokens_per_s_ratio"] = json!(r);
+            }
+            None => {
+                println!(
+                    "{context:>8} {:>15} {:>10}   (quantized_llama keeps {MAX_SEQ_LEN} positions)",
+                    "candle", "not run"
+                );
+                rows.push(json!({
+                    "path": "candle", "context": context, "tokens_per_s": null,
+                    "peak_kv_bytes": null, "kv_token_bytes": kv_token_bytes,
+                    "not_run": format!("quantized_llama keeps RoPE tables for {MAX_SEQ_LEN} positions"),
+                }));
+            }
         }
+        let r = mine.tokens_per_s() / mist.tokens_per_s();
+        let mut note = format!(
+            "ratio {r:.2}; procmem's first {}/{new} tokens equal these",
+            same_prefix(&mine.tokens, &mist.tokens)
+        );
+        if let Some(theirs) = &llama {
+            note += &format!(
+                ", quantized_llama's first {}/{new}",
+                same_prefix(&theirs.tokens, &mist.tokens)
+            );
+        }
+        row(&mut rows, "candle_mistral", &mist, note);
+        rows.last_mut().unwrap()["same_tokens_as_procmem"] =
+            json!(same_prefix(&mine.tokens, &mist.tokens));
+        if let Some(theirs) = &llama {
+            rows.last_mut().unwrap()["same_tokens_as_candle"] =
+                json!(same_prefix(&theirs.tokens, &mist.tokens));
+        }
+        ratio["tokens_per_s_ratio_mistral"] = json!(r);
+        ratios.push(ratio);
     }
     let report = json!({ "new_tokens": new, "rows": rows, "ratios": ratios });
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/reports");

@@ -56,32 +56,56 @@ pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
 /// candle-transformers' `quantized_llama` with its own KV cache: greedy tokens, and the
 /// logits each came from. The prompt goes in one token at a time, as ours does.
 pub fn reference(path: &std::path::Path, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
+    candle_greedy(path, prompt, 1)
+}
+
+/// The same model fed the prompt `chunk` tokens per forward (its masked prefill), then one
+/// token per step: the same arithmetic in another order, which is what sets the floor of
+/// how closely two correct attention paths can agree.
+pub fn candle_greedy(
+    path: &std::path::Path,
+    prompt: &[u32],
+    chunk: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut file = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-    let mut logits = Vec::new();
-    let mut tokens = Vec::new();
-    let mut known = prompt.to_vec();
-    for pos in 0..prompt.len() + NEW_TOKENS - 1 {
-        let input = Tensor::new(&[known[pos]], &Device::Cpu)
+    let forward = |model: &mut ModelWeights, tokens: &[u32], pos: usize| -> Vec<f32> {
+        let input = Tensor::new(tokens, &Device::Cpu)
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let l: Vec<f32> = model
+        model
             .forward(&input, pos)
             .unwrap()
             .squeeze(0)
             .unwrap()
             .to_vec1()
-            .unwrap();
-        if pos + 1 >= prompt.len() {
-            let next = procmem_model::argmax(&l);
-            tokens.push(next);
-            logits.push(l);
-            known.push(next);
+            .unwrap()
+    };
+    let mut l = Vec::new();
+    for (i, part) in prompt.chunks(chunk.max(1)).enumerate() {
+        l = forward(&mut model, part, i * chunk.max(1));
+    }
+    let mut logits = Vec::new();
+    let mut tokens = Vec::new();
+    for pos in prompt.len()..prompt.len() + NEW_TOKENS {
+        let next = procmem_model::argmax(&l);
+        tokens.push(next);
+        logits.push(std::mem::take(&mut l));
+        if pos + 1 < prompt.len() + NEW_TOKENS {
+            l = forward(&mut model, &[next], pos);
         }
     }
     (tokens, logits)
+}
+
+/// The largest relative difference of two logit rows (floor 1 on the divisor).
+pub fn logit_gap(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+        .fold(0f32, f32::max)
 }
 
 /// This project's engine over a fresh manager (`budget` bytes of host, or the default).
@@ -162,13 +186,7 @@ pub fn compare(
     for (i, prompt) in prompts.iter().enumerate() {
         let (theirs, their_logits) = reference(path, prompt);
         let c = &mine[i];
-        first_step.push(
-            c.logits[0]
-                .iter()
-                .zip(&their_logits[0])
-                .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
-                .fold(0f32, f32::max),
-        );
+        first_step.push(logit_gap(&c.logits[0], &their_logits[0]));
         if let Some(at) = c.tokens.iter().zip(&theirs).position(|(a, b)| a != b) {
             parted.push((i, at, top2(&c.logits[at]), top2(&their_logits[at])));
         } else {
