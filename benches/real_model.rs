@@ -103,9 +103,6 @@ fn mistral_gguf(path: &std::path::Path, q_heads: usize, kv_heads: usize) -> Vec<
                 }
             }
         }
-        if std::env::var_os("NOPERM").is_some() {
-            return t;
-        }
         // Borrowed: candle 0.9.2's `from_data` reads an owned buffer after dropping it.
         let storage = QStorage::from_data(Cow::Borrowed(&out), &Device::Cpu, t.dtype()).unwrap();
         QTensor::new(storage, (rows, cols)).unwrap()
@@ -200,7 +197,7 @@ fn same_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// candle's prompt forward for one model: whole where its mask allows, else in chunks.
+/// One forward of a candle model over `tokens` from position `pos`: the last row's logits.
 fn candle_logits<M>(
     model: &mut M,
     forward: fn(&mut M, &Tensor, usize) -> candle_core::Result<Tensor>,
@@ -407,22 +404,17 @@ fn main() {
             }
         }
         let r = mine.tokens_per_s() / mist.tokens_per_s();
-        let mut note = format!(
-            "ratio {r:.2}; procmem's first {}/{new} tokens equal these",
-            same_prefix(&mine.tokens, &mist.tokens)
-        );
-        if let Some(theirs) = &llama {
-            note += &format!(
-                ", quantized_llama's first {}/{new}",
-                same_prefix(&theirs.tokens, &mist.tokens)
-            );
+        let same = same_prefix(&mine.tokens, &mist.tokens);
+        let same_llama = llama.as_ref().map(|l| same_prefix(&l.tokens, &mist.tokens));
+        let mut note = format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these");
+        if let Some(n) = same_llama {
+            note += &format!(", quantized_llama's first {n}/{new}");
         }
         row(&mut rows, "candle_mistral", &mist, note);
-        rows.last_mut().unwrap()["same_tokens_as_procmem"] =
-            json!(same_prefix(&mine.tokens, &mist.tokens));
-        if let Some(theirs) = &llama {
-            rows.last_mut().unwrap()["same_tokens_as_candle"] =
-                json!(same_prefix(&theirs.tokens, &mist.tokens));
+        let last = rows.last_mut().unwrap();
+        last["same_tokens_as_procmem"] = json!(same);
+        if let Some(n) = same_llama {
+            last["same_tokens_as_candle"] = json!(n);
         }
         ratio["tokens_per_s_ratio_mistral"] = json!(r);
         ratios.push(ratio);

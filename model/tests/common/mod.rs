@@ -83,9 +83,10 @@ pub fn candle_greedy(
             .to_vec1()
             .unwrap()
     };
+    let chunk = chunk.max(1);
     let mut l = Vec::new();
-    for (i, part) in prompt.chunks(chunk.max(1)).enumerate() {
-        l = forward(&mut model, part, i * chunk.max(1));
+    for (i, part) in prompt.chunks(chunk).enumerate() {
+        l = forward(&mut model, part, i * chunk);
     }
     let mut logits = Vec::new();
     let mut tokens = Vec::new();
@@ -170,6 +171,9 @@ pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
 pub struct Agreement {
     pub first_step: Vec<f32>,
     pub parted: Vec<Parted>,
+    /// candle's own run of each prompt (one token at a time): its greedy tokens and its
+    /// first step's logits.
+    pub reference: Vec<(Vec<u32>, Vec<f32>)>,
 }
 
 /// A prompt, the token where the two part, and the top two logits there (ours, candle's).
@@ -183,6 +187,7 @@ pub fn compare(
 ) -> Agreement {
     let mut first_step = Vec::new();
     let mut parted = Vec::new();
+    let mut kept = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
         let (theirs, their_logits) = reference(path, prompt);
         let c = &mine[i];
@@ -198,6 +203,12 @@ pub fn compare(
             c.cached_tokens,
             codec.decode(&c.tokens).unwrap()
         );
+        let mut their_logits = their_logits;
+        kept.push((theirs, their_logits.swap_remove(0)));
     }
-    Agreement { first_step, parted }
+    Agreement {
+        first_step,
+        parted,
+        reference: kept,
+    }
 }
