@@ -158,8 +158,8 @@ pub(crate) enum ResidencyMsg {
         layer: usize,
         /// The kernel body.
         f: WeightsFn,
-        /// Done once queued (the kernel signals its own completion).
-        reply: RpcReplyPort<Result<(), ResidencyError>>,
+        /// The kernel's fence, once queued (the kernel signals its own completion).
+        reply: RpcReplyPort<Result<TimelineFence, ResidencyError>>,
     },
     /// Queues the server's kernels over a GPU layer's weights (reloading them first if
     /// offloaded); their fence is recorded on the weights.
@@ -444,16 +444,20 @@ impl ResidencyState {
         }
     }
 
-    async fn use_layer(&mut self, layer: usize, f: WeightsFn) -> Result<(), ResidencyError> {
+    async fn use_layer(
+        &mut self,
+        layer: usize,
+        f: WeightsFn,
+    ) -> Result<TimelineFence, ResidencyError> {
         let DeviceProvider::Host(provider) = self.provider.clone() else {
             return Err(ResidencyError::WrongDevice);
         };
         let buffer = self.resident(layer).await?;
         let stream = provider.stream(0)?;
-        stream
+        let fence = stream
             .submit_reading(&[&*buffer], move |bytes| f(bytes[0]))
             .map_err(|_| ProviderError::Unavailable)?;
-        Ok(())
+        Ok(TimelineFence::new(fence, stream.timeline()).expect("a fence of this stream"))
     }
 
     async fn use_device_layer(
@@ -580,16 +584,30 @@ impl ResidencyHandle {
         f: impl FnOnce(&[u8]) -> T + Send + 'static,
     ) -> Result<T, ResidencyError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let body: WeightsFn = Box::new(move |w| {
+        self.submit_with_weights(layer, move |w| {
             let _ = tx.send(f(w));
-        });
-        self.ask(|reply| ResidencyMsg::Use {
-            layer,
-            f: body,
-            reply,
         })
         .await?;
         rx.await.map_err(|_| ResidencyError::Unavailable)
+    }
+
+    /// Queues `f` over a layer's weights on the host stream (reloading them first if
+    /// offloaded) and returns its fence once it is queued, without waiting for it to run: the
+    /// weights stay in place until that fence completes (an offload or a free waits for it).
+    /// Work queued on the same stream after this call runs after `f`, so a server can queue a
+    /// whole step's kernels, layer after layer, and wait only for the last. Host weights only
+    /// (GPU weights answer `WrongDevice`).
+    pub async fn submit_with_weights(
+        &self,
+        layer: usize,
+        f: impl FnOnce(&[u8]) + Send + 'static,
+    ) -> Result<TimelineFence, ResidencyError> {
+        self.ask(|reply| ResidencyMsg::Use {
+            layer,
+            f: Box::new(f),
+            reply,
+        })
+        .await
     }
 
     /// Queues the server's kernels over a GPU layer's weights: `f` gets the weights' device
