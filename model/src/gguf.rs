@@ -204,7 +204,16 @@ impl Gguf {
         let mut slots = Vec::with_capacity(LAYER_TENSORS.len());
         for t in LAYER_TENSORS {
             let (raw, dtype, dims) = self.raw(&format!("blk.{layer}.{t}.weight"))?;
-            bytes.resize(bytes.len().next_multiple_of(64), 0);
+            // K and V follow Q, and up follows gate, with no padding where they have the same
+            // type and row length: the rows of each group are then one matrix (see
+            // [`fused`]). A whole number of rows keeps the next one aligned for its type.
+            let continues = matches!(t, "attn_k" | "attn_v" | "ffn_up")
+                && slots.last().is_some_and(|p: &TensorSlot| {
+                    p.dtype == dtype && p.dims.len() == 2 && p.dims.get(1) == dims.get(1)
+                });
+            if !continues {
+                bytes.resize(bytes.len().next_multiple_of(64), 0);
+            }
             slots.push(TensorSlot {
                 offset: bytes.len(),
                 len: raw.len(),
@@ -215,4 +224,31 @@ impl Gguf {
         }
         Ok((bytes, slots))
     }
+}
+
+/// `parts`, back to back in a layer's bytes with one type and one row length, as one
+/// `[Σ rows, columns]` matrix: one product then serves them all (each output row is the same
+/// dot product it is alone). `None` where they are not.
+pub fn fused(parts: &[TensorSlot]) -> Option<TensorSlot> {
+    let first = parts.first()?;
+    let &[_, columns] = first.dims.as_slice() else {
+        return None;
+    };
+    let mut whole = TensorSlot {
+        offset: first.offset,
+        len: 0,
+        dtype: first.dtype,
+        dims: vec![0, columns],
+    };
+    for p in parts {
+        let &[rows, k] = p.dims.as_slice() else {
+            return None;
+        };
+        if p.dtype != whole.dtype || k != columns || p.offset != whole.offset + whole.len {
+            return None;
+        }
+        whole.len += p.len;
+        whole.dims[0] += rows;
+    }
+    Some(whole)
 }

@@ -5,10 +5,11 @@
 //! store's flat buffers and the decode operator reads them there, on the step's stream.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::{KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
 
@@ -29,6 +30,8 @@ pub struct Smol {
     norm: Tensor,
     output: QMatMul,
     slots: Vec<Vec<TensorSlot>>,
+    /// Per layer, Q/K/V and gate/up as one matrix each, where they are packed as one.
+    fused: Vec<[Option<TensorSlot>; 2]>,
     cos: Tensor,
     sin: Tensor,
 }
@@ -102,9 +105,11 @@ impl Smol {
         };
         let mut layers = Vec::with_capacity(config.layers);
         let mut slots = Vec::with_capacity(config.layers);
+        let mut fused = Vec::with_capacity(config.layers);
         for layer in 0..config.layers {
             let (bytes, s) = gguf.layer(layer)?;
             layers.push(bytes);
+            fused.push([crate::gguf::fused(&s[1..4]), crate::gguf::fused(&s[6..8])]);
             slots.push(s);
         }
         let (cos, sin) = rope_tables(config.head_dim, config.rope_base, max_tokens.max(1))?;
@@ -115,6 +120,7 @@ impl Smol {
                 norm,
                 output,
                 slots,
+                fused,
                 cos,
                 sin,
             }),
@@ -168,9 +174,19 @@ impl Smol {
     ) -> Result<Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>, ModelError> {
         let s = &self.slots[layer];
         let h = self.rms(x, &dense(bytes, &s[0])?)?;
-        let q = project(bytes, &s[1], &h)?;
-        let k = project(bytes, &s[2], &h)?;
-        let v = project(bytes, &s[3], &h)?;
+        let (q, k, v) = match &self.fused[layer][0] {
+            Some(qkv) => {
+                let all = project(bytes, qkv, &h)?;
+                let (nq, nk, nv) = (s[1].dims[0], s[2].dims[0], s[3].dims[0]);
+                let part = |from, n| all.narrow(1, from, n).map_err(cerr);
+                (part(0, nq)?, part(nq, nk)?, part(nq + nk, nv)?)
+            }
+            None => (
+                project(bytes, &s[1], &h)?,
+                project(bytes, &s[2], &h)?,
+                project(bytes, &s[3], &h)?,
+            ),
+        };
         let c = &self.config;
         let mut out = Vec::with_capacity(positions.len());
         for (i, &pos) in positions.iter().enumerate() {
@@ -201,8 +217,15 @@ impl Smol {
         let a = Tensor::from_vec(flat, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
         let x = (project(bytes, &s[4], &a)? + x).map_err(cerr)?;
         let h = self.rms(&x, &dense(bytes, &s[5])?)?;
-        let gate = project(bytes, &s[6], &h)?;
-        let up = project(bytes, &s[7], &h)?;
+        let (gate, up) = match &self.fused[layer][1] {
+            Some(gate_up) => {
+                let both = project(bytes, gate_up, &h)?;
+                let (ng, nu) = (s[6].dims[0], s[7].dims[0]);
+                let part = |from, n| both.narrow(1, from, n).map_err(cerr);
+                (part(0, ng)?, part(ng, nu)?)
+            }
+            None => (project(bytes, &s[6], &h)?, project(bytes, &s[7], &h)?),
+        };
         let act = (candle_nn::ops::silu(&gate).map_err(cerr)? * up).map_err(cerr)?;
         let down = project(bytes, &s[8], &act)?;
         (down + x).map_err(cerr)
@@ -237,14 +260,16 @@ pub fn top2(logits: &[f32]) -> (f32, f32) {
     (v[0], v.get(1).copied().unwrap_or(f32::NEG_INFINITY))
 }
 
-/// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
-/// every row so far, on the step's stream (the server's own kernel over the managed KV).
-/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
-pub async fn attend(
-    step: &KvStep,
+/// Each row's query, key and value (RoPE applied): what a layer's attention takes.
+type Qkv = Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+
+/// Writes each row's new K/V into the step's memory and runs the decode operator over every
+/// token so far. `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
+fn attend_rows(
+    kv: &mut StepKv<'_>,
     shape: KvShape,
     layer: usize,
-    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+    qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
     fn run<T: procmem_actors::procmem::kv::KvElement>(
         kv: &mut StepKv<'_>,
@@ -274,21 +299,80 @@ pub async fn attend(
         }
         Ok(outs)
     }
+    match shape.dtype {
+        KvDtype::F32 => run::<f32>(kv, shape, layer, qkv),
+        KvDtype::F16 => run::<procmem_actors::procmem::kv::f16>(kv, shape, layer, qkv),
+    }
+}
+
+/// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
+/// every row so far, on the step's stream (the server's own kernel over the managed KV).
+/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
+pub async fn attend(
+    step: &KvStep,
+    shape: KvShape,
+    layer: usize,
+    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+) -> Result<Vec<Vec<f32>>, ModelError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     step.submit(move |kv| {
-        let _ = tx.send(match shape.dtype {
-            KvDtype::F32 => run::<f32>(kv, shape, layer, &qkv),
-            KvDtype::F16 => run::<procmem_actors::procmem::kv::f16>(kv, shape, layer, &qkv),
-        });
+        let _ = tx.send(attend_rows(kv, shape, layer, &qkv));
     })
     .map_err(|e| ModelError::Store(e.to_string()))?;
     rx.await
         .map_err(|_| ModelError::Store("the step's kernel was dropped".into()))?
 }
 
+/// What a step's kernels hand one another on the stream: the residual stream, then each
+/// layer's attention inputs and outputs. The first error stops the rest; `stages` counts the
+/// kernels that ran to the end (one that panicked leaves it short).
+struct Flow {
+    x: Option<Tensor>,
+    qkv: Qkv,
+    attended: Vec<Vec<f32>>,
+    stages: usize,
+    error: Option<ModelError>,
+}
+
+/// Runs one kernel's part of the step over the flow, unless an earlier one failed.
+fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>) {
+    let mut flow = flow.lock().unwrap_or_else(PoisonError::into_inner);
+    if flow.error.is_some() {
+        return;
+    }
+    match f(&mut flow) {
+        Ok(()) => flow.stages += 1,
+        Err(e) => flow.error = Some(e),
+    }
+}
+
+/// Returns once `fence` has completed, without blocking the thread.
+async fn settled(fence: &TimelineFence) {
+    if fence.is_complete() {
+        return;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    fence.on_complete(Box::new(move |_| {
+        let _ = tx.send(());
+    }));
+    let _ = rx.await;
+}
+
+fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
+    ModelError::Weights(e.to_string())
+}
+
 /// One decode step of `batch` (`(sequence, token, position)`): each sequence takes its token
 /// at its position through every layer over the managed KV. Returns each row's logits. The
 /// sequences must be open in `kv`, each at `position` tokens.
+///
+/// The whole step is queued before any of it is awaited: per layer, the projections over the
+/// layer's weights (residency reloads them first if they were offloaded, and keeps them until
+/// their kernel's fence), the attention over the step's KV, then the rest of the layer, each a
+/// kernel on the host stream, handing its output to the next through the step's flow. Where
+/// the weights' stream is the KV's (one provider for both, as the engine builds them) the
+/// stream's order is the only wait; otherwise each kernel waits for the one before it on the
+/// other stream. The caller waits once, for the last layer.
 pub async fn decode_step(
     model: &Arc<Smol>,
     weights: &ResidencyHandle,
@@ -301,26 +385,120 @@ pub async fn decode_step(
         .await
         .map_err(ModelError::Prepare)?;
     let tokens: Vec<u32> = batch.iter().map(|b| b.1).collect();
-    let positions: Vec<usize> = batch.iter().map(|b| b.2).collect();
-    let mut x = model.embed(&tokens)?;
+    let positions: Arc<[usize]> = batch.iter().map(|b| b.2).collect();
+    let flow = Arc::new(Mutex::new(Flow {
+        x: Some(model.embed(&tokens)?),
+        qkv: Vec::new(),
+        attended: Vec::new(),
+        stages: 0,
+        error: None,
+    }));
+    let kv_stream = step.stream().id();
+    let mut last = None;
+    let missing = || ModelError::Compute("a step's kernel lost the residual stream".into());
     for layer in 0..model.config.layers {
-        let (m, xs, pos) = (Arc::clone(model), x.clone(), positions.clone());
-        let qkv = weights
-            .with_weights(layer, move |w| m.qkv(layer, w, &xs, &pos))
+        let (m, f, pos) = (Arc::clone(model), Arc::clone(&flow), Arc::clone(&positions));
+        let projected = weights
+            .submit_with_weights(layer, move |w| {
+                stage(&f, |flow| {
+                    let x = flow.x.as_ref().ok_or_else(missing)?;
+                    flow.qkv = m.qkv(layer, w, x, &pos)?;
+                    Ok(())
+                })
+            })
             .await
-            .map_err(|e| ModelError::Weights(e.to_string()))??;
-        let attended = attend(&step, shape, layer, qkv).await?;
-        let (m, xs) = (Arc::clone(model), x.clone());
-        x = weights
-            .with_weights(layer, move |w| m.finish_layer(layer, w, &xs, attended))
+            .map_err(weights_err)?;
+        let apart = projected.fence().stream != kv_stream;
+        if apart {
+            settled(&projected).await;
+        }
+        let f = Arc::clone(&flow);
+        let fence = step
+            .submit(move |kv| {
+                stage(&f, |flow| {
+                    let qkv = std::mem::take(&mut flow.qkv);
+                    flow.attended = attend_rows(kv, shape, layer, &qkv)?;
+                    Ok(())
+                })
+            })
+            .map_err(|e| ModelError::Store(e.to_string()))?;
+        if apart {
+            let attended = TimelineFence::new(fence, step.stream().timeline())
+                .ok_or_else(|| ModelError::Store("a fence of another stream".into()))?;
+            settled(&attended).await;
+        }
+        let (m, f) = (Arc::clone(model), Arc::clone(&flow));
+        let finished = weights
+            .submit_with_weights(layer, move |w| {
+                stage(&f, |flow| {
+                    let x = flow.x.take().ok_or_else(missing)?;
+                    let attended = std::mem::take(&mut flow.attended);
+                    flow.x = Some(m.finish_layer(layer, w, &x, attended)?);
+                    Ok(())
+                })
+            })
             .await
-            .map_err(|e| ModelError::Weights(e.to_string()))??;
+            .map_err(weights_err)?;
+        last = Some(finished);
+    }
+    if let Some(last) = &last {
+        settled(last).await;
     }
     let fence = step
         .last_fence()
         .ok_or_else(|| ModelError::Store("a step with no kernel".into()))?;
+    let x = {
+        let mut flow = flow.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(e) = flow.error.take() {
+            return Err(e);
+        }
+        if flow.stages != 3 * model.config.layers {
+            return Err(ModelError::Compute("a kernel of the step panicked".into()));
+        }
+        flow.x.take().ok_or_else(missing)?
+    };
     step.complete(fence)
         .await
         .map_err(|e| ModelError::Store(e.to_string()))?;
     model.logits(&x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One product over Q/K/V (and over gate/up) packed as one matrix gives each output row
+    /// exactly the bits of that row's own product: fusing changes the number of calls, not
+    /// the arithmetic.
+    #[test]
+    fn fused_projections_equal_the_separate_ones_bit_for_bit() {
+        let Some(path) = crate::smollm2_path() else {
+            eprintln!("SKIPPED: no model (run scripts/fetch-model.sh)");
+            return;
+        };
+        let loaded = Smol::load(&path, 16).unwrap();
+        let m = &loaded.model;
+        for layer in [0, m.config.layers / 2, m.config.layers - 1] {
+            let (bytes, s) = (&loaded.layers[layer], &m.slots[layer]);
+            let x = m.embed(&[1, 500, 30_000]).unwrap();
+            for (group, parts) in [(0, &s[1..4]), (1, &s[6..8])] {
+                let whole = m.fused[layer][group]
+                    .as_ref()
+                    .expect("SmolLM2's Q/K/V and gate/up are packed as one matrix each");
+                let all = project(bytes, whole, &x).unwrap().to_vec2::<f32>().unwrap();
+                let each: Vec<Vec<Vec<f32>>> = parts
+                    .iter()
+                    .map(|p| project(bytes, p, &x).unwrap().to_vec2::<f32>().unwrap())
+                    .collect();
+                for (row, got) in all.iter().enumerate() {
+                    let want: Vec<u32> = each
+                        .iter()
+                        .flat_map(|p| p[row].iter().map(|v| v.to_bits()))
+                        .collect();
+                    let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "layer {layer}, group {group}, row {row}");
+                }
+            }
+        }
+    }
 }
