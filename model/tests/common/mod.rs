@@ -59,13 +59,14 @@ pub fn reference(path: &std::path::Path, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f
     candle_greedy(path, prompt, 1)
 }
 
-/// The same model fed the prompt `chunk` tokens per forward (its masked prefill), then one
-/// token per step: the same arithmetic in another order, which is what sets the floor of
+/// The same model fed the prompt's first `prefill` tokens in one forward (its masked prefill;
+/// its mask has no room for earlier tokens, so only the first forward may take several), then
+/// one token per step: the same arithmetic in another order, which is what sets the floor of
 /// how closely two correct attention paths can agree.
 pub fn candle_greedy(
     path: &std::path::Path,
     prompt: &[u32],
-    chunk: usize,
+    prefill: usize,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut file = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
@@ -83,10 +84,10 @@ pub fn candle_greedy(
             .to_vec1()
             .unwrap()
     };
-    let chunk = chunk.max(1);
-    let mut l = Vec::new();
-    for (i, part) in prompt.chunks(chunk).enumerate() {
-        l = forward(&mut model, part, i * chunk);
+    let prefill = prefill.clamp(1, prompt.len());
+    let mut l = forward(&mut model, &prompt[..prefill], 0);
+    for (pos, token) in prompt.iter().enumerate().skip(prefill) {
+        l = forward(&mut model, &[*token], pos);
     }
     let mut logits = Vec::new();
     let mut tokens = Vec::new();
@@ -171,9 +172,9 @@ pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
 pub struct Agreement {
     pub first_step: Vec<f32>,
     pub parted: Vec<Parted>,
-    /// candle's own run of each prompt (one token at a time): its greedy tokens and its
-    /// first step's logits.
-    pub reference: Vec<(Vec<u32>, Vec<f32>)>,
+    /// candle's own run of each prompt (one token at a time): its greedy tokens and the
+    /// logits of each step.
+    pub reference: Vec<(Vec<u32>, Vec<Vec<f32>>)>,
 }
 
 /// A prompt, the token where the two part, and the top two logits there (ours, candle's).
@@ -203,8 +204,7 @@ pub fn compare(
             c.cached_tokens,
             codec.decode(&c.tokens).unwrap()
         );
-        let mut their_logits = their_logits;
-        kept.push((theirs, their_logits.swap_remove(0)));
+        kept.push((theirs, their_logits));
     }
     Agreement {
         first_step,
