@@ -5,9 +5,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
-use procmem_actors::PreemptMode;
-use procmem_model::{Smol, TextCodec};
+use procmem_actors::{KvStoreError, PreemptMode};
+use procmem_model::{decode_step, Engine, ModelError, Smol, TextCodec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantized_decoding_follows_candle_as_closely_as_candle_follows_itself() {
@@ -160,4 +162,75 @@ fn the_tokenizer_round_trips_text_and_knows_the_chat_tokens() {
     assert_eq!(start.len(), 1, "a special token is one token");
     assert_eq!(chat[0], start[0]);
     assert!(codec.eos.is_some());
+}
+
+/// A caller that gives up on a step midway (a timeout, a dropped request) leaves its sequence
+/// as it was: the kernels the step already queued still run over memory kept for them, nothing
+/// of the step counts, the sequence is `Busy` only until that memory is back, and the step
+/// taken again gives exactly the logits of a run that never gave up. The books are zero after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_given_up_midway_changes_nothing() {
+    let Some((path, codec, _)) = tokenized() else {
+        return;
+    };
+    let prompt = codec
+        .encode("The quick brown fox jumps over the lazy dog.")
+        .unwrap();
+    let run = |give_up: bool| {
+        let (path, prompt) = (path.clone(), prompt.clone());
+        async move {
+            let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
+            let memory = procmem_actors::MemoryManager::builder()
+                .build()
+                .await
+                .unwrap();
+            let engine = Engine::start(&memory, loaded, kv_config(PreemptMode::Swap), None)
+                .await
+                .unwrap();
+            engine.kv.open(1, prompt.clone(), 0).await.unwrap();
+            let step = |t: u32, pos: usize| {
+                let e = &engine;
+                async move { decode_step(&e.model, &e.weights, &e.kv, e.shape, &[(1, t, pos)]).await }
+            };
+            let (mut logits, mut abandoned) = (Vec::new(), 0);
+            for (pos, &t) in prompt.iter().enumerate() {
+                if give_up {
+                    // Abandoned at a different point of the step each time.
+                    let after = Duration::from_millis(1 + 3 * (pos as u64 % 6));
+                    match tokio::time::timeout(after, step(t, pos)).await {
+                        Ok(done) => {
+                            logits = done.unwrap().remove(0);
+                            continue;
+                        }
+                        Err(_) => abandoned += 1,
+                    }
+                }
+                let started = std::time::Instant::now();
+                logits = loop {
+                    match step(t, pos).await {
+                        Ok(mut l) => break l.remove(0),
+                        Err(ModelError::Prepare(KvStoreError::Busy(_)))
+                            if started.elapsed() < Duration::from_secs(10) =>
+                        {
+                            tokio::time::sleep(Duration::from_millis(1)).await
+                        }
+                        Err(e) => panic!("step at {pos}: {e}"),
+                    }
+                };
+            }
+            drop(engine);
+            let report = memory.shutdown().await.unwrap();
+            assert!(report.is_zero(), "books after shutdown: {report:?}");
+            (logits, abandoned)
+        }
+    };
+    let (whole, _) = run(false).await;
+    let (retried, abandoned) = run(true).await;
+    eprintln!("steps given up midway: {abandoned} of {}", prompt.len());
+    assert!(
+        abandoned * 2 >= prompt.len(),
+        "too few steps were given up: {abandoned}"
+    );
+    let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&whole), bits(&retried));
 }
