@@ -194,3 +194,62 @@ fn bad_input_exits_2_with_a_clear_message() {
         cases.len()
     );
 }
+
+/// The main job serving the real model: under `--budget 0.25x` (a quarter of the peak KV
+/// beside the weights, so cached prefixes are evicted and sequences preempted) the completions
+/// it prints are byte-identical to an unpressured run's, with swap and with recompute.
+#[test]
+fn the_real_model_prints_the_same_completions_under_a_quarter_of_the_kv() {
+    if procmem_model::smollm2_path().is_none() {
+        eprintln!("SKIPPED: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
+        return;
+    }
+    let serve = |extra: &[&str]| -> (String, u64) {
+        let mut args = vec![
+            "--model",
+            "smollm2",
+            "--requests",
+            "8",
+            "--concurrency",
+            "4",
+            "--max-new-tokens",
+            "16",
+        ];
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            summary_field(&stdout, "books after shutdown").as_deref(),
+            Some("zero"),
+            "{args:?}: {stdout}"
+        );
+        assert_eq!(
+            summary_field(&stdout, "requests finished").as_deref(),
+            Some("8")
+        );
+        // "preemptions / restores   P / R"
+        let preemptions = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with("preemptions / restores"))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .and_then(|p| p.parse().ok())
+            .expect("a preemptions line");
+        let at = stdout
+            .find("\ncompletions\n")
+            .expect("a completions section");
+        (stdout[at..].to_string(), preemptions)
+    };
+    let (free, none) = serve(&["--budget", "1x"]);
+    assert_eq!(none, 0, "the whole peak demand fits: nothing is preempted");
+    assert!(free.lines().count() > 8, "{free}");
+    for preempt in ["swap", "recompute"] {
+        let (pressed, preemptions) = serve(&["--budget", "0.25x", "--preempt", preempt]);
+        assert!(preemptions > 0, "0.25x with {preempt}: no preemption");
+        assert_eq!(pressed, free, "0.25x with {preempt}");
+    }
+}
