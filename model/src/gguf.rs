@@ -227,8 +227,11 @@ impl Gguf {
 }
 
 /// `parts`, back to back in a layer's bytes with one type and one row length, as one
-/// `[Σ rows, columns]` matrix: one product then serves them all (each output row is the same
-/// dot product it is alone). `None` where they are not.
+/// `[Σ rows, columns]` matrix: one product then serves them all. For block-quantized weights
+/// (candle's `k_quants::matmul`, which the projections use) each output row is the same dot
+/// product it is alone, bit for bit; f16/f32 weights, or `CANDLE_DEQUANTIZE_ALL`, go through
+/// a dense matmul over the wider matrix, whose blocking may differ. `None` where they are not
+/// one matrix.
 pub fn fused(parts: &[TensorSlot]) -> Option<TensorSlot> {
     let first = parts.first()?;
     let &[_, columns] = first.dims.as_slice() else {

@@ -35,6 +35,17 @@ pub enum ModelError {
     /// Model residency failed.
     #[error("weights: {0}")]
     Weights(String),
+    /// A step named a sequence at another position than the store holds it at (a step given
+    /// up while it committed still counted, say); nothing was done.
+    #[error("sequence {seq} holds {held} tokens: a step at position {asked} does not follow")]
+    Position {
+        /// The sequence.
+        seq: procmem_actors::SeqId,
+        /// Tokens the store holds for it.
+        held: usize,
+        /// The position the step named.
+        asked: usize,
+    },
 }
 
 /// The GGUF `scripts/fetch-model.sh` unpacks: `$PROCMEM_MODEL_DIR` or `target/models` of the

@@ -373,6 +373,12 @@ fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
 /// the weights' stream is the KV's (one provider for both, as the engine builds them) the
 /// stream's order is the only wait; otherwise each kernel waits for the one before it on the
 /// other stream. The caller waits once, for the last layer.
+///
+/// Each `position` must be the number of tokens the store holds for its sequence
+/// ([`ModelError::Position`] otherwise). A caller that gives up on the step (drops this
+/// future) before it commits leaves the sequence as it was; one that gives up while it
+/// commits (awaiting the store's answer) may find the token counted, which the position
+/// check of the next step then reports.
 pub async fn decode_step(
     model: &Arc<Smol>,
     weights: &ResidencyHandle,
@@ -384,6 +390,13 @@ pub async fn decode_step(
         .prepare(batch.iter().map(|b| b.0).collect())
         .await
         .map_err(ModelError::Prepare)?;
+    // Each token goes where the store says the sequence ends, or the step would write K/V
+    // at one row and rotate it for another (dropping the step counts nothing).
+    for (&(seq, _, asked), &held) in batch.iter().zip(step.positions()) {
+        if held != asked {
+            return Err(ModelError::Position { seq, held, asked });
+        }
+    }
     let tokens: Vec<u32> = batch.iter().map(|b| b.1).collect();
     let positions: Arc<[usize]> = batch.iter().map(|b| b.2).collect();
     let flow = Arc::new(Mutex::new(Flow {
@@ -397,6 +410,15 @@ pub async fn decode_step(
     let mut last = None;
     let missing = || ModelError::Compute("a step's kernel lost the residual stream".into());
     for layer in 0..model.config.layers {
+        // A kernel already failed: queue nothing more (no reload for a step that is lost).
+        if flow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .error
+            .is_some()
+        {
+            break;
+        }
         let (m, f, pos) = (Arc::clone(model), Arc::clone(&flow), Arc::clone(&positions));
         let projected = weights
             .submit_with_weights(layer, move |w| {
