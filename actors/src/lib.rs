@@ -113,7 +113,7 @@ pub use provider::{
 pub use residency::{
     Placement, ResidencyArgs, ResidencyConfig, ResidencyError, ResidencyHandle, ResidencyStats,
 };
-pub use stream::{CpuStream, StreamError};
+pub use stream::{fence_completed, CpuStream, StreamError};
 
 // The README's embedding example compiles and runs as a doctest of this crate.
 #[cfg(doctest)]

@@ -26,6 +26,15 @@ pub(crate) async fn completed_within(
     value: u64,
     limit: std::time::Duration,
 ) -> bool {
+    matches!(
+        tokio::time::timeout(limit, completed(timeline, value)).await,
+        Ok(true)
+    )
+}
+
+/// Waits, without blocking the thread, until `value` of `timeline` completes: false if the
+/// timeline dropped the waiter without completing it.
+async fn completed(timeline: &dyn Timeline, value: u64) -> bool {
     if timeline.completed() >= value {
         return true;
     }
@@ -36,7 +45,14 @@ pub(crate) async fn completed_within(
             let _ = tx.send(());
         }),
     );
-    matches!(tokio::time::timeout(limit, rx).await, Ok(Ok(())))
+    rx.await.is_ok()
+}
+
+/// Waits, without blocking the thread, until `fence` (of any stream, any provider) has
+/// completed: what async code awaits where work on another stream must be done first. False
+/// if its timeline dropped the waiter without completing it.
+pub async fn fence_completed(fence: &TimelineFence) -> bool {
+    completed(fence.timeline().as_ref(), fence.fence().value).await
 }
 
 /// Why work could not be submitted.

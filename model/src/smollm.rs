@@ -11,7 +11,7 @@ use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, Q
 use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
-use procmem_actors::{KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
+use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
 use crate::quant::project;
@@ -346,18 +346,6 @@ fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>
     }
 }
 
-/// Returns once `fence` has completed, without blocking the thread.
-async fn settled(fence: &TimelineFence) {
-    if fence.is_complete() {
-        return;
-    }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    fence.on_complete(Box::new(move |_| {
-        let _ = tx.send(());
-    }));
-    let _ = rx.await;
-}
-
 fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
     ModelError::Weights(e.to_string())
 }
@@ -432,7 +420,7 @@ pub async fn decode_step(
             .map_err(weights_err)?;
         let apart = projected.fence().stream != kv_stream;
         if apart {
-            settled(&projected).await;
+            fence_completed(&projected).await;
         }
         let f = Arc::clone(&flow);
         let fence = step
@@ -447,7 +435,7 @@ pub async fn decode_step(
         if apart {
             let attended = TimelineFence::new(fence, step.stream().timeline())
                 .ok_or_else(|| ModelError::Store("a fence of another stream".into()))?;
-            settled(&attended).await;
+            fence_completed(&attended).await;
         }
         let (m, f) = (Arc::clone(model), Arc::clone(&flow));
         let finished = weights
@@ -464,7 +452,7 @@ pub async fn decode_step(
         last = Some(finished);
     }
     if let Some(last) = &last {
-        settled(last).await;
+        fence_completed(last).await;
     }
     let fence = step
         .last_fence()
