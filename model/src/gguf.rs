@@ -1,14 +1,27 @@
 //! Reading a llama-architecture GGUF: the hyper-parameters, the tokenizer's vocabulary and
 //! merges, and each layer's quantized tensors as raw bytes (a residency unit each).
+//!
+//! The file is read by this module's own parser, not candle's: every count and length is
+//! checked against the bytes left in the file (and a cap) before anything is allocated,
+//! arrays nest at most [`MAX_NESTING`] deep, every tensor's offset and size are checked with
+//! checked arithmetic against the file, and the hyper-parameters against [`Limits`], so a
+//! hostile file gets a [`GgufError`], never a panic, an abort or a wrong model. Candle only
+//! ever sees tensors whose bytes, type and shape have passed.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::GgmlDType;
 
 use crate::ModelError;
+
+mod format;
+
+use format::{parse, Bounded, Metadata, Tensors};
+pub use format::{
+    Array, GgufError, Limits, TensorInfo, Value, MAX_ALIGNMENT, MAX_DIMS, MAX_NESTING, MAX_STRING,
+};
 
 /// The model's shape, from the GGUF's metadata.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,129 +85,282 @@ pub const LAYER_TENSORS: [&str; 9] = [
     "ffn_down",
 ];
 
-/// An open GGUF.
+/// An open GGUF whose header has passed the checks above.
 pub struct Gguf {
     file: File,
-    content: Content,
+    metadata: Metadata,
+    tensors: Tensors,
 }
 
-fn md<'a>(content: &'a Content, key: &str) -> Result<&'a Value, ModelError> {
-    content
-        .metadata
-        .get(key)
-        .ok_or_else(|| ModelError::Format(format!("no {key} in the GGUF metadata")))
+fn missing(key: &str) -> GgufError {
+    GgufError::Missing(key.into())
 }
 
-fn num(content: &Content, key: &str) -> Result<usize, ModelError> {
-    let v = md(content, key)?;
-    v.to_u32()
-        .map(|n| n as usize)
-        .or_else(|_| v.to_u64().map(|n| n as usize))
-        .map_err(|e| ModelError::Format(format!("{key}: {e}")))
+fn positive(what: &str, value: impl ToString) -> GgufError {
+    GgufError::NotPositive {
+        what: what.into(),
+        value: value.to_string(),
+    }
 }
 
 impl Gguf {
-    /// Opens and checks a GGUF file of the llama architecture.
+    /// Opens a GGUF file and checks its header: every count and length against the file,
+    /// every tensor's bytes inside it, the architecture llama.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let mut file =
-            File::open(path).map_err(|e| ModelError::Format(format!("{}: {e}", path.display())))?;
-        let content = Content::read(&mut file).map_err(|e| ModelError::Format(e.to_string()))?;
-        let arch = md(&content, "general.architecture")?
-            .to_string()
-            .map_err(|e| ModelError::Format(e.to_string()))?;
+        let io = |source| GgufError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut reader = Bounded {
+            inner: BufReader::new(&file),
+            pos: 0,
+            len,
+        };
+        let (metadata, tensors) = parse(&mut reader)?;
+        let gguf = Gguf {
+            file,
+            metadata,
+            tensors,
+        };
+        let arch = match gguf.value("general.architecture")? {
+            Value::Str(s) => s.clone(),
+            _ => return Err(gguf.wrong("general.architecture", "a string")),
+        };
         if arch != "llama" {
-            return Err(ModelError::Format(format!(
-                "architecture {arch:?}: only llama is supported"
-            )));
+            return Err(GgufError::Architecture(arch).into());
         }
-        Ok(Gguf { file, content })
+        Ok(gguf)
     }
 
-    /// The hyper-parameters.
-    pub fn config(&self) -> Result<Config, ModelError> {
-        let c = &self.content;
-        let hidden = num(c, "llama.embedding_length")?;
-        let q_heads = num(c, "llama.attention.head_count")?;
-        let kv_heads = num(c, "llama.attention.head_count_kv")?;
-        if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 || hidden % q_heads != 0 {
-            return Err(ModelError::Format("inconsistent head counts".into()));
+    /// A metadata value.
+    pub fn value(&self, key: &str) -> Result<&Value, GgufError> {
+        self.metadata.get(key).ok_or_else(|| missing(key))
+    }
+
+    fn wrong(&self, key: &str, expected: &'static str) -> ModelError {
+        GgufError::Type {
+            key: key.into(),
+            expected,
         }
-        let vocab = match md(c, "llama.vocab_size") {
-            Ok(_) => num(c, "llama.vocab_size")?,
-            Err(_) => md(c, "tokenizer.ggml.tokens")?
-                .to_vec()
-                .map_err(|e| ModelError::Format(e.to_string()))?
-                .len(),
+        .into()
+    }
+
+    /// A count from the metadata, at least 1 and at most `limit`.
+    fn count(&self, key: &str, limit: usize) -> Result<usize, ModelError> {
+        let v = self
+            .value(key)?
+            .as_u64()
+            .ok_or_else(|| self.wrong(key, "a non-negative integer"))?;
+        if v == 0 {
+            return Err(positive(key, v).into());
+        }
+        if v > limit as u64 {
+            return Err(GgufError::TooLarge {
+                what: key.into(),
+                value: v,
+                limit: limit as u64,
+            }
+            .into());
+        }
+        Ok(v as usize)
+    }
+
+    /// A positive, finite float from the metadata, or `default` where the key is absent.
+    fn float(&self, key: &str, default: f32) -> Result<f32, ModelError> {
+        let Some(v) = self.metadata.get(key) else {
+            return Ok(default);
         };
-        let f = |key: &str, default: f32| {
-            md(c, key)
-                .ok()
-                .and_then(|v| v.to_f32().ok())
-                .unwrap_or(default)
+        let f = v.as_f32().ok_or_else(|| self.wrong(key, "a float"))?;
+        if !(f.is_finite() && f > 0.0) {
+            return Err(positive(key, f).into());
+        }
+        Ok(f)
+    }
+
+    fn strings(&self, key: &str) -> Result<&[String], ModelError> {
+        match self.value(key)? {
+            Value::Array(Array::Str(v)) => Ok(v),
+            _ => Err(self.wrong(key, "an array of strings")),
+        }
+    }
+
+    /// The hyper-parameters, within [`Limits::default`].
+    pub fn config(&self) -> Result<Config, ModelError> {
+        self.config_within(Limits::default())
+    }
+
+    /// The hyper-parameters, refused outside `limits` or where they contradict each other.
+    pub fn config_within(&self, limits: Limits) -> Result<Config, ModelError> {
+        let hidden = self.count("llama.embedding_length", limits.hidden)?;
+        let q_heads = self.count("llama.attention.head_count", limits.heads)?;
+        let kv_heads = self.count("llama.attention.head_count_kv", limits.heads)?;
+        if q_heads % kv_heads != 0 || hidden % q_heads != 0 {
+            return Err(GgufError::Inconsistent(format!(
+                "{q_heads} query heads, {kv_heads} key/value heads and width {hidden} do not divide"
+            ))
+            .into());
+        }
+        let head_dim = hidden / q_heads;
+        if head_dim % 2 != 0 || head_dim > limits.head_dim {
+            return Err(GgufError::Inconsistent(format!(
+                "head dimension {head_dim} is odd or over {}",
+                limits.head_dim
+            ))
+            .into());
+        }
+        let vocab = match self.metadata.get("llama.vocab_size") {
+            Some(_) => self.count("llama.vocab_size", limits.vocab)?,
+            None => self.strings("tokenizer.ggml.tokens")?.len(),
         };
-        Ok(Config {
-            layers: num(c, "llama.block_count")?,
+        if vocab == 0 {
+            return Err(positive("the vocabulary's size", 0).into());
+        }
+        if vocab > limits.vocab {
+            return Err(GgufError::TooLarge {
+                what: "the vocabulary".into(),
+                value: vocab as u64,
+                limit: limits.vocab as u64,
+            }
+            .into());
+        }
+        let config = Config {
+            layers: self.count("llama.block_count", limits.layers)?,
             hidden,
             q_heads,
             kv_heads,
-            head_dim: hidden / q_heads,
-            context: num(c, "llama.context_length")?,
-            rms_eps: f("llama.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_base: f("llama.rope.freq_base", 10_000.0),
+            head_dim,
+            context: self.count("llama.context_length", limits.context)?,
+            rms_eps: self.float("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_base: self.float("llama.rope.freq_base", 10_000.0)?,
             vocab,
-        })
-    }
-
-    /// The tokenizer's vocabulary and merges.
-    pub fn tokenizer(&self) -> Result<TokenizerData, ModelError> {
-        let c = &self.content;
-        let strings = |key: &str| -> Result<Vec<String>, ModelError> {
-            md(c, key)?
-                .to_vec()
-                .map_err(|e| ModelError::Format(e.to_string()))?
-                .iter()
-                .map(|v| {
-                    v.to_string()
-                        .cloned()
-                        .map_err(|e| ModelError::Format(e.to_string()))
-                })
-                .collect()
         };
-        let id = |key: &str| md(c, key).ok().and_then(|v| v.to_u32().ok());
+        self.check_tensors(&config, limits)?;
+        Ok(config)
+    }
+
+    /// Every tensor the model reads is there with the shape the hyper-parameters give it.
+    fn check_tensors(&self, c: &Config, limits: Limits) -> Result<(), ModelError> {
+        let kv = c.kv_heads * c.head_dim;
+        let ffn = match self.tensors.get("blk.0.ffn_gate.weight") {
+            Some(t) => t.dims[0],
+            None => return Err(missing("tensor blk.0.ffn_gate.weight").into()),
+        };
+        if ffn > limits.ffn {
+            return Err(GgufError::TooLarge {
+                what: "the feed-forward width".into(),
+                value: ffn as u64,
+                limit: limits.ffn as u64,
+            }
+            .into());
+        }
+        let expect = |name: String, dims: &[usize]| -> Result<(), ModelError> {
+            let t = self
+                .tensors
+                .get(&name)
+                .ok_or_else(|| missing(&format!("tensor {name}")))?;
+            if t.dims != dims {
+                return Err(GgufError::Tensor {
+                    tensor: name,
+                    why: format!("shape {:?}, the hyper-parameters give {dims:?}", t.dims),
+                }
+                .into());
+            }
+            Ok(())
+        };
+        expect("token_embd.weight".into(), &[c.vocab, c.hidden])?;
+        expect("output_norm.weight".into(), &[c.hidden])?;
+        if self.has("output.weight") {
+            expect("output.weight".into(), &[c.vocab, c.hidden])?;
+        }
+        for l in 0..c.layers {
+            let shapes: [&[usize]; 9] = [
+                &[c.hidden],
+                &[c.hidden, c.hidden],
+                &[kv, c.hidden],
+                &[kv, c.hidden],
+                &[c.hidden, c.hidden],
+                &[c.hidden],
+                &[ffn, c.hidden],
+                &[ffn, c.hidden],
+                &[c.hidden, ffn],
+            ];
+            for (t, dims) in LAYER_TENSORS.iter().zip(shapes) {
+                expect(format!("blk.{l}.{t}.weight"), dims)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The tokenizer's vocabulary and merges: as many tokens as the model's vocabulary, the
+    /// special ids among them.
+    pub fn tokenizer(&self) -> Result<TokenizerData, ModelError> {
+        let tokens = self.strings("tokenizer.ggml.tokens")?.to_vec();
+        let merges = match self.metadata.get("tokenizer.ggml.merges") {
+            Some(_) => self.strings("tokenizer.ggml.merges")?.to_vec(),
+            None => return Err(missing("tokenizer.ggml.merges").into()),
+        };
+        if tokens.is_empty() {
+            return Err(positive("the tokenizer's vocabulary size", 0).into());
+        }
+        let id = |key: &str| -> Result<Option<u32>, ModelError> {
+            let Some(v) = self.metadata.get(key) else {
+                return Ok(None);
+            };
+            match v.as_u64() {
+                Some(id) if (id as usize) < tokens.len() => Ok(Some(id as u32)),
+                _ => Err(GgufError::Inconsistent(format!(
+                    "{key} is not a token id below {}",
+                    tokens.len()
+                ))
+                .into()),
+            }
+        };
         Ok(TokenizerData {
-            tokens: strings("tokenizer.ggml.tokens")?,
-            merges: strings("tokenizer.ggml.merges")?,
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            tokens,
+            merges,
         })
     }
 
-    /// A tensor's raw bytes, dtype and dimensions.
+    /// Tensors in the file.
+    pub fn tensor_count(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// The names of the tensors in the file.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// A tensor's entry.
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    /// A tensor's raw bytes, dtype and dimensions (its size was checked against the file at
+    /// [`Gguf::open`]).
     pub fn raw(&mut self, name: &str) -> Result<(Vec<u8>, GgmlDType, Vec<usize>), ModelError> {
         let info = self
-            .content
-            .tensor_infos
+            .tensors
             .get(name)
-            .ok_or_else(|| ModelError::Format(format!("no tensor {name}")))?;
-        let elems = info.shape.elem_count();
-        let block = info.ggml_dtype.block_size();
-        if elems % block != 0 {
-            return Err(ModelError::Format(format!("{name}: partial block")));
-        }
-        let len = elems / block * info.ggml_dtype.type_size();
-        let mut bytes = vec![0u8; len];
+            .ok_or_else(|| missing(&format!("tensor {name}")))?;
+        let mut bytes = vec![0u8; info.bytes];
         self.file
-            .seek(SeekFrom::Start(
-                self.content.tensor_data_offset + info.offset,
-            ))
+            .seek(SeekFrom::Start(info.start))
             .and_then(|_| self.file.read_exact(&mut bytes))
-            .map_err(|e| ModelError::Format(format!("{name}: {e}")))?;
-        Ok((bytes, info.ggml_dtype, info.shape.dims().to_vec()))
+            .map_err(|source| GgufError::Io {
+                path: format!("tensor {name}"),
+                source,
+            })?;
+        Ok((bytes, info.dtype, info.dims.clone()))
     }
 
     /// Whether the file holds a tensor of that name.
     pub fn has(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
+        self.tensors.contains_key(name)
     }
 
     /// Layer `layer`'s tensors packed into one buffer (each starting on a 64-byte boundary),

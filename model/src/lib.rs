@@ -5,6 +5,7 @@
 
 #![deny(missing_docs)]
 
+pub mod fixture;
 pub mod gguf;
 mod quant;
 pub mod serve;
@@ -20,8 +21,11 @@ pub use tokenizer::TextCodec;
 /// Why the model could not be loaded or run.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    /// The file is not a GGUF this loader reads.
+    /// The file is not a GGUF this loader reads, or one it refuses.
     #[error("model file: {0}")]
+    Gguf(#[from] gguf::GgufError),
+    /// The tokenizer's vocabulary or merges, or a text it was given, are not usable.
+    #[error("tokenizer: {0}")]
     Format(String),
     /// A tensor operation failed.
     #[error("compute: {0}")]
@@ -35,6 +39,9 @@ pub enum ModelError {
     /// Model residency failed.
     #[error("weights: {0}")]
     Weights(String),
+    /// A request with no prompt token: the first step has nothing to read.
+    #[error("request {0} has an empty prompt")]
+    EmptyPrompt(procmem_actors::SeqId),
     /// A step named a sequence at another position than the store holds it at (a step given
     /// up while it committed still counted, say); nothing was done.
     #[error("sequence {seq} holds {held} tokens: a step at position {asked} does not follow")]
