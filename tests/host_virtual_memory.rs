@@ -552,3 +552,61 @@ fn copies_refuse_ranges_past_the_end_and_foreign_handles() {
         .read_range(foreign.allocation(), 0, &mut tail)
         .is_err());
 }
+
+/// Under a file-size limit (`ulimit -f`) the host mechanism works where its memory file fits
+/// and refuses with a typed error where it would not, instead of being killed by SIGXFSZ
+/// (issue 27, item 4: every host-backend program exited 153 at start under any limit).
+#[test]
+fn a_file_size_limit_is_a_typed_error_not_a_signal() {
+    const ENV: &str = "PROCMEM_FSIZE_CHILD";
+    if std::env::var_os(ENV).is_some() {
+        let m = host();
+        let g = procmem::granularity();
+        // 64 MiB: within the limit of 256 MiB below.
+        let mut small =
+            VirtualBuffer::new(m.backing(), (64 << 20) / g * g, MemoryRole::KvCache).unwrap();
+        small.grow(2 * g).unwrap();
+        small.as_mut_slice().unwrap()[g as usize] = 7;
+        assert_eq!(small.as_slice().unwrap()[g as usize], 7);
+        let backing = m.virtual_backing().unwrap();
+        let large = backing.reserve(&VirtualRequest {
+            bytes: (1 << 30) / g * g,
+            role: MemoryRole::KvCache,
+        });
+        assert!(
+            matches!(large, Err(MemoryError::FileSizeLimit { limit, .. }) if limit == 256 << 20),
+            "{large:?}"
+        );
+        println!("{}", large.unwrap_err());
+        drop(small);
+        // What was given back is carved again: many reservations in turn stay within it.
+        for _ in 0..64 {
+            let r = reserve(&m, (128 << 20) / g);
+            drop(r);
+        }
+        println!("CHILD OK");
+        return;
+    }
+    let out = std::process::Command::new("bash")
+        .args(["-c", "ulimit -f 262144 && exec \"$@\"", "limited"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_file_size_limit_is_a_typed_error_not_a_signal",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.signal(),
+        None,
+        "killed by a signal: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("file-size limit (ulimit -f)"), "{stdout}");
+    assert!(stdout.contains("CHILD OK"), "{stdout}");
+}

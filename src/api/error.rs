@@ -127,6 +127,15 @@ pub enum MemoryError {
         /// What was refused ("written", "freed").
         op: &'static str,
     },
+    /// The host memory file would grow past the process's file-size limit (`ulimit -f`,
+    /// `RLIMIT_FSIZE`): raise the limit, or reserve less.
+    #[error("the host memory file needs {needed} bytes; the process's file-size limit (ulimit -f) is {limit}")]
+    FileSizeLimit {
+        /// Bytes the file would have to span.
+        needed: u64,
+        /// The limit in bytes.
+        limit: u64,
+    },
     /// A fault injected by a reliability test at the named point.
     #[error("injected fault at {point}")]
     Injected {

@@ -1,6 +1,7 @@
 //! One memfd per host mechanism, carved into regions: a reservation's own blocks and shared
 //! blocks. Physical truth comes from the file itself, never from a counter kept here.
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Mutex;
 
@@ -11,25 +12,77 @@ use rustix::io::Errno;
 
 use crate::api::MemoryError;
 
-/// The file is sized once, sparsely, so every region ever carved lies inside it and mapping
-/// never faults with SIGBUS; size costs nothing until pages are allocated.
+/// The most file space the pool's regions may span.
 const POOL_FILE_BYTES: u64 = 1 << 60;
+/// The file grows in steps of this much (sparse: size costs nothing until pages are
+/// allocated), never past the process's file-size limit.
+const GROWTH_STEP: u64 = 1 << 30;
+
+/// Which parts of the file are carved into regions. The file is grown (sparsely) before a
+/// region past its end is handed out, so mapping never faults with SIGBUS; regions given back
+/// are carved again, so the file spans at most what is live at its busiest.
+#[derive(Debug, Default)]
+struct Regions {
+    /// The file's size.
+    size: u64,
+    /// Where the carved part ends.
+    top: u64,
+    /// Free regions below `top`, by offset (adjacent ones merged).
+    free: BTreeMap<u64, u64>,
+}
+
+impl Regions {
+    fn take_free(&mut self, len: u64) -> Option<u64> {
+        let (&start, &free) = self.free.iter().find(|(_, &l)| l >= len)?;
+        self.free.remove(&start);
+        if free > len {
+            self.free.insert(start + len, free - len);
+        }
+        Some(start)
+    }
+
+    fn give_back(&mut self, mut start: u64, mut len: u64) {
+        if let Some((&before, &l)) = self.free.range(..start).next_back() {
+            if before + l == start {
+                self.free.remove(&before);
+                start = before;
+                len += l;
+            }
+        }
+        if let Some(l) = self.free.remove(&(start + len)) {
+            len += l;
+        }
+        if start + len == self.top {
+            self.top = start;
+        } else {
+            self.free.insert(start, len);
+        }
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct MemfdPool {
     fd: OwnedFd,
-    next_region: Mutex<u64>,
+    regions: Mutex<Regions>,
     drop_errors: Mutex<Vec<MemoryError>>,
+}
+
+/// The process's file-size limit in bytes (`RLIMIT_FSIZE`), `u64::MAX` where there is none.
+/// Growing a file past it raises SIGXFSZ, whose default action kills the process before the
+/// error could be returned: the pool checks first.
+fn file_size_limit() -> u64 {
+    rustix::process::getrlimit(rustix::process::Resource::Fsize)
+        .current
+        .unwrap_or(u64::MAX)
 }
 
 impl MemfdPool {
     pub(crate) fn new(name: &str) -> Result<Self, MemoryError> {
         let fd = memfd_create(name, MemfdFlags::CLOEXEC)
             .map_err(|e| MemoryError::os("memfd_create", e))?;
-        ftruncate(&fd, POOL_FILE_BYTES).map_err(|e| MemoryError::os("ftruncate(memfd)", e))?;
         Ok(MemfdPool {
             fd,
-            next_region: Mutex::new(0),
+            regions: Mutex::new(Regions::default()),
             drop_errors: Mutex::new(Vec::new()),
         })
     }
@@ -38,18 +91,49 @@ impl MemfdPool {
         self.fd.as_fd()
     }
 
-    /// Carves a fresh file region of `len` bytes (address space in the file, nothing allocated).
+    /// Carves a file region of `len` bytes (space in the file, nothing allocated), growing
+    /// the file where the region lies past its end. A region given back with [`Self::release`]
+    /// is carved again.
     pub(crate) fn carve(&self, len: u64) -> Result<u64, MemoryError> {
-        let mut next = self.next_region.lock().unwrap_or_else(|p| p.into_inner());
-        let start = *next;
+        let mut regions = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(start) = regions.take_free(len) {
+            return Ok(start);
+        }
+        let start = regions.top;
         let end = start
             .checked_add(len)
             .filter(|end| *end <= POOL_FILE_BYTES)
             .ok_or(MemoryError::SizeOverflow {
                 what: "memfd pool regions",
             })?;
-        *next = end;
+        if end > regions.size {
+            let limit = file_size_limit();
+            if end > limit {
+                return Err(MemoryError::FileSizeLimit { needed: end, limit });
+            }
+            let size = end
+                .next_multiple_of(GROWTH_STEP)
+                .min(limit)
+                .min(POOL_FILE_BYTES);
+            ftruncate(&self.fd, size).map_err(|e| MemoryError::os("ftruncate(memfd)", e))?;
+            regions.size = size;
+        }
+        regions.top = end;
         Ok(start)
+    }
+
+    /// Gives a region back once nothing maps it and its pages are punched out.
+    pub(crate) fn release(&self, start: u64, len: u64) {
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .give_back(start, len);
+    }
+
+    /// The file's size in bytes.
+    #[cfg(test)]
+    pub(crate) fn file_size(&self) -> u64 {
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).size
     }
 
     /// Allocates physical pages for `offset..offset + len`; on failure none of them stay.
@@ -125,5 +209,48 @@ impl MemfdPool {
     pub(crate) fn resident_total(&self) -> Result<u64, MemoryError> {
         let st = fstat(&self.fd).map_err(|e| MemoryError::os("fstat(memfd)", e))?;
         Ok(st.st_blocks as u64 * 512)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_given_back_are_carved_again_and_merge_with_their_neighbours() {
+        let mut r = Regions {
+            top: 300,
+            ..Regions::default()
+        };
+        r.give_back(100, 100);
+        assert_eq!(r.take_free(150), None, "one free region of 100");
+        r.give_back(0, 100);
+        assert_eq!(r.free.len(), 1, "0..100 and 100..200 merge");
+        assert_eq!(r.take_free(150), Some(0));
+        assert_eq!(r.free.get(&150), Some(&50));
+        r.give_back(200, 100);
+        assert_eq!(
+            r.top, 150,
+            "what is free at the top lowers it, merged with 150..200"
+        );
+        assert!(r.free.is_empty());
+    }
+
+    #[test]
+    fn the_file_grows_with_what_is_carved_and_not_with_what_was_given_back() {
+        let pool = MemfdPool::new("procmem-pool-test").unwrap();
+        assert_eq!(pool.file_size(), 0);
+        let a = pool.carve(4 << 20).unwrap();
+        assert_eq!(pool.file_size(), GROWTH_STEP.min(file_size_limit()));
+        for _ in 0..1000 {
+            let b = pool.carve(8 << 20).unwrap();
+            pool.release(b, 8 << 20);
+        }
+        assert_eq!(pool.carve(8 << 20).unwrap(), a + (4 << 20));
+        assert_eq!(pool.file_size(), GROWTH_STEP.min(file_size_limit()));
+        assert!(matches!(
+            pool.carve(POOL_FILE_BYTES),
+            Err(MemoryError::SizeOverflow { .. } | MemoryError::FileSizeLimit { .. })
+        ));
     }
 }
