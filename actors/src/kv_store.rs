@@ -442,6 +442,7 @@ pub(crate) struct KvStoreState {
     next_txn: u64,
     clock: u64,
     stats: KvStoreStats,
+    swap_outcomes: Arc<swap::SwapOutcomes>,
     metrics: metrics::KvMetrics,
 }
 
@@ -523,6 +524,7 @@ impl Actor for KvStore {
             next_txn: 1,
             clock: 0,
             stats: KvStoreStats::default(),
+            swap_outcomes: Arc::default(),
             metrics,
             config,
         })

@@ -247,3 +247,59 @@ async fn a_swap_copies_out_on_the_stream_and_frees_after_its_fence() {
         Restored::Swapped { tokens: 40 }
     );
 }
+
+/// A swap to a disk that fills up mid-copy is a fallback, not a swap: the sequence comes
+/// back as a recompute, and no swap, no swapped byte is counted (issue 27, item 6: the stats
+/// said one swap out of 512,000 bytes held). Needs root for a 64 KiB tmpfs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
+    let dir = std::env::temp_dir().join(format!("procmem-full-disk-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(&dir)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIPPED: cannot mount a 64 KiB tmpfs here (needs root)");
+        return;
+    }
+    let (g, p) = system(1 << 30, 1).await;
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Disk(dir.clone())), g.clone(), p.clone())
+        .await
+        .unwrap();
+    kv.open(1, vec![], 0).await.unwrap();
+    // 200 tokens: 100 KiB of KV, more than the file system holds.
+    steps(&kv, 1, 0, 200).await;
+    let squeezed = squeeze(&g, &kv).await;
+    let mut s = kv.stats().await.unwrap();
+    for _ in 0..500 {
+        if s.swap_fallbacks > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        s = kv.stats().await.unwrap();
+    }
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    assert_eq!(s.preempted, 1);
+    assert_eq!(
+        (
+            s.swap_outs,
+            s.swap_out_bytes,
+            s.swapped_bytes,
+            s.swap_fallbacks
+        ),
+        (0, 0, 0, 1),
+        "{s:?}"
+    );
+    drop(squeezed);
+    g.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(
+        kv.restore(1).await.unwrap(),
+        Restored::Recompute { tokens: 200 }
+    );
+    kv.close(1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(leased(&g).await, 0, "the books are back at zero");
+}

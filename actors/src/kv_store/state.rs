@@ -2,6 +2,7 @@
 //! to the deferred-free path, answering pressure tickets with whole units, preemption and
 //! the counters.
 
+use std::sync::atomic::Ordering;
 use tracing::Instrument;
 
 use super::*;
@@ -452,14 +453,14 @@ impl KvStoreState {
             Some(saved) if !self.device.is_host() => {
                 // The sequence's kernels have finished: the rows are copied out now, and the
                 // memory goes after the stream's queued work (nothing of it uses this memory).
-                saved.copy(self.metrics.swap_out.clone())(&out.memory.seq);
+                saved.copy(
+                    self.metrics.swap_out.clone(),
+                    Arc::clone(&self.swap_outcomes),
+                )(&out.memory.seq);
                 if saved.copied() {
-                    self.stats.swap_outs += 1;
-                    self.stats.swap_out_bytes += saved.bytes();
                     entry.saved = Some(saved);
                 } else {
-                    // Nothing kept: the restore recomputes.
-                    self.stats.swap_fallbacks += 1;
+                    // Nothing kept (the copy counted its failure): the restore recomputes.
                     mode = PreemptMode::Recompute;
                 }
                 self.stream.after_queued(move || drop(out));
@@ -468,14 +469,16 @@ impl KvStoreState {
             Some(mut saved) => {
                 // The copy out is a kernel on the stream, which frees the memory once the
                 // rows are out.
-                let copy = saved.copy(self.metrics.swap_out.clone());
+                let copy = saved.copy(
+                    self.metrics.swap_out.clone(),
+                    Arc::clone(&self.swap_outcomes),
+                );
                 match self.stream.submit_host(move || {
                     copy(&out.memory.seq);
                     drop(out);
                 }) {
                     Ok(fence) => {
-                        self.stats.swap_outs += 1;
-                        self.stats.swap_out_bytes += saved.bytes();
+                        // Counted by the copy once its bytes are written.
                         saved.fence = Some(fence);
                         entry.last_fence = Some(fence);
                         pending = bytes;
@@ -561,10 +564,15 @@ impl KvStoreState {
         stats.leased_bytes = self.tally.bytes();
         stats.os_resident_bytes = self.device.resident_bytes();
         stats.swap = self.swap.kind();
+        let outcomes = &self.swap_outcomes;
+        stats.swap_outs = outcomes.outs.load(Ordering::Relaxed);
+        stats.swap_out_bytes = outcomes.out_bytes.load(Ordering::Relaxed);
+        stats.swap_fallbacks += outcomes.failed.load(Ordering::Relaxed);
         stats.swapped_bytes = self
             .seqs
             .values()
             .filter_map(|e| e.saved.as_ref())
+            .filter(|s| s.copied())
             .map(Saved::bytes)
             .sum();
         stats

@@ -14,7 +14,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use procmem::fence::Fence;
@@ -80,6 +80,16 @@ pub(crate) fn default_disk_dir() -> PathBuf {
         return var_tmp.to_path_buf();
     }
     std::env::temp_dir()
+}
+
+/// What the copies out did, counted by the copy kernels themselves when they finish: a swap
+/// counts once its bytes are written, and a copy that failed is a fallback (its sequence is
+/// recomputed).
+#[derive(Debug, Default)]
+pub(super) struct SwapOutcomes {
+    pub(super) outs: AtomicU64,
+    pub(super) out_bytes: AtomicU64,
+    pub(super) failed: AtomicU64,
 }
 
 /// A swapped-out sequence's rows: each buffer's first `tokens` rows, one buffer after the
@@ -163,6 +173,7 @@ impl Saved {
     pub(super) fn copy(
         &self,
         latency: ::metrics::Histogram,
+        outcomes: Arc<SwapOutcomes>,
     ) -> impl FnOnce(&KvSequence) + Send + 'static {
         let (place, copied) = (Arc::clone(&self.place), Arc::clone(&self.copied));
         let (per_buffer, buffers) = (self.per_buffer, self.buffers);
@@ -200,6 +211,14 @@ impl Saved {
                     },
                 }
             });
+            if ok {
+                outcomes.outs.fetch_add(1, Ordering::Relaxed);
+                outcomes
+                    .out_bytes
+                    .fetch_add(per_buffer * buffers as u64, Ordering::Relaxed);
+            } else {
+                outcomes.failed.fetch_add(1, Ordering::Relaxed);
+            }
             copied.store(ok, Ordering::Release);
             latency.record(start.elapsed().as_secs_f64());
         }
