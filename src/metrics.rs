@@ -243,6 +243,14 @@ pub const NODE_REJECTED_FRAMES_TOTAL: Metric = metric(
     NONE,
     "Frames from peers that did not decode or validate, dropped.",
 );
+/// Frames naming a process with another session's key: refused, never applied.
+pub const NODE_FOREIGN_FRAMES_TOTAL: Metric = metric(
+    "procmem_node_foreign_frames_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Frames naming a process with another session's key: refused, never applied.",
+);
 /// Processes confirmed gone whose credit came back.
 pub const NODE_REAPED_PROCESSES_TOTAL: Metric = metric(
     "procmem_node_reaped_processes_total",
@@ -378,6 +386,7 @@ const CORE: &[Metric] = &[
     NODE_PROCESS_OS_BYTES,
     NODE_TICKETS_TOTAL,
     NODE_REJECTED_FRAMES_TOTAL,
+    NODE_FOREIGN_FRAMES_TOTAL,
     NODE_REAPED_PROCESSES_TOTAL,
 ];
 

@@ -267,6 +267,7 @@ async fn run_hostile() {
     let victim: u64 = env("VICTIM").parse().unwrap();
     let give = |bytes| NodeNotice::Give {
         token: victim,
+        key: 0,
         authority: "host".into(),
         bytes,
         ticket: 0,
@@ -306,6 +307,7 @@ async fn run_hostile() {
                 "cast".into(),
                 enc(&NodeNotice::Give {
                     token: 12345,
+                    key: 0,
                     authority: "host".into(),
                     bytes: 1,
                     ticket: 0,
@@ -315,7 +317,11 @@ async fn run_hostile() {
         ),
         (
             "leave_of_a_stranger",
-            Raw("cast".into(), enc(&NodeNotice::Leave { token: 999 }), false),
+            Raw(
+                "cast".into(),
+                enc(&NodeNotice::Leave { token: 999, key: 0 }),
+                false,
+            ),
         ),
         (
             "join_token_zero",
@@ -323,6 +329,7 @@ async fn run_hostile() {
                 "call".into(),
                 encr(&NodeRequest::Join {
                     token: 0,
+                    key: 0,
                     pid: 1,
                     name: "x".into(),
                     priority: 0,
@@ -338,6 +345,7 @@ async fn run_hostile() {
                 "call".into(),
                 encr(&NodeRequest::Join {
                     token: 5,
+                    key: 0,
                     pid: std::process::id(),
                     name: "x".repeat(4000),
                     priority: 0,
@@ -353,10 +361,86 @@ async fn run_hostile() {
                 "call".into(),
                 encr(&NodeRequest::Ask {
                     token: 77,
+                    key: 0,
                     authority: "host".into(),
                     bytes: u64::MAX,
                     at_least: u64::MAX,
                     wait_ms: u64::MAX,
+                }),
+                true,
+            ),
+        ),
+        // Valid frames for someone else: the victim's token (no secret: its link group is
+        // named after it) with a key that is not the one its session was issued. Before the
+        // key, the leave reaped the victim and its credit went to the next comer.
+        (
+            "leave_for_another",
+            Raw(
+                "cast".into(),
+                enc(&NodeNotice::Leave {
+                    token: victim,
+                    key: 1,
+                }),
+                false,
+            ),
+        ),
+        (
+            "give_for_another",
+            Raw(
+                "cast".into(),
+                enc(&NodeNotice::Give {
+                    token: victim,
+                    key: 1,
+                    authority: "host".into(),
+                    bytes: 1,
+                    ticket: 0,
+                }),
+                false,
+            ),
+        ),
+        (
+            "report_for_another",
+            Raw(
+                "cast".into(),
+                enc(&NodeNotice::Report {
+                    token: victim,
+                    key: 1,
+                    authority: "host".into(),
+                    approved: 0,
+                    os_bytes: 0,
+                    model: "spoof".into(),
+                    cached_prefixes: 0,
+                }),
+                false,
+            ),
+        ),
+        (
+            "ask_for_another",
+            Raw(
+                "call".into(),
+                encr(&NodeRequest::Ask {
+                    token: victim,
+                    key: 1,
+                    authority: "host".into(),
+                    bytes: 1 << 20,
+                    at_least: 1,
+                    wait_ms: 0,
+                }),
+                true,
+            ),
+        ),
+        (
+            "join_as_another",
+            Raw(
+                "call".into(),
+                encr(&NodeRequest::Join {
+                    token: victim,
+                    key: 0,
+                    pid: std::process::id(),
+                    name: "impostor".into(),
+                    priority: 0,
+                    authority: "host".into(),
+                    held: 1 << 20,
                 }),
                 true,
             ),

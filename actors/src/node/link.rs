@@ -85,6 +85,7 @@ pub struct NodeLink {
     actor: ActorRef<LinkMsg>,
     server: ActorRef<ractor_cluster::NodeServerMessage>,
     token: u64,
+    key: u64,
 }
 
 struct LinkState {
@@ -93,6 +94,8 @@ struct LinkState {
     server: ActorRef<ractor_cluster::NodeServerMessage>,
     node: Option<ActorRef<NodeMsg>>,
     token: u64,
+    /// The secret the node issued at the join (see [`NodeReply::Joined`]).
+    key: u64,
     credit: u64,
     asking: bool,
     ticket: Option<Ticket>,
@@ -174,14 +177,15 @@ impl NodeLink {
         };
         let join = NodeRequest::Join {
             token,
+            key: 0,
             pid: pid(),
             name: config.name.clone(),
             priority: config.priority,
             authority: config.authority.clone(),
             held: 0,
         };
-        let credit = match call(&node, join, Duration::from_secs(5)).await {
-            Ok(NodeReply::Joined { credit }) => credit,
+        let (credit, key) = match call(&node, join, Duration::from_secs(5)).await {
+            Ok(NodeReply::Joined { credit, key }) => (credit, key),
             Ok(NodeReply::Refused { reason }) => return Err(LinkError::Refused(reason)),
             Ok(other) => return Err(LinkError::Refused(format!("{other:?}"))),
             Err(e) => return Err(LinkError::Cluster(e)),
@@ -196,6 +200,7 @@ impl NodeLink {
             server: server.clone(),
             node: Some(node),
             token,
+            key,
             credit,
             asking: false,
             ticket: None,
@@ -214,6 +219,7 @@ impl NodeLink {
             actor,
             server,
             token,
+            key,
         })
     }
 
@@ -226,7 +232,10 @@ impl NodeLink {
     pub async fn leave(self) {
         let _ = self.actor.cast(LinkMsg::Tick);
         if let Some(node) = find_node(Duration::ZERO).await {
-            let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Leave { token: self.token })));
+            let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Leave {
+                token: self.token,
+                key: self.key,
+            })));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.actor.stop(None);
@@ -315,6 +324,7 @@ impl LinkState {
         self.asking = true;
         let ask = NodeRequest::Ask {
             token: self.token,
+            key: self.key,
             authority: self.config.authority.clone(),
             bytes: bytes.max(self.config.chunk),
             at_least: bytes,
@@ -332,6 +342,7 @@ impl LinkState {
         if let Some(node) = &self.node {
             let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Give {
                 token: self.token,
+                key: self.key,
                 authority: self.config.authority.clone(),
                 bytes,
                 ticket,
@@ -419,6 +430,7 @@ impl LinkState {
                 let cached_prefixes = self.config.cached_prefixes.as_ref().map_or(0, |f| f());
                 let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Report {
                     token: self.token,
+                    key: self.key,
                     authority: self.config.authority.clone(),
                     approved,
                     os_bytes,
@@ -443,13 +455,18 @@ impl LinkState {
         };
         let join = NodeRequest::Join {
             token: self.token,
+            key: self.key,
             pid: pid(),
             name: self.config.name.clone(),
             priority: self.config.priority,
             authority: self.config.authority.clone(),
             held: self.credit,
         };
-        if let Ok(NodeReply::Joined { credit }) = call(&node, join, Duration::from_secs(2)).await {
+        if let Ok(NodeReply::Joined { credit, key }) =
+            call(&node, join, Duration::from_secs(2)).await
+        {
+            // A restarted node knew no key and issued a new one.
+            self.key = key;
             if credit != self.credit {
                 tracing::warn!(held = self.credit, credit, "rejoined with other credit");
             }

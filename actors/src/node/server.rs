@@ -134,6 +134,8 @@ struct Member {
 }
 
 struct Process {
+    /// The secret issued at its first join (see [`NodeReply::Joined`]).
+    key: u64,
     pid: u32,
     name: String,
     priority: Priority,
@@ -235,6 +237,17 @@ impl Actor for NodeGovernor {
     }
 }
 
+/// A process's key: 64 random bits from the kernel, never zero (zero means "none yet").
+fn new_key() -> u64 {
+    let mut bytes = [0u8; 8];
+    loop {
+        match rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty()) {
+            Ok(8) if bytes != [0; 8] => return u64::from_ne_bytes(bytes),
+            _ => continue,
+        }
+    }
+}
+
 fn refuse(reply: RpcReplyPort<Vec<u8>>, reason: &str) {
     let _ = reply.send(encode_reply(&NodeReply::Refused {
         reason: reason.into(),
@@ -252,29 +265,48 @@ impl NodeState {
         match request {
             NodeRequest::Join {
                 token,
+                key,
                 pid,
                 name,
                 priority,
                 authority,
                 held,
-            } => self.join(token, pid, name, priority, &authority, held, reply),
+            } => self.join((token, key), pid, name, priority, &authority, held, reply),
             NodeRequest::Ask {
                 token,
+                key,
                 authority,
                 bytes,
                 at_least,
                 wait_ms,
-            } => self.ask(token, &authority, (bytes, at_least), wait_ms, reply),
+            } => {
+                if self.foreign(token, key) {
+                    return refuse(reply, "not this session's process");
+                }
+                self.ask(token, &authority, (bytes, at_least), wait_ms, reply)
+            }
             NodeRequest::Status => {
                 let _ = reply.send(encode_reply(&NodeReply::Status(self.snapshot())));
             }
         }
     }
 
+    /// Whether `token` names a process the node knows under another key: such a frame comes
+    /// from a peer acting for another process, and is refused and counted.
+    fn foreign(&mut self, token: u64, key: u64) -> bool {
+        let foreign = self.processes.get(&token).is_some_and(|p| p.key != key);
+        if foreign {
+            self.status.foreign_frames += 1;
+            m::NODE_FOREIGN_FRAMES_TOTAL.counter(&[]).increment(1);
+            self.rejected(&WireError::Invalid("a frame for another session's process"));
+        }
+        foreign
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn join(
         &mut self,
-        token: u64,
+        (token, key): (u64, u64),
         pid: u32,
         name: String,
         priority: Priority,
@@ -285,6 +317,9 @@ impl NodeState {
         let Some(&aid) = self.authorities.get(authority) else {
             return refuse(reply, "unknown authority");
         };
+        if self.foreign(token, key) {
+            return refuse(reply, "token of another process");
+        }
         if let Some(p) = self.processes.get(&token) {
             if p.pid != pid {
                 self.rejected(&WireError::Invalid("token of another process"));
@@ -298,6 +333,7 @@ impl NodeState {
             self.processes.insert(
                 token,
                 Process {
+                    key: new_key(),
                     pid,
                     name: name.clone(),
                     priority,
@@ -316,8 +352,9 @@ impl NodeState {
         };
         self.find_link(token);
         tracing::info!(token, pid, %name, authority, credit, held, "process joined");
+        let key = self.processes.get(&token).map_or(0, |p| p.key);
         if reply
-            .send(encode_reply(&NodeReply::Joined { credit }))
+            .send(encode_reply(&NodeReply::Joined { credit, key }))
             .is_err()
         {
             tracing::debug!(token, "join reply undeliverable");
@@ -476,12 +513,17 @@ impl NodeState {
     }
 
     fn notice(&mut self, notice: NodeNotice) {
+        let (token, key) = notice.sender();
+        if self.foreign(token, key) {
+            return;
+        }
         match notice {
             NodeNotice::Give {
                 token,
                 authority,
                 bytes,
                 ticket,
+                ..
             } => {
                 let found = self.authorities.get(&authority).and_then(|aid| {
                     let m = self.processes.get(&token)?.members.get(aid)?;
@@ -508,6 +550,7 @@ impl NodeState {
                 os_bytes,
                 model,
                 cached_prefixes,
+                ..
             } => {
                 let member = self.authorities.get(&authority).and_then(|aid| {
                     self.processes
@@ -524,7 +567,7 @@ impl NodeState {
                     None => self.rejected(&WireError::Invalid("report from a stranger")),
                 }
             }
-            NodeNotice::Leave { token } => {
+            NodeNotice::Leave { token, .. } => {
                 if self.processes.contains_key(&token) {
                     self.reap(token, "left");
                 } else {

@@ -23,8 +23,11 @@ pub enum NodeRequest {
     /// Joins (or rejoins) the node for one authority; `held` is the credit the process holds
     /// from before (after a reconnect or a node restart), zero on a first join.
     Join {
-        /// The process's token: random, fixed for its life.
+        /// The process's token: random, fixed for its life (an identity, not a secret).
         token: u64,
+        /// The key the node issued at this process's first join (zero then): a rejoin of a
+        /// process the node still knows must present it.
+        key: u64,
         /// Its operating-system process id (the node watches it to know when it is gone).
         pid: u32,
         /// Its name.
@@ -41,6 +44,8 @@ pub enum NodeRequest {
     Ask {
         /// The process.
         token: u64,
+        /// Its key (see [`NodeReply::Joined`]).
+        key: u64,
         /// The authority.
         authority: String,
         /// Bytes wanted.
@@ -61,6 +66,8 @@ pub enum NodeNotice {
     Give {
         /// The process.
         token: u64,
+        /// Its key (see [`NodeReply::Joined`]).
+        key: u64,
         /// The authority.
         authority: String,
         /// Bytes given back.
@@ -72,6 +79,8 @@ pub enum NodeNotice {
     Report {
         /// The process.
         token: u64,
+        /// Its key (see [`NodeReply::Joined`]).
+        key: u64,
         /// The authority.
         authority: String,
         /// Bytes its Governor approved to its holders.
@@ -87,6 +96,8 @@ pub enum NodeNotice {
     Leave {
         /// The process.
         token: u64,
+        /// Its key (see [`NodeReply::Joined`]).
+        key: u64,
     },
 }
 
@@ -97,6 +108,12 @@ pub enum NodeReply {
     Joined {
         /// Credit in bytes.
         credit: u64,
+        /// The process's key: a random secret the node issues at its first join and sends
+        /// only in this reply, which goes back over the session that joined. Every later
+        /// frame of the process carries it; a frame with the process's token and another key
+        /// is refused and counted, never applied (tokens are no secret: the process's link
+        /// group is named after its token).
+        key: u64,
     },
     /// `bytes` more credit, approved.
     Granted {
@@ -125,6 +142,8 @@ pub struct NodeStatus {
     pub tickets: u64,
     /// Frames that did not decode or did not validate.
     pub rejected_frames: u64,
+    /// Of those, frames naming a process with another session's key.
+    pub foreign_frames: u64,
     /// Processes whose credit came back because they were confirmed gone.
     pub reaped: u64,
 }
@@ -302,6 +321,15 @@ impl NodeRequest {
 }
 
 impl NodeNotice {
+    /// The process the notice is from, and the key it presents.
+    pub fn sender(&self) -> (u64, u64) {
+        match *self {
+            NodeNotice::Give { token, key, .. }
+            | NodeNotice::Report { token, key, .. }
+            | NodeNotice::Leave { token, key } => (token, key),
+        }
+    }
+
     /// Checks fields no well-behaved process sends.
     pub fn validate(&self) -> Result<(), WireError> {
         match self {
@@ -445,6 +473,7 @@ mod tests {
     fn garbage_truncation_and_trailing_bytes_are_errors_not_panics() {
         let good = NodeRequest::Ask {
             token: 7,
+            key: 9,
             authority: "host".into(),
             bytes: 1 << 20,
             at_least: 1,
@@ -476,6 +505,7 @@ mod tests {
     fn requests_no_well_behaved_process_sends_are_invalid() {
         let join = |token, pid, name: &str| NodeRequest::Join {
             token,
+            key: 0,
             pid,
             name: name.into(),
             priority: 0,
@@ -491,6 +521,7 @@ mod tests {
         assert!(join(1, 1, "a\nb").validate().is_err());
         let ask = |bytes, at_least| NodeRequest::Ask {
             token: 1,
+            key: 1,
             authority: "host".into(),
             bytes,
             at_least,
