@@ -288,6 +288,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// Builds the memory manager both models run on: `builder`'s budgets, with the metrics
+/// endpoint and machine following the arguments ask for.
+async fn manager(
+    args: &Args,
+    mut builder: procmem_actors::MemoryManagerBuilder,
+) -> Result<MemoryManager, String> {
+    if let Some(addr) = args.metrics_addr {
+        builder = builder.metrics_addr(addr);
+    }
+    builder = builder.follow_machine(args.follow_machine);
+    builder.build().await.map_err(|e| e.to_string())
+}
+
+/// The node link of the real model's run: it leaves the node once the memory is freed.
+struct NodeLeave(Option<NodeLink>);
+
+impl common::real_model::Finish for NodeLeave {
+    async fn finish(self) {
+        if let Some(node) = self.0 {
+            node.leave().await;
+        }
+    }
+}
+
 /// Joins the node Governor at `addr`: the Governor of the KV device's authority takes its
 /// capacity from the node from now on.
 async fn join_node(
@@ -367,7 +391,7 @@ async fn serve(args: Args) -> Result<(), String> {
             },
             b => (Some(parse_bytes(b)?), None),
         };
-        return common::real_model::serve(common::real_model::RealRun {
+        let run = common::real_model::RealRun {
             model: model.clone(),
             requests: args.requests.min(4096),
             concurrency: args.concurrency.min(64),
@@ -382,6 +406,19 @@ async fn serve(args: Args) -> Result<(), String> {
                 Dtype::F32 => KvDtype::F32,
                 Dtype::F16 => KvDtype::F16,
             },
+        };
+        let args = &args;
+        return common::real_model::serve(run, |budget| async move {
+            let builder = MemoryManager::builder().host_budget(budget);
+            let memory = manager(args, builder).await?;
+            let node = match args.node {
+                Some(addr) => Some(join_node(args, addr, &memory, false).await?),
+                None => None,
+            };
+            if let Some(addr) = args.metrics_addr {
+                println!("metrics on http://{addr}/metrics");
+            }
+            Ok((memory, NodeLeave(node)))
         })
         .await;
     }
@@ -435,7 +472,7 @@ async fn serve(args: Args) -> Result<(), String> {
             "the model needs {base} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
         ));
     }
-    let mut builder = if cuda {
+    let builder = if cuda {
         // The host authority pays for the weights and for KV swapped out of the device.
         MemoryManager::builder()
             .host_budget(weights_bytes + peak_kv + per_seq)
@@ -443,11 +480,7 @@ async fn serve(args: Args) -> Result<(), String> {
     } else {
         MemoryManager::builder().host_budget(budget)
     };
-    if let Some(addr) = args.metrics_addr {
-        builder = builder.metrics_addr(addr);
-    }
-    builder = builder.follow_machine(args.follow_machine);
-    let memory = builder.build().await.map_err(|e| e.to_string())?;
+    let memory = manager(&args, builder).await?;
     let node = match args.node {
         Some(addr) => Some(join_node(&args, addr, &memory, cuda).await?),
         None => None,

@@ -253,3 +253,143 @@ fn the_real_model_prints_the_same_completions_under_a_quarter_of_the_kv() {
         assert_eq!(pressed, free, "0.25x with {preempt}");
     }
 }
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("procmem-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Every hostile variant of a valid tiny GGUF given to `--model` exits 2 with a message
+/// naming the model file or its tokenizer: no panic (101), no abort (134), no stack overflow,
+/// no load of a wrong model (issue 27, item 1: 16 of 58 such files crashed or loaded).
+#[test]
+fn hostile_gguf_files_exit_2_with_a_message() {
+    let dir = scratch("hostile-gguf");
+    let variants = procmem_model::fixture::hostile();
+    let mut clean = 0;
+    let mut failures = Vec::new();
+    for (name, bytes) in &variants {
+        let path = dir.join(format!("{name}.gguf"));
+        std::fs::write(&path, bytes).unwrap();
+        let out = run(&["--model", path.to_str().unwrap(), "--requests", "1"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(2)
+            && (stderr.contains("model file") || stderr.contains("tokenizer"))
+            && !stderr.contains("panicked")
+        {
+            clean += 1;
+        } else {
+            failures.push(format!("{name}: {:?} {stderr}", out.status));
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "FIGURE hostile_gguf {clean}/{}",
+        variants.len()
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The real-model path of the main job on the tiny GGUF: its budgets count what the ledger
+/// charges (pages), so `auto` and `1x` run to the end with the books at zero (item 5:
+/// "step refused: denied" on a small GGUF); an unrepresentable fraction, an unreachable node
+/// and a metrics address it cannot bind are exit 2, as on the synthetic path.
+#[test]
+fn the_real_model_path_takes_the_same_options_as_the_synthetic_one() {
+    let dir = scratch("tiny-model");
+    let path = dir.join("tiny.gguf");
+    std::fs::write(&path, procmem_model::fixture::tiny_llama()).unwrap();
+    let model = path.to_str().unwrap();
+    for budget in ["auto", "1x"] {
+        for preempt in ["swap", "recompute"] {
+            let out = run(&[
+                "--model",
+                model,
+                "--requests",
+                "6",
+                "--concurrency",
+                "3",
+                "--max-new-tokens",
+                "8",
+                "--budget",
+                budget,
+                "--preempt",
+                preempt,
+            ]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{budget} {preempt}: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(
+                summary_field(&stdout, "requests finished").as_deref(),
+                Some("6"),
+                "{stdout}"
+            );
+            assert_eq!(
+                summary_field(&stdout, "books after shutdown").as_deref(),
+                Some("zero"),
+                "{stdout}"
+            );
+        }
+    }
+    let cases: &[(&[&str], &str)] = &[
+        (&["--budget", "1e300x"], "more than can be counted"),
+        (&["--budget", "1e19x"], "more than can be counted"),
+        // A quarter of three sequences' KV is less than one sequence of this model takes.
+        (&["--budget", "0.25x"], "more than the budget"),
+        (&["--node", "127.0.0.1:1"], "cannot join the node"),
+        (&["--metrics-addr", "8.8.8.8:1"], "cannot serve metrics"),
+    ];
+    for (extra, message) in cases {
+        let mut args = vec!["--model", model, "--requests", "6", "--concurrency", "3"];
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Under a file-size limit the host-backend programs run (issue 27, item 4: `grow_kv` and the
+/// main job exited 153, killed by SIGXFSZ, under `ulimit -f 4194304`); under a limit too small
+/// for the KV they say so and exit 2.
+#[test]
+fn a_file_size_limit_does_not_kill_the_host_programs() {
+    use std::os::unix::process::ExitStatusExt;
+    let limited = |kb: u64, program: PathBuf, args: &[&str]| {
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(format!("ulimit -f {kb} && exec \"$@\""))
+            .arg("limited")
+            .arg(program)
+            .args(args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status, text)
+    };
+    let (status, text) = limited(4_194_304, binary(), &["--requests", "4"]);
+    assert!(
+        status.success() && status.signal().is_none(),
+        "{status:?} {text}"
+    );
+    let (status, text) = limited(4_194_304, common::example("grow_kv"), &[]);
+    assert!(
+        status.success() && status.signal().is_none(),
+        "{status:?} {text}"
+    );
+    let (status, text) = limited(64, binary(), &["--requests", "4"]);
+    assert_eq!(status.signal(), None, "{text}");
+    assert_eq!(status.code(), Some(2), "{text}");
+    assert!(text.contains("file-size limit (ulimit -f)"), "{text}");
+}

@@ -1,8 +1,10 @@
 //! The main job's `--model smollm2` (or a GGUF path): a real model served over the managed KV.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
@@ -58,14 +60,45 @@ fn path(model: &str) -> Result<PathBuf, String> {
     }
 }
 
+/// Granules the KV store maps per growth here.
+const CHUNK_GRANULES: u64 = 3;
+
+/// What a budget of `fraction` of the peak KV demand on top of the weights is, in bytes;
+/// an error where it does not fit in 64 bits.
+fn fraction_of(weights: u64, peak_kv: u64, f: f64) -> Result<u64, String> {
+    let kv = f * peak_kv as f64;
+    if !(kv.is_finite() && kv < u64::MAX as f64) {
+        return Err(format!(
+            "{f}x of {peak_kv} bytes of KV is more than can be counted"
+        ));
+    }
+    weights
+        .checked_add(kv as u64)
+        .ok_or_else(|| format!("{f}x of the KV plus {weights} bytes of weights overflows"))
+}
+
 /// Serves the built-in chat prompts and prints progress, a summary and some completions.
-pub async fn serve(run: RealRun) -> Result<(), String> {
+/// `manager` builds the memory manager for a host budget (the same set-up as the synthetic
+/// model's: metrics endpoint, machine following, node Governor) and hands back what must be
+/// told when the run is over (the node link).
+pub async fn serve<L, F, Fut>(run: RealRun, manager: F) -> Result<(), String>
+where
+    F: FnOnce(u64) -> Fut,
+    Fut: Future<Output = Result<(MemoryManager, L), String>>,
+    L: Finish,
+{
     let path = path(&run.model)?;
     let max_tokens = 512;
     let loaded = Smol::load(&path, max_tokens).map_err(|e| e.to_string())?;
     let codec = TextCodec::new(&loaded.tokenizer).map_err(|e| e.to_string())?;
     let c = loaded.model.config.clone();
-    let weights: u64 = loaded.layers.iter().map(|l| l.len() as u64).sum();
+    // Each layer is charged by the pages it takes, each KV buffer by the chunks it maps.
+    let page = procmem_actors::procmem::granularity();
+    let weights: u64 = loaded
+        .layers
+        .iter()
+        .map(|l| (l.len() as u64).next_multiple_of(page))
+        .sum();
     let prompts: Vec<Vec<u32>> = (0..run.requests)
         .map(|i| {
             let (sys, user) = PROMPTS[i % PROMPTS.len()];
@@ -74,29 +107,41 @@ pub async fn serve(run: RealRun) -> Result<(), String> {
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     let shape = loaded.model.kv_shape(run.dtype, max_tokens);
-    let per_token = shape.token_bytes() * shape.buffers() as u64;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + run.max_new;
-    let peak_kv = run.concurrency.min(run.requests) as u64 * longest as u64 * per_token;
+    if longest > max_tokens {
+        return Err(format!(
+            "a prompt and its completion take {longest} tokens: more than the {max_tokens} this job keeps per sequence"
+        ));
+    }
+    let per_seq = shape.buffers() as u64
+        * mapped_bytes_for(
+            longest,
+            shape.token_bytes(),
+            page * CHUNK_GRANULES,
+            u64::MAX,
+        );
+    let peak_kv = run.concurrency.min(run.requests) as u64 * per_seq;
     let budget = match (run.budget, run.fraction) {
         (Some(b), _) => b,
-        (None, Some(f)) => weights + (peak_kv as f64 * f) as u64,
+        (None, Some(f)) => fraction_of(weights, peak_kv, f)?,
         (None, None) => weights + peak_kv,
     };
     println!(
         "procmem inference server: {} ({} layers, {} q heads / {} kv heads, head dim {}, vocab {}), {} requests x {} at once",
         path.display(), c.layers, c.q_heads, c.kv_heads, c.head_dim, c.vocab, run.requests, run.concurrency
     );
-    println!("budget {budget} bytes: weights {weights} (Q4_1 layers under residency) + peak KV demand {peak_kv}");
-    let memory = MemoryManager::builder()
-        .host_budget(budget)
-        .build()
-        .await
-        .map_err(|e| e.to_string())?;
+    println!("budget {budget} bytes: weights {weights} (quantized layers under residency, by the pages they take) + peak KV demand {peak_kv}");
+    if budget < weights + per_seq {
+        return Err(format!(
+            "the model needs {weights} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
+        ));
+    }
+    let (memory, link) = manager(budget).await?;
     let config = KvStoreConfig {
         name: "kv".into(),
         priority: 0,
         shape: KvShape { ..shape },
-        chunk_granules: 3,
+        chunk_granules: CHUNK_GRANULES,
         preempt: run.preempt,
         wait: Duration::from_secs(5),
         swap: SwapSpace::Auto,
@@ -143,6 +188,7 @@ pub async fn serve(run: RealRun) -> Result<(), String> {
     let books = memory.books().await;
     drop(engine);
     let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+    link.finish().await;
     println!();
     println!("summary");
     let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
@@ -197,4 +243,14 @@ pub async fn serve(run: RealRun) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// What is told once the run is over and its memory freed (a node link leaves the node).
+pub trait Finish {
+    /// Tells it.
+    fn finish(self) -> impl Future<Output = ()>;
+}
+
+impl Finish for () {
+    async fn finish(self) {}
 }

@@ -143,6 +143,9 @@ impl Engine {
         concurrency: usize,
         keep_logits: bool,
     ) -> Result<(Vec<Completion>, RunStats), ModelError> {
+        if let Some(r) = requests.iter().find(|r| r.prompt.is_empty()) {
+            return Err(ModelError::EmptyPrompt(r.id));
+        }
         let mut waiting: VecDeque<Live> = requests
             .into_iter()
             .map(|req| Live {
@@ -168,9 +171,15 @@ impl Engine {
         let mut calm = 0u32;
         // Steps of a lone sequence refused in a row.
         let mut lonely = 0u32;
+        // A restore refused while others ran waits until one of them finishes: the room it
+        // needs is theirs, and asking again at every step would wait out a deadline each time.
+        let mut restore_blocked = false;
         while !(waiting.is_empty() && active.is_empty() && parked.is_empty()) {
+            if active.is_empty() {
+                restore_blocked = false;
+            }
             // Preempted sequences come back first, oldest first.
-            while active.len() < limit {
+            while active.len() < limit && !restore_blocked {
                 let Some(mut r) = parked.pop_front() else {
                     break;
                 };
@@ -182,6 +191,7 @@ impl Engine {
                     }
                     Err(_) if !active.is_empty() => {
                         parked.push_front(r);
+                        restore_blocked = true;
                         break;
                     }
                     Err(e) => return Err(ModelError::Store(e.to_string())),
@@ -237,6 +247,7 @@ impl Engine {
                         active.drain(..).partition(|r| r.done(self.eos));
                     active = going;
                     for r in done {
+                        restore_blocked = false;
                         self.kv.close(r.req.id);
                         finished.push(r.completion);
                     }
