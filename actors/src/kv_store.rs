@@ -28,6 +28,8 @@ use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
 
+mod answer;
+pub use answer::{Opened, Restored};
 mod device;
 mod lending;
 mod metrics;
@@ -144,28 +146,6 @@ impl From<TableError> for KvStoreError {
     }
 }
 
-/// What opening a sequence found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Opened {
-    /// Prompt tokens whose KV came from shared cached blocks (no need to compute them).
-    pub cached_tokens: usize,
-}
-
-/// What restoring a preempted sequence did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Restored {
-    /// The KV was copied back; the sequence holds `tokens` again.
-    Swapped {
-        /// Tokens restored.
-        tokens: usize,
-    },
-    /// The sequence is empty again: replay its `tokens` tokens to recompute the KV.
-    Recompute {
-        /// Tokens to replay.
-        tokens: usize,
-    },
-}
-
 /// One sequence's input to a layer's attention: the query, and the new token's key and value.
 #[derive(Debug, Clone)]
 pub struct AttendItem {
@@ -264,7 +244,7 @@ pub(crate) enum KvStoreMsg {
         /// Its priority (lower is preempted first).
         priority: Priority,
         /// What was found.
-        reply: RpcReplyPort<Result<Opened, KvStoreError>>,
+        reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
     },
     /// Makes room for one more token in each sequence: one grant for all of them.
     Prepare {
@@ -314,6 +294,10 @@ pub(crate) enum KvStoreMsg {
         /// The sequence.
         seq: SeqId,
     },
+    /// An open's answer was dropped unread: closes that incarnation, if it is still open.
+    Abandon { seq: SeqId, writer: Writer },
+    /// A caller left before its answer: the call waiting for room is called off.
+    CallOff(answer::Left),
     /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
         /// Answered with the counters.
@@ -397,7 +381,7 @@ enum Pending {
         hits: Vec<(u64, Arc<SharedPrefix>)>,
         new_keys: Vec<u64>,
         bytes: u64,
-        reply: RpcReplyPort<Result<Opened, KvStoreError>>,
+        reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
     },
     Prepare {
         /// Each sequence, its incarnation and its growth per buffer.
@@ -550,6 +534,8 @@ impl Actor for KvStore {
                 reply,
             } => state.open(&myself, seq, prompt, priority, reply).await,
             KvStoreMsg::Prepare { seqs, reply } => state.prepare(&myself, seqs, reply),
+            KvStoreMsg::Abandon { seq, writer } => state.abandon(seq, writer),
+            KvStoreMsg::CallOff(call) => state.call_off(call),
             KvStoreMsg::StepEnded {
                 step,
                 memory,
@@ -668,24 +654,37 @@ impl KvStoreHandle {
         prompt: Vec<u32>,
         priority: Priority,
     ) -> Result<Opened, KvStoreError> {
-        self.ask(|reply| KvStoreMsg::Open {
+        let waiting = self.waiting(answer::Left::Open(seq));
+        let answer = self.ask(|reply| KvStoreMsg::Open {
             seq,
             prompt,
             priority,
             reply,
-        })
-        .await
+        });
+        let answer = answer.await;
+        waiting.answered();
+        answer.map(answer::OpenAnswer::take)
+    }
+
+    fn waiting(&self, call: answer::Left) -> answer::Waiting {
+        answer::Waiting::new(self.holder.clone(), call)
     }
 
     /// Makes room for one more token in each sequence, under one grant, and lends them to
     /// the caller as a step (see [`KvStep`]). Refused as a whole, changing nothing.
     pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
-        self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await
+        let waiting = self.waiting(answer::Left::Step(seqs.clone()));
+        let step = self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await;
+        waiting.answered();
+        step
     }
 
     /// Brings a preempted sequence back.
     pub async fn restore(&self, seq: SeqId) -> Result<Restored, KvStoreError> {
-        self.ask(|reply| KvStoreMsg::Restore { seq, reply }).await
+        let waiting = self.waiting(answer::Left::Restore(seq));
+        let restored = self.ask(|reply| KvStoreMsg::Restore { seq, reply }).await;
+        waiting.answered();
+        restored
     }
 
     /// Closes a sequence.

@@ -520,7 +520,9 @@ async fn concurrent_opens_of_one_prompt_never_serve_an_unwritten_block() {
     for pos in 0..prompt.len() {
         step(&kv, &[(1, pos)]).await.unwrap();
     }
-    let c = kv.open(3, prompt.clone(), 0).await.unwrap();
+    // One token longer: its last token is computed, the two whole blocks before it shared.
+    let longer = [prompt.clone(), vec![2 * bt as u32]].concat();
+    let c = kv.open(3, longer, 0).await.unwrap();
     assert_eq!(
         c.cached_tokens,
         2 * bt,
@@ -643,4 +645,147 @@ async fn a_restore_pending_across_close_and_reopen_never_touches_the_new_sequenc
         }
     }
     books_match_the_os(&g, &kv, 0).await;
+}
+
+/// The position rule (issue 27, item 5b): a prompt whose every block is cached shares all but
+/// its last block, so the sequence's first step is at a position it does not hold yet and the
+/// prompt's last token is computed. Before, `cached_tokens` was the whole prompt and a server
+/// stepping its last token (for the logits) was refused: "holds 32 tokens: a step at
+/// position 31 does not follow".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fully_cached_prompt_still_computes_its_last_token() {
+    let (_g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(2 * bt) as u32).collect();
+    kv.open(1, prompt.clone(), 0).await.unwrap();
+    for pos in 0..prompt.len() {
+        step(&kv, &[(1, pos)]).await.unwrap();
+    }
+    let second = kv.open(2, prompt.clone(), 0).await.unwrap();
+    assert_eq!(second.cached_tokens, bt, "all but the last block");
+    for pos in second.cached_tokens..prompt.len() {
+        step(&kv, &[(2, pos)]).await.unwrap();
+    }
+    let empty = kv.open(3, Vec::new(), 0).await.unwrap();
+    assert_eq!(empty.cached_tokens, 0);
+}
+
+/// Polls a call once (its message is sent), lets the store answer, then drops it unread. A
+/// call answered within that first poll is read instead: `read` undoes it and it is tried
+/// again.
+async fn give_up_after_the_answer<F: std::future::Future>(
+    make: impl Fn() -> F,
+    read: impl Fn(F::Output),
+) {
+    for _ in 0..20 {
+        let mut fut = std::pin::pin!(make());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match fut.as_mut().poll(&mut cx) {
+            std::task::Poll::Pending => {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                return;
+            }
+            std::task::Poll::Ready(out) => read(out),
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    panic!("every call was answered within its first poll");
+}
+
+/// Polls `fut` once and drops it while it waits (what it answers, if it answers at once, is
+/// dropped too).
+async fn give_up_while_waiting<F: std::future::Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let _ = fut.as_mut().poll(&mut cx);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
+/// A step, tried again while the sequence is `Busy`: a step dropped unread gives its memory
+/// back after its kernels, and until then the sequence is still lent.
+async fn step_after_busy(kv: &KvStoreHandle, seqs: &[(u64, usize)]) {
+    for _ in 0..200 {
+        match step(kv, seqs).await {
+            Err(KvStoreError::Busy(_)) => tokio::time::sleep(Duration::from_millis(5)).await,
+            other => return assert!(other.is_ok(), "{other:?}"),
+        }
+    }
+    panic!("still busy");
+}
+
+/// Every call that creates state, given up three ways: before it is sent (built, never
+/// polled), while it waits (its grant held up), and after its answer arrived but before it was
+/// read. After each, the store and the books are as if it never happened (or, for a restore,
+/// as a retry finds them), and a retry works (issue 27, item 7: an open given up after its
+/// answer left the sequence open and charged, and the retry answered `AlreadyOpen`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_given_up_three_ways_leaves_the_store_and_books_right() {
+    let (g, _p, kv) = setup(64 << 20, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(bt + 3) as u32).collect();
+    let open = |seq| kv.open(seq, prompt.clone(), 0);
+
+    // open
+    drop(open(1));
+    give_up_after_the_answer(|| open(1), |_| kv.close(1)).await;
+    assert_eq!(
+        kv.stats().await.unwrap().sequences,
+        0,
+        "closed by its answer"
+    );
+    books_match_the_os(&g, &kv, 0).await;
+    let blocker = hold_everything(&g).await;
+    give_up_while_waiting(open(1)).await;
+    drop(blocker);
+    assert_eq!(kv.stats().await.unwrap().sequences, 0);
+    books_match_the_os(&g, &kv, 0).await;
+    kv.open(1, prompt.clone(), 0)
+        .await
+        .expect("the retry opens");
+
+    // prepare (a step is a KvStep, which gives its memory back unread)
+    drop(kv.prepare(vec![1]));
+    give_up_after_the_answer(|| kv.prepare(vec![1]), drop).await;
+    let blocker = hold_everything(&g).await;
+    give_up_while_waiting(kv.prepare(vec![1])).await;
+    drop(blocker);
+    books_match_the_os(&g, &kv, 0).await;
+    for pos in 0..prompt.len() {
+        step_after_busy(&kv, &[(1, pos)]).await;
+    }
+    let held = kv.stats().await.unwrap();
+    assert_eq!(held.tokens, prompt.len());
+
+    // restore: preempted by another holder's need, then brought back
+    let (capacity, exclusive) = (held.leased_bytes, held.exclusive_bytes);
+    g.set_capacity(capacity).await.unwrap();
+    let taken = another_holder_asks(g.clone(), exclusive, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .commit(exclusive)
+        .await
+        .unwrap();
+    assert_eq!(kv.stats().await.unwrap().preempted, 1);
+    drop(kv.restore(1));
+    assert_eq!(kv.stats().await.unwrap().preempted, 1, "never sent");
+    // Given up while it waits for room: it ends restored or preempted as before, with the
+    // books right either way, and a retry answers which.
+    give_up_while_waiting(kv.restore(1)).await;
+    books_match_the_os(&g, &kv, exclusive).await;
+    drop(taken);
+    g.set_capacity(64 << 20).await.unwrap();
+    give_up_after_the_answer(|| kv.restore(1), drop).await;
+    books_match_the_os(&g, &kv, 0).await;
+    let again = kv.restore(1).await.unwrap();
+    assert_eq!(
+        again,
+        Restored::Swapped {
+            tokens: prompt.len()
+        },
+        "a retry finds it back"
+    );
+    step_after_busy(&kv, &[(1, prompt.len())]).await;
+    kv.close(1);
+    books_match_the_os(&g, &kv, 0).await;
+    assert_eq!(leased(&g).await, 0);
 }

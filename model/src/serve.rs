@@ -212,7 +212,8 @@ impl Engine {
                     r.completion.cached_tokens = opened.cached_tokens;
                 }
                 r.opened = true;
-                r.pos = opened.cached_tokens.min(r.known.len() - 1);
+                // The store's position rule (`Opened`): fewer than the prompt's tokens.
+                r.pos = opened.cached_tokens;
                 active.push(r);
             }
             if active.is_empty() {

@@ -149,7 +149,7 @@ impl KvStoreState {
         match grant {
             Err(e) => self.fail(pending, e.into()),
             Ok(grant) => match pending {
-                p @ Pending::Open { .. } => self.finish_open(p, Some(grant)).await,
+                p @ Pending::Open { .. } => self.finish_open(myself, p, Some(grant)).await,
                 p @ Pending::Prepare { .. } => self.finish_prepare(myself, p, grant).await,
                 p @ Pending::Restore { .. } => self.finish_restore(p, grant).await,
             },

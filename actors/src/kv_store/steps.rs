@@ -11,7 +11,7 @@ impl KvStoreState {
         seq: SeqId,
         prompt: Vec<u32>,
         priority: Priority,
-        reply: RpcReplyPort<Result<Opened, KvStoreError>>,
+        reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
     ) {
         let shape = self.config.shape;
         let g = self.device.granularity();
@@ -49,7 +49,12 @@ impl KvStoreState {
             ahead: None,
         };
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
-        let hits = lookup.hits;
+        let mut hits = lookup.hits;
+        // The position rule (see `Opened`): a prompt's last token is always computed, so a
+        // prompt whose every block is cached shares all but its last block.
+        if !prompt.is_empty() && hits.len() * bt >= prompt.len() {
+            hits.pop();
+        }
         let pending = Pending::Open {
             seq,
             writer,
@@ -61,13 +66,18 @@ impl KvStoreState {
             reply,
         };
         if bytes == 0 {
-            self.finish_open(pending, None).await;
+            self.finish_open(myself, pending, None).await;
         } else {
             self.begin(myself, bytes, priority, pending);
         }
     }
 
-    pub(super) async fn finish_open(&mut self, pending: Pending, grant: Option<Grant>) {
+    pub(super) async fn finish_open(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        pending: Pending,
+        grant: Option<Grant>,
+    ) {
         let Pending::Open {
             seq,
             writer,
@@ -162,16 +172,50 @@ impl KvStoreState {
         }
         self.seqs.insert(seq, *entry);
         let cached = hit_count * bt;
-        let delivered = reply
-            .send(Ok(Opened {
-                cached_tokens: cached,
-            }))
-            .is_ok();
-        if delivered {
-            self.stats.prefix_hit_tokens += cached as u64;
-        } else {
-            // The caller gave up: nobody will use or close the sequence, so it goes now.
+        let opened = Opened {
+            cached_tokens: cached,
+        };
+        // An answer its caller never reads closes the sequence (`Abandon`); one whose caller
+        // is gone already closes it here and now.
+        let answer = answer::OpenAnswer::new(opened, myself.clone(), seq, writer);
+        match reply.send(Ok(answer)) {
+            Ok(()) => self.stats.prefix_hit_tokens += cached as u64,
+            Err(ractor::MessagingErr::SendErr(Ok(answer))) => {
+                answer.take();
+                self.close(seq);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// An open's answer was dropped unread: closes that incarnation, if it is still open.
+    pub(super) fn abandon(&mut self, seq: SeqId, writer: Writer) {
+        if self.table.get(seq).is_some_and(|r| r.writer == writer) {
             self.close(seq);
+        }
+    }
+
+    /// A caller left while its call waited for room: the wait is called off and the call
+    /// fails unread, leaving the sequences as they were (a call already answered is undone
+    /// by its answer instead: an `OpenAnswer`, a `KvStep`).
+    pub(super) fn call_off(&mut self, call: answer::Left) {
+        let txn = self.pending.iter().find_map(|(txn, p)| {
+            let theirs = match (p, &call) {
+                (Pending::Open { seq, .. }, answer::Left::Open(s))
+                | (Pending::Restore { seq, .. }, answer::Left::Restore(s)) => seq == s,
+                (Pending::Prepare { seqs, .. }, answer::Left::Step(s)) => {
+                    seqs.len() == s.len() && seqs.iter().zip(s).all(|((a, ..), b)| a == b)
+                }
+                _ => false,
+            };
+            theirs.then_some(*txn)
+        });
+        let Some(txn) = txn else { return };
+        if let Some(task) = self.reserving.remove(&txn) {
+            task.abort();
+        }
+        if let Some(pending) = self.pending.remove(&txn) {
+            self.fail(pending, KvStoreError::Unavailable);
         }
     }
 
