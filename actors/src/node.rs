@@ -25,6 +25,7 @@
 //! reaches the books (see [`wire`]).
 
 mod link;
+mod peer;
 mod server;
 mod watch;
 pub mod wire;
@@ -33,6 +34,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 pub use link::{LinkConfig, LinkError, NodeLink};
+pub use peer::socket_path;
 pub use server::{NodeConfig, NodeGovernor, NodeHandle};
 pub use watch::ClusterWatch;
 

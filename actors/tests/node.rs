@@ -67,7 +67,7 @@ fn say(line: String) {
 }
 
 /// The node: prints its books every 10 ms as `STATUS total capacity rejected reaped
-/// tickets token:credit,...`.
+/// tickets pid:credit:connected,... foreign`.
 async fn run_node() {
     let port: u16 = env("PORT").parse().unwrap();
     let capacity: u64 = env("CAPACITY").parse().unwrap();
@@ -87,11 +87,12 @@ async fn run_node() {
                 .map(|p| format!("{}:{}:{}", p.pid, p.credit, p.connected as u8))
                 .collect();
             say(format!(
-                "STATUS {total} {cap} {} {} {} {}",
+                "STATUS {total} {cap} {} {} {} {} {}",
                 s.rejected_frames,
                 s.reaped,
                 s.tickets,
-                procs.join(",")
+                procs.join(","),
+                s.foreign_frames
             ));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -134,6 +135,9 @@ async fn run_server() {
         env("NAME"),
     );
     link.priority = env("PRIORITY").parse().unwrap();
+    if std::env::var_os("TCP_ONLY").is_some() {
+        link.unix = None;
+    }
     link.chunk = MIB;
     link.wait = Duration::from_secs(3);
     let provider = p.clone();
@@ -495,7 +499,20 @@ struct Proc {
 
 impl Proc {
     fn spawn(role: &str, vars: &[(&str, String)]) -> Proc {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        Proc::spawn_under(&[], role, vars)
+    }
+
+    /// The role run by `wrapper` (`unshare --pid --fork`, say) where one is given.
+    fn spawn_under(wrapper: &[&str], role: &str, vars: &[(&str, String)]) -> Proc {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
         cmd.args([
             "--exact",
             "node_role",
@@ -568,6 +585,7 @@ struct Status {
     reaped: u64,
     tickets: u64,
     procs: Vec<(u32, u64, bool)>,
+    foreign: u64,
 }
 
 fn parse(line: &str) -> Status {
@@ -591,6 +609,7 @@ fn parse(line: &str) -> Status {
         reaped: f[4].parse().unwrap(),
         tickets: f[5].parse().unwrap(),
         procs,
+        foreign: f[7].parse().unwrap(),
     }
 }
 
@@ -923,6 +942,25 @@ fn hostile_frames_leave_the_node_running_and_its_books_unchanged() {
     assert!(kinds >= 10);
     common::figure("hostile_frames", survived, kinds);
     assert_eq!(survived, kinds);
+    // Valid frames for another process: each refused and counted as foreign, none applied.
+    let spoofs = sent
+        .iter()
+        .filter(|k| k.ends_with("_for_another") || k.ends_with("_as_another"))
+        .count() as u64;
+    let foreign = after.foreign - before.foreign;
+    let refused = if after.procs == before.procs {
+        foreign.min(spoofs)
+    } else {
+        0
+    };
+    // (`give_more_than_credit` names the victim too, without its key: one more foreign.)
+    eprintln!(
+        "node_spoof: {spoofs} valid frames for another process, {foreign} frames refused as \
+         foreign, books unchanged"
+    );
+    common::figure("node_spoof", refused as usize, spoofs as usize);
+    assert_eq!(spoofs, 5);
+    assert!(foreign >= spoofs, "{foreign} foreign frames counted");
 }
 
 #[test]
@@ -956,4 +994,74 @@ fn a_watcher_sees_every_node_and_the_prefixes_each_model_caches() {
     eprintln!("cluster_view: {} | {}", one.unwrap(), two.unwrap());
     drop((n1, n2, a));
     common::figure("cluster_view", 1, 1);
+}
+
+/// A server in its own PID namespace (`unshare --pid --fork`: its own pid is 1) joins over the
+/// node's Unix socket; the node watches the pid the kernel gives for that socket, so a SIGKILL
+/// gives its credit back (issue 27, item 3: the node watched its own pid 1 and kept 64 MiB
+/// credited to the dead process).
+#[test]
+fn a_server_in_a_pid_namespace_is_watched_as_the_process_it_is() {
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--kill-child", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED: unshare --pid needs root here");
+        return;
+    }
+    let (node, port) = node(8 * MIB);
+    let mut a = Proc::spawn_under(
+        &["unshare", "--pid", "--fork", "--kill-child"],
+        "server",
+        &[
+            ("PORT", port.to_string()),
+            ("NAME", "contained".into()),
+            ("PRIORITY", "0".into()),
+            ("CACHE", "3".into()),
+            ("BURST", "0".into()),
+        ],
+    );
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| {
+        s.procs.len() == 1 && s.procs[0].0 != 1
+    });
+    let (pid, credit, _) = before.procs[0];
+    assert!(credit > 0);
+    let killed = Instant::now();
+    a.kill9();
+    let after = status_until(&node, Duration::from_secs(5), |s| s.procs.is_empty());
+    eprintln!(
+        "node_pid_namespace: a server whose own pid is 1 was watched as pid {pid}; its {credit} B of \
+         credit came back {} ms after SIGKILL; node total {} B",
+        killed.elapsed().as_millis(),
+        after.total
+    );
+    assert_eq!(after.total, 0);
+    assert_eq!(after.reaped, before.reaped + 1);
+    common::figure("node_pid_namespace", 1, 1);
+}
+
+/// A server the kernel cannot name (joined over TCP only) is watched by its session: its
+/// credit comes back once the session has been gone for the grace, never from a pid it sent.
+#[test]
+fn a_server_over_tcp_is_watched_by_its_session() {
+    let (node, port) = node(8 * MIB);
+    let mut a = server_with(port, "remote", 0, 3, 0, &[("TCP_ONLY", "1".into())]);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 1);
+    let credit = before.procs[0].1;
+    let killed = Instant::now();
+    a.kill9();
+    let after = status_until(&node, Duration::from_secs(10), |s| s.procs.is_empty());
+    let back = killed.elapsed();
+    eprintln!(
+        "node_session_watch: {credit} B of credit back {} ms after SIGKILL (grace 2 s)",
+        back.as_millis()
+    );
+    assert!(
+        back >= Duration::from_millis(1500),
+        "reaped before its grace: {back:?}"
+    );
+    assert_eq!(after.total, 0);
+    common::figure("node_session_watch", 1, 1);
 }

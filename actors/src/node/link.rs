@@ -36,6 +36,9 @@ pub struct LinkConfig {
     pub model: String,
     /// Prefix-cache entries it holds now, where it can tell.
     pub cached_prefixes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    /// The node's Unix socket, tried first for a node on loopback: over it the node learns
+    /// this process's pid from the kernel (over TCP it can only watch the session).
+    pub unix: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for LinkConfig {
@@ -64,6 +67,10 @@ impl LinkConfig {
             os_bytes: None,
             model: "model".into(),
             cached_prefixes: None,
+            unix: node
+                .ip()
+                .is_loopback()
+                .then(|| super::peer::socket_path(node.port())),
         }
     }
 }
@@ -153,6 +160,22 @@ async fn call(
     }
 }
 
+/// Connects to the node: over its Unix socket where there is one, else over TCP.
+async fn connect(
+    server: &ActorRef<ractor_cluster::NodeServerMessage>,
+    config: &LinkConfig,
+) -> Result<(), String> {
+    if let Some(path) = config.unix.as_deref().filter(|p| p.exists()) {
+        match super::peer::connect(path, server).await {
+            Ok(()) => return Ok(()),
+            Err(e) => tracing::debug!(%e, "node socket refused; trying TCP"),
+        }
+    }
+    ractor_cluster::client_connect(server, config.node)
+        .await
+        .map_err(|e| e.to_string())
+}
+
 fn pid() -> u32 {
     std::process::id()
 }
@@ -163,9 +186,9 @@ impl NodeLink {
     pub async fn join(config: LinkConfig, governor: GovernorHandle) -> Result<Self, LinkError> {
         let server =
             super::local_node_server(&config.cookie, format!("{}-{}", config.name, pid())).await?;
-        ractor_cluster::client_connect(&server, config.node)
+        connect(&server, &config)
             .await
-            .map_err(|e| LinkError::Cluster(e.to_string()))?;
+            .map_err(LinkError::Cluster)?;
         let node = find_node(Duration::from_secs(5))
             .await
             .ok_or_else(|| LinkError::Cluster("no node Governor (wrong cookie?)".into()))?;
@@ -444,10 +467,7 @@ impl LinkState {
     /// Reconnects and rejoins with the credit it holds (a restarted node adopts it, no more
     /// than it has free).
     async fn rejoin(&mut self) {
-        if ractor_cluster::client_connect(&self.server, self.config.node)
-            .await
-            .is_err()
-        {
+        if connect(&self.server, &self.config).await.is_err() {
             return;
         }
         let Some(node) = find_node(Duration::from_millis(300)).await else {

@@ -15,6 +15,7 @@ use procmem::MemoryRole;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::Instant;
 
+use super::peer::{self, PeerPids};
 use super::wire::{
     encode_reply, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus, WireError,
 };
@@ -45,6 +46,13 @@ pub struct NodeConfig {
     pub rejoin_grace: Duration,
     /// Serve Prometheus metrics of the node's books here (off unless given).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Where processes of this machine connect too (a Unix socket): the kernel names each
+    /// (`SO_PEERCRED`, in the node's PID namespace) and the node watches that process. `None`:
+    /// TCP only.
+    pub unix: Option<std::path::PathBuf>,
+    /// A process the kernel did not name (it came over TCP) is watched by its session: its
+    /// credit comes back once its session has been gone this long.
+    pub session_grace: Duration,
 }
 
 impl NodeConfig {
@@ -60,6 +68,8 @@ impl NodeConfig {
             max_wait: Duration::from_secs(30),
             rejoin_grace: Duration::from_millis(1500),
             metrics: None,
+            unix: Some(peer::socket_path(port)),
+            session_grace: Duration::from_secs(2),
         }
     }
 }
@@ -94,7 +104,14 @@ impl NodeHandle {
         .with_listen_addr(config.listen)
         .with_max_inbound_frame_size(super::MAX_FRAME);
         let (server, _) = Actor::spawn(None, server, ()).await?;
-        let (governor, _) = Actor::spawn(None, NodeGovernor, config).await?;
+        let pids = PeerPids::default();
+        if let Some(path) = &config.unix {
+            peer::listen(path, server.clone(), pids.clone()).map_err(|e| {
+                server.stop(None);
+                ractor::SpawnErr::StartupFailed(format!("{}: {e}", path.display()).into())
+            })?;
+        }
+        let (governor, _) = Actor::spawn(None, NodeGovernor, (config, pids)).await?;
         ractor::pg::join(NODE_GROUP.into(), vec![governor.get_cell()]);
         Ok(NodeHandle { governor, server })
     }
@@ -120,6 +137,14 @@ impl NodeHandle {
     }
 }
 
+/// How the node knows a process is gone.
+enum Watch {
+    /// The kernel named it (its session came over the Unix socket): its pidfd.
+    Pid(Watched),
+    /// Not named: its session. `lost` is since when its link has not been running.
+    Session { lost: Option<Instant> },
+}
+
 /// The node Governor actor.
 #[derive(Debug, Default)]
 pub struct NodeGovernor;
@@ -141,7 +166,7 @@ struct Process {
     priority: Priority,
     members: BTreeMap<AuthorityId, Member>,
     link: Option<ActorRef<LinkMsg>>,
-    watched: Watched,
+    watch: Watch,
 }
 
 struct Pending {
@@ -162,6 +187,8 @@ struct Round {
 /// The node Governor's state.
 pub struct NodeState {
     config: NodeConfig,
+    /// The kernel's pid of each session that came over the Unix socket.
+    pids: PeerPids,
     ledger: Ledger,
     authorities: BTreeMap<String, AuthorityId>,
     processes: BTreeMap<u64, Process>,
@@ -177,12 +204,12 @@ pub struct NodeState {
 impl Actor for NodeGovernor {
     type Msg = NodeMsg;
     type State = NodeState;
-    type Arguments = NodeConfig;
+    type Arguments = (NodeConfig, PeerPids);
 
     async fn pre_start(
         &self,
         myself: ActorRef<NodeMsg>,
-        config: NodeConfig,
+        (config, pids): (NodeConfig, PeerPids),
     ) -> Result<NodeState, ActorProcessingErr> {
         let mut ledger = Ledger::new();
         let mut authorities = BTreeMap::new();
@@ -191,6 +218,7 @@ impl Actor for NodeGovernor {
         }
         myself.send_interval(TICK, || NodeMsg::Tick);
         let state = NodeState {
+            pids,
             ledger,
             authorities,
             processes: BTreeMap::new(),
@@ -326,10 +354,8 @@ impl NodeState {
                 return refuse(reply, "token of another process");
             }
         } else {
-            let watched = match Watched::open(pid) {
-                Ok(w) => w,
-                Err(_) => return refuse(reply, "no such process"),
-            };
+            // The pid it claims is only shown: who it is comes from the kernel, once its
+            // link is found (see `find_link`).
             self.processes.insert(
                 token,
                 Process {
@@ -339,7 +365,7 @@ impl NodeState {
                     priority,
                     members: BTreeMap::new(),
                     link: None,
-                    watched,
+                    watch: Watch::Session { lost: None },
                 },
             );
         }
@@ -435,6 +461,19 @@ impl NodeState {
                 .into_iter()
                 .find(|c| c.get_status() == ractor::ActorStatus::Running)
                 .map(ActorRef::from);
+        }
+        // A link whose session came over the Unix socket: the kernel said which process it
+        // is, in this namespace; from now on its pidfd tells when it is gone.
+        let named = match (&p.watch, p.link.as_ref().map(|l| l.get_id())) {
+            (Watch::Session { .. }, Some(ractor::ActorId::Remote { node_id, .. })) => {
+                peer::pid_of(&self.pids, node_id)
+            }
+            _ => None,
+        };
+        if let Some((pid, watched)) = named.and_then(|pid| Some((pid, Watched::open(pid).ok()?))) {
+            tracing::info!(token, claimed = p.pid, pid, "process named by the kernel");
+            p.pid = pid;
+            p.watch = Watch::Pid(watched);
         }
     }
 
@@ -615,19 +654,32 @@ impl NodeState {
         for w in expired {
             refuse(w.reply, "deadline passed while waiting for room");
         }
-        // Processes confirmed gone: their credit comes back.
-        let dead: Vec<u64> = self
-            .processes
-            .iter()
-            .filter(|(_, p)| p.watched.exited())
-            .map(|(t, _)| *t)
-            .collect();
-        for token in dead {
-            self.reap(token, "exited");
-        }
         let tokens: Vec<u64> = self.processes.keys().copied().collect();
         for token in tokens {
             self.find_link(token);
+        }
+        // Processes confirmed gone (their pidfd), or unnamed ones whose session stayed gone
+        // past the grace: their credit comes back.
+        let grace = self.config.session_grace;
+        let mut dead = Vec::new();
+        for (token, p) in &mut self.processes {
+            let running = p
+                .link
+                .as_ref()
+                .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running);
+            match &mut p.watch {
+                Watch::Pid(w) if w.exited() => dead.push((*token, "exited")),
+                Watch::Pid(_) => {}
+                Watch::Session { lost } if running => *lost = None,
+                Watch::Session { lost } => {
+                    if now.duration_since(*lost.get_or_insert(now)) >= grace {
+                        dead.push((*token, "session gone past its grace"));
+                    }
+                }
+            }
+        }
+        for (token, why) in dead {
+            self.reap(token, why);
         }
         for round in self.rounds.values_mut() {
             if round.outstanding.is_some_and(|(_, _, d)| d <= now) {
