@@ -96,6 +96,15 @@ fn missing(key: &str) -> GgufError {
     GgufError::Missing(key.into())
 }
 
+fn too_large(what: &str, value: usize, limit: usize) -> ModelError {
+    GgufError::TooLarge {
+        what: what.into(),
+        value: value as u64,
+        limit: limit as u64,
+    }
+    .into()
+}
+
 fn positive(what: &str, value: impl ToString) -> GgufError {
     GgufError::NotPositive {
         what: what.into(),
@@ -218,12 +227,7 @@ impl Gguf {
             return Err(positive("the vocabulary's size", 0).into());
         }
         if vocab > limits.vocab {
-            return Err(GgufError::TooLarge {
-                what: "the vocabulary".into(),
-                value: vocab as u64,
-                limit: limits.vocab as u64,
-            }
-            .into());
+            return Err(too_large("the vocabulary", vocab, limits.vocab));
         }
         let config = Config {
             layers: self.count("llama.block_count", limits.layers)?,
@@ -248,12 +252,7 @@ impl Gguf {
             None => return Err(missing("tensor blk.0.ffn_gate.weight").into()),
         };
         if ffn > limits.ffn {
-            return Err(GgufError::TooLarge {
-                what: "the feed-forward width".into(),
-                value: ffn as u64,
-                limit: limits.ffn as u64,
-            }
-            .into());
+            return Err(too_large("the feed-forward width", ffn, limits.ffn));
         }
         let expect = |name: String, dims: &[usize]| -> Result<(), ModelError> {
             let t = self
