@@ -202,7 +202,19 @@ async fn run_server() {
             start.elapsed().as_millis()
         ));
     }
-    let _keep = (watch, node, kv);
+    if let Ok(leave) = std::env::var("LEAVE") {
+        // Leaves the node at the test's word (its memory stays: the node only has to honour
+        // the leave of the session in force).
+        while !std::path::Path::new(&leave).exists() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        node.leave().await;
+        say("LEFT".into());
+    } else {
+        let _keep = node;
+        std::future::pending::<()>().await;
+    }
+    let _keep = (watch, kv);
     std::future::pending::<()>().await;
 }
 
@@ -1064,4 +1076,42 @@ fn a_server_over_tcp_is_watched_by_its_session() {
     );
     assert_eq!(after.total, 0);
     common::figure("node_session_watch", 1, 1);
+}
+
+/// A process that rejoined a restarted node holds the key the new node issued: its leave is
+/// honoured (before, the `NodeLink` kept the first node's key, the leave was refused as
+/// foreign, and the credit stayed until the process exited).
+#[test]
+fn a_leave_after_a_node_restart_carries_the_new_key() {
+    let budget = 8 * MIB;
+    let (mut node1, port) = node(budget);
+    let leave = std::env::temp_dir().join(format!("procmem-node-leave-{}", std::process::id()));
+    let _ = std::fs::remove_file(&leave);
+    let a = server_with(
+        port,
+        "leaver",
+        0,
+        2,
+        0,
+        &[("LEAVE", leave.to_string_lossy().into_owned())],
+    );
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    status_until(&node1, Duration::from_secs(5), |s| s.procs.len() == 1);
+    node1.kill9();
+    let node2 = Proc::spawn(
+        "node",
+        &[("PORT", port.to_string()), ("CAPACITY", budget.to_string())],
+    );
+    node2.wait("READY", Duration::from_secs(20), |_| {});
+    let rejoined = status_until(&node2, Duration::from_secs(10), |s| s.procs.len() == 1);
+    std::fs::write(&leave, b"leave").unwrap();
+    a.wait("LEFT", Duration::from_secs(10), |_| {});
+    let after = status_until(&node2, Duration::from_secs(5), |s| s.procs.is_empty());
+    let _ = std::fs::remove_file(&leave);
+    eprintln!(
+        "node_rejoin_leave: {} B of credit rejoined, back after the leave; foreign frames {}",
+        rejoined.procs[0].1, after.foreign
+    );
+    assert_eq!(after.total, 0);
+    assert_eq!(after.foreign, 0, "the leave carried the key in force");
 }

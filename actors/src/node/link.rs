@@ -2,6 +2,7 @@
 //! approved, raised only after an approval and lowered before anything is given back.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,7 +93,9 @@ pub struct NodeLink {
     actor: ActorRef<LinkMsg>,
     server: ActorRef<ractor_cluster::NodeServerMessage>,
     token: u64,
-    key: u64,
+    /// The link actor's key: a rejoin after a node restart replaces it, and the leave must
+    /// carry the one in force.
+    key: Arc<AtomicU64>,
 }
 
 struct LinkState {
@@ -101,8 +104,9 @@ struct LinkState {
     server: ActorRef<ractor_cluster::NodeServerMessage>,
     node: Option<ActorRef<NodeMsg>>,
     token: u64,
-    /// The secret the node issued at the join (see [`NodeReply::Joined`]).
-    key: u64,
+    /// The secret the node issued at the join (see [`NodeReply::Joined`]), shared with the
+    /// `NodeLink`.
+    key: Arc<AtomicU64>,
     credit: u64,
     asking: bool,
     ticket: Option<Ticket>,
@@ -208,7 +212,7 @@ impl NodeLink {
             held: 0,
         };
         let (credit, key) = match call(&node, join, Duration::from_secs(5)).await {
-            Ok(NodeReply::Joined { credit, key }) => (credit, key),
+            Ok(NodeReply::Joined { credit, key }) => (credit, Arc::new(AtomicU64::new(key))),
             Ok(NodeReply::Refused { reason }) => return Err(LinkError::Refused(reason)),
             Ok(other) => return Err(LinkError::Refused(format!("{other:?}"))),
             Err(e) => return Err(LinkError::Cluster(e)),
@@ -223,7 +227,7 @@ impl NodeLink {
             server: server.clone(),
             node: Some(node),
             token,
-            key,
+            key: Arc::clone(&key),
             credit,
             asking: false,
             ticket: None,
@@ -257,7 +261,7 @@ impl NodeLink {
         if let Some(node) = find_node(Duration::ZERO).await {
             let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Leave {
                 token: self.token,
-                key: self.key,
+                key: self.key.load(Ordering::Relaxed),
             })));
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -328,6 +332,10 @@ impl Actor for Link {
 }
 
 impl LinkState {
+    fn key(&self) -> u64 {
+        self.key.load(Ordering::Relaxed)
+    }
+
     fn owed(&self) -> u64 {
         self.ticket.as_ref().map_or(0, |t| t.owed)
     }
@@ -347,7 +355,7 @@ impl LinkState {
         self.asking = true;
         let ask = NodeRequest::Ask {
             token: self.token,
-            key: self.key,
+            key: self.key(),
             authority: self.config.authority.clone(),
             bytes: bytes.max(self.config.chunk),
             at_least: bytes,
@@ -365,7 +373,7 @@ impl LinkState {
         if let Some(node) = &self.node {
             let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Give {
                 token: self.token,
-                key: self.key,
+                key: self.key(),
                 authority: self.config.authority.clone(),
                 bytes,
                 ticket,
@@ -453,7 +461,7 @@ impl LinkState {
                 let cached_prefixes = self.config.cached_prefixes.as_ref().map_or(0, |f| f());
                 let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Report {
                     token: self.token,
-                    key: self.key,
+                    key: self.key(),
                     authority: self.config.authority.clone(),
                     approved,
                     os_bytes,
@@ -475,7 +483,7 @@ impl LinkState {
         };
         let join = NodeRequest::Join {
             token: self.token,
-            key: self.key,
+            key: self.key(),
             pid: pid(),
             name: self.config.name.clone(),
             priority: self.config.priority,
@@ -486,7 +494,7 @@ impl LinkState {
             call(&node, join, Duration::from_secs(2)).await
         {
             // A restarted node knew no key and issued a new one.
-            self.key = key;
+            self.key.store(key, Ordering::Relaxed);
             if credit != self.credit {
                 tracing::warn!(held = self.credit, credit, "rejoined with other credit");
             }
