@@ -301,17 +301,6 @@ async fn manager(
     builder.build().await.map_err(|e| e.to_string())
 }
 
-/// The node link of the real model's run: it leaves the node once the memory is freed.
-struct NodeLeave(Option<NodeLink>);
-
-impl common::real_model::Finish for NodeLeave {
-    async fn finish(self) {
-        if let Some(node) = self.0 {
-            node.leave().await;
-        }
-    }
-}
-
 /// Joins the node Governor at `addr`: the Governor of the KV device's authority takes its
 /// capacity from the node from now on.
 async fn join_node(
@@ -418,7 +407,7 @@ async fn serve(args: Args) -> Result<(), String> {
             if let Some(addr) = args.metrics_addr {
                 println!("metrics on http://{addr}/metrics");
             }
-            Ok((memory, NodeLeave(node)))
+            Ok((memory, node))
         })
         .await;
     }

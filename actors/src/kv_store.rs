@@ -673,9 +673,9 @@ impl KvStoreHandle {
     /// Makes room for one more token in each sequence, under one grant, and lends them to
     /// the caller as a step (see [`KvStep`]). Refused as a whole, changing nothing.
     pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
-        let waiting = self.waiting(answer::Left::Step(seqs.clone()));
+        let waiting = seqs.first().map(|&s| self.waiting(answer::Left::Step(s)));
         let step = self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await;
-        waiting.answered();
+        waiting.into_iter().for_each(answer::Waiting::answered);
         step
     }
 

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use procmem_actors::node::NodeLink;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::procmem::kv::KvShape;
@@ -79,13 +80,12 @@ fn fraction_of(weights: u64, peak_kv: u64, f: f64) -> Result<u64, String> {
 
 /// Serves the built-in chat prompts and prints progress, a summary and some completions.
 /// `manager` builds the memory manager for a host budget (the same set-up as the synthetic
-/// model's: metrics endpoint, machine following, node Governor) and hands back what must be
-/// told when the run is over (the node link).
-pub async fn serve<L, F, Fut>(run: RealRun, manager: F) -> Result<(), String>
+/// model's: metrics endpoint, machine following) and the node link, if any, which leaves the
+/// node once the memory is freed.
+pub async fn serve<F, Fut>(run: RealRun, manager: F) -> Result<(), String>
 where
     F: FnOnce(u64) -> Fut,
-    Fut: Future<Output = Result<(MemoryManager, L), String>>,
-    L: Finish,
+    Fut: Future<Output = Result<(MemoryManager, Option<NodeLink>), String>>,
 {
     let path = path(&run.model)?;
     let max_tokens = 512;
@@ -188,7 +188,9 @@ where
     let books = memory.books().await;
     drop(engine);
     let report = memory.shutdown().await.map_err(|e| e.to_string())?;
-    link.finish().await;
+    if let Some(link) = link {
+        link.leave().await;
+    }
     println!();
     println!("summary");
     let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
@@ -243,14 +245,4 @@ where
         );
     }
     Ok(())
-}
-
-/// What is told once the run is over and its memory freed (a node link leaves the node).
-pub trait Finish {
-    /// Tells it.
-    fn finish(self) -> impl Future<Output = ()>;
-}
-
-impl Finish for () {
-    async fn finish(self) {}
 }

@@ -229,6 +229,16 @@ impl Gguf {
         if vocab > limits.vocab {
             return Err(too_large("the vocabulary", vocab, limits.vocab));
         }
+        // Every token id the tokenizer can produce indexes the embedding's rows.
+        if let Some(Value::Array(tokens)) = self.metadata.get("tokenizer.ggml.tokens") {
+            if tokens.len() > vocab {
+                return Err(GgufError::Inconsistent(format!(
+                    "{} tokens for a vocabulary of {vocab}",
+                    tokens.len()
+                ))
+                .into());
+            }
+        }
         let config = Config {
             layers: self.count("llama.block_count", limits.layers)?,
             hidden,

@@ -85,14 +85,6 @@ impl Smol {
         let mut gguf = Gguf::open(path)?;
         let config = gguf.config()?;
         let tokenizer = gguf.tokenizer()?;
-        if tokenizer.tokens.len() > config.vocab {
-            return Err(crate::gguf::GgufError::Inconsistent(format!(
-                "{} tokens for a vocabulary of {}",
-                tokenizer.tokens.len(),
-                config.vocab
-            ))
-            .into());
-        }
         let (embed_raw, embed_dtype, embed_dims) = gguf.raw("token_embd.weight")?;
         let slot = |len, dtype: GgmlDType, dims: Vec<usize>| TensorSlot {
             offset: 0,

@@ -26,8 +26,7 @@ impl Drop for HostReservation {
     fn drop(&mut self) {
         // The range is unmapped right after this (a field), and nothing reaches it any more:
         // the region may be carved again at once.
-        self.pool.punch_on_drop(self.file_base, self.range.len());
-        self.pool.release(self.file_base, self.range.len());
+        self.pool.retire_on_drop(self.file_base, self.range.len());
     }
 }
 
@@ -40,8 +39,7 @@ struct HostBlock {
 
 impl Drop for HostBlock {
     fn drop(&mut self) {
-        self.pool.punch_on_drop(self.file_offset, self.len);
-        self.pool.release(self.file_offset, self.len);
+        self.pool.retire_on_drop(self.file_offset, self.len);
     }
 }
 

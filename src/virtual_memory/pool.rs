@@ -164,10 +164,14 @@ impl MemfdPool {
         .map_err(|e| MemoryError::os("fallocate(PUNCH_HOLE)", e))
     }
 
-    /// Punches from a destructor: errors are kept for [`Self::take_drop_errors`].
-    pub(crate) fn punch_on_drop(&self, offset: u64, len: u64) {
-        if let Err(e) = self.punch(offset, len) {
-            self.record_drop_error(e);
+    /// A region nothing maps any more, from a destructor: its pages go back to the OS and the
+    /// region is carved again. A region whose punch failed is not (its pages may still be
+    /// there, and a new owner would find them); the error is kept for
+    /// [`Self::take_drop_errors`].
+    pub(crate) fn retire_on_drop(&self, offset: u64, len: u64) {
+        match self.punch(offset, len) {
+            Ok(()) => self.release(offset, len),
+            Err(e) => self.record_drop_error(e),
         }
     }
 

@@ -70,11 +70,12 @@ impl Drop for OpenAnswer {
     }
 }
 
-/// Which call a caller left while it waited for room.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which call a caller left while it waited for room. A sequence is in at most one call
+/// waiting for room (another is `Busy` or `AlreadyOpen`), so one sequence names a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Left {
     Open(SeqId),
-    Step(Vec<SeqId>),
+    Step(SeqId),
     Restore(SeqId),
 }
 
