@@ -2,6 +2,7 @@
 //! sequence's virtually contiguous K/V buffers with two-phase growth, the prefix cache's
 //! rules, and victim choice.
 
+pub mod causal;
 pub mod elem;
 pub mod gqa;
 pub mod prefix;
@@ -11,6 +12,7 @@ pub mod shape;
 pub mod table;
 pub mod victims;
 
+pub use causal::gqa_causal;
 pub use elem::{KvElement, KvView, LayerViews};
 pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.

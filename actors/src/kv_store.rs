@@ -24,13 +24,14 @@ use tokio::time::{Duration, Instant};
 use crate::charge::{Charge, Tally};
 use crate::deferred_free::{DeferredRelease, PendingFree};
 use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
-use crate::holder::HolderRef;
 use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
 
 mod answer;
 pub use answer::{Opened, Restored};
 mod device;
+mod handle;
+pub use handle::KvStoreHandle;
 mod lending;
 mod metrics;
 mod state;
@@ -121,6 +122,9 @@ pub enum KvStoreError {
     /// know when that work ends. The step ended as if dropped (its token does not count).
     #[error("the fence is of {0}, not of the step's stream")]
     ForeignFence(StreamId),
+    /// A step asked room for no new token of the sequence.
+    #[error("a step of sequence {0} asked for no token")]
+    NoTokens(SeqId),
     /// Its provider has no stream to run attention on.
     #[error("the KV store's provider refused: {0}")]
     Provider(#[from] crate::provider::ProviderError),
@@ -246,10 +250,10 @@ pub(crate) enum KvStoreMsg {
         /// What was found.
         reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
     },
-    /// Makes room for one more token in each sequence: one grant for all of them.
+    /// Makes room for a number of tokens in each sequence: one grant for all of them.
     Prepare {
-        /// The sequences.
-        seqs: Vec<SeqId>,
+        /// The sequences and how many new tokens each.
+        seqs: Vec<(SeqId, usize)>,
         /// Answered with the step once every sequence has room for its next token, or with
         /// why not.
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
@@ -384,8 +388,8 @@ enum Pending {
         reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
     },
     Prepare {
-        /// Each sequence, its incarnation and its growth per buffer.
-        seqs: Vec<(SeqId, Writer, u64)>,
+        /// Each sequence, its incarnation, its growth per buffer and its new tokens.
+        seqs: Vec<(SeqId, Writer, u64, usize)>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
@@ -399,8 +403,8 @@ enum Pending {
 }
 
 /// The step's batch: each sequence with its incarnation.
-fn batch_of(seqs: &[(SeqId, Writer, u64)]) -> Vec<(SeqId, Writer)> {
-    seqs.iter().map(|(s, w, _)| (*s, *w)).collect()
+fn batch_of(seqs: &[(SeqId, Writer, u64, usize)]) -> Vec<(SeqId, Writer)> {
+    seqs.iter().map(|(s, w, ..)| (*s, *w)).collect()
 }
 
 /// The store's state.
@@ -582,118 +586,5 @@ impl Drop for KvStoreState {
         for entry in entries {
             self.retire(entry);
         }
-    }
-}
-
-/// A cheap, cloneable handle to a KV store.
-#[derive(Debug, Clone)]
-pub struct KvStoreHandle {
-    holder: HolderRef<KvStoreMsg>,
-}
-
-impl KvStoreHandle {
-    /// Starts a store registered as a holder with `governor`, backed by `provider` (the
-    /// host's [`CpuProvider`](crate::CpuProvider) or a [`CudaProvider`](crate::CudaProvider)).
-    /// A store that cannot start says why (a bad shape is `KvStoreError::Kv`).
-    pub async fn spawn(
-        config: KvStoreConfig,
-        governor: GovernorHandle,
-        provider: impl Into<DeviceProvider>,
-    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        Self::start(config, governor, provider.into(), None).await
-    }
-
-    /// The same, supervised by `supervisor` (its failure is reported there, not fatal).
-    pub async fn spawn_supervised(
-        config: KvStoreConfig,
-        governor: GovernorHandle,
-        provider: impl Into<DeviceProvider>,
-        supervisor: ractor::ActorCell,
-    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        Self::start(config, governor, provider.into(), Some(supervisor)).await
-    }
-
-    async fn start(
-        config: KvStoreConfig,
-        governor: GovernorHandle,
-        provider: DeviceProvider,
-        supervisor: Option<ractor::ActorCell>,
-    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
-        let args = KvStoreArgs {
-            config,
-            governor,
-            provider,
-        };
-        let (holder, join) =
-            HolderRef::spawn(KvStore, args, supervisor, KvStoreError::Start).await?;
-        Ok((KvStoreHandle { holder }, join))
-    }
-
-    /// The store's actor, to supervise, stop or kill it (it takes no message from outside).
-    pub fn actor(&self) -> ractor::ActorCell {
-        self.holder.cell()
-    }
-
-    /// Makes the store's actor panic at its next message (tests of supervision).
-    #[cfg(feature = "fault-injection")]
-    pub fn crash(&self) {
-        self.holder.cast(KvStoreMsg::Crash);
-    }
-
-    async fn ask<T: Send + 'static>(
-        &self,
-        build: impl FnOnce(RpcReplyPort<Result<T, KvStoreError>>) -> KvStoreMsg,
-    ) -> Result<T, KvStoreError> {
-        self.holder.ask(build, KvStoreError::Unavailable).await
-    }
-
-    /// Opens a sequence for `prompt`; cached whole prompt blocks are mapped shared.
-    pub async fn open(
-        &self,
-        seq: SeqId,
-        prompt: Vec<u32>,
-        priority: Priority,
-    ) -> Result<Opened, KvStoreError> {
-        let waiting = self.waiting(answer::Left::Open(seq));
-        let answer = self.ask(|reply| KvStoreMsg::Open {
-            seq,
-            prompt,
-            priority,
-            reply,
-        });
-        let answer = answer.await;
-        waiting.answered();
-        answer.map(answer::OpenAnswer::take)
-    }
-
-    fn waiting(&self, call: answer::Left) -> answer::Waiting {
-        answer::Waiting::new(self.holder.clone(), call)
-    }
-
-    /// Makes room for one more token in each sequence, under one grant, and lends them to
-    /// the caller as a step (see [`KvStep`]). Refused as a whole, changing nothing.
-    pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
-        let waiting = seqs.first().map(|&s| self.waiting(answer::Left::Step(s)));
-        let step = self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await;
-        waiting.into_iter().for_each(answer::Waiting::answered);
-        step
-    }
-
-    /// Brings a preempted sequence back.
-    pub async fn restore(&self, seq: SeqId) -> Result<Restored, KvStoreError> {
-        let waiting = self.waiting(answer::Left::Restore(seq));
-        let restored = self.ask(|reply| KvStoreMsg::Restore { seq, reply }).await;
-        waiting.answered();
-        restored
-    }
-
-    /// Closes a sequence.
-    pub fn close(&self, seq: SeqId) {
-        self.holder.cast(KvStoreMsg::Close { seq });
-    }
-
-    /// What the store holds now and what it did so far (see [`KvStoreStats`]).
-    pub async fn stats(&self) -> Result<KvStoreStats, KvStoreError> {
-        self.ask(|reply| KvStoreMsg::Stats { reply }).await
     }
 }

@@ -15,7 +15,7 @@ pub mod tokenizer;
 use std::path::PathBuf;
 
 pub use serve::{Completion, Engine, Request, RunStats};
-pub use smollm::{argmax, decode_step, top2, Loaded, Smol};
+pub use smollm::{argmax, decode_step, forward_step, top2, Loaded, Smol, StepInput};
 pub use tokenizer::TextCodec;
 
 /// Why the model could not be loaded or run.

@@ -11,7 +11,7 @@ use procmem_actors::{
     ResidencyHandle, Restored, SeqId,
 };
 
-use crate::smollm::{argmax, decode_step, Loaded, Smol};
+use crate::smollm::{argmax, forward_step, Loaded, Smol, StepInput};
 use crate::ModelError;
 
 /// One prompt to complete.
@@ -77,7 +77,14 @@ pub struct Engine {
     pub shape: KvShape,
     /// Generation stops at this token.
     pub eos: Option<u32>,
+    /// Tokens one step takes at most, over all its sequences: each running sequence has at
+    /// least one (its decode token, or the next of its prompt), and prompts being prefilled
+    /// take chunks of what is left, oldest first. 1 runs prompts one token per step.
+    pub step_tokens: usize,
 }
+
+/// The default of [`Engine::step_tokens`].
+pub const STEP_TOKENS: usize = 256;
 
 struct Live {
     req: Request,
@@ -133,7 +140,27 @@ impl Engine {
             kv,
             shape,
             eos,
+            step_tokens: STEP_TOKENS,
         })
+    }
+
+    /// The step's inputs for `active`: every sequence's next token, and as many more of the
+    /// prompts still being prefilled as the step's budget has room for, first come first.
+    fn plan_step(&self, active: &[Live]) -> Vec<StepInput> {
+        let mut spare = self.step_tokens.saturating_sub(active.len());
+        active
+            .iter()
+            .map(|r| {
+                let left = r.known.len() - r.pos;
+                let more = (left - 1).min(spare);
+                spare -= more;
+                StepInput {
+                    seq: r.req.id,
+                    tokens: r.known[r.pos..r.pos + 1 + more].to_vec(),
+                    position: r.pos,
+                }
+            })
+            .collect()
     }
 
     /// Greedy completions of `requests`, `concurrency` decoded at once.
@@ -219,11 +246,8 @@ impl Engine {
             if active.is_empty() {
                 continue;
             }
-            let batch: Vec<(SeqId, u32, usize)> = active
-                .iter()
-                .map(|r| (r.req.id, r.known[r.pos], r.pos))
-                .collect();
-            match decode_step(&self.model, &self.weights, &self.kv, self.shape, &batch).await {
+            let inputs = self.plan_step(&active);
+            match forward_step(&self.model, &self.weights, &self.kv, self.shape, &inputs).await {
                 Ok(logits) => {
                     stats.steps += 1;
                     lonely = 0;
@@ -232,8 +256,8 @@ impl Engine {
                         limit += 1;
                         calm = 0;
                     }
-                    for (r, l) in active.iter_mut().zip(logits) {
-                        r.pos += 1;
+                    for ((r, l), input) in active.iter_mut().zip(logits).zip(&inputs) {
+                        r.pos += input.tokens.len();
                         if r.pos == r.known.len() {
                             let t = argmax(&l);
                             r.known.push(t);

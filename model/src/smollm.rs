@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
-use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
 use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
@@ -151,27 +151,44 @@ impl Smol {
         candle_nn::ops::rms_norm(x, w, self.config.rms_eps).map_err(cerr)
     }
 
-    /// Interleaved RoPE (the GGUF's Q/K rows are permuted for it) of one row `[heads × hd]`.
-    fn rope(&self, row: &Tensor, heads: usize, pos: usize) -> Result<Tensor, ModelError> {
+    /// Interleaved RoPE (the GGUF's Q/K rows are permuted for it) of rows `[rows, heads ×
+    /// hd]` at `positions`, one tensor operation for all of them (each element's arithmetic
+    /// is the one a row alone gets). Returns the rows flat, row-major.
+    fn rope(
+        &self,
+        rows: &Tensor,
+        heads: usize,
+        positions: &Tensor,
+    ) -> Result<Vec<f32>, ModelError> {
         let hd = self.config.head_dim;
-        let x = row.reshape((1, heads, 1, hd)).map_err(cerr)?;
-        let cos = self.cos.narrow(0, pos, 1).map_err(cerr)?;
-        let sin = self.sin.narrow(0, pos, 1).map_err(cerr)?;
+        let n = rows.dim(0).map_err(cerr)?;
+        let cos = self.cos.index_select(positions, 0).map_err(cerr)?;
+        let sin = self.sin.index_select(positions, 0).map_err(cerr)?;
+        let x = rows
+            .contiguous()
+            .and_then(|t| t.reshape((n, heads, hd)))
+            .and_then(|t| t.transpose(0, 1))
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.unsqueeze(0))
+            .map_err(cerr)?;
         candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
-            .and_then(|t| t.reshape(heads * hd))
+            .and_then(|t| t.squeeze(0))
+            .and_then(|t| t.transpose(0, 1))
+            .and_then(|t| t.contiguous())
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
             .map_err(cerr)
     }
 
-    /// Layer `layer`'s attention inputs for the rows of `x` at `positions`: `(q, k, v)` per
-    /// row, RoPE applied to q and k. `bytes` are the layer's packed tensors.
-    #[allow(clippy::type_complexity)]
+    /// Layer `layer`'s attention inputs for the rows of `x` at `positions`, RoPE applied to
+    /// the queries and keys. `bytes` are the layer's packed tensors.
     pub fn qkv(
         &self,
         layer: usize,
         bytes: &[u8],
         x: &Tensor,
         positions: &[usize],
-    ) -> Result<Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>, ModelError> {
+    ) -> Result<Qkv, ModelError> {
         let s = &self.slots[layer];
         let h = self.rms(x, &dense(bytes, &s[0])?)?;
         let (q, k, v) = match &self.fused[layer][0] {
@@ -188,33 +205,32 @@ impl Smol {
             ),
         };
         let c = &self.config;
-        let mut out = Vec::with_capacity(positions.len());
-        for (i, &pos) in positions.iter().enumerate() {
-            let row = |t: &Tensor| t.get(i).map_err(cerr);
-            let q = self.rope(&row(&q)?, c.q_heads, pos)?;
-            let k = self.rope(&row(&k)?, c.kv_heads, pos)?;
-            out.push((
-                q.to_vec1::<f32>().map_err(cerr)?,
-                k.to_vec1::<f32>().map_err(cerr)?,
-                row(&v)?.to_vec1::<f32>().map_err(cerr)?,
-            ));
-        }
-        Ok(out)
+        let at: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let at = Tensor::new(at.as_slice(), &Device::Cpu).map_err(cerr)?;
+        Ok(Qkv {
+            q: self.rope(&q, c.q_heads, &at)?,
+            k: self.rope(&k, c.kv_heads, &at)?,
+            v: v.contiguous()
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(cerr)?,
+        })
     }
 
     /// The rest of layer `layer`: the attention's output projection and residual, then the
-    /// SwiGLU feed-forward and its residual. Returns the new residual stream.
+    /// SwiGLU feed-forward and its residual. `attended` holds the attention's output rows,
+    /// flat. Returns the new residual stream.
     pub fn finish_layer(
         &self,
         layer: usize,
         bytes: &[u8],
         x: &Tensor,
-        attended: Vec<Vec<f32>>,
+        attended: Vec<f32>,
     ) -> Result<Tensor, ModelError> {
         let s = &self.slots[layer];
-        let rows = attended.len();
-        let flat: Vec<f32> = attended.into_iter().flatten().collect();
-        let a = Tensor::from_vec(flat, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
+        let rows = attended.len() / self.config.hidden.max(1);
+        let a =
+            Tensor::from_vec(attended, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
         let x = (project(bytes, &s[4], &a)? + x).map_err(cerr)?;
         let h = self.rms(&x, &dense(bytes, &s[5])?)?;
         let (gate, up) = match &self.fused[layer][1] {
@@ -260,44 +276,68 @@ pub fn top2(logits: &[f32]) -> (f32, f32) {
     (v[0], v.get(1).copied().unwrap_or(f32::NEG_INFINITY))
 }
 
-/// Each row's query, key and value (RoPE applied): what a layer's attention takes.
-type Qkv = Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+/// The rows a layer's attention takes, flat and row-major: each row's query
+/// (`q_heads × head_dim`), key and value (`kv_heads × head_dim` each), RoPE applied.
+#[derive(Debug, Clone, Default)]
+pub struct Qkv {
+    /// Queries.
+    pub q: Vec<f32>,
+    /// Keys.
+    pub k: Vec<f32>,
+    /// Values.
+    pub v: Vec<f32>,
+}
 
-/// Writes each row's new K/V into the step's memory and runs the decode operator over every
-/// token so far. `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
+/// Writes each sequence's new K/V rows into the step's memory and runs the causal operator
+/// over them: the step's `i`-th sequence takes the next [`StepKv::count`] rows of `qkv`.
+/// Returns the attention's output rows, flat, in the same order.
 fn attend_rows(
     kv: &mut StepKv<'_>,
     shape: KvShape,
     layer: usize,
-    qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-) -> Result<Vec<Vec<f32>>, ModelError> {
+    qkv: &Qkv,
+) -> Result<Vec<f32>, ModelError> {
     fn run<T: procmem_actors::procmem::kv::KvElement>(
         kv: &mut StepKv<'_>,
         shape: KvShape,
         layer: usize,
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        qkv: &Qkv,
+    ) -> Result<Vec<f32>, ModelError> {
         let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
         let store = |e: procmem_actors::procmem::kv::KvError| ModelError::Store(e.to_string());
-        let mut outs = Vec::with_capacity(qkv.len());
-        for (i, (q, k, v)) in qkv.iter().enumerate() {
-            kv.write(i, layer, &narrow(k), &narrow(v)).map_err(store)?;
+        let (qw, kw) = (shape.q_heads * shape.head_dim, shape.token_elems());
+        let rows = qkv.q.len() / qw.max(1);
+        let counted: usize = (0..kv.len()).filter_map(|i| kv.count(i)).sum();
+        if rows != counted || qkv.k.len() != rows * kw || qkv.v.len() != rows * kw {
+            return Err(ModelError::Compute(format!(
+                "{rows} attention rows for a step of {counted} new tokens"
+            )));
+        }
+        let mut out = vec![0f32; qkv.q.len()];
+        let mut first = 0;
+        for i in 0..kv.len() {
+            let (start, n) = (kv.position(i).unwrap_or(0), kv.count(i).unwrap_or(0));
+            let (k, v) = (
+                &qkv.k[first * kw..(first + n) * kw],
+                &qkv.v[first * kw..(first + n) * kw],
+            );
+            kv.write_rows(i, layer, 0, &narrow(k), &narrow(v))
+                .map_err(store)?;
             let keys = kv.keys::<T>(i, layer).map_err(store)?;
             let values = kv.values::<T>(i, layer).map_err(store)?;
-            let mut out = vec![0f32; q.len()];
-            gqa_decode(
-                q,
+            gqa_causal(
+                &qkv.q[first * qw..(first + n) * qw],
                 keys,
                 values,
-                keys.len() / shape.token_elems(),
+                start,
                 shape.q_heads,
                 shape.kv_heads,
                 shape.head_dim,
-                &mut out,
+                &mut out[first * qw..(first + n) * qw],
             );
-            outs.push(out);
+            first += n;
         }
-        Ok(outs)
+        Ok(out)
     }
     match shape.dtype {
         KvDtype::F32 => run::<f32>(kv, shape, layer, qkv),
@@ -307,20 +347,29 @@ fn attend_rows(
 
 /// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
 /// every row so far, on the step's stream (the server's own kernel over the managed KV).
-/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows.
+/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows (one new token each).
 pub async fn attend(
     step: &KvStep,
     shape: KvShape,
     layer: usize,
     qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
+    let width = shape.q_heads * shape.head_dim;
+    let mut flat = Qkv::default();
+    for (q, k, v) in qkv {
+        flat.q.extend(q);
+        flat.k.extend(k);
+        flat.v.extend(v);
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     step.submit(move |kv| {
-        let _ = tx.send(attend_rows(kv, shape, layer, &qkv));
+        let _ = tx.send(attend_rows(kv, shape, layer, &flat));
     })
     .map_err(|e| ModelError::Store(e.to_string()))?;
-    rx.await
-        .map_err(|_| ModelError::Store("the step's kernel was dropped".into()))?
+    let out = rx
+        .await
+        .map_err(|_| ModelError::Store("the step's kernel was dropped".into()))??;
+    Ok(out.chunks(width.max(1)).map(<[f32]>::to_vec).collect())
 }
 
 /// What a step's kernels hand one another on the stream: the residual stream, then each
@@ -329,7 +378,7 @@ pub async fn attend(
 struct Flow {
     x: Option<Tensor>,
     qkv: Qkv,
-    attended: Vec<Vec<f32>>,
+    attended: Vec<f32>,
     stages: usize,
     error: Option<ModelError>,
 }
@@ -350,9 +399,42 @@ fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
     ModelError::Weights(e.to_string())
 }
 
-/// One decode step of `batch` (`(sequence, token, position)`): each sequence takes its token
-/// at its position through every layer over the managed KV. Returns each row's logits. The
-/// sequences must be open in `kv`, each at `position` tokens.
+/// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
+/// prompt's chunk has many; a decode step one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepInput {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its new tokens.
+    pub tokens: Vec<u32>,
+    /// Where the first goes: the tokens the store holds for it.
+    pub position: usize,
+}
+
+/// One decode step of `batch` (`(sequence, token, position)`): [`forward_step`] with one
+/// token per sequence. Returns each row's logits.
+pub async fn decode_step(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    kv: &KvStoreHandle,
+    shape: KvShape,
+    batch: &[(SeqId, u32, usize)],
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let inputs: Vec<StepInput> = batch
+        .iter()
+        .map(|&(seq, token, position)| StepInput {
+            seq,
+            tokens: vec![token],
+            position,
+        })
+        .collect();
+    forward_step(model, weights, kv, shape, &inputs).await
+}
+
+/// One step of `batch`: each sequence's new tokens (a prompt's chunk, or one decode token)
+/// go through every layer over the managed KV, in one grant and one pass, attention causal
+/// within each sequence. Returns, per sequence, the logits of its last new token. The
+/// sequences must be open in `kv`, each at its `position`.
 ///
 /// The whole step is queued before any of it is awaited: per layer, the projections over the
 /// layer's weights (residency reloads them first if they were offloaded, and keeps them until
@@ -365,92 +447,46 @@ fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
 /// Each `position` must be the number of tokens the store holds for its sequence
 /// ([`ModelError::Position`] otherwise). A caller that gives up on the step (drops this
 /// future) before it commits leaves the sequence as it was; one that gives up while it
-/// commits (awaiting the store's answer) may find the token counted, which the position
+/// commits (awaiting the store's answer) may find the tokens counted, which the position
 /// check of the next step then reports.
-pub async fn decode_step(
+pub async fn forward_step(
     model: &Arc<Smol>,
     weights: &ResidencyHandle,
     kv: &KvStoreHandle,
     shape: KvShape,
-    batch: &[(SeqId, u32, usize)],
+    batch: &[StepInput],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
     let step = kv
-        .prepare(batch.iter().map(|b| b.0).collect())
+        .prepare_tokens(batch.iter().map(|b| (b.seq, b.tokens.len())).collect())
         .await
         .map_err(ModelError::Prepare)?;
     // Each token goes where the store says the sequence ends, or the step would write K/V
     // at one row and rotate it for another (dropping the step counts nothing).
-    for (&(seq, _, asked), &held) in batch.iter().zip(step.positions()) {
-        if held != asked {
-            return Err(ModelError::Position { seq, held, asked });
+    for (b, &held) in batch.iter().zip(step.positions()) {
+        if held != b.position {
+            return Err(ModelError::Position {
+                seq: b.seq,
+                held,
+                asked: b.position,
+            });
         }
     }
-    let tokens: Vec<u32> = batch.iter().map(|b| b.1).collect();
-    let positions: Arc<[usize]> = batch.iter().map(|b| b.2).collect();
+    let tokens: Vec<u32> = batch
+        .iter()
+        .flat_map(|b| b.tokens.iter().copied())
+        .collect();
+    let positions: Arc<[usize]> = batch
+        .iter()
+        .flat_map(|b| b.position..b.position + b.tokens.len())
+        .collect();
     let flow = Arc::new(Mutex::new(Flow {
         x: Some(model.embed(&tokens)?),
-        qkv: Vec::new(),
+        qkv: Qkv::default(),
         attended: Vec::new(),
         stages: 0,
         error: None,
     }));
-    let kv_stream = step.stream().id();
-    let mut last = None;
-    let missing = || ModelError::Compute("a step's kernel lost the residual stream".into());
-    for layer in 0..model.config.layers {
-        // A kernel already failed: queue nothing more (no reload for a step that is lost).
-        if flow
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .error
-            .is_some()
-        {
-            break;
-        }
-        let (m, f, pos) = (Arc::clone(model), Arc::clone(&flow), Arc::clone(&positions));
-        let projected = weights
-            .submit_with_weights(layer, move |w| {
-                stage(&f, |flow| {
-                    let x = flow.x.as_ref().ok_or_else(missing)?;
-                    flow.qkv = m.qkv(layer, w, x, &pos)?;
-                    Ok(())
-                })
-            })
-            .await
-            .map_err(weights_err)?;
-        let apart = projected.fence().stream != kv_stream;
-        if apart {
-            fence_completed(&projected).await;
-        }
-        let f = Arc::clone(&flow);
-        let fence = step
-            .submit(move |kv| {
-                stage(&f, |flow| {
-                    let qkv = std::mem::take(&mut flow.qkv);
-                    flow.attended = attend_rows(kv, shape, layer, &qkv)?;
-                    Ok(())
-                })
-            })
-            .map_err(|e| ModelError::Store(e.to_string()))?;
-        if apart {
-            let attended = TimelineFence::new(fence, step.stream().timeline())
-                .ok_or_else(|| ModelError::Store("a fence of another stream".into()))?;
-            fence_completed(&attended).await;
-        }
-        let (m, f) = (Arc::clone(model), Arc::clone(&flow));
-        let finished = weights
-            .submit_with_weights(layer, move |w| {
-                stage(&f, |flow| {
-                    let x = flow.x.take().ok_or_else(missing)?;
-                    let attended = std::mem::take(&mut flow.attended);
-                    flow.x = Some(m.finish_layer(layer, w, &x, attended)?);
-                    Ok(())
-                })
-            })
-            .await
-            .map_err(weights_err)?;
-        last = Some(finished);
-    }
+    let last = queue_layers(model, weights, &step, shape, &flow, &positions).await?;
     if let Some(last) = &last {
         fence_completed(last).await;
     }
@@ -465,12 +501,98 @@ pub async fn decode_step(
         if flow.stages != 3 * model.config.layers {
             return Err(ModelError::Compute("a kernel of the step panicked".into()));
         }
-        flow.x.take().ok_or_else(missing)?
+        flow.x.take().ok_or_else(lost_stream)?
     };
     step.complete(fence)
         .await
         .map_err(|e| ModelError::Store(e.to_string()))?;
+    // Only each sequence's last row is read: the output head is the largest matmul.
+    let x = if tokens.len() == batch.len() {
+        x
+    } else {
+        let mut last = Vec::with_capacity(batch.len());
+        let mut end = 0u32;
+        for b in batch {
+            end += b.tokens.len() as u32;
+            last.push(end - 1);
+        }
+        let at = Tensor::new(last.as_slice(), &Device::Cpu).map_err(cerr)?;
+        x.index_select(&at, 0).map_err(cerr)?
+    };
     model.logits(&x)
+}
+
+fn lost_stream() -> ModelError {
+    ModelError::Compute("a step's kernel lost the residual stream".into())
+}
+
+/// Queues every layer's three kernels of `step` (projections, attention, the rest); returns
+/// the last one's residency fence.
+async fn queue_layers(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    step: &KvStep,
+    shape: KvShape,
+    flow: &Arc<Mutex<Flow>>,
+    positions: &Arc<[usize]>,
+) -> Result<Option<TimelineFence>, ModelError> {
+    let kv_stream = step.stream().id();
+    let mut last = None;
+    for layer in 0..model.config.layers {
+        // A kernel already failed: queue nothing more (no reload for a step that is lost).
+        if flow
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .error
+            .is_some()
+        {
+            break;
+        }
+        let (m, f, pos) = (Arc::clone(model), Arc::clone(flow), Arc::clone(positions));
+        let projected = weights
+            .submit_with_weights(layer, move |w| {
+                stage(&f, |flow| {
+                    let x = flow.x.as_ref().ok_or_else(lost_stream)?;
+                    flow.qkv = m.qkv(layer, w, x, &pos)?;
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(weights_err)?;
+        let apart = projected.fence().stream != kv_stream;
+        if apart {
+            fence_completed(&projected).await;
+        }
+        let f = Arc::clone(flow);
+        let fence = step
+            .submit(move |kv| {
+                stage(&f, |flow| {
+                    let qkv = std::mem::take(&mut flow.qkv);
+                    flow.attended = attend_rows(kv, shape, layer, &qkv)?;
+                    Ok(())
+                })
+            })
+            .map_err(|e| ModelError::Store(e.to_string()))?;
+        if apart {
+            let attended = TimelineFence::new(fence, step.stream().timeline())
+                .ok_or_else(|| ModelError::Store("a fence of another stream".into()))?;
+            fence_completed(&attended).await;
+        }
+        let (m, f) = (Arc::clone(model), Arc::clone(flow));
+        let finished = weights
+            .submit_with_weights(layer, move |w| {
+                stage(&f, |flow| {
+                    let x = flow.x.take().ok_or_else(lost_stream)?;
+                    let attended = std::mem::take(&mut flow.attended);
+                    flow.x = Some(m.finish_layer(layer, w, &x, attended)?);
+                    Ok(())
+                })
+            })
+            .await
+            .map_err(weights_err)?;
+        last = Some(finished);
+    }
+    Ok(last)
 }
 
 #[cfg(test)]

@@ -140,6 +140,36 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
     }
 }
 
+/// Prompts taken in chunks of many tokens (mixed with other requests' decode tokens) give
+/// the very completions, and logits, of prompts taken one token per step: each row's
+/// arithmetic is the same, only batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_in_chunks_complete_as_prompts_one_token_per_step() {
+    let Some((_, _, prompts)) = tokenized() else {
+        return;
+    };
+    let (single, one) = ours_steps(None, PreemptMode::Swap, &prompts, 16, 1).await;
+    for step_tokens in [7, 256] {
+        let (chunked, many) = ours_steps(None, PreemptMode::Swap, &prompts, 16, step_tokens).await;
+        eprintln!(
+            "chunked_prefill: {step_tokens} tokens a step: {} steps against {}",
+            many.steps, one.steps
+        );
+        assert!(many.steps < one.steps, "{many:?} vs {one:?}");
+        for (a, b) in single.iter().zip(&chunked) {
+            assert_eq!(a.tokens, b.tokens, "request {} at {step_tokens}", a.id);
+            for (x, y) in a.logits.iter().zip(&b.logits) {
+                let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(x) == bits(y),
+                    "request {} logits at {step_tokens}",
+                    a.id
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn the_tokenizer_round_trips_text_and_knows_the_chat_tokens() {
     let Some(path) = procmem_model::smollm2_path() else {

@@ -13,7 +13,7 @@ use super::shape::{mapped_bytes_for, KvDtype, KvShape, ShapeError};
 use std::sync::Arc;
 
 use crate::api::{
-    GranuleState, MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping, VirtualBacking,
+    MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping, VirtualBacking,
 };
 use crate::virtual_memory::{MappedTail, VirtualBuffer};
 
@@ -281,22 +281,53 @@ impl KvSequence {
         v: &[T],
     ) -> Result<(), KvError> {
         self.check_layer(layer, k, v)?;
+        self.write_rows(layer, pos, k, v)
+    }
+
+    /// Writes whole rows of `layer` from position `pos` on: `k` and `v` hold the same number
+    /// of rows, at least one (`kv_heads × head_dim` elements each). Every row must be mapped
+    /// and none in a read-only shared block; nothing is written otherwise.
+    pub fn write_rows<T: KvElement>(
+        &mut self,
+        layer: usize,
+        pos: usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), KvError> {
+        if layer >= self.shape.layers {
+            return Err(KvError::NoSuchLayer(layer));
+        }
+        self.check_type::<T>()?;
+        let elems = self.shape.token_elems();
+        if k.is_empty() || k.len() % elems != 0 || v.len() != k.len() {
+            let rows = (k.len() / elems).max(1);
+            let got = if v.len() != k.len() { v.len() } else { k.len() };
+            return Err(KvError::WrongLength {
+                expected: rows * elems,
+                got,
+            });
+        }
         let tb = self.shape.token_bytes();
-        let start = pos as u64 * tb;
-        if start.saturating_add(tb) > self.mapped() {
+        let rows = (k.len() / elems) as u64;
+        let start = (pos as u64).saturating_mul(tb);
+        let end = start.saturating_add(rows.saturating_mul(tb));
+        if end > self.mapped() {
             return Err(KvError::NotMapped(pos));
         }
-        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
-            let buffer = &mut self.buffers[b];
-            let a = buffer.allocation();
-            let read_only_share = a.granules().state_at(start) == Some(GranuleState::Shared)
-                && a.shared_views().any(|(o, v)| {
-                    o <= start && start < o + v.block.bytes() && v.access != MapAccess::ReadWrite
+        for b in [2 * layer, 2 * layer + 1] {
+            let read_only = self.buffers[b]
+                .allocation()
+                .shared_views()
+                .find_map(|(o, v)| {
+                    let overlaps = o < end && start < o + v.block.bytes();
+                    (overlaps && v.access != MapAccess::ReadWrite).then_some(o.max(start))
                 });
-            if read_only_share {
-                return Err(KvError::SharedBlock(pos));
+            if let Some(at) = read_only {
+                return Err(KvError::SharedBlock((at / tb) as usize));
             }
-            let bytes = buffer.bytes_mut(start..start + tb)?;
+        }
+        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
+            let bytes = self.buffers[b].bytes_mut(start..end)?;
             bytes.copy_from_slice(bytemuck::cast_slice(data));
         }
         Ok(())
@@ -304,13 +335,19 @@ impl KvSequence {
 
     /// Counts one more token, once every layer's K and V for it are written.
     pub fn advance(&mut self) -> Result<(), KvError> {
-        if self.tokens >= self.shape.max_tokens {
-            return Err(KvError::Full(self.shape.max_tokens));
+        self.advance_by(1)
+    }
+
+    /// Counts `n` more tokens, once every layer's K and V for them are written; all or none.
+    pub fn advance_by(&mut self, n: usize) -> Result<(), KvError> {
+        let max = self.shape.max_tokens;
+        let Some(end) = self.tokens.checked_add(n).filter(|e| *e <= max) else {
+            return Err(KvError::Full(max));
+        };
+        if end > self.mapped_tokens() {
+            return Err(KvError::NotMapped(self.mapped_tokens()));
         }
-        if self.tokens + 1 > self.mapped_tokens() {
-            return Err(KvError::NotMapped(self.tokens));
-        }
-        self.tokens += 1;
+        self.tokens = end;
         Ok(())
     }
 

@@ -5,34 +5,35 @@
 use super::*;
 
 impl KvStoreState {
-    /// Lends the memory of `batch` (grown, each still this incarnation unless closed
-    /// meanwhile) to the caller as a step. A caller that gave up drops the step, which ends
-    /// it: its sequences come back idle after the store's fence.
+    /// Lends the memory of `plan` (grown, each still this incarnation unless closed
+    /// meanwhile; `(sequence, incarnation, growth, new tokens)`) to the caller as a step. A
+    /// caller that gave up drops the step, which ends it: its sequences come back idle after
+    /// the store's fence.
     pub(super) fn lend(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
-        batch: &[(SeqId, Writer)],
+        plan: &[(SeqId, Writer, u64, usize)],
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
-        let live: Vec<(SeqId, Writer)> = batch
+        let batch = batch_of(plan);
+        let batch = &batch[..];
+        if let Some(&(seq, ..)) = plan
             .iter()
-            .copied()
-            .filter(|(s, w)| self.table.get(*s).is_some_and(|r| r.writer == *w))
-            .collect();
-        if let Some((seq, _)) = batch.iter().find(|b| !live.contains(b)) {
+            .find(|(s, w, ..)| self.table.get(*s).is_none_or(|r| r.writer != *w))
+        {
             // Closed while its grant was on its way: the step is refused as a whole.
             self.table.end_growth(batch, false);
-            let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         }
         // Where each sequence's K and V lie, before anything moves: the growth made room for
-        // the new token's row, so this cannot fail; if it did, nothing is lent.
-        let views: Result<Vec<Vec<_>>, KvError> = live
+        // the new tokens' rows, so this cannot fail; if it did, nothing is lent.
+        let views: Result<Vec<Vec<_>>, KvError> = plan
             .iter()
-            .map(|(seq, _)| {
+            .map(|(seq, _, _, count)| {
                 let memory = self.seqs[seq].memory.as_ref().expect("a grown sequence");
                 (0..self.config.shape.layers)
-                    .map(|l| memory.views(l, memory.tokens() + 1))
+                    .map(|l| memory.views(l, memory.tokens() + count))
                     .collect()
             })
             .collect();
@@ -44,9 +45,9 @@ impl KvStoreState {
                 return;
             }
         };
-        let mut lent = Vec::with_capacity(live.len());
+        let mut lent = Vec::with_capacity(plan.len());
         let mut ahead = Vec::new();
-        for (seq, writer) in live {
+        for &(seq, writer, _, count) in plan {
             let entry = self
                 .seqs
                 .get_mut(&seq)
@@ -57,14 +58,15 @@ impl KvStoreState {
                 .expect("a sequence in a step has its memory");
             entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
             // The token after this step's needs a new chunk: map it while the step runs.
-            let per = memory.growth_for(2);
-            if self.config.map_ahead && per > 0 && memory.tokens() + 2 <= memory.shape().max_tokens
-            {
+            let per = memory.growth_for(count + 1);
+            let room = memory.tokens() + count < memory.shape().max_tokens;
+            if self.config.map_ahead && per > 0 && room {
                 ahead.push((seq, writer, per));
             }
             lent.push(StepSeq {
                 seq,
                 writer,
+                count,
                 memory,
                 prefixes: std::mem::take(&mut entry.prefixes),
                 charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
@@ -236,6 +238,7 @@ impl KvStoreState {
             prefixes,
             charge,
             ahead,
+            count,
         } in seqs
         {
             let ours = self
@@ -257,7 +260,7 @@ impl KvStoreState {
                 continue;
             };
             if advance {
-                let _ = memory.advance();
+                let _ = memory.advance_by(count);
             }
             let tokens = memory.tokens();
             entry.memory = Some(memory);

@@ -116,7 +116,7 @@ impl KvStoreState {
     fn call_off_step_of(&mut self, seq: SeqId, writer: Writer, mode: PreemptMode) -> bool {
         let txn = self.pending.iter().find_map(|(txn, p)| match p {
             Pending::Prepare { seqs, .. }
-                if seqs.iter().any(|(s, w, _)| *s == seq && *w == writer) =>
+                if seqs.iter().any(|(s, w, ..)| *s == seq && *w == writer) =>
             {
                 Some(*txn)
             }

@@ -26,6 +26,8 @@ use crate::stream::StreamError;
 pub(super) struct StepSeq {
     pub(super) seq: SeqId,
     pub(super) writer: Writer,
+    /// New tokens the step makes room for.
+    pub(super) count: usize,
     /// Dropped first: unmapped before the blocks it maps and before its charge goes back.
     pub(super) memory: KvSequence,
     pub(super) prefixes: Vec<Arc<SharedPrefix>>,
@@ -74,7 +76,7 @@ impl StepMemory {
         let Some(s) = seqs.iter_mut().find(|s| s.seq == seq && s.writer == writer) else {
             return;
         };
-        if s.ahead.is_some() || s.memory.growth_for(2) != per {
+        if s.ahead.is_some() || s.memory.growth_for(s.count + 1) != per {
             return;
         }
         // The lease was committed before this maps: the books never trail the memory.
@@ -105,8 +107,10 @@ impl Drop for StepMemory {
     }
 }
 
-/// The memory of a step, as a host kernel sees it: sequence `i` is the step's `i`-th, its new
-/// token goes at [`StepKv::position`], and reads cover every token up to and including it.
+/// The memory of a step, as a host kernel sees it: sequence `i` is the step's `i`-th, its
+/// [`StepKv::count`] new rows start at [`StepKv::position`], and reads cover every row up to
+/// and including the step's last. A causal kernel over a chunk reads, for its new row `j`,
+/// the first `position + j + 1` rows of [`StepKv::keys`] and [`StepKv::values`].
 pub struct StepKv<'a> {
     seqs: &'a mut [StepSeq],
 }
@@ -131,13 +135,19 @@ impl StepKv<'_> {
         self.seqs.get(i).map(|s| s.seq)
     }
 
-    /// Where sequence `i`'s new token goes (the tokens it held before the step).
+    /// Where sequence `i`'s first new row goes (the tokens it held before the step).
     pub fn position(&self, i: usize) -> Option<usize> {
         self.seqs.get(i).map(|s| s.memory.tokens())
     }
 
-    /// Writes the new token's K and V of layer `layer` of sequence `i` (`kv_heads × head_dim`
-    /// elements each, of the shape's element type).
+    /// How many new rows sequence `i` has in the step.
+    pub fn count(&self, i: usize) -> Option<usize> {
+        self.seqs.get(i).map(|s| s.count)
+    }
+
+    /// Writes the first new row's K and V of layer `layer` of sequence `i` (`kv_heads ×
+    /// head_dim` elements each, of the shape's element type): the decode case of
+    /// [`StepKv::write_rows`].
     pub fn write<T: KvElement>(
         &mut self,
         i: usize,
@@ -145,27 +155,46 @@ impl StepKv<'_> {
         k: &[T],
         v: &[T],
     ) -> Result<(), KvError> {
+        self.write_rows(i, layer, 0, k, v)
+    }
+
+    /// Writes whole rows of layer `layer` of sequence `i` from its new row `first` on: `k` and
+    /// `v` hold the same number of rows (`kv_heads × head_dim` elements each), and `first`
+    /// plus that number is at most the sequence's [`StepKv::count`] (rows of the step only).
+    pub fn write_rows<T: KvElement>(
+        &mut self,
+        i: usize,
+        layer: usize,
+        first: usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<(), KvError> {
         let s = self.seqs.get_mut(i).ok_or(KvError::BadIndex(i))?;
-        let pos = s.memory.tokens();
-        s.memory.write(layer, pos, k, v)
+        let elems = s.memory.token_elems();
+        let rows = k.len() / elems.max(1);
+        if first.checked_add(rows).is_none_or(|end| end > s.count) {
+            return Err(KvError::NotMapped(s.memory.tokens().saturating_add(first)));
+        }
+        let pos = s.memory.tokens() + first;
+        s.memory.write_rows(layer, pos, k, v)
     }
 
-    /// Layer `layer`'s keys of sequence `i`, the new token's row included.
+    /// Layer `layer`'s keys of sequence `i`, the step's new rows included.
     pub fn keys<T: KvElement>(&self, i: usize, layer: usize) -> Result<&[T], KvError> {
-        let m = &self.get(i)?.memory;
-        m.keys_upto(layer, m.tokens() + 1)
+        let s = self.get(i)?;
+        s.memory.keys_upto(layer, s.memory.tokens() + s.count)
     }
 
-    /// Layer `layer`'s values of sequence `i`, the new token's row included.
+    /// Layer `layer`'s values of sequence `i`, the step's new rows included.
     pub fn values<T: KvElement>(&self, i: usize, layer: usize) -> Result<&[T], KvError> {
-        let m = &self.get(i)?.memory;
-        m.values_upto(layer, m.tokens() + 1)
+        let s = self.get(i)?;
+        s.memory.values_upto(layer, s.memory.tokens() + s.count)
     }
 }
 
-/// One decode step of a batch of sequences, lent by [`KvStoreHandle::prepare`]: room for one
-/// more token in each is mapped and paid for, and until the step ends none of them can be
-/// taken by pressure.
+/// One step of a batch of sequences, lent by [`KvStoreHandle::prepare_tokens`] (or
+/// [`KvStoreHandle::prepare`], one token each): room for each sequence's new tokens is mapped
+/// and paid for, and until the step ends none of them can be taken by pressure.
 ///
 /// For each sequence and layer, [`KvStep::views`] says where its flat K and V lie (address,
 /// rows, element type, strides) for the server's own kernels, valid until the step's fence.
@@ -175,12 +204,14 @@ impl StepKv<'_> {
 /// held until every kernel it submitted ran).
 ///
 /// [`KvStoreHandle::prepare`]: super::KvStoreHandle::prepare
+/// [`KvStoreHandle::prepare_tokens`]: super::KvStoreHandle::prepare_tokens
 pub struct KvStep {
     id: u64,
     store: ActorRef<KvStoreMsg>,
     shape: KvShape,
     seqs: Vec<SeqId>,
     positions: Vec<usize>,
+    counts: Vec<usize>,
     /// `[sequence][layer]`.
     views: Vec<Vec<LayerViews>>,
     memory: Option<Arc<StepMemory>>,
@@ -215,6 +246,7 @@ impl KvStep {
             store,
             shape,
             positions: seqs.iter().map(|s| s.memory.tokens()).collect(),
+            counts: seqs.iter().map(|s| s.count).collect(),
             seqs: seqs.iter().map(|s| s.seq).collect(),
             views,
             memory: Some(StepMemory::new(seqs, stream.clone())),
@@ -229,9 +261,14 @@ impl KvStep {
         &self.seqs
     }
 
-    /// Where each sequence's new token goes (its tokens before the step).
+    /// Where each sequence's first new row goes (its tokens before the step).
     pub fn positions(&self) -> &[usize] {
         &self.positions
+    }
+
+    /// How many new rows each sequence has in the step (1 for a decode token).
+    pub fn counts(&self) -> &[usize] {
+        &self.counts
     }
 
     /// The model's KV geometry (element type included).
@@ -239,8 +276,8 @@ impl KvStep {
         &self.shape
     }
 
-    /// Where layer `layer` of the `i`-th sequence lies: `position + 1` rows of K and of V,
-    /// the new token's last. Valid until the step's fence; `None` past the batch or the model.
+    /// Where layer `layer` of the `i`-th sequence lies: `position + count` rows of K and of
+    /// V, the new rows last. Valid until the step's fence; `None` past the batch or the model.
     pub fn views(&self, i: usize, layer: usize) -> Option<LayerViews> {
         self.views.get(i)?.get(layer).copied()
     }
@@ -335,7 +372,7 @@ impl KvStep {
             .map_err(KvStoreError::from)
     }
 
-    /// Ends the step: every sequence holds its new token, written by the kernels that `fence`
+    /// Ends the step: every sequence holds its new tokens, written by the kernels that `fence`
     /// (of the step's stream) covers. Returns once the store has the memory back (after
     /// `fence`, and after every kernel submitted through the step). A fence of another stream
     /// is refused (`ForeignFence`) and the step ends as if dropped: the store cannot see that

@@ -222,10 +222,15 @@ impl KvStoreState {
     pub(super) fn prepare(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
-        seqs: Vec<SeqId>,
+        seqs: Vec<(SeqId, usize)>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
-        let batch = match self.table.begin_step(&seqs) {
+        if let Some(&(seq, _)) = seqs.iter().find(|(_, n)| *n == 0) {
+            let _ = reply.send(Err(KvStoreError::NoTokens(seq)));
+            return;
+        }
+        let ids: Vec<SeqId> = seqs.iter().map(|(s, _)| *s).collect();
+        let batch = match self.table.begin_step(&ids) {
             Ok(b) => b,
             Err(e) => {
                 let _ = reply.send(Err(e.into()));
@@ -249,22 +254,27 @@ impl KvStoreState {
         let mut plan = Vec::with_capacity(batch.len());
         let mut bytes = 0u64;
         let mut priority = 0;
-        for (seq, writer) in &batch {
+        for ((seq, writer), &(_, count)) in batch.iter().zip(&seqs) {
             let Some(memory) = self.seqs.get(seq).and_then(|e| e.memory.as_ref()) else {
                 let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
                 return;
             };
-            if memory.tokens() >= memory.shape().max_tokens {
-                let _ = reply.send(Err(KvError::Full(memory.shape().max_tokens).into()));
+            let max = memory.shape().max_tokens;
+            if memory
+                .tokens()
+                .checked_add(count)
+                .is_none_or(|end| end > max)
+            {
+                let _ = reply.send(Err(KvError::Full(max).into()));
                 return;
             }
-            let per = memory.growth_for(1);
+            let per = memory.growth_for(count);
             bytes = bytes.saturating_add(per.saturating_mul(memory.shape().buffers() as u64));
             priority = priority.max(self.table.get(*seq).map_or(0, |r| r.priority));
-            plan.push((*seq, *writer, per));
+            plan.push((*seq, *writer, per, count));
         }
         if bytes == 0 {
-            self.lend(myself, &batch, reply);
+            self.lend(myself, &plan, reply);
             return;
         }
         self.table.growing(&batch);
@@ -299,7 +309,7 @@ impl KvStoreState {
         }
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
         let mut failure: Option<KvStoreError> = None;
-        for (seq, writer, per) in &seqs {
+        for (seq, writer, per, _) in &seqs {
             // A sequence closed (and maybe opened again) since the prepare is not this one.
             if self.table.get(*seq).map(|r| r.writer) != Some(*writer) {
                 continue;
@@ -370,7 +380,7 @@ impl KvStoreState {
                 self.table.end_growth(&batch, false);
                 let _ = reply.send(Err(e));
             }
-            None => self.lend(myself, &batch, reply),
+            None => self.lend(myself, &seqs, reply),
         }
     }
 

@@ -126,6 +126,24 @@ pub async fn ours_n(
     prompts: &[Vec<u32>],
     new: usize,
 ) -> (Vec<Completion>, RunStats) {
+    ours_steps(
+        budget,
+        preempt,
+        prompts,
+        new,
+        procmem_model::serve::STEP_TOKENS,
+    )
+    .await
+}
+
+/// The same, with steps of at most `step_tokens` tokens (1: prompts one token per step).
+pub async fn ours_steps(
+    budget: Option<u64>,
+    preempt: PreemptMode,
+    prompts: &[Vec<u32>],
+    new: usize,
+    step_tokens: usize,
+) -> (Vec<Completion>, RunStats) {
     let path = smollm2_path().unwrap();
     let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
     let mut builder = MemoryManager::builder();
@@ -133,9 +151,10 @@ pub async fn ours_n(
         builder = builder.host_budget(b);
     }
     let memory = builder.build().await.unwrap();
-    let engine = Engine::start(&memory, loaded, kv_config(preempt), None)
+    let mut engine = Engine::start(&memory, loaded, kv_config(preempt), None)
         .await
         .unwrap();
+    engine.step_tokens = step_tokens;
     let requests = prompts
         .iter()
         .enumerate()

@@ -1,0 +1,139 @@
+//! The handle a server holds: open, prepare, restore and close sequences, and read the
+//! store's figures. Every call is a message to the store's actor.
+
+use ractor::RpcReplyPort;
+
+use super::{
+    answer, DeviceProvider, KvStep, KvStore, KvStoreArgs, KvStoreConfig, KvStoreError, KvStoreMsg,
+    KvStoreStats, Opened, Restored, SeqId,
+};
+use crate::governor::GovernorHandle;
+use crate::holder::HolderRef;
+use procmem::ledger::Priority;
+
+/// A cheap, cloneable handle to a KV store.
+#[derive(Debug, Clone)]
+pub struct KvStoreHandle {
+    holder: HolderRef<KvStoreMsg>,
+}
+
+impl KvStoreHandle {
+    /// Starts a store registered as a holder with `governor`, backed by `provider` (the
+    /// host's [`CpuProvider`](crate::CpuProvider) or a [`CudaProvider`](crate::CudaProvider)).
+    /// A store that cannot start says why (a bad shape is `KvStoreError::Kv`).
+    pub async fn spawn(
+        config: KvStoreConfig,
+        governor: GovernorHandle,
+        provider: impl Into<DeviceProvider>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        Self::start(config, governor, provider.into(), None).await
+    }
+
+    /// The same, supervised by `supervisor` (its failure is reported there, not fatal).
+    pub async fn spawn_supervised(
+        config: KvStoreConfig,
+        governor: GovernorHandle,
+        provider: impl Into<DeviceProvider>,
+        supervisor: ractor::ActorCell,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        Self::start(config, governor, provider.into(), Some(supervisor)).await
+    }
+
+    async fn start(
+        config: KvStoreConfig,
+        governor: GovernorHandle,
+        provider: DeviceProvider,
+        supervisor: Option<ractor::ActorCell>,
+    ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        let args = KvStoreArgs {
+            config,
+            governor,
+            provider,
+        };
+        let (holder, join) =
+            HolderRef::spawn(KvStore, args, supervisor, KvStoreError::Start).await?;
+        Ok((KvStoreHandle { holder }, join))
+    }
+
+    /// The store's actor, to supervise, stop or kill it (it takes no message from outside).
+    pub fn actor(&self) -> ractor::ActorCell {
+        self.holder.cell()
+    }
+
+    /// Makes the store's actor panic at its next message (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn crash(&self) {
+        self.holder.cast(KvStoreMsg::Crash);
+    }
+
+    async fn ask<T: Send + 'static>(
+        &self,
+        build: impl FnOnce(RpcReplyPort<Result<T, KvStoreError>>) -> KvStoreMsg,
+    ) -> Result<T, KvStoreError> {
+        self.holder.ask(build, KvStoreError::Unavailable).await
+    }
+
+    /// Opens a sequence for `prompt`; cached whole prompt blocks are mapped shared.
+    pub async fn open(
+        &self,
+        seq: SeqId,
+        prompt: Vec<u32>,
+        priority: Priority,
+    ) -> Result<Opened, KvStoreError> {
+        let waiting = self.waiting(answer::Left::Open(seq));
+        let answer = self.ask(|reply| KvStoreMsg::Open {
+            seq,
+            prompt,
+            priority,
+            reply,
+        });
+        let answer = answer.await;
+        waiting.answered();
+        answer.map(answer::OpenAnswer::take)
+    }
+
+    fn waiting(&self, call: answer::Left) -> answer::Waiting {
+        answer::Waiting::new(self.holder.clone(), call)
+    }
+
+    /// Makes room for one more token in each sequence, under one grant, and lends them to
+    /// the caller as a step (see [`KvStep`]): the decode case of
+    /// [`KvStoreHandle::prepare_tokens`]. Refused as a whole, changing nothing.
+    pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
+        self.prepare_tokens(seqs.into_iter().map(|s| (s, 1)).collect())
+            .await
+    }
+
+    /// Makes room for `n` more tokens in each `(sequence, n)` (a prompt's chunk, or one
+    /// token of decode), all under one grant, and lends them to the caller as a step: the
+    /// sequence's new rows start at its [`KvStep::positions`] entry and number its
+    /// [`KvStep::counts`] entry. Refused as a whole, changing nothing: a count of 0
+    /// ([`KvStoreError::NoTokens`]), one past the shape's `max_tokens` (`Full`), a sequence
+    /// named twice (`Duplicate`).
+    pub async fn prepare_tokens(&self, seqs: Vec<(SeqId, usize)>) -> Result<KvStep, KvStoreError> {
+        let waiting = seqs
+            .first()
+            .map(|&(s, _)| self.waiting(answer::Left::Step(s)));
+        let step = self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await;
+        waiting.into_iter().for_each(answer::Waiting::answered);
+        step
+    }
+
+    /// Brings a preempted sequence back.
+    pub async fn restore(&self, seq: SeqId) -> Result<Restored, KvStoreError> {
+        let waiting = self.waiting(answer::Left::Restore(seq));
+        let restored = self.ask(|reply| KvStoreMsg::Restore { seq, reply }).await;
+        waiting.answered();
+        restored
+    }
+
+    /// Closes a sequence.
+    pub fn close(&self, seq: SeqId) {
+        self.holder.cast(KvStoreMsg::Close { seq });
+    }
+
+    /// What the store holds now and what it did so far (see [`KvStoreStats`]).
+    pub async fn stats(&self) -> Result<KvStoreStats, KvStoreError> {
+        self.ask(|reply| KvStoreMsg::Stats { reply }).await
+    }
+}

@@ -1,0 +1,138 @@
+//! Causal attention of a chunk of new rows over flat K/V: what a prefill step runs.
+//!
+//! A step that writes `rows` new tokens of one sequence after `start` held ones attends each
+//! new row `j` to the first `start + j + 1` rows of the same flat buffers: the row sees its
+//! own sequence up to and including itself, never a later row of the chunk. Each row is one
+//! [`gqa_decode`] over that prefix, so a chunk gives, row for row, the same bits as the same
+//! tokens decoded one step at a time; rows run on worker threads, and the result does not
+//! depend on how many there are.
+
+use rayon::prelude::*;
+
+use super::elem::KvElement;
+use super::gqa::gqa_decode;
+
+/// Causal GQA of a chunk: `q` holds `rows × q_heads × head_dim` (row-major), `k` and `v` at
+/// least `(start + rows) × kv_heads × head_dim` elements, and `out` receives `rows × q_heads ×
+/// head_dim`. Row `j` attends to K/V rows `0..=start + j`. With no row it does nothing.
+///
+/// # Panics
+/// As [`gqa_decode`]: if `kv_heads` does not divide `q_heads`, `q` is not whole rows, or a
+/// slice is shorter than the shape says.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_causal<T: KvElement>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    start: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    out: &mut [f32],
+) {
+    let width = q_heads
+        .checked_mul(head_dim)
+        .expect("q_heads x head_dim fits a usize");
+    if width == 0 || q.is_empty() {
+        return;
+    }
+    assert!(
+        q.len() % width == 0 && out.len() == q.len(),
+        "q and out hold whole rows of {width} elements"
+    );
+    let stride = kv_heads
+        .checked_mul(head_dim)
+        .expect("kv_heads x head_dim fits a usize");
+    let rows = q.len() / width;
+    let needed = start
+        .checked_add(rows)
+        .and_then(|t| t.checked_mul(stride))
+        .expect("the context fits a usize");
+    assert!(
+        k.len() >= needed && v.len() >= needed,
+        "K and V hold {needed} elements at least"
+    );
+    let row = |(j, o): (usize, &mut [f32])| {
+        let tokens = start + j + 1;
+        let seen = tokens * stride;
+        let qj = &q[j * width..(j + 1) * width];
+        gqa_decode(
+            qj,
+            &k[..seen],
+            &v[..seen],
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            o,
+        );
+    };
+    if rows == 1 {
+        row((0, out));
+    } else {
+        out.par_chunks_mut(width).enumerate().for_each(row);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::gqa::gqa_decode_plain;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+            .collect()
+    }
+
+    /// Each row sees only the rows before it and itself: changing a later row of K/V changes
+    /// nothing earlier, and every row matches the plain reference over its own prefix.
+    #[test]
+    fn each_row_sees_its_prefix_and_nothing_after() {
+        let (qh, kh, hd, start, rows) = (8, 2, 16, 5, 7);
+        let stride = kh * hd;
+        let q = data(rows * qh * hd, 1);
+        let k = data((start + rows) * stride, 2);
+        let v = data((start + rows) * stride, 3);
+        let mut out = vec![0f32; q.len()];
+        gqa_causal(&q, &k, &v, start, qh, kh, hd, &mut out);
+        for j in 0..rows {
+            let t = start + j + 1;
+            let mut want = vec![0f32; qh * hd];
+            let qj = &q[j * qh * hd..(j + 1) * qh * hd];
+            gqa_decode_plain(
+                qj,
+                &k[..t * stride],
+                &v[..t * stride],
+                t,
+                qh,
+                kh,
+                hd,
+                &mut want,
+            );
+            let got = &out[j * qh * hd..(j + 1) * qh * hd];
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "row {j}: {a} vs {b}");
+            }
+        }
+        // The last row's K/V changed: every earlier row keeps its bits.
+        let mut k2 = k.clone();
+        k2[(start + rows - 1) * stride..]
+            .iter_mut()
+            .for_each(|x| *x += 1.0);
+        let mut out2 = vec![0f32; q.len()];
+        gqa_causal(&q, &k2, &v, start, qh, kh, hd, &mut out2);
+        let earlier = (rows - 1) * qh * hd;
+        assert_eq!(out[..earlier], out2[..earlier]);
+        assert_ne!(out[earlier..], out2[earlier..]);
+    }
+
+    #[test]
+    #[should_panic(expected = "K and V hold")]
+    fn a_short_context_is_refused() {
+        let q = vec![0f32; 2 * 4];
+        let k = vec![0f32; 4];
+        let mut out = vec![0f32; 8];
+        gqa_causal(&q, &k, &k, 3, 1, 1, 4, &mut out);
+    }
+}
