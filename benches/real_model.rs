@@ -18,6 +18,13 @@
 //!   llama.cpp's). It runs at every context; where `quantized_llama` runs too its tokens are
 //!   checked against it.
 //!
+//! The `prefill` rows take one prompt of `PROCMEM_BENCH_PREFILL` tokens (default 2,000) into
+//! the managed KV twice in one engine: one token per step (the old way: a grant, a step and a
+//! forward per token), and in steps of `PROCMEM_BENCH_CHUNK` tokens (default 256); the
+//! figures are seconds, prompt tokens/s and `prefill_speedup` (one over the other), and the
+//! two runs' next-token logits are checked equal. candle's `quantized_llama` taking the same
+//! prompt in one masked forward is the outside reference (`candle_whole_prompt`).
+//!
 //! `PROCMEM_BENCH_CONTEXTS` (comma-separated, default `256,2048,8192`) and
 //! `PROCMEM_BENCH_TOKENS` (new tokens timed per context, default 32) change the run. The
 //! model comes from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
@@ -33,7 +40,9 @@ use candle_transformers::models::quantized_mistral::Model as Mistral;
 use candle_transformers::quantized_var_builder::VarBuilder;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
-use procmem_model::{argmax, decode_step, smollm2_path, Engine, Smol, TextCodec};
+use procmem_model::{
+    argmax, decode_step, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
+};
 use serde_json::json;
 
 const TEXT: &str = "The history of computing memory is a history of trade-offs between speed, \
@@ -218,6 +227,109 @@ fn candle_logits<M>(
 
 /// One context: the three paths set up, their prompts in (untimed), then `new` tokens each,
 /// stepped in turn. Returns procmem, `quantized_llama` (where it runs) and `quantized_mistral`.
+/// An engine over `memory` for prompts up to `max_tokens`: f32 KV, growth mapped ahead.
+async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usize) -> Engine {
+    let loaded = Smol::load(path, max_tokens).unwrap();
+    let kv = KvStoreConfig {
+        name: "kv".into(),
+        priority: 0,
+        shape: KvShape {
+            layers: 0,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            max_tokens,
+            dtype: KvDtype::F32,
+        },
+        chunk_granules: 16,
+        preempt: PreemptMode::Swap,
+        wait: std::time::Duration::from_secs(30),
+        swap: SwapSpace::Auto,
+        map_ahead: true,
+    };
+    Engine::start(memory, loaded, kv, None).await.unwrap()
+}
+
+/// Takes `prompt` into the open sequence `seq` in steps of at most `chunk` tokens; returns
+/// the time it took and the logits of the token after it.
+async fn prefill(
+    e: &Engine,
+    seq: u64,
+    prompt: &[u32],
+    chunk: usize,
+) -> (std::time::Duration, Vec<f32>) {
+    let start = Instant::now();
+    let mut logits = Vec::new();
+    for (i, part) in prompt.chunks(chunk.max(1)).enumerate() {
+        let input = StepInput {
+            seq,
+            tokens: part.to_vec(),
+            position: i * chunk.max(1),
+        };
+        logits = forward_step(&e.model, &e.weights, &e.kv, e.shape, &[input])
+            .await
+            .unwrap()
+            .remove(0);
+    }
+    (start.elapsed(), logits)
+}
+
+/// The `prefill` rows: `prompt` taken a token a step and in steps of `chunk`, in one engine
+/// (two sequences opened before either is written, so neither finds the other's blocks),
+/// and candle's `quantized_llama` taking it in one forward.
+fn measure_prefill(path: &std::path::Path, prompt: &[u32], chunk: usize) -> serde_json::Value {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (one, chunked, same) = rt.block_on(async {
+        let memory = MemoryManager::builder().build().await.unwrap();
+        let e = engine(path, &memory, prompt.len() + 1).await;
+        e.kv.open(1, prompt.to_vec(), 0).await.unwrap();
+        e.kv.open(2, prompt.to_vec(), 0).await.unwrap();
+        let (one, a) = prefill(&e, 1, prompt, 1).await;
+        let (chunked, b) = prefill(&e, 2, prompt, chunk).await;
+        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+        drop(e);
+        memory.shutdown().await.unwrap();
+        (one, chunked, same)
+    });
+    let candle = (prompt.len() <= MAX_SEQ_LEN).then(|| {
+        let mut file = std::fs::File::open(path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        let start = Instant::now();
+        candle_logits(&mut model, ModelWeights::forward, prompt, 0);
+        start.elapsed()
+    });
+    let n = prompt.len() as f64;
+    let speedup = one.as_secs_f64() / chunked.as_secs_f64();
+    println!(
+        "{:>8} {:>26} {:>10} {:>14}",
+        "prompt", "path", "seconds", "prompt tok/s"
+    );
+    let mut rows = vec![
+        ("procmem_one_token_a_step", 1, one),
+        ("procmem_chunks", chunk, chunked),
+    ];
+    if let Some(c) = candle {
+        rows.push(("candle_whole_prompt", prompt.len(), c));
+    }
+    let rows: Vec<serde_json::Value> = rows
+        .into_iter()
+        .map(|(path, step, t)| {
+            let s = t.as_secs_f64();
+            println!("{:>8} {path:>26} {s:>10.2} {:>14.1}", prompt.len(), n / s);
+            json!({ "path": path, "prompt_tokens": prompt.len(), "tokens_a_step": step,
+                    "seconds": s, "tokens_per_s": n / s })
+        })
+        .collect();
+    println!("prefill_speedup {speedup:.2}x (chunks of {chunk} over a token a step); next-token logits equal: {same}");
+    assert!(same, "chunked prefill changed the next token's logits");
+    json!({ "rows": rows, "prefill_speedup": speedup, "same_logits": same })
+}
+
 fn measure(
     path: &std::path::Path,
     mistral: &[u8],
@@ -233,26 +345,8 @@ fn measure(
         .unwrap();
     rt.block_on(async {
         let max_tokens = prompt.len() + new + 1;
-        let loaded = Smol::load(path, max_tokens).unwrap();
         let memory = MemoryManager::builder().build().await.unwrap();
-        let kv = KvStoreConfig {
-            name: "kv".into(),
-            priority: 0,
-            shape: KvShape {
-                layers: 0,
-                q_heads: 1,
-                kv_heads: 1,
-                head_dim: 1,
-                max_tokens,
-                dtype: KvDtype::F32,
-            },
-            chunk_granules: 16,
-            preempt: PreemptMode::Swap,
-            wait: std::time::Duration::from_secs(30),
-            swap: SwapSpace::Auto,
-            map_ahead: true,
-        };
-        let engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
+        let engine = engine(path, &memory, max_tokens).await;
         engine.kv.open(1, prompt.to_vec(), 0).await.unwrap();
         let ours = |token: u32, pos: usize| {
             let e = &engine;
@@ -263,13 +357,11 @@ fn measure(
                     .remove(0)
             }
         };
-        // The store's step API grows a sequence by one token: the prompt goes in a token a
-        // step. candle's models take theirs at once (their fastest way); `quantized_mistral`
-        // in masked chunks of 512 (its attention matrix stays small).
-        let mut logits = Vec::new();
-        for (pos, &t) in prompt.iter().enumerate() {
-            logits = ours(t, pos).await;
-        }
+        // The prompt goes in chunks of the engine's step budget (the `prefill` rows compare
+        // that with a token a step). candle's models take theirs at once (their fastest
+        // way); `quantized_mistral` in masked chunks of 512 (its attention matrix stays
+        // small).
+        let (_, mut logits) = prefill(&engine, 1, prompt, engine.step_tokens).await;
         let mut mine = Measured::default();
         mine.tokens.push(argmax(&logits));
 
@@ -419,7 +511,18 @@ fn main() {
         ratio["tokens_per_s_ratio_mistral"] = json!(r);
         ratios.push(ratio);
     }
-    let report = json!({ "new_tokens": new, "rows": rows, "ratios": ratios });
+    let prefill_tokens: usize = std::env::var("PROCMEM_BENCH_PREFILL")
+        .ok()
+        .map(|v| v.parse().expect("PROCMEM_BENCH_PREFILL: a number"))
+        .unwrap_or(2000);
+    let chunk: usize = std::env::var("PROCMEM_BENCH_CHUNK")
+        .ok()
+        .map(|v| v.parse().expect("PROCMEM_BENCH_CHUNK: a number"))
+        .unwrap_or(procmem_model::serve::STEP_TOKENS);
+    let prefill = measure_prefill(&path, &prompt(&codec, prefill_tokens), chunk);
+    let report = json!({
+        "new_tokens": new, "rows": rows, "ratios": ratios, "prefill": prefill,
+    });
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/reports");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("real_model.json");

@@ -122,6 +122,24 @@ struct Args {
     /// This server's priority on the node: less important servers give back first.
     #[arg(long, default_value_t = 0)]
     node_priority: u32,
+    /// With `--model`: serve the OpenAI-compatible API here (e.g. 127.0.0.1:8080) until
+    /// Ctrl-C or SIGTERM, instead of the built-in prompts. `--concurrency` bounds the
+    /// requests running at once, `--max-new-tokens` is the default `max_tokens`.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Tokens each sequence holds at most with `--model` (prompt and completion); 512
+    /// for the built-in prompts, 2048 when listening, unless given.
+    #[arg(long)]
+    context: Option<usize>,
+    /// Requests waiting to start at most when listening; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    max_waiting: usize,
+    /// Seconds requests in flight have to finish after Ctrl-C or SIGTERM when listening.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace: u64,
+    /// Request bodies over this many bytes are answered 413 when listening.
+    #[arg(long, default_value = "1MiB")]
+    body_limit: String,
 }
 
 /// Requests one run may serve.
@@ -369,6 +387,8 @@ async fn serve(args: Args) -> Result<(), String> {
             );
         }
         let (budget, fraction) = match args.budget.trim() {
+            // A server's requests may each fill the context: all of them fit at `auto`.
+            "auto" if args.listen.is_some() => (None, Some(1.0)),
             "auto" => (None, Some(0.5)),
             b if b.ends_with('x') => match b[..b.len() - 1].trim().parse::<f64>() {
                 Ok(f) if f.is_finite() && f > 0.0 => (None, Some(f)),
@@ -379,6 +399,23 @@ async fn serve(args: Args) -> Result<(), String> {
                 }
             },
             b => (Some(parse_bytes(b)?), None),
+        };
+        let context = args
+            .context
+            .unwrap_or(if args.listen.is_some() { 2048 } else { 512 });
+        if !(16..=8192).contains(&context) {
+            return Err(format!("--context {context}: between 16 and 8192"));
+        }
+        let listen = match args.listen {
+            Some(addr) => Some(common::listen::Listen {
+                addr,
+                max_waiting: args.max_waiting,
+                max_running: args.concurrency.min(256),
+                default_max_tokens: args.max_new_tokens.min(context),
+                grace: std::time::Duration::from_secs(args.shutdown_grace.min(3600)),
+                body_limit: parse_bytes(&args.body_limit)?.clamp(1024, 1 << 30) as usize,
+            }),
+            None => None,
         };
         let run = common::real_model::RealRun {
             model: model.clone(),
@@ -395,10 +432,14 @@ async fn serve(args: Args) -> Result<(), String> {
                 Dtype::F32 => KvDtype::F32,
                 Dtype::F16 => KvDtype::F16,
             },
+            context,
+            listen,
         };
         let args = &args;
         return common::real_model::serve(run, |budget| async move {
-            let builder = MemoryManager::builder().host_budget(budget);
+            let builder = MemoryManager::builder()
+                .host_budget(budget)
+                .keep_metrics(args.listen.is_some());
             let memory = manager(args, builder).await?;
             let node = match args.node {
                 Some(addr) => Some(join_node(args, addr, &memory, false).await?),

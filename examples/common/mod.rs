@@ -1,6 +1,7 @@
 //! What the examples share: command-line parsing.
 #![allow(dead_code)]
 
+pub mod listen;
 pub mod real_model;
 
 /// A byte count: a number with an optional `B`, `KiB`, `MiB`, `GiB` or `TiB` suffix.

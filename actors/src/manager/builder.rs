@@ -26,6 +26,7 @@ pub struct MemoryManagerBuilder {
     cuda: Option<(u32, u64)>,
     unified: Option<bool>,
     metrics_addr: Option<SocketAddr>,
+    keep_metrics: bool,
     streams: usize,
     follow_machine: bool,
 }
@@ -52,6 +53,14 @@ impl MemoryManagerBuilder {
     /// Serves Prometheus metrics on `addr` at `/metrics` (off unless set).
     pub fn metrics_addr(mut self, addr: SocketAddr) -> Self {
         self.metrics_addr = Some(addr);
+        self
+    }
+
+    /// Keeps Prometheus metrics without an endpoint of its own: the embedder serves
+    /// [`MemoryManager::metrics_text`](crate::MemoryManager::metrics_text) where it likes (on
+    /// its own HTTP port, say). [`MemoryManagerBuilder::metrics_addr`] implies it.
+    pub fn keep_metrics(mut self, keep: bool) -> Self {
+        self.keep_metrics = keep;
         self
     }
 
@@ -110,13 +119,14 @@ impl MemoryManagerBuilder {
         let host_budget = self.host_budget_checked()?;
         // The recorder first: every actor takes its metric handles as it starts, and handles
         // taken before the recorder exists go to a no-op recorder for good.
-        let metrics = match self.metrics_addr {
-            Some(addr) => {
-                let (handle, exporter) = install_metrics(addr)?;
-                started.exporter = Some(exporter);
+        let metrics = match (self.metrics_addr, self.keep_metrics) {
+            (Some(addr), _) => {
+                let (handle, exporter) = install_metrics(Some(addr))?;
+                started.exporter = exporter;
                 Some(handle)
             }
-            None => None,
+            (None, true) => Some(install_metrics(None)?.0),
+            (None, false) => None,
         };
         // CUDA where asked: without a driver this is a typed error, never a silent fallback.
         let cuda = match self.cuda {
@@ -245,19 +255,34 @@ impl Started {
     }
 }
 
+/// Installs the process's Prometheus recorder, with an HTTP listener of its own at `addr`
+/// (or none: the embedder serves the text).
 pub(crate) fn install_metrics(
-    addr: SocketAddr,
-) -> Result<(PrometheusHandle, JoinHandle<()>), ManagerError> {
-    let metrics_error = |why: String| ManagerError::Metrics { addr, why };
+    addr: Option<SocketAddr>,
+) -> Result<(PrometheusHandle, Option<JoinHandle<()>>), ManagerError> {
+    let metrics_error = |why: String| ManagerError::Metrics {
+        addr: addr.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+        why,
+    };
     // Every latency is a histogram with buckets for its range (summaries cannot be summed
     // across processes).
-    let mut builder = PrometheusBuilder::new().with_http_listener(addr);
+    let mut builder = PrometheusBuilder::new();
     for m in procmem::metrics::all().filter(|m| !m.buckets.is_empty()) {
         builder = builder
             .set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)
             .map_err(|e| metrics_error(e.to_string()))?;
     }
-    let (recorder, exporter) = builder.build().map_err(|e| metrics_error(e.to_string()))?;
+    let Some(addr) = addr else {
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        ::metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
+        procmem::metrics::describe_all();
+        return Ok((handle, None));
+    };
+    let (recorder, exporter) = builder
+        .with_http_listener(addr)
+        .build()
+        .map_err(|e| metrics_error(e.to_string()))?;
     let handle = recorder.handle();
     ::metrics::set_global_recorder(recorder).map_err(|e| metrics_error(e.to_string()))?;
     procmem::metrics::describe_all();
@@ -266,5 +291,5 @@ pub(crate) fn install_metrics(
             tracing::error!(?error, "metrics exporter stopped");
         }
     });
-    Ok((handle, exporter))
+    Ok((handle, Some(exporter)))
 }

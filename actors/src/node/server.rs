@@ -88,7 +88,7 @@ impl NodeHandle {
     /// the metrics endpoint, if asked for).
     pub async fn start(config: NodeConfig) -> Result<Self, ractor::SpawnErr> {
         if let Some(addr) = config.metrics {
-            let (handle, _exporter) = crate::manager::install_metrics(addr)
+            let (handle, _exporter) = crate::manager::install_metrics(Some(addr))
                 .map_err(|e| ractor::SpawnErr::StartupFailed(e.to_string().into()))?;
             // The recorder is global; the handle renders it, the exporter task serves it.
             std::mem::forget(handle);

@@ -173,8 +173,8 @@ pub async fn ours_steps(
 
 /// The GGUF, its tokenizer and the prompts in the chat template; `None` (said) without it.
 pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
-    let Some(path) = smollm2_path() else {
-        eprintln!("SKIPPED: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
+    let Some(path) = procmem_model::fetch_smollm2() else {
+        eprintln!("SKIPPED: no SmolLM2 GGUF, and scripts/fetch-model.sh could not fetch it");
         return None;
     };
     let loaded = Smol::load(&path, 8).unwrap();

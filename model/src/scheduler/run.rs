@@ -1,0 +1,433 @@
+//! The scheduler's loop: intake, cancellations, restores, admission, one step, its answers.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use procmem_actors::{GovernorError, KvStoreError, Restored, SeqId};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::sync::mpsc;
+
+use super::{
+    next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest, SchedulerStats,
+    Shared, StepModel,
+};
+use crate::smollm::StepInput;
+use crate::ModelError;
+
+/// Times in a row a lone sequence's step is tried again after its deadline passed without
+/// room, before the request fails (the budget cannot hold it).
+const LONELY_RETRIES: u32 = 3;
+/// Steps without pressure after which admission opens again.
+const CALM_STEPS: u32 = 16;
+
+/// A request as submitted.
+pub(super) struct Queued {
+    pub(super) request: GenRequest,
+    pub(super) events: mpsc::UnboundedSender<Event>,
+    pub(super) arrived: Instant,
+}
+
+/// A request the loop holds: waiting, running or parked.
+struct Live {
+    id: SeqId,
+    q: Queued,
+    /// Prompt and generated tokens.
+    known: Vec<u32>,
+    generated: Vec<u32>,
+    /// Tokens whose KV the store holds.
+    pos: usize,
+    opened: bool,
+    rng: StdRng,
+    figures: Figures,
+    last: Option<Instant>,
+}
+
+impl Live {
+    fn gone(&self) -> bool {
+        self.q.events.is_closed()
+    }
+
+    fn send(&self, event: Event) {
+        let _ = self.q.events.send(event);
+    }
+}
+
+pub(super) struct Loop<'m, M: ?Sized> {
+    model: &'m M,
+    shared: Arc<Shared>,
+    rx: mpsc::UnboundedReceiver<Command>,
+    waiting: VecDeque<Live>,
+    running: Vec<Live>,
+    parked: VecDeque<Live>,
+    next: SeqId,
+    /// Set by a shutdown: when in-flight requests are cancelled.
+    deadline: Option<Instant>,
+    /// Every handle is gone.
+    closed: bool,
+    /// Pressure was met: nothing new is admitted while others run, until one finishes or
+    /// `CALM_STEPS` steps go through.
+    hold: bool,
+    calm: u32,
+    lonely: u32,
+    /// A restore refused while others ran waits until one of them finishes.
+    restore_blocked: bool,
+}
+
+impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
+    pub(super) fn new(
+        model: &'m M,
+        shared: Arc<Shared>,
+        rx: mpsc::UnboundedReceiver<Command>,
+    ) -> Self {
+        Loop {
+            model,
+            shared,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            parked: VecDeque::new(),
+            next: 0,
+            deadline: None,
+            closed: false,
+            hold: false,
+            calm: 0,
+            lonely: 0,
+            restore_blocked: false,
+        }
+    }
+
+    pub(super) async fn run(mut self) -> SchedulerStats {
+        while self.intake().await {
+            self.drop_cancelled();
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                self.cancel_all();
+                break;
+            }
+            self.restore_parked().await;
+            self.admit().await;
+            if !self.running.is_empty() {
+                self.step().await;
+            }
+        }
+        self.cancel_all();
+        self.shared.stats().clone()
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.parked.is_empty()
+    }
+
+    /// Takes what was submitted; with nothing to do, waits for it. False when the loop ends.
+    async fn intake(&mut self) -> bool {
+        if self.idle() {
+            if self.deadline.is_some() || self.closed {
+                return false;
+            }
+            match self.rx.recv().await {
+                Some(cmd) => self.command(cmd),
+                None => {
+                    self.closed = true;
+                    return false;
+                }
+            }
+        }
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => self.command(cmd),
+                Err(mpsc::error::TryRecvError::Empty) => return true,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.closed = true;
+                    return !self.idle();
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Drain(grace) => {
+                let at = Instant::now() + grace;
+                self.deadline = Some(self.deadline.map_or(at, |d| d.min(at)));
+            }
+            Command::Submit(q) => {
+                if self.deadline.is_some() {
+                    *self.shared.waiting() -= 1;
+                    let _ = q.events.send(Event::Failed(GenError::Stopped));
+                    return;
+                }
+                let id = next_id(&mut self.next);
+                let figures = Figures {
+                    prompt_tokens: q.request.prompt.len(),
+                    ..Figures::default()
+                };
+                self.waiting.push_back(Live {
+                    id,
+                    known: q.request.prompt.clone(),
+                    generated: Vec::new(),
+                    pos: 0,
+                    opened: false,
+                    rng: StdRng::seed_from_u64(q.request.sampling.seed),
+                    figures,
+                    last: None,
+                    q: *q,
+                });
+            }
+        }
+    }
+
+    /// Requests whose caller dropped the stream: closed, their memory back.
+    fn drop_cancelled(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|r| !r.gone());
+        let left = before - self.waiting.len();
+        *self.shared.waiting() -= left;
+        let mut gone = left as u64;
+        let kv = self.model.kv();
+        for r in self.running.iter().chain(&self.parked).filter(|r| r.gone()) {
+            kv.close(r.id);
+            gone += 1;
+        }
+        self.running.retain(|r| !r.gone());
+        self.parked.retain(|r| !r.gone());
+        if gone > 0 {
+            self.restore_blocked = false;
+            self.shared.stats().cancelled += gone;
+        }
+    }
+
+    fn cancel_all(&mut self) {
+        *self.shared.waiting() -= self.waiting.len();
+        let kv = self.model.kv();
+        for r in self.running.drain(..).chain(self.parked.drain(..)) {
+            kv.close(r.id);
+            r.send(Event::Failed(GenError::Cancelled));
+        }
+        for r in self.waiting.drain(..) {
+            if r.opened {
+                kv.close(r.id);
+            }
+            r.send(Event::Failed(GenError::Cancelled));
+        }
+    }
+
+    /// Fails `r` with `e`, closing its sequence.
+    fn fail(&self, r: Live, e: GenError) {
+        self.model.kv().close(r.id);
+        r.send(Event::Failed(e));
+    }
+
+    /// Preempted requests come back first, oldest first.
+    async fn restore_parked(&mut self) {
+        let most = self.shared.config.max_running;
+        while self.running.len() < most && !self.restore_blocked {
+            let Some(mut r) = self.parked.pop_front() else {
+                break;
+            };
+            match self.model.kv().restore(r.id).await {
+                Ok(Restored::Swapped { tokens }) => r.pos = tokens,
+                Ok(Restored::Recompute { .. }) => r.pos = 0,
+                Err(_) if !self.running.is_empty() => {
+                    self.parked.push_front(r);
+                    self.restore_blocked = true;
+                    break;
+                }
+                Err(e) => {
+                    self.fail(r, GenError::NoRoom(e));
+                    continue;
+                }
+            }
+            self.shared.stats().restores += 1;
+            self.running.push(r);
+        }
+    }
+
+    /// New requests start while nothing is parked and no pressure holds admission: the KV
+    /// store's open (its grant for the prompt's blocks) decides whether there is room.
+    async fn admit(&mut self) {
+        let config = &self.shared.config;
+        let most = config.max_running.min(config.step_tokens);
+        while self.parked.is_empty()
+            && self.running.len() < most
+            && (!self.hold || self.running.is_empty())
+        {
+            let Some(mut r) = self.waiting.pop_front() else {
+                break;
+            };
+            match self.model.kv().open(r.id, r.known.clone(), 0).await {
+                Ok(opened) => {
+                    if !r.opened {
+                        r.figures.cached_tokens = opened.cached_tokens;
+                        r.figures.queued = r.q.arrived.elapsed();
+                    }
+                    r.opened = true;
+                    // The store's position rule (`Opened`): fewer than the prompt's tokens.
+                    r.pos = opened.cached_tokens;
+                    *self.shared.waiting() -= 1;
+                    self.running.push(r);
+                }
+                Err(_) if !self.running.is_empty() => {
+                    self.waiting.push_front(r);
+                    self.hold = true;
+                    break;
+                }
+                Err(e) => {
+                    *self.shared.waiting() -= 1;
+                    r.send(Event::Failed(GenError::NoRoom(e)));
+                }
+            }
+        }
+    }
+
+    /// The step's inputs: every running sequence's next token, and as many more of the
+    /// prompts still being prefilled as the budget has room for, first come first.
+    fn plan(&self) -> Vec<StepInput> {
+        let mut spare = self
+            .shared
+            .config
+            .step_tokens
+            .saturating_sub(self.running.len());
+        self.running
+            .iter()
+            .map(|r| {
+                let left = r.known.len() - r.pos;
+                let more = (left - 1).min(spare);
+                spare -= more;
+                StepInput {
+                    seq: r.id,
+                    tokens: r.known[r.pos..r.pos + 1 + more].to_vec(),
+                    position: r.pos,
+                }
+            })
+            .collect()
+    }
+
+    async fn step(&mut self) {
+        let inputs = self.plan();
+        match self.model.step(&inputs).await {
+            Ok(logits) => self.stepped(&inputs, logits),
+            Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
+                self.pressure();
+                self.shared.stats().preemptions += 1;
+                if let Some(i) = self.running.iter().position(|r| r.id == seq) {
+                    let mut r = self.running.remove(i);
+                    r.figures.preemptions += 1;
+                    self.parked.push_back(r);
+                }
+            }
+            Err(ModelError::Prepare(KvStoreError::Governor(
+                GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
+            ))) if self.running.len() > 1 => {
+                // The batch does not fit: the newest request starts over later from the
+                // tokens it knows (what it streamed already is not sent again).
+                self.pressure();
+                let mut r = self.running.pop().expect("more than one");
+                self.model.kv().close(r.id);
+                r.pos = 0;
+                r.figures.preemptions += 1;
+                self.shared.stats().shed += 1;
+                *self.shared.waiting() += 1;
+                self.waiting.push_front(r);
+            }
+            Err(ModelError::Prepare(KvStoreError::Governor(GovernorError::DeadlineExpired(_))))
+                if self.lonely < LONELY_RETRIES =>
+            {
+                // One sequence alone did not get room by its deadline: holders may still be
+                // freeing (a swap's copy, a fence), so it tries again, a few times.
+                self.lonely += 1;
+                self.shared.stats().retries += 1;
+            }
+            Err(e) => {
+                // The step's requests cannot go on: each fails with what happened.
+                self.lonely = 0;
+                let text = e.to_string();
+                let mut first = Some(match e {
+                    ModelError::Prepare(kv) => GenError::NoRoom(kv),
+                    other => GenError::Model(other),
+                });
+                for r in std::mem::take(&mut self.running) {
+                    let e = first
+                        .take()
+                        .unwrap_or_else(|| GenError::Model(ModelError::Compute(text.clone())));
+                    self.fail(r, e);
+                }
+                self.restore_blocked = false;
+            }
+        }
+    }
+
+    fn pressure(&mut self) {
+        self.hold = true;
+        self.calm = 0;
+    }
+
+    fn stepped(&mut self, inputs: &[StepInput], logits: Vec<Vec<f32>>) {
+        self.lonely = 0;
+        self.calm += 1;
+        if self.calm >= CALM_STEPS {
+            self.hold = false;
+        }
+        let detok = self.shared.config.detokenize.clone();
+        let context = self.shared.config.context;
+        let mut stats = SchedulerStats::default();
+        let mut ended = Vec::new();
+        for (i, (l, input)) in logits.into_iter().zip(inputs).enumerate() {
+            let r = &mut self.running[i];
+            r.pos += input.tokens.len();
+            if r.pos < r.known.len() {
+                stats.prefilled += input.tokens.len() as u64;
+                continue;
+            }
+            stats.prefilled += input.tokens.len() as u64 - 1;
+            let request = &r.q.request;
+            let t = sample(&l, &request.sampling, &mut r.rng);
+            let now = Instant::now();
+            match r.last {
+                None => r.figures.first_token = Some(r.q.arrived.elapsed()),
+                Some(last) => r.figures.inter_token.push(now - last),
+            }
+            r.last = Some(now);
+            r.known.push(t);
+            r.generated.push(t);
+            r.figures.completion_tokens += 1;
+            stats.generated += 1;
+            let logits = request.keep_logits.then_some(l);
+            let _ = r.q.events.send(Event::Token { token: t, logits });
+            let stopped = request.stop_tokens.contains(&t)
+                || detok.as_ref().is_some_and(|d| {
+                    let text = d(&r.generated);
+                    request
+                        .stop
+                        .iter()
+                        .any(|s| !s.is_empty() && text.contains(s))
+                });
+            let reason = if stopped {
+                Some(FinishReason::Stop)
+            } else if r.generated.len() >= request.max_tokens || r.known.len() >= context {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                ended.push((i, reason));
+            }
+        }
+        for (i, reason) in ended.into_iter().rev() {
+            let r = self.running.remove(i);
+            self.model.kv().close(r.id);
+            r.send(Event::Finished {
+                reason,
+                figures: r.figures.clone(),
+            });
+            stats.finished += 1;
+            self.restore_blocked = false;
+            self.hold = false;
+        }
+        let mut total = self.shared.stats();
+        total.steps += 1;
+        total.generated += stats.generated;
+        total.prefilled += stats.prefilled;
+        total.finished += stats.finished;
+    }
+}

@@ -1,0 +1,161 @@
+//! What a caller hands the scheduler and what it gets back.
+
+use std::time::Duration;
+
+use procmem_actors::KvStoreError;
+
+use crate::ModelError;
+
+/// How the next token is chosen from the logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0 is greedy (the largest logit, the first on a tie); above, the logits are divided by
+    /// it before the softmax.
+    pub temperature: f32,
+    /// Nucleus sampling: only the most likely tokens whose probabilities sum to at least this
+    /// are kept (1 keeps all).
+    pub top_p: f32,
+    /// The generator's seed: the same seed, prompt and settings give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// One completion to generate.
+#[derive(Debug, Clone, Default)]
+pub struct GenRequest {
+    /// Prompt tokens (at least one).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least one).
+    pub max_tokens: usize,
+    /// How tokens are chosen.
+    pub sampling: Sampling,
+    /// Generation stops after any of these tokens (the model's end of turn, say).
+    pub stop_tokens: Vec<u32>,
+    /// Generation stops once the completion's text contains any of these (needs the
+    /// scheduler's detokenizer).
+    pub stop: Vec<String>,
+    /// Keep the logits each token was chosen from in its event.
+    pub keep_logits: bool,
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It reached its `max_tokens`, or the context's end.
+    Length,
+    /// A stop token or stop string.
+    Stop,
+}
+
+/// Per-request figures.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Figures {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from shared cached blocks at its first open.
+    pub cached_tokens: usize,
+    /// Times pressure preempted it (or its step did not fit and it started over).
+    pub preemptions: u32,
+    /// From submission to its first step.
+    pub queued: Duration,
+    /// From submission to its first token.
+    pub first_token: Option<Duration>,
+    /// Between consecutive tokens.
+    pub inter_token: Vec<Duration>,
+}
+
+/// What a request's stream carries: tokens as they are chosen, then one end.
+#[derive(Debug)]
+pub enum Event {
+    /// The next token.
+    Token {
+        /// Its id.
+        token: u32,
+        /// The logits it was chosen from, where asked for.
+        logits: Option<Vec<f32>>,
+    },
+    /// The completion ended.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Its figures.
+        figures: Figures,
+    },
+    /// The completion failed; nothing more comes.
+    Failed(GenError),
+}
+
+/// Why a request was refused or failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GenError {
+    /// A request with no prompt token.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// `max_tokens` of 0.
+    #[error("max_tokens must be at least 1")]
+    NoTokens,
+    /// The prompt leaves no room for a token in the context.
+    #[error("the prompt has {prompt} tokens: the context holds {context}")]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// The context per sequence.
+        context: usize,
+    },
+    /// A sampling setting out of range.
+    #[error("{0}")]
+    BadSampling(&'static str),
+    /// More requests wait than the scheduler takes.
+    #[error("{waiting} requests are waiting already")]
+    QueueFull {
+        /// Requests waiting.
+        waiting: usize,
+    },
+    /// The scheduler is shutting down or gone.
+    #[error("the scheduler is not taking requests")]
+    Stopped,
+    /// It was still running when the shutdown's grace period ended.
+    #[error("cancelled at shutdown")]
+    Cancelled,
+    /// The memory could not hold it, even alone.
+    #[error("no room: {0}")]
+    NoRoom(#[source] KvStoreError),
+    /// The model or the KV store failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// What the scheduler did, over its whole run.
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Tokens generated.
+    pub generated: u64,
+    /// Prompt tokens computed (after prefix hits; replays included).
+    pub prefilled: u64,
+    /// Preemptions met.
+    pub preemptions: u64,
+    /// Restores (swapped back, or dropped and replayed).
+    pub restores: u64,
+    /// Requests shed (closed and started over) because a step did not fit.
+    pub shed: u64,
+    /// Steps of a lone sequence that did not get room by their deadline and were tried again.
+    pub retries: u64,
+    /// Requests whose caller went away before the end.
+    pub cancelled: u64,
+    /// Requests finished.
+    pub finished: u64,
+}

@@ -1,0 +1,552 @@
+//! The main job's OpenAI-compatible API (`--model smollm2 --listen`) from the outside, with
+//! real clients: curl (whole answers, `-N` streams, every bad input with its status and error
+//! type), the official Python `openai` client (a streamed and a whole chat completion, equal to
+//! the library's own greedy completion), a client that leaves mid-stream (its sequence closed,
+//! the KV back to empty), a full queue (429 with `Retry-After`), and SIGTERM with a request in
+//! flight (exit 0, books at zero).
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// The main job listening on a port of its own choosing.
+struct Server {
+    child: Child,
+    addr: String,
+    out: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts it with `extra` arguments; `None` (said) without the model.
+    fn start(extra: &[&str]) -> Option<Server> {
+        procmem_model::fetch_smollm2().or_else(|| {
+            eprintln!("SKIPPED: no SmolLM2 GGUF, and scripts/fetch-model.sh could not fetch it");
+            None
+        })?;
+        let mut args = vec!["--model", "smollm2", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let mut child = Command::new(common::example("inference_server"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let out = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let keep = Arc::clone(&out);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("listening on http://") {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+                }
+                let mut o = keep.lock().unwrap();
+                o.push_str(&line);
+                o.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not listen: {}", out.lock().unwrap());
+            }
+        };
+        Some(Server { child, addr, out })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// SIGTERM, then its exit status and everything it printed.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        let out = self.out.lock().unwrap().clone();
+        (status, out)
+    }
+
+    /// A gauge of the KV store from `/metrics`.
+    fn kv_gauge(&self, name: &str) -> f64 {
+        let (_, _, body) = curl(&[&self.url("/metrics")]);
+        body.lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// curl with `args`: (status, headers, body).
+fn curl(args: &[&str]) -> (u16, String, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "-i", "--max-time", "120"])
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+fn post(server: &Server, path: &str, body: &str) -> (u16, String, String) {
+    curl(&[
+        "-H",
+        "content-type: application/json",
+        "--data-binary",
+        body,
+        &server.url(path),
+    ])
+}
+
+const SYSTEM: &str = "You are a helpful assistant who answers briefly and accurately. You \
+    never make up facts; when you do not know, you say so. You answer in plain English, in \
+    one or two short sentences, without lists, headings or code unless asked for them.";
+const QUESTION: &str = "What is the capital of France?";
+
+/// The library's own greedy completion of the chat prompt, in this process.
+fn library_greedy(user: &str, max_new: usize) -> String {
+    let path = procmem_model::smollm2_path().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let loaded = procmem_model::Smol::load(&path, 512).unwrap();
+        let codec = procmem_model::TextCodec::new(&loaded.tokenizer).unwrap();
+        let prompt = codec
+            .chat_messages(&[("system", SYSTEM), ("user", user)])
+            .unwrap();
+        let memory = procmem_actors::MemoryManager::builder()
+            .build()
+            .await
+            .unwrap();
+        let config = procmem_actors::KvStoreConfig {
+            name: "kv".into(),
+            priority: 0,
+            shape: loaded
+                .model
+                .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, 512),
+            chunk_granules: 3,
+            preempt: procmem_actors::PreemptMode::Swap,
+            wait: Duration::from_secs(5),
+            swap: procmem_actors::SwapSpace::Auto,
+            map_ahead: false,
+        };
+        let engine = procmem_model::Engine::start(&memory, loaded, config, codec.eos)
+            .await
+            .unwrap();
+        let request = procmem_model::Request {
+            id: 1,
+            prompt,
+            max_new,
+        };
+        let (done, _) = engine.generate(vec![request], 1, false).await.unwrap();
+        drop(engine);
+        memory.shutdown().await.unwrap();
+        codec.decode(&done[0].tokens).unwrap()
+    })
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(|d| d.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn real_clients_get_the_librarys_completion_and_bad_input_gets_an_error_object() {
+    let Some(server) = Server::start(&[
+        "--body-limit",
+        "64KiB",
+        "--concurrency",
+        "4",
+        "--context",
+        "1024",
+    ]) else {
+        return;
+    };
+    let (status, _, body) = curl(&[&server.url("/health")]);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = curl(&[&server.url("/v1/models")]);
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "smollm2-135m-instruct");
+
+    // A whole chat completion, greedy, and the same streamed with curl -N.
+    let ask = |stream: bool| {
+        json!({
+            "model": "smollm2-135m-instruct",
+            "messages": [
+                { "role": "system", "content": SYSTEM },
+                { "role": "user", "content": QUESTION },
+            ],
+            "max_tokens": 24, "temperature": 0, "stream": stream,
+        })
+        .to_string()
+    };
+    let (status, _, body) = post(&server, "/v1/chat/completions", &ask(false));
+    assert_eq!(status, 200, "{body}");
+    let whole: Value = serde_json::from_str(&body).unwrap();
+    let text = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let usage = &whole["usage"];
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{whole}");
+    assert!(usage["completion_tokens"].as_u64().unwrap() > 0, "{whole}");
+    assert!(
+        usage["prompt_tokens_details"]["cached_tokens"].is_u64(),
+        "{whole}"
+    );
+    let (status, _, body) = curl(&[
+        "-N",
+        "-H",
+        "content-type: application/json",
+        "--data-binary",
+        &ask(true),
+        &server.url("/v1/chat/completions"),
+    ]);
+    assert_eq!(status, 200, "{body}");
+    let events = sse_data(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    let last = chunks.last().unwrap();
+    assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
+    assert_eq!(
+        last["usage"]["completion_tokens"],
+        usage["completion_tokens"]
+    );
+    // The second time the prompt's whole blocks came from the prefix cache.
+    assert!(
+        last["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{last}"
+    );
+    assert_eq!(text, library_greedy(QUESTION, 24));
+    eprintln!("http_api: greedy chat answer {text:?}, equal streamed, whole, and in-process");
+
+    // The official Python client, streamed and whole.
+    let python = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/openai-venv.sh"
+        ))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    match python {
+        None => eprintln!("SKIPPED: the openai client could not be installed"),
+        Some(python) => {
+            let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="none")
+msgs = [{"role": "system", "content": sys.argv[3]}, {"role": "user", "content": sys.argv[2]}]
+whole = c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=24, temperature=0)
+parts = []
+for ch in c.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, max_tokens=24, temperature=0, stream=True):
+    if ch.choices and ch.choices[0].delta.content:
+        parts.append(ch.choices[0].delta.content)
+import json
+print(json.dumps({"whole": whole.choices[0].message.content, "streamed": "".join(parts),
+                  "completion_tokens": whole.usage.completion_tokens}))
+"#;
+            let out = Command::new(python)
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .args(["-c", script, &server.url("/v1"), QUESTION, SYSTEM])
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let got: Value = serde_json::from_str(stdout.trim()).unwrap();
+            assert_eq!(got["whole"], text.as_str(), "{stdout}");
+            assert_eq!(got["streamed"], text.as_str(), "{stdout}");
+            eprintln!("http_api: the openai client read the same answer streamed and whole");
+        }
+    }
+
+    // Bad input: each its status and error type, never a panic.
+    let big = format!(r#"{{"prompt": "{}"}}"#, "x".repeat(100_000));
+    let long: Vec<u32> = vec![100; 3000];
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        (
+            "/v1/completions",
+            "{not json".into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": "ten"}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 0}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 1000000000000}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": -1}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            json!({ "prompt": long }).to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": [4000000000]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": ""}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "n": 2}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "temperature": -1}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "top_p": 0}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "stop": ["a","b","c","d","e"]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": ["a", "b"]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/completions",
+            r#"{"max_tokens": 3}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        ("/v1/completions", big, 413, "invalid_request_error"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"role": "tool", "content": "x"}]}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": "hello"}"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"[1, 2, 3]"#.into(),
+            400,
+            "invalid_request_error",
+        ),
+        ("/v1/nothing", "{}".into(), 404, "invalid_request_error"),
+    ];
+    for (path, body, want, kind) in &cases {
+        let (status, _, got) = post(&server, path, body);
+        let shown = &body[..body.len().min(80)];
+        assert_eq!(status, *want, "{path} {shown}: {got}");
+        let e: Value = serde_json::from_str(&got).unwrap_or_else(|_| panic!("{shown}: {got}"));
+        assert_eq!(e["error"]["type"], *kind, "{shown}: {got}");
+        assert!(e["error"]["message"].is_string(), "{got}");
+    }
+    eprintln!(
+        "http_api: {} bad requests, each its status and error object",
+        cases.len()
+    );
+    // A whole completion with extra fields clients send, and a stop string.
+    let (status, _, body) = post(
+        &server,
+        "/v1/completions",
+        r#"{"prompt": "One, two, three,", "max_tokens": 16, "temperature": 0, "stop": [","], "frequency_penalty": 0, "user": "x"}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        !v["choices"][0]["text"].as_str().unwrap().contains(','),
+        "{v}"
+    );
+    let (status, out) = server.stop();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("books after shutdown: zero"), "{out}");
+}
+
+/// Reads from `stream` until `n` SSE events came (or the limit passed).
+fn read_events(stream: &mut TcpStream, n: usize) -> String {
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let start = Instant::now();
+    while seen.matches("data:").count() < n && start.elapsed() < Duration::from_secs(60) {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => seen.push_str(&String::from_utf8_lossy(&buf[..k])),
+            Err(_) => break,
+        }
+    }
+    seen
+}
+
+fn open_stream(server: &Server, max_tokens: usize) -> TcpStream {
+    let body = json!({
+        // Counting goes on for as long as it is allowed to.
+        "prompt": "The numbers from 1 to 1000, separated by commas: 1, 2, 3, 4, 5, 6, 7,",
+        "max_tokens": max_tokens, "temperature": 0, "stream": true,
+    })
+    .to_string();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        server.addr,
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+#[test]
+fn a_client_leaving_mid_stream_cancels_and_sigterm_ends_with_the_books_at_zero() {
+    let Some(server) = Server::start(&[
+        "--concurrency",
+        "1",
+        "--max-waiting",
+        "2",
+        "--shutdown-grace",
+        "3",
+    ]) else {
+        return;
+    };
+    // A client reads three events of a long completion, then hangs up.
+    let mut s = open_stream(&server, 400);
+    let seen = read_events(&mut s, 3);
+    assert!(seen.starts_with("HTTP/1.1 200"), "{seen}");
+    drop(s);
+    let start = Instant::now();
+    while server.kv_gauge("procmem_kv_sequences") > 0.0
+        || server.kv_gauge("procmem_kv_tokens") > 0.0
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the sequence of a client that left is still open"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, _, health) = curl(&[&server.url("/health")]);
+    let health: Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["cancelled"], 1, "{health}");
+    eprintln!(
+        "http_api: a client that left after 3 events: sequence closed, KV tokens 0, in {:?}",
+        start.elapsed()
+    );
+
+    // One running, two waiting: the next ones are refused with 429 and Retry-After.
+    let mut held: Vec<TcpStream> = (0..3).map(|_| open_stream(&server, 300)).collect();
+    let first = read_events(&mut held[0], 1);
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, head, body) = post(
+        &server,
+        "/v1/completions",
+        r#"{"prompt": "hi", "max_tokens": 2}"#,
+    );
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after: 1"),
+        "{head}"
+    );
+    let e: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(e["error"]["type"], "rate_limit_error");
+
+    // SIGTERM with requests in flight: they finish or are cancelled within the grace
+    // period, and the process exits 0 with the books at zero.
+    let (status, out) = server.stop();
+    drop(held);
+    assert!(status.success(), "{out}");
+    assert!(out.contains("books after shutdown: zero"), "{out}");
+    eprintln!("http_api: SIGTERM with 3 requests in flight: exit 0, books zero");
+}
