@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{another_holder_asks, kv_config, kv_floats, kv_system};
+use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
@@ -27,23 +27,6 @@ const SHAPE: KvShape = KvShape {
 async fn store(shape: KvShape, capacity: u64) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
     let config = kv_config(shape, 2, PreemptMode::Swap, Duration::from_millis(300));
     kv_system(capacity, config).await
-}
-
-/// Waits until the store's books, the Governor's and the kernel's agree.
-async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::KvStoreStats {
-    let start = std::time::Instant::now();
-    loop {
-        let s = kv.stats().await.unwrap();
-        let ledger = g.snapshot().await.unwrap().books.leased;
-        if s.leased_bytes == ledger && ledger == s.os_resident_bytes {
-            return s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "ledger {ledger} vs store {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// One whole step for `seq` at `pos` through the server's own kernel: returns each layer's

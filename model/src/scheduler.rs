@@ -74,12 +74,15 @@ impl std::fmt::Debug for SchedulerConfig {
     }
 }
 
+/// The default token budget of a step ([`SchedulerConfig::step_tokens`]).
+pub const STEP_TOKENS: usize = 256;
+
 impl SchedulerConfig {
-    /// Defaults for a context of `context` tokens: 256 tokens a step, 64 running, 256
-    /// waiting, no detokenizer.
+    /// Defaults for a context of `context` tokens: [`STEP_TOKENS`] tokens a step, 64
+    /// running, 256 waiting, no detokenizer.
     pub fn new(context: usize) -> Self {
         SchedulerConfig {
-            step_tokens: 256,
+            step_tokens: STEP_TOKENS,
             max_running: 64,
             max_waiting: 256,
             context,

@@ -80,8 +80,8 @@ pub struct Engine {
     pub step_tokens: usize,
 }
 
-/// The default of [`Engine::step_tokens`].
-pub const STEP_TOKENS: usize = 256;
+/// The default of [`Engine::step_tokens`]: the scheduler's.
+pub use crate::scheduler::STEP_TOKENS;
 
 impl Engine {
     /// Puts `loaded`'s layers under residency (offloadable: each layer a unit, priority 10)

@@ -25,6 +25,24 @@ pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvid
     (g, p)
 }
 
+/// Waits (up to 10 s) until the store's books, the Governor's and the kernel's agree;
+/// returns the store's figures then.
+pub async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::KvStoreStats {
+    let start = Instant::now();
+    loop {
+        let s = kv.stats().await.unwrap();
+        let ledger = g.snapshot().await.unwrap().books.leased;
+        if s.leased_bytes == ledger && ledger == s.os_resident_bytes {
+            return s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "ledger {ledger} vs store {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A KV store configuration named "kv" at priority 0, swapping to the default space.
 pub fn kv_config(
     shape: KvShape,
