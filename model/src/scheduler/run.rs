@@ -218,10 +218,12 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         r.send(Event::Failed(e));
     }
 
-    /// Preempted requests come back first, oldest first.
+    /// Preempted requests come back first, oldest first: once one of those still running
+    /// has finished since the last preemption (or none runs), so a restore does not take the
+    /// room a preemption just made and get preempted again, round and round.
     async fn restore_parked(&mut self) {
         let most = self.shared.config.max_running;
-        while self.running.len() < most && !self.restore_blocked {
+        while self.running.len() < most && (!self.restore_blocked || self.running.is_empty()) {
             let Some(mut r) = self.parked.pop_front() else {
                 break;
             };
@@ -309,6 +311,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             Ok(logits) => self.stepped(&inputs, logits),
             Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
                 self.pressure();
+                self.restore_blocked = true;
                 self.shared.stats().preemptions += 1;
                 if let Some(i) = self.running.iter().position(|r| r.id == seq) {
                     let mut r = self.running.remove(i);

@@ -1,0 +1,292 @@
+//! The library's scheduler over a toy model whose next token depends on every K row the
+//! store holds (so a restore that lost or moved a row changes the answer): completions under
+//! pressure equal those without, a dropped stream closes its sequence, a full queue and a
+//! shutdown refuse and cancel, stop tokens, seeds and careless requests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::{KvStoreConfig, KvStoreHandle, MemoryManager, PreemptMode, SwapSpace};
+use procmem_model::scheduler::{
+    Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
+    SchedulerHandle, StepFuture, StepModel,
+};
+use procmem_model::{ModelError, StepInput};
+
+const VOCAB: usize = 97;
+const SHAPE: KvShape = KvShape {
+    layers: 1,
+    q_heads: 1,
+    kv_heads: 1,
+    head_dim: 8,
+    max_tokens: 256,
+    dtype: KvDtype::F32,
+};
+
+/// Each new row's K holds its token; the logits of a sequence's last new row are one-hot at
+/// the sum of every K row up to it (mod the vocabulary).
+struct Toy {
+    kv: KvStoreHandle,
+}
+
+impl StepModel for Toy {
+    fn kv(&self) -> &KvStoreHandle {
+        &self.kv
+    }
+
+    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
+        Box::pin(async move {
+            let counts = batch.iter().map(|b| (b.seq, b.tokens.len())).collect();
+            let step = self
+                .kv
+                .prepare_tokens(counts)
+                .await
+                .map_err(ModelError::Prepare)?;
+            for (b, &held) in batch.iter().zip(step.positions()) {
+                if held != b.position {
+                    return Err(ModelError::Position {
+                        seq: b.seq,
+                        held,
+                        asked: b.position,
+                    });
+                }
+            }
+            let rows: Vec<Vec<u32>> = batch.iter().map(|b| b.tokens.clone()).collect();
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            step.submit(move |kv| {
+                let e = SHAPE.token_elems();
+                let mut out = Vec::new();
+                for (i, tokens) in rows.iter().enumerate() {
+                    let k: Vec<f32> = tokens
+                        .iter()
+                        .flat_map(|&t| std::iter::repeat_n(t as f32, e))
+                        .collect();
+                    kv.write_rows(i, 0, 0, &k, &k).unwrap();
+                    let keys = kv.keys::<f32>(i, 0).unwrap();
+                    let sum: u64 = keys.iter().step_by(e).map(|&x| x as u64).sum();
+                    let mut logits = vec![0f32; VOCAB];
+                    logits[(sum % VOCAB as u64) as usize] = 1.0;
+                    out.push(logits);
+                }
+                let _ = tx.send(out);
+            })
+            .map_err(|e| ModelError::Store(e.to_string()))?;
+            let logits = rx
+                .await
+                .map_err(|_| ModelError::Compute("the kernel panicked".into()))?;
+            step.finish()
+                .await
+                .map_err(|e| ModelError::Store(e.to_string()))?;
+            Ok(logits)
+        })
+    }
+}
+
+async fn toy(budget: Option<u64>, preempt: PreemptMode) -> (MemoryManager, Arc<Toy>) {
+    let mut builder = MemoryManager::builder();
+    if let Some(b) = budget {
+        builder = builder.host_budget(b);
+    }
+    let memory = builder.build().await.unwrap();
+    let kv = memory
+        .kv_store(KvStoreConfig {
+            name: "kv".into(),
+            priority: 0,
+            shape: SHAPE,
+            chunk_granules: 1,
+            preempt,
+            wait: Duration::from_millis(500),
+            swap: SwapSpace::Auto,
+            map_ahead: false,
+        })
+        .await
+        .unwrap();
+    (memory, Arc::new(Toy { kv }))
+}
+
+fn request(prompt_len: usize, seed: u32, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt: (0..prompt_len as u32)
+            .map(|i| (i * 7 + seed) % 50)
+            .collect(),
+        max_tokens,
+        ..GenRequest::default()
+    }
+}
+
+/// Tokens until the end, and how it ended.
+async fn drain(mut g: Generation) -> (Vec<u32>, Result<FinishReason, GenError>) {
+    let mut tokens = Vec::new();
+    while let Some(e) = g.next().await {
+        match e {
+            Event::Token { token, .. } => tokens.push(token),
+            Event::Finished { reason, .. } => return (tokens, Ok(reason)),
+            Event::Failed(e) => return (tokens, Err(e)),
+        }
+    }
+    (tokens, Err(GenError::Stopped))
+}
+
+async fn run_all(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u64) {
+    let (memory, model) = toy(budget, preempt).await;
+    let config = SchedulerConfig::new(SHAPE.max_tokens)
+        .step_tokens(48)
+        .max_running(8);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let streams: Vec<Generation> = (0..12)
+        .map(|i| handle.submit(request(5 + 9 * i, i as u32, 40)).unwrap())
+        .collect();
+    let mut out = Vec::new();
+    for g in streams {
+        let (tokens, end) = drain(g).await;
+        assert_eq!(end.unwrap(), FinishReason::Length);
+        out.push(tokens);
+    }
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert_eq!(stats.finished, 12);
+    drop(model);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report:?}");
+    (out, stats.preemptions + stats.shed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_under_pressure_equal_those_without() {
+    let (free, none) = run_all(None, PreemptMode::Swap).await;
+    assert_eq!(none, 0);
+    // Room for about three of the twelve sequences at their longest.
+    let per_seq = 2 * SHAPE.layers as u64 * 4096 * 2;
+    for preempt in [PreemptMode::Swap, PreemptMode::Recompute] {
+        let (pressed, met) = run_all(Some(3 * per_seq), preempt).await;
+        eprintln!("scheduler_pressure ({preempt:?}): {met} preemptions or sheds");
+        assert!(met > 0, "no pressure met under {preempt:?}");
+        assert_eq!(pressed, free, "{preempt:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_stream_closes_its_sequence_and_its_memory_comes_back() {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), SchedulerConfig::new(256));
+    let mut g = handle.submit(request(30, 1, 200)).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(g.next().await, Some(Event::Token { .. })));
+    }
+    drop(g);
+    let start = std::time::Instant::now();
+    loop {
+        let s = model.kv.stats().await.unwrap();
+        if s.sequences == 0 && handle.stats().cancelled == 1 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The scheduler goes on serving.
+    let (tokens, end) = drain(handle.submit(request(10, 2, 5)).unwrap()).await;
+    assert_eq!((tokens.len(), end.unwrap()), (5, FinishReason::Length));
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_and_a_shutdown_cancels_what_is_left() {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(256).max_waiting(2).max_running(1);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    // One thread: nothing runs between these, so both wait.
+    let a = handle.submit(request(10, 1, 200)).unwrap();
+    let b = handle.submit(request(10, 2, 200)).unwrap();
+    let refused = handle.submit(request(10, 3, 200)).unwrap_err();
+    assert!(
+        matches!(refused, GenError::QueueFull { waiting: 2 }),
+        "{refused:?}"
+    );
+    handle.shutdown(Duration::ZERO);
+    let (_, a_end) = drain(a).await;
+    let (_, b_end) = drain(b).await;
+    assert!(matches!(a_end, Err(GenError::Cancelled)), "{a_end:?}");
+    assert!(matches!(b_end, Err(GenError::Cancelled)), "{b_end:?}");
+    let late = handle.submit(request(10, 4, 2)).unwrap_err();
+    assert!(matches!(late, GenError::Stopped), "{late:?}");
+    task.await.unwrap();
+    assert_eq!(handle.waiting(), 0);
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_tokens_seeds_and_careless_requests() {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), SchedulerConfig::new(256));
+    // The toy's first token for this prompt, then a stop on it.
+    let (first, _) = drain(handle.submit(request(12, 5, 1)).unwrap()).await;
+    let mut stop = request(12, 5, 50);
+    stop.stop_tokens = vec![first[0]];
+    let (tokens, end) = drain(handle.submit(stop).unwrap()).await;
+    assert_eq!((tokens, end.unwrap()), (first.clone(), FinishReason::Stop));
+    // Sampling at a temperature: the same seed gives the same tokens.
+    let hot = |seed| GenRequest {
+        sampling: Sampling {
+            temperature: 5.0,
+            top_p: 0.9,
+            seed,
+        },
+        ..request(12, 5, 20)
+    };
+    let (x, _) = drain(handle.submit(hot(9)).unwrap()).await;
+    let (y, _) = drain(handle.submit(hot(9)).unwrap()).await;
+    assert_eq!(x, y);
+    // A context's end ends a request that asked for more.
+    let (long, end) = drain(handle.submit(request(250, 1, usize::MAX)).unwrap()).await;
+    assert_eq!((long.len(), end.unwrap()), (6, FinishReason::Length));
+    for (r, want) in [
+        (request(0, 1, 5), "EmptyPrompt"),
+        (request(5, 1, 0), "NoTokens"),
+        (request(256, 1, 5), "TooLong"),
+        (request(usize::MAX >> 60, 1, 1), "none"),
+        (
+            GenRequest {
+                sampling: Sampling {
+                    temperature: f32::NAN,
+                    ..Sampling::default()
+                },
+                ..request(5, 1, 5)
+            },
+            "BadSampling",
+        ),
+        (
+            GenRequest {
+                sampling: Sampling {
+                    top_p: 0.0,
+                    ..Sampling::default()
+                },
+                ..request(5, 1, 5)
+            },
+            "BadSampling",
+        ),
+        (
+            GenRequest {
+                stop: vec!["x".into()],
+                ..request(5, 1, 5)
+            },
+            "BadSampling",
+        ),
+    ] {
+        match handle.submit(r) {
+            Err(e) => assert!(format!("{e:?}").contains(want), "{e:?} vs {want}"),
+            Ok(g) => {
+                assert_eq!(want, "none");
+                drain(g).await.1.unwrap();
+            }
+        }
+    }
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
