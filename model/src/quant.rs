@@ -18,6 +18,8 @@ use candle_core::quantized::k_quants::{
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Module, Tensor};
 
+mod q4_1;
+
 use crate::gguf::TensorSlot;
 use crate::smollm::{cerr, matmul};
 use crate::ModelError;
@@ -85,7 +87,10 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
             let mkn = (m, k, n);
             let out = match slot.dtype {
                 GgmlDType::Q4_0 => run::<BlockQ4_0>(weights, mkn, &lhs),
-                GgmlDType::Q4_1 => run::<BlockQ4_1>(weights, mkn, &lhs),
+                GgmlDType::Q4_1 => match q4_1::matmul(m, k, n, &lhs, weights) {
+                    Some(v) => Some(Ok(v)),
+                    None => run::<BlockQ4_1>(weights, mkn, &lhs),
+                },
                 GgmlDType::Q5_0 => run::<BlockQ5_0>(weights, mkn, &lhs),
                 GgmlDType::Q5_1 => run::<BlockQ5_1>(weights, mkn, &lhs),
                 GgmlDType::Q8_0 => run::<BlockQ8_0>(weights, mkn, &lhs),

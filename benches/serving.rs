@@ -1,0 +1,516 @@
+//! serving: a load generator against the OpenAI-compatible server, procmem's main job
+//! (`--model smollm2 --listen`, f16 KV) beside llama.cpp's own `llama-server` on the same GGUF,
+//! the same prompts and greedy settings. Writes `target/reports/serving.json`.
+//!
+//! The workload is fixed here: 32 conversations of 4 turns sharing one system prompt of about
+//! 300 tokens; each turn adds a user message of 50 to 200 tokens (seeded) to the conversation
+//! so far and its previous answer (up to 64 tokens, greedy); a conversation's next turn is
+//! sent when its previous answer has arrived. Plus `long`: single prompts of 2,000 tokens.
+//!
+//! - Closed loop: `concurrency` conversations in flight at once (rows at 1, 8 and 32).
+//! - Open loop: conversations start at Poisson arrivals of `PROCMEM_BENCH_RATE` per second
+//!   (rows only where that is set).
+//!
+//! procmem runs at budgets of `1x` and `0.25x` of the peak KV demand (the weights plus that
+//! fraction of `concurrency` sequences of the longest conversation), each row in a fresh
+//! process. llama.cpp (`scripts/llama-server.sh` builds it into `target/`) preallocates its KV
+//! per slot: it gets the KV bytes procmem's `0.25x` row at the highest concurrency has, as
+//! slots of the same context, and the rows say how many slots that bought. Each row: requests
+//! finished, output tokens/s, time to first token and inter-token latency p50/p99, prompt
+//! tokens from cache, preemptions, peak RSS, peak KV bytes, requests held at once.
+//!
+//! `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`, `PROCMEM_BENCH_CONCURRENCY`
+//! (comma-separated), `PROCMEM_BENCH_LONG` (prompts of the `long` rows, 0 for none) and
+//! `PROCMEM_BENCH_LLAMA=0` change the run. Without the model (fetched on first use) or the
+//! llama.cpp build the bench says what it skips.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use procmem_actors::procmem::kv::KvDtype;
+use procmem_actors::{MemoryManager, PreemptMode};
+use procmem_model::gguf::Gguf;
+use procmem_model::{fetch_smollm2, TextCodec};
+use serde_json::{json, Value};
+
+#[path = "serving/client.rs"]
+mod client;
+#[path = "../examples/common/mod.rs"]
+mod common;
+#[path = "serving/servers.rs"]
+mod servers;
+#[path = "serving/workload.rs"]
+mod workload;
+
+use client::Answer;
+use servers::{Kind, Server};
+use workload::{
+    conversations, long_prompts, workload, Answers, Workload, ANSWER_TOKENS, LONG_TOKENS,
+};
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// A row's figures from its answers.
+fn figures(answers: &Answers, wall: Duration) -> Value {
+    let ok: Vec<&Answer> = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().ok())
+        .collect();
+    let errors: Vec<&String> = answers
+        .iter()
+        .filter_map(|(_, a)| a.as_ref().err())
+        .collect();
+    let out: u64 = ok.iter().map(|a| a.completion_tokens).sum();
+    let mut ttft: Vec<f64> = ok
+        .iter()
+        .filter_map(|a| a.first)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|a| a.gaps.iter().map(|d| d.as_secs_f64() * 1e3))
+        .collect();
+    json!({
+        "requests": answers.len(),
+        "requests_finished": ok.len(),
+        "requests_failed": errors.len(),
+        "first_error": errors.first(),
+        "output_tokens": out,
+        "wall_s": wall.as_secs_f64(),
+        "output_tokens_per_s": out as f64 / wall.as_secs_f64(),
+        "ttft_p50_ms": pct(&mut ttft, 0.5),
+        "ttft_p99_ms": pct(&mut ttft, 0.99),
+        "itl_p50_ms": pct(&mut itl, 0.5),
+        "itl_p99_ms": pct(&mut itl, 0.99),
+        "prompt_tokens": ok.iter().map(|a| a.prompt_tokens).sum::<u64>(),
+        "prompt_tokens_from_cache": ok.iter().map(|a| a.cached_tokens).sum::<u64>(),
+    })
+}
+
+/// The run as the child process: procmem's main job on SmolLM2, listening, until SIGTERM.
+fn child(spec: &str) -> ExitCode {
+    let parts: Vec<&str> = spec.split(',').collect();
+    let [fraction, concurrency, context] = parts[..] else {
+        eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context");
+        return ExitCode::FAILURE;
+    };
+    let (Ok(fraction), Ok(concurrency), Ok(context)) = (
+        fraction.parse::<f64>(),
+        concurrency.parse::<usize>(),
+        context.parse::<usize>(),
+    ) else {
+        eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context");
+        return ExitCode::FAILURE;
+    };
+    let run = common::real_model::RealRun {
+        model: "smollm2".into(),
+        requests: concurrency,
+        concurrency,
+        max_new: ANSWER_TOKENS as usize,
+        budget: None,
+        fraction: Some(fraction),
+        preempt: PreemptMode::Swap,
+        dtype: KvDtype::F16,
+        context,
+        listen: Some(common::listen::Listen {
+            addr: ([127, 0, 0, 1], 0).into(),
+            max_waiting: 4096,
+            max_running: 64,
+            default_max_tokens: ANSWER_TOKENS as usize,
+            grace: Duration::from_secs(10),
+            body_limit: 1 << 20,
+        }),
+    };
+    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let served = rt.block_on(common::real_model::serve(run, |budget| async move {
+        let memory = MemoryManager::builder()
+            .host_budget(budget)
+            .keep_metrics(true)
+            .build()
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((memory, None))
+    }));
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A number after `key` in the procmem server's budget line.
+fn logged(log: &str, key: &str) -> Option<u64> {
+    let at = log.find(key)? + key.len();
+    log[at..].split_whitespace().next()?.parse().ok()
+}
+
+/// A row's server, driven through the workload and stopped.
+struct Driven {
+    answers: Answers,
+    wall: Duration,
+    peaks: servers::Peaks,
+    rss: u64,
+    preemptions: f64,
+    log: String,
+}
+
+fn context_for(w: &Workload, workload: &str) -> usize {
+    if workload == "long" {
+        (LONG_TOKENS + 2 * ANSWER_TOKENS as usize).next_multiple_of(256)
+    } else {
+        w.context
+    }
+}
+
+async fn drive(
+    server: Server,
+    w: &Workload,
+    workload: &str,
+    concurrency: usize,
+    rate: Option<f64>,
+) -> Result<Driven, String> {
+    let (stop, watcher) = server.watch();
+    let start = Instant::now();
+    let answers = match workload {
+        "long" => long_prompts(server.addr, w, concurrency).await,
+        _ => conversations(server.addr, w, concurrency, rate).await,
+    };
+    let wall = start.elapsed();
+    drop(stop);
+    let peaks = watcher.await.unwrap_or_default();
+    let preemptions = server
+        .metric("procmem_kv_preemptions_total")
+        .await
+        .unwrap_or(0.0);
+    let rss = server.peak_rss();
+    let log = server.stop().await?;
+    Ok(Driven {
+        answers,
+        wall,
+        peaks,
+        rss,
+        preemptions,
+        log,
+    })
+}
+
+/// One procmem row: a fresh server, the workload, its figures.
+async fn procmem_row(
+    w: &Workload,
+    workload: &str,
+    fraction: f64,
+    concurrency: usize,
+    rate: Option<f64>,
+) -> Result<(Value, Answers), String> {
+    let context = context_for(w, workload);
+    // A budget under one sequence of the context serves nothing: at low concurrency a
+    // fraction is raised to one sequence (`fraction_used`).
+    let used = fraction.max(1.0 / concurrency.max(1) as f64);
+    let server = Server::procmem(used, concurrency, context).await?;
+    let d = drive(server, w, workload, concurrency, rate).await?;
+    let budget = logged(&d.log, "budget ").unwrap_or(0);
+    let weights = logged(&d.log, "weights ").unwrap_or(0);
+    let mut row = figures(&d.answers, d.wall);
+    merge(
+        &mut row,
+        json!({
+            "server": "procmem",
+            "workload": workload,
+            "budget": format!("{fraction}x"),
+            "fraction_used": used,
+            "concurrency": concurrency,
+            "rate_per_s": rate,
+            "context": context,
+            "kv_dtype": "f16",
+            "preemptions": d.preemptions,
+            "peak_rss_bytes": d.rss,
+            "peak_kv_bytes": d.peaks.kv_bytes,
+            "kv_budget_bytes": budget.saturating_sub(weights),
+            "peak_kv_demand_bytes": logged(&d.log, "peak KV demand "),
+            "held_at_once": d.peaks.held,
+            "books_zero_after_shutdown": d.log.contains("books after shutdown: zero"),
+        }),
+    );
+    Ok((row, d.answers))
+}
+
+/// llama.cpp's server as the bench runs it.
+struct Llama {
+    bin: PathBuf,
+    gguf: PathBuf,
+    /// f16 K and V of every layer, per token.
+    token_bytes: u64,
+}
+
+impl Llama {
+    /// One row: a fresh server of `slots` slots.
+    async fn row(
+        &self,
+        w: &Workload,
+        workload: &str,
+        slots: usize,
+        concurrency: usize,
+    ) -> Result<(Value, Answers), String> {
+        let context = context_for(w, workload);
+        let server = Server::llama(&self.bin, &self.gguf, slots, context).await?;
+        let d = drive(server, w, workload, concurrency, None).await?;
+        let kv_line = d
+            .log
+            .lines()
+            .find(|l| l.contains("KV") && l.contains("MiB") && l.contains("size"))
+            .map(str::trim);
+        let mut row = figures(&d.answers, d.wall);
+        merge(
+            &mut row,
+            json!({
+                "server": "llama.cpp",
+                "workload": workload,
+                "concurrency": concurrency,
+                "rate_per_s": null,
+                "slots": slots,
+                "slot_context": context,
+                "kv_dtype": "f16",
+                "preemptions": 0,
+                "peak_rss_bytes": d.rss,
+                "peak_kv_bytes": (slots * context) as u64 * self.token_bytes,
+                "kv_log_line": kv_line,
+                "held_at_once": d.peaks.held,
+            }),
+        );
+        Ok((row, d.answers))
+    }
+}
+
+fn merge(row: &mut Value, extra: Value) {
+    if let (Some(r), Value::Object(e)) = (row.as_object_mut(), extra) {
+        r.extend(e);
+    }
+}
+
+/// How many answers differ between two rows of the same requests.
+fn differing(a: &Answers, b: &Answers) -> usize {
+    let text = |x: &Answers| -> Vec<((usize, usize), Option<String>)> {
+        x.iter()
+            .map(|(k, a)| (*k, a.as_ref().ok().map(|a| a.text.clone())))
+            .collect()
+    };
+    let (a, b) = (text(a), text(b));
+    if a.len() != b.len() {
+        return a.len().max(b.len());
+    }
+    a.iter()
+        .zip(&b)
+        .filter(|(x, y)| x != y || x.1.is_none())
+        .count()
+}
+
+fn print_row(r: &Value) {
+    println!(
+        "{:<9} {:<6} {:>6} c={:<3} finished {:>3}/{:<3} {:>7.1} tok/s  ttft p50 {:>8.0} ms p99 {:>8.0} ms  itl p50 {:>6.1} ms p99 {:>7.1} ms  cached {:>6}  preempt {:>4}  rss {:>5} MiB  kv {:>5} MiB  held {:>3}",
+        r["server"].as_str().unwrap_or("?"),
+        r["workload"].as_str().unwrap_or("?"),
+        r["budget"].as_str().unwrap_or("-"),
+        r["concurrency"],
+        r["requests_finished"],
+        r["requests"],
+        r["output_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+        r["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN),
+        r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN),
+        r["itl_p50_ms"].as_f64().unwrap_or(f64::NAN),
+        r["itl_p99_ms"].as_f64().unwrap_or(f64::NAN),
+        r["prompt_tokens_from_cache"],
+        r["preemptions"],
+        r["peak_rss_bytes"].as_u64().unwrap_or(0) >> 20,
+        r["peak_kv_bytes"].as_f64().unwrap_or(0.0) as u64 >> 20,
+        r["held_at_once"],
+    );
+}
+
+fn main() -> ExitCode {
+    if let Ok(spec) = std::env::var("PROCMEM_SERVING_CHILD") {
+        return child(&spec);
+    }
+    if std::env::args().any(|a| a == "--list") {
+        return ExitCode::SUCCESS;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match rt.block_on(run()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("serving: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), String> {
+    let Some(gguf) = fetch_smollm2() else {
+        println!("serving: no SmolLM2 GGUF and it could not be fetched: skipped");
+        return Ok(());
+    };
+    let g = Gguf::open(&gguf).map_err(|e| e.to_string())?;
+    let codec =
+        TextCodec::new(&g.tokenizer().map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let config = g.config().map_err(|e| e.to_string())?;
+    // f16 K and V of every layer, per token.
+    let token_bytes = (config.layers * 2 * config.kv_heads * config.head_dim * 2) as u64;
+    let w = workload(&codec);
+    let concurrency: Vec<usize> = std::env::var("PROCMEM_BENCH_CONCURRENCY")
+        .unwrap_or_else(|_| "1,8,32".into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .filter(|&c| c > 0)
+        .collect();
+    let rate: Option<f64> = std::env::var("PROCMEM_BENCH_RATE")
+        .ok()
+        .and_then(|r| r.parse().ok());
+    let top = concurrency.iter().copied().max().unwrap_or(1);
+    println!(
+        "serving: {} conversations x {} turns, system prompt {} tokens, context {} tokens; {} long prompts of {LONG_TOKENS}",
+        w.conversations.len(),
+        w.conversations.first().map_or(0, Vec::len),
+        codec.encode(&w.system).map_or(0, |t| t.len()),
+        w.context,
+        w.long.len()
+    );
+    let mut rows = Vec::new();
+    let mut by_key = std::collections::HashMap::new();
+    for fraction in [1.0, 0.25] {
+        for &c in &concurrency {
+            let (row, answers) = procmem_row(&w, "multi", fraction, c, None).await?;
+            print_row(&row);
+            rows.push(row);
+            by_key.insert(
+                (Kind::Procmem.name(), "multi", fraction.to_string(), c),
+                answers,
+            );
+        }
+    }
+    if let Some(rate) = rate {
+        let (row, _) = procmem_row(&w, "multi", 1.0, top, Some(rate)).await?;
+        print_row(&row);
+        rows.push(row);
+    }
+    if !w.long.is_empty() {
+        for c in [1, 8] {
+            let (row, answers) = procmem_row(&w, "long", 1.0, c, None).await?;
+            print_row(&row);
+            rows.push(row);
+            by_key.insert((Kind::Procmem.name(), "long", "1".into(), c), answers);
+        }
+    }
+    // llama.cpp: the KV bytes of procmem's 0.25x row at the highest concurrency, as slots.
+    let quarter_kv = rows
+        .iter()
+        .find(|r| r["budget"] == "0.25x" && r["concurrency"] == top && r["workload"] == "multi")
+        .and_then(|r| r["kv_budget_bytes"].as_u64())
+        .unwrap_or(0);
+    let slots = ((quarter_kv / token_bytes) as usize / w.context).max(1);
+    let llama = Llama {
+        bin: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("target/llama.cpp/build/bin/llama-server"),
+        gguf: gguf.clone(),
+        token_bytes,
+    };
+    let mut llama_json = json!(null);
+    if std::env::var("PROCMEM_BENCH_LLAMA").is_ok_and(|v| v == "0") {
+        println!("llama.cpp: PROCMEM_BENCH_LLAMA=0: skipped");
+    } else if !llama.bin.is_file() {
+        println!(
+            "llama.cpp: no {} (scripts/llama-server.sh builds it): skipped",
+            llama.bin.display()
+        );
+    } else {
+        println!(
+            "llama.cpp: {quarter_kv} bytes of KV (procmem's 0.25x row at concurrency {top}) buy {slots} slots of {} tokens",
+            w.context
+        );
+        llama_json = json!({"slots": slots, "slot_context": w.context, "kv_bytes_given": quarter_kv, "token_bytes": token_bytes});
+        for &c in &concurrency {
+            let (row, answers) = llama.row(&w, "multi", slots, c).await?;
+            print_row(&row);
+            rows.push(row);
+            by_key.insert((Kind::Llama.name(), "multi", "-".into(), c), answers);
+        }
+        if !w.long.is_empty() {
+            for c in [1, 8] {
+                let (row, answers) = llama.row(&w, "long", c, c).await?;
+                print_row(&row);
+                rows.push(row);
+                by_key.insert((Kind::Llama.name(), "long", "-".into(), c), answers);
+            }
+        }
+    }
+    let mut checks = Vec::new();
+    for &c in &concurrency {
+        let full = &by_key[&("procmem", "multi", "1".to_string(), c)];
+        let quarter = &by_key[&("procmem", "multi", "0.25".to_string(), c)];
+        let differ = differing(full, quarter);
+        println!(
+            "concurrency {c}: answers at 0.25x differing from 1x: {differ} of {}",
+            full.len()
+        );
+        let mut check = json!({"concurrency": c, "procmem_0.25x_answers_differing_from_1x": differ, "requests": full.len()});
+        if let Some(l) = by_key.get(&("llama.cpp", "multi", "-".to_string(), c)) {
+            check["llama_answers_differing_from_procmem_1x"] = json!(differing(full, l));
+        }
+        checks.push(check);
+    }
+    let find = |server: &str, budget: Option<&str>, c: usize| {
+        rows.iter().find(|r| {
+            r["server"] == server
+                && r["workload"] == "multi"
+                && r["concurrency"] == c
+                && r["rate_per_s"].is_null()
+                && budget.is_none_or(|b| r["budget"] == b)
+        })
+    };
+    let mut ratios = json!({});
+    for &c in &concurrency {
+        if let (Some(p), Some(l)) = (
+            find("procmem", Some("0.25x"), c),
+            find("llama.cpp", None, c),
+        ) {
+            let f = |k: &str| p[k].as_f64().unwrap_or(f64::NAN);
+            let g = |k: &str| l[k].as_f64().unwrap_or(f64::NAN);
+            ratios[format!("c{c}")] = json!({
+                "ttft_p50_llama_over_procmem_0.25x": g("ttft_p50_ms") / f("ttft_p50_ms"),
+                "output_tokens_per_s_procmem_0.25x_over_llama": f("output_tokens_per_s") / g("output_tokens_per_s"),
+                "held_at_once_procmem_0.25x_over_llama_slots": f("held_at_once") / slots as f64,
+            });
+        }
+    }
+    println!("ratios: {ratios}");
+    let report = json!({
+        "bench": "serving",
+        "model": gguf.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "workload": {
+            "conversations": w.conversations.len(),
+            "turns": w.conversations.first().map_or(0, Vec::len),
+            "answer_tokens": ANSWER_TOKENS,
+            "context": w.context,
+            "long_prompts": w.long.len(),
+            "long_prompt_tokens": LONG_TOKENS,
+        },
+        "llama": llama_json,
+        "rows": rows,
+        "checks": checks,
+        "ratios": ratios,
+    });
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = dir.join("serving.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
+        .map_err(|e| e.to_string())?;
+    println!("wrote {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! The two servers the load generator drives, each its own process so its peak RSS is its
+//! own: procmem's main job (this bench binary again, as `--model smollm2 --listen`; see
+//! `child` in serving.rs) and llama.cpp's `llama-server` (built by `scripts/llama-server.sh`).
+//! While a row runs a watcher reads each server's `/metrics` every 100 ms for the peaks.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use super::client::{get, metric};
+
+/// Which server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Procmem,
+    Llama,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Procmem => "procmem",
+            Kind::Llama => "llama.cpp",
+        }
+    }
+}
+
+/// A server process, listening.
+pub struct Server {
+    pub kind: Kind,
+    pub addr: SocketAddr,
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+/// What the watcher saw at most.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Peaks {
+    /// procmem: `procmem_kv_leased_bytes`.
+    pub kv_bytes: f64,
+    /// Requests held at once: procmem's `procmem_kv_sequences`, llama.cpp's
+    /// `llamacpp:requests_processing`.
+    pub held: f64,
+}
+
+/// Lines of `r`, into `log`; the first address after "listening on http://" to `addr`.
+fn collect<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
+    r: R,
+    log: Arc<Mutex<String>>,
+    addr: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+) {
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(r).lines();
+        let mut addr = addr;
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(rest) = line.strip_prefix("listening on http://") {
+                if let (Some(tx), Some(a)) = (addr.take(), rest.split(' ').next()) {
+                    if let Ok(a) = a.parse() {
+                        let _ = tx.send(a);
+                    }
+                }
+            }
+            let mut log = log.lock().unwrap();
+            log.push_str(&line);
+            log.push('\n');
+        }
+    });
+}
+
+impl Server {
+    /// procmem's main job serving SmolLM2 with f16 KV: a host budget of the weights plus
+    /// `fraction` of the peak KV demand of `concurrency` sequences of `context` tokens.
+    pub async fn procmem(
+        fraction: f64,
+        concurrency: usize,
+        context: usize,
+    ) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let spec = format!("{fraction},{concurrency},{context}");
+        let mut child = Command::new(exe)
+            .env("PROCMEM_SERVING_CHILD", spec)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the procmem server: {e}"))?;
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        collect(child.stdout.take().unwrap(), Arc::clone(&log), Some(tx));
+        collect(child.stderr.take().unwrap(), Arc::clone(&log), None);
+        let addr = tokio::time::timeout(Duration::from_secs(120), rx)
+            .await
+            .map_err(|_| format!("procmem did not listen in 120 s:\n{}", log.lock().unwrap()))?
+            .map_err(|_| format!("procmem exited:\n{}", log.lock().unwrap()))?;
+        Ok(Server {
+            kind: Kind::Procmem,
+            addr,
+            child,
+            log,
+        })
+    }
+
+    /// llama.cpp's server on the same GGUF: `slots` slots of `context` tokens each (its KV,
+    /// f16, preallocated), 2 threads as this machine has, no RAM prompt cache beyond its slots.
+    pub async fn llama(
+        bin: &Path,
+        gguf: &Path,
+        slots: usize,
+        context: usize,
+    ) -> Result<Self, String> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| e.to_string())?
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let mut cmd = Command::new(bin);
+        cmd.arg("-m")
+            .arg(gguf)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["-c", &(slots * context).to_string()])
+            .args(["--parallel", &slots.to_string()])
+            .args(["-t", &threads.to_string(), "-tb", &threads.to_string()])
+            .args(["--cache-type-k", "f16", "--cache-type-v", "f16"])
+            .args([
+                "--no-kv-unified",
+                "--cache-ram",
+                "0",
+                "--metrics",
+                "--no-webui",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        let log = Arc::new(Mutex::new(String::new()));
+        collect(child.stdout.take().unwrap(), Arc::clone(&log), None);
+        collect(child.stderr.take().unwrap(), Arc::clone(&log), None);
+        let start = Instant::now();
+        loop {
+            if get(addr, "/health").await.is_ok() {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "llama-server exited ({status}):\n{}",
+                    log.lock().unwrap()
+                ));
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                return Err(format!(
+                    "llama-server not ready in 120 s:\n{}",
+                    log.lock().unwrap()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(Server {
+            kind: Kind::Llama,
+            addr,
+            child,
+            log,
+        })
+    }
+
+    /// What the server printed so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Its peak resident set so far (`VmHWM`), in bytes.
+    pub fn peak_rss(&self) -> u64 {
+        let Some(pid) = self.child.id() else { return 0 };
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb * 1024)
+    }
+
+    /// Reads `/metrics` every 100 ms until `stop` is dropped; the peaks.
+    pub fn watch(
+        &self,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<Peaks>,
+    ) {
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
+        let (addr, kind) = (self.addr, self.kind);
+        let task = tokio::spawn(async move {
+            let mut peaks = Peaks::default();
+            loop {
+                if let Ok(text) = get(addr, "/metrics").await {
+                    let (kv, held) = match kind {
+                        Kind::Procmem => (
+                            metric(&text, "procmem_kv_leased_bytes"),
+                            metric(&text, "procmem_kv_sequences"),
+                        ),
+                        Kind::Llama => (None, metric(&text, "llamacpp:requests_processing")),
+                    };
+                    peaks.kv_bytes = peaks.kv_bytes.max(kv.unwrap_or(0.0));
+                    peaks.held = peaks.held.max(held.unwrap_or(0.0));
+                }
+                tokio::select! {
+                    _ = &mut rx => return peaks,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        });
+        (tx, task)
+    }
+
+    /// A metric's value now.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        metric(&get(self.addr, "/metrics").await.ok()?, name)
+    }
+
+    /// SIGTERM, then waits (30 s at most) for it to exit; its exit status and log.
+    pub async fn stop(mut self) -> Result<String, String> {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: `kill` on our own child's pid, which has not been waited for yet.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .map_err(|_| format!("{} did not exit in 30 s after SIGTERM", self.kind.name()))?
+            .map_err(|e| e.to_string())?;
+        // Let the readers take the last lines.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let log = self.log();
+        if !status.success() {
+            return Err(format!("{} exited with {status}:\n{log}", self.kind.name()));
+        }
+        Ok(log)
+    }
+}
