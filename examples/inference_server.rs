@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -16,14 +15,17 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use common::parse_bytes;
+use common::synthetic::{Gpu, Model, Synthetic};
 use procmem_actors::node::{LinkConfig, NodeLink};
-use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
+use procmem_actors::procmem::cuda::CudaDevice;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
 use procmem_actors::{
-    GovernorError, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, MemoryManager, PreemptMode,
-    ResidencyConfig, ResidencyHandle, Restored, SwapKind, SwapSpace,
+    KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind, SwapSpace,
+};
+use procmem_model::scheduler::{
+    Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, STEP_TOKENS,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -149,134 +151,29 @@ const MAX_CONCURRENCY: usize = 65_536;
 /// Tokens of a prompt, and tokens generated per request.
 const MAX_TOKENS: usize = 1 << 20;
 
-struct Model {
-    shape: KvShape,
-    /// The residual stream's width.
-    hidden: usize,
-    /// Query heads x head dimension.
-    q_dim: usize,
-    kv_dim: usize,
-    vocab: u32,
-}
-
-impl Model {
-    fn new(size: ModelSize, max_tokens: usize, dtype: Dtype) -> Self {
-        let (layers, q_heads, kv_heads, head_dim, hidden) = match size {
-            ModelSize::Small => (4, 8, 2, 32, 8 * 32),
-            ModelSize::Medium => (8, 16, 4, 64, 16 * 64),
-            ModelSize::Large => (32, 32, 8, 128, 512),
-        };
-        let shape = KvShape {
-            layers,
-            q_heads,
-            kv_heads,
-            head_dim,
-            max_tokens,
-            dtype: match dtype {
-                Dtype::F32 => KvDtype::F32,
-                Dtype::F16 => KvDtype::F16,
-            },
-        };
-        Model {
-            shape,
-            hidden,
-            q_dim: q_heads * head_dim,
-            kv_dim: kv_heads * head_dim,
-            vocab: 512,
-        }
+/// The synthetic model of `size`, holding `max_tokens` per sequence.
+fn synthetic_model(size: ModelSize, max_tokens: usize, dtype: Dtype) -> Model {
+    let (layers, q_heads, kv_heads, head_dim, hidden) = match size {
+        ModelSize::Small => (4, 8, 2, 32, 8 * 32),
+        ModelSize::Medium => (8, 16, 4, 64, 16 * 64),
+        ModelSize::Large => (32, 32, 8, 128, 512),
+    };
+    let shape = KvShape {
+        layers,
+        q_heads,
+        kv_heads,
+        head_dim,
+        max_tokens,
+        dtype: match dtype {
+            Dtype::F32 => KvDtype::F32,
+            Dtype::F16 => KvDtype::F16,
+        },
+    };
+    Model {
+        shape,
+        hidden,
+        vocab: 512,
     }
-
-    /// Wq (q×h), Wk (kv×h), Wv (kv×h), Wo (h×q), row-major f32.
-    fn layer_floats(&self) -> usize {
-        2 * self.q_dim * self.hidden + 2 * self.kv_dim * self.hidden
-    }
-
-    fn weights(&self, layer: usize, seed: u64) -> Vec<u8> {
-        let n = self.layer_floats();
-        let scale = 1.0 / (self.hidden as f32).sqrt();
-        let mut x = seed ^ (layer as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let floats: Vec<f32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
-            })
-            .collect();
-        floats.iter().flat_map(|f| f.to_le_bytes()).collect()
-    }
-
-    fn embed(&self, token: u32) -> Vec<f32> {
-        (0..self.hidden)
-            .map(|i| ((token as f32 + 1.0) * 0.37 + i as f32 * 0.11).sin())
-            .collect()
-    }
-
-    fn next_token(&self, x: &[f32]) -> u32 {
-        (0..self.vocab)
-            .map(|t| {
-                (
-                    t,
-                    self.embed(t).iter().zip(x).map(|(a, b)| a * b).sum::<f32>(),
-                )
-            })
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(t, _)| t)
-            .unwrap_or(0)
-    }
-}
-
-fn matvec(w: &[f32], rows: usize, x: &[f32]) -> Vec<f32> {
-    let cols = x.len();
-    (0..rows)
-        .map(|r| {
-            w[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(x)
-                .map(|(a, b)| a * b)
-                .sum()
-        })
-        .collect()
-}
-
-struct Request {
-    id: u64,
-    prompt: Vec<u32>,
-    generated: Vec<u32>,
-    /// Tokens whose KV the store holds.
-    pos: usize,
-    x: Vec<f32>,
-    priority: u32,
-    /// When the store admitted it (its place in the store's victim order).
-    admitted: u64,
-}
-
-impl Request {
-    fn token_at(&self, p: usize) -> u32 {
-        if p < self.prompt.len() {
-            self.prompt[p]
-        } else {
-            self.generated[p - self.prompt.len()]
-        }
-    }
-    fn known(&self) -> usize {
-        self.prompt.len() + self.generated.len()
-    }
-}
-
-#[derive(Default)]
-struct Counters {
-    generated: u64,
-    finished: u64,
-    shed: u64,
-    parked: u64,
-    restores: u64,
-    samples: u64,
-    os_above_ledger: u64,
-    ledger_above_os: u64,
-    peak_swapped: u64,
-    peak_ledger: u64,
-    peak_os: u64,
 }
 
 fn main() -> ExitCode {
@@ -459,7 +356,7 @@ async fn serve(args: Args) -> Result<(), String> {
         );
     }
     let max_tokens = args.prompt_len + args.max_new_tokens;
-    let model = Model::new(args.model_size, max_tokens, args.kv_dtype);
+    let model = synthetic_model(args.model_size, max_tokens, args.kv_dtype);
     let host_page = procmem_actors::procmem::granularity();
     // The KV's mapping granularity: a page on the host, the driver's VMM granule on a GPU.
     let page = if cuda {
@@ -552,16 +449,6 @@ async fn serve(args: Args) -> Result<(), String> {
     } else {
         DeviceKey::HOST
     };
-    let kv_tier = if cuda {
-        procmem_actors::procmem::MemoryTier::Device
-    } else {
-        procmem_actors::procmem::MemoryTier::Host
-    };
-    let gpu = if cuda {
-        Some(Gpu::new(&memory, model.shape, args.concurrency)?)
-    } else {
-        None
-    };
     let kv = memory
         .kv_store_on(
             kv_device,
@@ -585,7 +472,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let shared: Vec<u32> = (0..args.prompt_len as u32)
         .map(|i| (i * 7 + args.seed as u32) % model.vocab)
         .collect();
-    let mut queue: VecDeque<Request> = (0..args.requests as u64)
+    let prompts: Vec<Vec<u32>> = (0..args.requests as u32)
         .map(|id| {
             let mut prompt = shared.clone();
             // Every other request keeps the shared first three quarters; the rest differ.
@@ -595,645 +482,226 @@ async fn serve(args: Args) -> Result<(), String> {
                 0
             };
             for (i, t) in prompt.iter_mut().enumerate().skip(own_from) {
-                *t = ((id as u32 + 3) * 31 + i as u32 * 13) % model.vocab;
+                *t = ((id + 3) * 31 + i as u32 * 13) % model.vocab;
             }
-            Request {
-                id,
-                prompt,
-                generated: Vec::new(),
-                pos: 0,
-                x: Vec::new(),
-                priority: (id % 3) as u32,
-                admitted: 0,
-            }
+            prompt
         })
         .collect();
-    let mut active: Vec<Request> = Vec::new();
-    // Requests preempted while their step waited: they leave the batch and are restored,
-    // oldest first, once a step went through and there is room beside the batch's growth.
-    let mut parked: Vec<Request> = Vec::new();
-    // A parked request whose restore runs while the batch steps.
-    let mut prefetch: Option<(
-        Request,
-        tokio::task::JoinHandle<Result<Restored, KvStoreError>>,
-    )> = None;
-    let mut admissions = 0u64;
-    let mut last_stepped = true;
-    let growth_per_seq = model.shape.buffers() as u64 * page;
-    let mut c = Counters::default();
-    let start = Instant::now();
-    let mut last_report = Instant::now();
-    let mut lonely_denials = 0;
-    let mut stalls = 0usize;
-    let mut idle_refusals = 0;
-    // The authority the KV is charged to: the host's, or the GPU's.
-    let host = memory
-        .governor(kv_device, kv_tier)
-        .expect("the KV's authority")
-        .clone();
     let kv_books = usize::from(cuda);
-    while !queue.is_empty() || !active.is_empty() || !parked.is_empty() || prefetch.is_some() {
-        // Restore parked requests first, oldest first, into room the batch does not need for
-        // its next step (restoring into the batch's memory would only evict it again).
-        if last_stepped || active.is_empty() {
-            let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
-            let mut room = free.saturating_sub(active.len() as u64 * growth_per_seq);
-            parked.sort_by_key(|r| r.admitted);
-            while let Some(r) = parked.first() {
-                // Swap brings its tokens back at once; recompute grows them again by replay.
-                let tokens = match args.preempt {
-                    Preempt::Swap => r.pos,
-                    Preempt::Recompute => r.known(),
-                };
-                let need = kv_bytes(tokens);
-                // With nothing running, the oldest is restored whatever the room: its restore
-                // makes room by pressure (cached prefixes nobody maps go first).
-                if need > room && !active.is_empty() {
-                    break;
-                }
-                room = room.saturating_sub(need);
-                let mut r = parked.remove(0);
-                if !active.is_empty() {
-                    // Prefetch: the restore (its grant, the copy back) runs in the store while
-                    // this step's kernels run on the stream; it joins the batch after the step.
-                    let kv = kv.clone();
-                    let id = r.id;
-                    prefetch = Some((r, tokio::spawn(async move { kv.restore(id).await })));
-                    break;
-                }
-                match kv.restore(r.id).await {
-                    Ok(Restored::Swapped { tokens }) => r.pos = tokens,
-                    // The KV was dropped: replay the known tokens from the start.
-                    Ok(Restored::Recompute { .. }) => r.pos = 0,
-                    Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
-                    Err(e) => {
-                        tracing::debug!(%e, seq = r.id, "no room to restore yet");
-                        parked.insert(0, r);
-                        break;
-                    }
-                }
-                c.restores += 1;
-                active.push(r);
-            }
-        }
-        // Admit while there is room for another whole sequence, or while fewer than half the
-        // slots run (then the open itself makes room: cached prefixes nobody uses are evicted).
-        // Parked requests go before new ones (as vLLM does with swapped requests): admitting
-        // new work while admitted work waits would only take the room it needs.
-        while parked.is_empty() && prefetch.is_none() && active.len() < args.concurrency {
-            let free = host.snapshot().await.map(|s| s.books.free()).unwrap_or(0);
-            if active.len() >= args.concurrency / 2 && free < per_seq {
-                break;
-            }
-            let Some(mut r) = queue.pop_front() else {
-                break;
-            };
-            match kv.open(r.id, r.prompt.clone(), r.priority).await {
-                Ok(opened) => {
-                    r.pos = opened.cached_tokens;
-                    admissions += 1;
-                    r.admitted = admissions;
-                    active.push(r);
-                    idle_refusals = 0;
-                }
-                Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
-                Err(e) => {
-                    tracing::warn!(%e, "open refused; retrying later");
-                    queue.push_front(r);
-                    if active.is_empty() {
-                        idle_refusals += 1;
-                        if idle_refusals >= 20 {
-                            return Err(format!(
-                                "no request can be admitted with nothing running: {e}"
-                            ));
-                        }
-                    }
-                    break;
-                }
-            }
-        }
-        let outcome = step(
-            &model,
-            &kv,
-            gpu.as_ref(),
-            &weights,
-            &mut active,
-            &mut parked,
-            &mut c,
-            &mut queue,
-        )
-        .await?;
-        last_stepped = matches!(outcome, Stepped::Ok);
-        if let Some((mut r, restoring)) = prefetch.take() {
-            let restored = match restoring.await.map_err(|e| e.to_string())? {
-                Ok(Restored::Swapped { tokens }) => Some(tokens),
-                Ok(Restored::Recompute { .. }) => Some(0),
-                Err(KvStoreError::Unavailable) => return Err("the KV store stopped".into()),
-                Err(e) => {
-                    tracing::debug!(%e, seq = r.id, "no room to restore yet");
-                    None
-                }
-            };
-            match restored {
-                Some(pos) => {
-                    r.pos = pos;
-                    c.restores += 1;
-                    active.push(r);
-                }
-                None => parked.insert(0, r),
-            }
-        }
-        // Restores can chase each other (restoring one preempts another idle one); if the
-        // batch keeps failing to step, shed a request so the rest make progress.
-        stalls = if matches!(outcome, Stepped::Ok) {
-            0
-        } else {
-            stalls + 1
+    let gpu = match cuda {
+        // A step's rows: a token budget of prompt chunks, or one per running sequence.
+        true => Some(Gpu::new(
+            &memory,
+            model.shape,
+            STEP_TOKENS.max(args.concurrency),
+        )?),
+        false => None,
+    };
+    let synthetic = Arc::new(Synthetic {
+        model,
+        kv: kv.clone(),
+        weights: weights.clone(),
+        gpu,
+        memory: memory.clone(),
+        kv_books,
+        samples: Default::default(),
+    });
+    let config = SchedulerConfig::new(max_tokens)
+        .max_running(args.concurrency)
+        .max_waiting(args.requests);
+    let (scheduler, task) = SchedulerHandle::spawn(Arc::clone(&synthetic), config);
+    let start = Instant::now();
+    let mut streams = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let request = GenRequest {
+            prompt,
+            max_tokens: args.max_new_tokens,
+            ..GenRequest::default()
         };
-        if stalls > 2 * active.len().max(1) && active.len() > 1 {
-            let victim = (0..active.len())
-                .min_by_key(|&i| (active[i].priority, std::cmp::Reverse(active[i].id)))
-                .expect("non-empty batch");
-            shed(&kv, &mut active, victim, &mut queue, &mut c);
-            stalls = 0;
-        }
-        match outcome {
-            Stepped::Ok => lonely_denials = 0,
-            Stepped::Shed if active.is_empty() => {
-                lonely_denials += 1;
-                if lonely_denials >= 3 {
-                    return Err(format!(
-                        "the budget of {budget} bytes cannot hold even one sequence beside the weights"
-                    ));
+        let mut generation = scheduler.submit(request).map_err(|e| e.to_string())?;
+        streams.push(tokio::spawn(async move {
+            while let Some(event) = generation.next().await {
+                match event {
+                    Event::Token { .. } => {}
+                    Event::Finished { figures, .. } => return Ok(figures),
+                    Event::Failed(GenError::NoRoom(e)) => {
+                        return Err(format!(
+                            "the budget of {budget} bytes cannot hold even one sequence beside the weights: {e}"
+                        ))
+                    }
+                    Event::Failed(e) => return Err(e.to_string()),
                 }
             }
-            Stepped::Shed | Stepped::Parked => {}
-        }
-        active.retain(|r| {
-            let done = r.generated.len() >= args.max_new_tokens;
-            if done {
-                kv.close(r.id);
-                c.finished += 1;
-            }
-            !done
-        });
-        let books = memory.books().await;
-        let (_, s, os) = &books[kv_books];
-        c.peak_ledger = c.peak_ledger.max(s.books.leased);
-        c.peak_os = c.peak_os.max(os.unwrap_or(0));
-        // Memory is freed before its refund, never the other way: the OS may trail the
-        // ledger while frees are in flight, but never exceed it.
-        c.samples += 1;
-        match os {
-            Some(os) if *os > s.books.leased => c.os_above_ledger += 1,
-            Some(os) if *os < s.books.leased => c.ledger_above_os += 1,
-            _ => {}
-        }
-        if let Ok(st) = kv.stats().await {
-            c.peak_swapped = c.peak_swapped.max(st.swapped_bytes);
-            if last_report.elapsed() >= Duration::from_secs(1) {
-                tracing::debug!(?st, active = ?active.iter().map(|r| (r.id, r.pos)).collect::<Vec<_>>(), parked = ?parked.iter().map(|r| (r.id, r.pos)).collect::<Vec<_>>(), queued = queue.len(), "kv store");
-            }
-        }
-        if last_report.elapsed() >= Duration::from_secs(1) {
-            last_report = Instant::now();
-            if let Some(g) = &gpu {
-                // The driver's own count beside the ledger: every process's use of the GPU.
-                if let Ok((free, total)) = g.device.mem_info() {
-                    print!("[driver used {:>11} B] ", total - free);
-                }
-            }
-            println!(
-                "[{:5.1}s] {:7.1} tok/s  active {:2}  finished {:3}/{}  preempted {:3}  committed {:>9} B  os {:>9} B  tickets {}",
-                start.elapsed().as_secs_f64(),
-                c.generated as f64 / start.elapsed().as_secs_f64(),
-                active.len(),
-                c.finished,
-                args.requests,
-                c.shed,
-                s.books.leased,
-                os.unwrap_or(0),
-                s.tickets_sent
-            );
+            Err("a request's stream ended without an answer".to_string())
+        }));
+    }
+    let progress = tokio::spawn(progress(
+        memory.clone(),
+        scheduler.clone(),
+        Arc::clone(&synthetic),
+        args.requests,
+    ));
+    let mut finished = 0u64;
+    let mut failure = None;
+    for stream in streams {
+        match stream.await.map_err(|e| e.to_string())? {
+            Ok(_) => finished += 1,
+            Err(e) => failure = failure.or(Some(e)),
         }
     }
+    progress.abort();
+    scheduler.shutdown(Duration::ZERO);
+    let stats = task.await.map_err(|e| e.to_string())?;
     let elapsed = start.elapsed();
-    let driver = gpu.as_ref().and_then(|g| g.device.mem_info().ok());
-    drop(gpu);
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let driver = synthetic
+        .gpu
+        .as_ref()
+        .and_then(|g| g.device.mem_info().ok());
+    let c = synthetic
+        .samples
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    drop(synthetic);
     let kv_stats = kv.stats().await.map_err(|e| e.to_string())?;
     let w_stats = weights.stats().await.map_err(|e| e.to_string())?;
     let books = memory.books().await;
     println!();
     println!("summary");
-    println!(
-        "  {:<34} {:>14.1}",
+    let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
+    row(
         "tokens/s (generated)",
-        c.generated as f64 / elapsed.as_secs_f64()
+        format!("{:.1}", stats.generated as f64 / elapsed.as_secs_f64()),
     );
-    println!("  {:<34} {:>14}", "tokens generated", c.generated);
-    println!("  {:<34} {:>14}", "requests finished", c.finished);
-    println!("  {:<34} {:>14}", "requests preempted (shed)", c.shed);
-    println!("  {:<34} {:>14}", "requests parked by preemption", c.parked);
-    println!(
-        "  {:<34} {:>14}",
-        "sequences preempted by pressure", kv_stats.preemptions
+    row("tokens generated", stats.generated.to_string());
+    row("prompt tokens computed", stats.prefilled.to_string());
+    row("steps", stats.steps.to_string());
+    row("requests finished", finished.to_string());
+    row("requests preempted (shed)", stats.shed.to_string());
+    row(
+        "requests parked by preemption",
+        stats.preemptions.to_string(),
     );
-    println!("  {:<34} {:>14}", "sequences restored", c.restores);
-    println!(
-        "  {:<34} {:>14}",
-        "prompt tokens from shared blocks", kv_stats.prefix_hit_tokens
+    row(
+        "sequences preempted by pressure",
+        kv_stats.preemptions.to_string(),
     );
-    println!(
-        "  {:<34} {:>14}",
+    row("sequences restored", stats.restores.to_string());
+    row(
+        "prompt tokens from shared blocks",
+        kv_stats.prefix_hit_tokens.to_string(),
+    );
+    row(
         "swap space",
         match kv_stats.swap {
             SwapKind::Disk => "disk",
             SwapKind::Host => "host tier",
         }
+        .to_string(),
     );
-    println!("  {:<34} {:>14}", "peak bytes swapped out", c.peak_swapped);
-    println!(
-        "  {:<34} {:>14}",
-        "swaps that fell back to recompute", kv_stats.swap_fallbacks
+    row("peak bytes swapped out", c.peak_swapped.to_string());
+    row(
+        "swaps that fell back to recompute",
+        kv_stats.swap_fallbacks.to_string(),
     );
-    println!("  {:<34} {:>14}", "progress samples", c.samples);
-    println!(
-        "  {:<34} {:>14}",
-        "samples with OS above ledger", c.os_above_ledger
+    row("progress samples", c.taken.to_string());
+    row(
+        "samples with OS above ledger",
+        c.os_above_ledger.to_string(),
     );
-    println!(
-        "  {:<34} {:>14}",
-        "samples with frees in flight", c.ledger_above_os
+    row(
+        "samples with frees in flight",
+        c.ledger_above_os.to_string(),
     );
-    println!(
-        "  {:<34} {:>14}",
+    row(
         "weight offloads / reloads",
-        format!("{} / {}", w_stats.offloads, w_stats.reloads)
+        format!("{} / {}", w_stats.offloads, w_stats.reloads),
     );
-    for (name, s, os) in &books {
+    for (i, (name, s, os)) in books.iter().enumerate() {
+        // The KV's authority was sampled after every step; the others only now.
+        let (peak_ledger, peak_os) = match i == kv_books {
+            true => (c.peak_ledger, c.peak_os),
+            false => (0, 0),
+        };
         println!("  authority {name}");
-        println!("    {:<32} {:>14}", "capacity bytes", s.books.capacity);
-        println!(
-            "    {:<32} {:>14}",
+        let row = |k: &str, v: String| println!("    {k:<32} {v:>14}");
+        row("capacity bytes", s.books.capacity.to_string());
+        row(
             "peak bytes (ledger)",
-            c.peak_ledger.max(s.books.leased)
+            peak_ledger.max(s.books.leased).to_string(),
         );
-        println!(
-            "    {:<32} {:>14}",
-            "peak bytes (OS)",
-            c.peak_os.max(os.unwrap_or(0))
-        );
-        println!("    {:<32} {:>14}", "final bytes (ledger)", s.books.leased);
-        println!(
-            "    {:<32} {:>14}",
+        row("peak bytes (OS)", peak_os.max(os.unwrap_or(0)).to_string());
+        row("final bytes (ledger)", s.books.leased.to_string());
+        row(
             "final bytes (OS)",
-            os.map_or("n/a".to_string(), |b| b.to_string())
+            os.map_or("n/a".to_string(), |b| b.to_string()),
         );
-        println!("    {:<32} {:>14}", "grants", s.grants);
-        println!("    {:<32} {:>14}", "denials", s.denials);
-        println!("    {:<32} {:>14}", "pressure tickets", s.tickets_sent);
-        println!(
-            "    {:<32} {:>14}",
-            "bytes freed by pressure", s.freed_by_pressure
-        );
+        row("grants", s.grants.to_string());
+        row("denials", s.denials.to_string());
+        row("pressure tickets", s.tickets_sent.to_string());
+        row("bytes freed by pressure", s.freed_by_pressure.to_string());
     }
     if let Some((free, total)) = driver {
-        println!(
-            "  {:<34} {:>14}",
+        row(
             "driver used bytes (cuMemGetInfo)",
-            total - free
+            (total - free).to_string(),
         );
     }
-    println!("  {:<34} {:>14.1}", "wall seconds", elapsed.as_secs_f64());
+    row("wall seconds", format!("{:.1}", elapsed.as_secs_f64()));
     if args.linger > 0 {
         // The summary above is what the endpoint serves meanwhile (memtop shows it).
         println!("lingering {} s to keep serving metrics", args.linger);
         tokio::time::sleep(Duration::from_secs(args.linger)).await;
     }
+    drop((kv, weights));
     let report = memory.shutdown().await.map_err(|e| e.to_string())?;
     if let Some(node) = node {
         // Everything is freed: the credit goes back to the node.
         node.leave().await;
     }
-    println!("  {:<34} {:>14}", "deferred frees", report.deferred_frees);
-    println!(
-        "  {:<34} {:>14}",
+    row("deferred frees", report.deferred_frees.to_string());
+    row(
         "books after shutdown",
-        if report.is_zero() { "zero" } else { "NOT ZERO" }
+        if report.is_zero() { "zero" } else { "NOT ZERO" }.to_string(),
     );
     Ok(())
 }
 
-/// Preempts request `idx`: its KV is dropped and it starts over later.
-fn shed(
-    kv: &KvStoreHandle,
-    active: &mut Vec<Request>,
-    idx: usize,
-    queue: &mut VecDeque<Request>,
-    c: &mut Counters,
+/// A line a second while the synthetic model runs: throughput, requests, the KV's books.
+async fn progress(
+    memory: MemoryManager,
+    scheduler: SchedulerHandle,
+    synthetic: Arc<Synthetic>,
+    requests: usize,
 ) {
-    let mut r = active.remove(idx);
-    kv.close(r.id);
-    r.generated.clear();
-    r.pos = 0;
-    queue.push_back(r);
-    c.shed += 1;
-}
-
-enum Stepped {
-    Ok,
-    Shed,
-    Parked,
-}
-
-/// One decode step for every active request: room for the next token (one grant for the
-/// whole batch), then every layer: projections under residency, attention in the KV store,
-/// output projection. A batch that does not fit sheds its least important request.
-#[allow(clippy::too_many_arguments)]
-async fn step(
-    model: &Model,
-    kv: &KvStoreHandle,
-    gpu: Option<&Gpu>,
-    weights: &ResidencyHandle,
-    active: &mut Vec<Request>,
-    parked: &mut Vec<Request>,
-    c: &mut Counters,
-    queue: &mut VecDeque<Request>,
-) -> Result<Stepped, String> {
-    if active.is_empty() {
-        return Ok(Stepped::Ok);
-    }
-    let group: Vec<usize> = (0..active.len()).collect();
-    let ids: Vec<u64> = active.iter().map(|r| r.id).collect();
-    let step = match kv.prepare(ids).await {
-        Ok(step) => step,
-        Err(KvStoreError::Preempted(seq, _)) => {
-            // Pressure took it: the rest of the batch steps without it; it is restored later.
-            let idx = active.iter().position(|r| r.id == seq).expect("active");
-            parked.push(active.remove(idx));
-            c.parked += 1;
-            return Ok(Stepped::Parked);
-        }
-        Err(KvStoreError::Governor(
-            GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
-        )) => {
-            // The batch does not fit: shed its least important request; it starts over later.
-            let victim = (0..active.len())
-                .min_by_key(|&i| (active[i].priority, std::cmp::Reverse(active[i].id)))
-                .expect("non-empty batch");
-            shed(kv, active, victim, queue, c);
-            return Ok(Stepped::Shed);
-        }
-        Err(e) => return Err(e.to_string()),
-    };
-    let group = &group[..];
-    let h = model.hidden;
-    let qd = model.q_dim;
-    let kvd = model.kv_dim;
-    for &i in group {
-        let r = &mut active[i];
-        r.x = model.embed(r.token_at(r.pos));
-    }
-    for layer in 0..model.shape.layers {
-        let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
-        let qkv = weights
-            .with_weights(layer, move |w| {
-                // Weights are page-aligned f32s: read them in place.
-                let w: &[f32] = bytemuck::cast_slice(w);
-                let (wq, rest) = w.split_at(qd * h);
-                let (wk, rest) = rest.split_at(kvd * h);
-                let (wv, _) = rest.split_at(kvd * h);
-                xs.iter()
-                    .map(|x| (matvec(wq, qd, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
-                    .collect::<Vec<_>>()
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        // The step's sequences are in `active` order: the i-th of the batch is the step's i-th.
-        let attended = match gpu {
-            // The driver calls wait for the device: off the runtime's async threads.
-            Some(gpu) => {
-                tokio::task::block_in_place(|| gpu.attend(&step, model.shape, layer, &qkv))?
-            }
-            None => attend(&step, model.shape, layer, qkv).await?,
+    let start = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let stats = scheduler.stats();
+        let books = memory.books().await;
+        let Some((_, s, os)) = books.get(synthetic.kv_books) else {
+            continue;
         };
-        let xs: Vec<Vec<f32>> = group.iter().map(|&i| active[i].x.clone()).collect();
-        let next = weights
-            .with_weights(layer, move |w| {
-                // Weights are page-aligned f32s: read them in place.
-                let w: &[f32] = bytemuck::cast_slice(w);
-                let wo = &w[qd * h + 2 * kvd * h..];
-                xs.iter()
-                    .zip(&attended)
-                    .map(|(x, a)| {
-                        let o = matvec(wo, h, a);
-                        let y: Vec<f32> = x.iter().zip(&o).map(|(x, o)| x + o).collect();
-                        let norm = (y.iter().map(|v| v * v).sum::<f32>() / h as f32)
-                            .sqrt()
-                            .max(1e-6);
-                        y.iter().map(|v| v / norm).collect::<Vec<f32>>()
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .await
-            .map_err(|e| e.to_string())?;
-        for (&i, x) in group.iter().zip(next) {
-            active[i].x = x;
-        }
-    }
-    // Every layer's K/V of the new tokens is written by the kernels the last fence covers.
-    let fence = match step.stream().cuda() {
-        Some(stream) => stream.submit(&[], |_| Ok(())).map_err(|e| e.to_string())?,
-        None => step.last_fence().ok_or("a step with no kernel")?,
-    };
-    step.complete(fence).await.map_err(|e| e.to_string())?;
-    for &i in group {
-        let r = &mut active[i];
-        if r.pos + 1 >= r.known() {
-            let t = model.next_token(&r.x);
-            r.generated.push(t);
-            c.generated += 1;
-        }
-        r.pos += 1;
-    }
-    Ok(Stepped::Ok)
-}
-
-/// The server's own attention kernel for one layer, on the step's stream: each sequence's new
-/// K/V row written into the flat buffers, the GQA decode over every row so far, in place (the
-/// same kernel serves the real model: `procmem_model::smollm::attend`).
-async fn attend(
-    step: &KvStep,
-    shape: KvShape,
-    layer: usize,
-    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
-) -> Result<Vec<Vec<f32>>, String> {
-    procmem_model::smollm::attend(step, shape, layer, qkv)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-/// The server's GPU side: the decode kernels (kernels/decode.cu, loaded from their PTX) and
-/// device staging for a whole batch: each sequence's query, new K/V row and output, and one
-/// scratch for partial results (the stream runs one decode at a time).
-struct Gpu {
-    device: Arc<CudaDevice>,
-    kernels: DecodeKernels,
-    /// Sequences of a batch at most.
-    batch: usize,
-    q: u64,
-    k: u64,
-    v: u64,
-    out: u64,
-    partials: u64,
-}
-
-impl Gpu {
-    fn new(memory: &MemoryManager, shape: KvShape, batch: usize) -> Result<Gpu, String> {
-        let provider = memory.cuda_provider().ok_or("no CUDA provider")?;
-        let device = provider.mechanism().device().clone();
-        let kernels = DecodeKernels::load(device.clone()).map_err(|e| e.to_string())?;
-        let f32s = |n: usize| {
-            device
-                .alloc((batch * n) as u64 * 4)
-                .map_err(|e| e.to_string())
-        };
-        let partials = DecodeLaunch {
-            q: 0,
-            k: 0,
-            v: 0,
-            dtype: shape.dtype,
-            tokens: shape.max_tokens as u32,
-            q_heads: shape.q_heads as u32,
-            kv_heads: shape.kv_heads as u32,
-            head_dim: shape.head_dim as u32,
-            partials: 0,
-            out: 0,
-        }
-        .partials_bytes();
-        Ok(Gpu {
-            q: f32s(shape.q_heads * shape.head_dim)?,
-            k: f32s(shape.token_elems())?,
-            v: f32s(shape.token_elems())?,
-            out: f32s(shape.q_heads * shape.head_dim)?,
-            partials: device.alloc(partials).map_err(|e| e.to_string())?,
-            batch,
-            kernels,
-            device,
-        })
-    }
-
-    /// One layer of attention for every sequence of the step, on the step's CUDA stream: each
-    /// sequence's new K/V row written into the flat buffers by the copy kernel, then the
-    /// split-KV decode over every row so far, read in place through the step's views. The
-    /// whole batch is queued, then the stream is waited for once and the outputs copied back.
-    fn attend(
-        &self,
-        step: &KvStep,
-        shape: KvShape,
-        layer: usize,
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-    ) -> Result<Vec<Vec<f32>>, String> {
-        // A batch larger than the staging (restores may join it) goes a slice at a time.
-        if qkv.len() > self.batch {
-            let mut outs = Vec::with_capacity(qkv.len());
-            for (n, part) in qkv.chunks(self.batch).enumerate() {
-                outs.extend(self.attend_from(step, shape, layer, part, n * self.batch)?);
+        if let Some(g) = &synthetic.gpu {
+            // The driver's own count beside the ledger: every process's use of the GPU.
+            if let Ok((free, total)) = g.device.mem_info() {
+                print!("[driver used {:>11} B] ", total - free);
             }
-            return Ok(outs);
         }
-        self.attend_from(step, shape, layer, qkv, 0)
-    }
-
-    /// [`Gpu::attend`] for the step's sequences `first..first + qkv.len()`.
-    fn attend_from(
-        &self,
-        step: &KvStep,
-        shape: KvShape,
-        layer: usize,
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-        first: usize,
-    ) -> Result<Vec<Vec<f32>>, String> {
-        let stream = step
-            .stream()
-            .cuda()
-            .ok_or("the step is not on a GPU")?
-            .cuda();
-        let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
-        let err = |e: procmem_actors::procmem::MemoryError| e.to_string();
-        let (qn, rn) = (
-            (shape.q_heads * shape.head_dim) as u64 * 4,
-            shape.token_elems() as u64 * 4,
+        println!(
+            "[{:5.1}s] {:7.1} tok/s  waiting {:3}  finished {:3}/{}  preempted {:3}  committed {:>9} B  os {:>9} B  tickets {}",
+            start.elapsed().as_secs_f64(),
+            stats.generated as f64 / start.elapsed().as_secs_f64(),
+            scheduler.waiting(),
+            stats.finished,
+            requests,
+            stats.preemptions,
+            s.books.leased,
+            os.unwrap_or(0),
+            s.tickets_sent
         );
-        // The previous layer's work read the staging buffers: done before they are rewritten.
-        stream.synchronize().map_err(err)?;
-        for (i, (q, k, v)) in qkv.iter().enumerate() {
-            let views = step
-                .views(first + i, layer)
-                .ok_or("no such sequence in the step")?;
-            let pos = step.positions()[first + i];
-            let (qi, ki, vi, oi) = (
-                self.q + i as u64 * qn,
-                self.k + i as u64 * rn,
-                self.v + i as u64 * rn,
-                self.out + i as u64 * qn,
-            );
-            // SAFETY: each sequence has its own staging slots (allocated for `batch`), which
-            // no queued work reads until the next layer's synchronize; the rows written are
-            // this step's own (mapped read-write until its fence), and the views cover
-            // `pos + 1` rows; one partials scratch serves every decode, as the stream runs
-            // them one after the other.
-            unsafe {
-                self.device.copy_to_device(qi, &bytes(q)).map_err(err)?;
-                self.device.copy_to_device(ki, &bytes(k)).map_err(err)?;
-                self.device.copy_to_device(vi, &bytes(v)).map_err(err)?;
-                let n = shape.token_elems() as u32;
-                let (k_row, v_row) = (
-                    views.k.row_addr(pos).ok_or("no row for the new token")?,
-                    views.v.row_addr(pos).ok_or("no row for the new token")?,
-                );
-                self.kernels
-                    .write_row(stream, shape.dtype, k_row, ki, n)
-                    .map_err(err)?;
-                self.kernels
-                    .write_row(stream, shape.dtype, v_row, vi, n)
-                    .map_err(err)?;
-                let launch = DecodeLaunch {
-                    q: qi,
-                    k: views.k.addr,
-                    v: views.v.addr,
-                    dtype: shape.dtype,
-                    tokens: (pos + 1) as u32,
-                    q_heads: shape.q_heads as u32,
-                    kv_heads: shape.kv_heads as u32,
-                    head_dim: shape.head_dim as u32,
-                    partials: self.partials,
-                    out: oi,
-                };
-                self.kernels.decode(stream, &launch).map_err(err)?;
-            }
-        }
-        stream.synchronize().map_err(err)?;
-        let mut out = vec![0u8; qkv.len() * qn as usize];
-        // SAFETY: the outputs of this batch lie at the start of `out`; the stream is idle.
-        unsafe { self.device.copy_to_host(&mut out, self.out).map_err(err)? };
-        Ok(out
-            .chunks_exact(qn as usize)
-            .map(|o| {
-                o.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect()
-            })
-            .collect())
-    }
-}
-
-impl Drop for Gpu {
-    fn drop(&mut self) {
-        for p in [self.q, self.k, self.v, self.out, self.partials] {
-            // SAFETY: allocated in `new`, freed once; every step synchronized its stream
-            // after its last use of them.
-            let _ = unsafe { self.device.free(p) };
-        }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod listen;
 pub mod real_model;
+pub mod synthetic;
 
 /// A byte count: a number with an optional `B`, `KiB`, `MiB`, `GiB` or `TiB` suffix.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {

@@ -16,7 +16,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use procmem_actors::{KvStoreHandle, SeqId};
+use procmem_actors::{KvStep, KvStoreHandle, SeqId};
 use tokio::sync::mpsc;
 
 mod run;
@@ -41,6 +41,26 @@ pub trait StepModel: Send + Sync + 'static {
 
     /// One step of `batch`.
     fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a>;
+}
+
+/// Room for `batch`'s new tokens in one grant, checked against where the store holds each
+/// sequence: a token written at another row than its position says would be rotated for one
+/// place and stored at another. The first thing a [`StepModel::step`] does.
+pub async fn prepare(kv: &KvStoreHandle, batch: &[StepInput]) -> Result<KvStep, ModelError> {
+    let step = kv
+        .prepare_tokens(batch.iter().map(|b| (b.seq, b.tokens.len())).collect())
+        .await
+        .map_err(ModelError::Prepare)?;
+    for (b, &held) in batch.iter().zip(step.positions()) {
+        if held != b.position {
+            return Err(ModelError::Position {
+                seq: b.seq,
+                held,
+                asked: b.position,
+            });
+        }
+    }
+    Ok(step)
 }
 
 /// Text of tokens, for stop strings.

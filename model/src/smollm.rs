@@ -345,9 +345,10 @@ fn attend_rows(
     }
 }
 
-/// Writes each row's new K/V into the step's flat buffers and runs the decode operator over
+/// Writes each new token's K/V into the step's flat buffers and runs the causal operator over
 /// every row so far, on the step's stream (the server's own kernel over the managed KV).
-/// `qkv[i]` is the step's `i`-th sequence's query, key and value rows (one new token each).
+/// `qkv` holds one (query, key, value) per new token: the step's sequences in order, each
+/// sequence's tokens in position order. Returns each token's output, in the same order.
 pub async fn attend(
     step: &KvStep,
     shape: KvShape,
@@ -456,21 +457,8 @@ pub async fn forward_step(
     shape: KvShape,
     batch: &[StepInput],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
-    let step = kv
-        .prepare_tokens(batch.iter().map(|b| (b.seq, b.tokens.len())).collect())
-        .await
-        .map_err(ModelError::Prepare)?;
-    // Each token goes where the store says the sequence ends, or the step would write K/V
-    // at one row and rotate it for another (dropping the step counts nothing).
-    for (b, &held) in batch.iter().zip(step.positions()) {
-        if held != b.position {
-            return Err(ModelError::Position {
-                seq: b.seq,
-                held,
-                asked: b.position,
-            });
-        }
-    }
+    // Dropping a step that fails counts nothing.
+    let step = crate::scheduler::prepare(kv, batch).await?;
     let tokens: Vec<u32> = batch
         .iter()
         .flat_map(|b| b.tokens.iter().copied())

@@ -9,7 +9,7 @@ use std::time::Duration;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{KvStoreConfig, KvStoreHandle, MemoryManager, PreemptMode, SwapSpace};
 use procmem_model::scheduler::{
-    Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
+    self, Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
     SchedulerHandle, StepFuture, StepModel,
 };
 use procmem_model::{ModelError, StepInput};
@@ -37,21 +37,7 @@ impl StepModel for Toy {
 
     fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
         Box::pin(async move {
-            let counts = batch.iter().map(|b| (b.seq, b.tokens.len())).collect();
-            let step = self
-                .kv
-                .prepare_tokens(counts)
-                .await
-                .map_err(ModelError::Prepare)?;
-            for (b, &held) in batch.iter().zip(step.positions()) {
-                if held != b.position {
-                    return Err(ModelError::Position {
-                        seq: b.seq,
-                        held,
-                        asked: b.position,
-                    });
-                }
-            }
+            let step = scheduler::prepare(&self.kv, batch).await?;
             let rows: Vec<Vec<u32>> = batch.iter().map(|b| b.tokens.clone()).collect();
             let (tx, rx) = tokio::sync::oneshot::channel();
             step.submit(move |kv| {
