@@ -5,7 +5,8 @@
 //! The workload is fixed here: 32 conversations of 4 turns sharing one system prompt of about
 //! 300 tokens; each turn adds a user message of 50 to 200 tokens (seeded) to the conversation
 //! so far and its previous answer (up to 64 tokens, greedy); a conversation's next turn is
-//! sent when its previous answer has arrived. Plus `long`: single prompts of 2,000 tokens.
+//! sent when its previous answer has arrived. Plus `long`: single prompts of 2,000 tokens
+//! (at each concurrency of the run, 8 at most).
 //!
 //! - Closed loop: `concurrency` conversations in flight at once (rows at 1, 8 and 32).
 //! - Open loop: conversations start at Poisson arrivals of `PROCMEM_BENCH_RATE` per second
@@ -191,8 +192,8 @@ async fn drive(
         .metric("procmem_kv_preemptions_total")
         .await
         .unwrap_or(0.0);
-    let rss = server.peak_rss();
-    let log = server.stop().await?;
+    let stopped = server.stop().await?;
+    let (rss, log) = (stopped.rss, stopped.log);
     Ok(Driven {
         answers,
         wall,
@@ -374,6 +375,13 @@ async fn run() -> Result<(), String> {
         .ok()
         .and_then(|r| r.parse().ok());
     let top = concurrency.iter().copied().max().unwrap_or(1);
+    // Long prompts at most 8 at once: the 2,000-token prefills fill a row's time on their own.
+    let long_concurrency: Vec<usize> = concurrency
+        .iter()
+        .map(|&c| c.min(8))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     println!(
         "serving: {} conversations x {} turns, system prompt {} tokens, context {} tokens; {} long prompts of {LONG_TOKENS}",
         w.conversations.len(),
@@ -401,7 +409,7 @@ async fn run() -> Result<(), String> {
         rows.push(row);
     }
     if !w.long.is_empty() {
-        for c in [1, 8] {
+        for &c in &long_concurrency {
             let (row, answers) = procmem_row(&w, "long", 1.0, c, None).await?;
             print_row(&row);
             rows.push(row);
@@ -442,7 +450,7 @@ async fn run() -> Result<(), String> {
             by_key.insert((Kind::Llama.name(), "multi", "-".into(), c), answers);
         }
         if !w.long.is_empty() {
-            for c in [1, 8] {
+            for &c in &long_concurrency {
                 let (row, answers) = llama.row(&w, "long", c, c).await?;
                 print_row(&row);
                 rows.push(row);

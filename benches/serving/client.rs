@@ -45,23 +45,11 @@ pub async fn chat(addr: SocketAddr, messages: &[Msg], max_tokens: u32) -> Result
         "cache_prompt": true,
     });
     let start = Instant::now();
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tokio::spawn(conn);
     let req = hyper::Request::post("/v1/chat/completions")
-        .header("host", addr.to_string())
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| e.to_string())?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("send: {e}"))?;
+    let resp = send(addr, req).await?;
     let status = resp.status();
     let mut body = resp.into_body();
     if !status.is_success() {
@@ -140,27 +128,37 @@ fn usage(v: &Value, a: &mut Answer) {
     }
 }
 
+/// Sends `req` to `addr` on a connection of its own (Nagle off: streamed pieces are small).
+async fn send(
+    addr: SocketAddr,
+    mut req: hyper::Request<Full<Bytes>>,
+) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(conn);
+    let host = addr.to_string().parse().map_err(|e| format!("host: {e}"))?;
+    req.headers_mut().insert(hyper::header::HOST, host);
+    sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("send: {e}"))
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// `GET path`, the body as text.
 pub async fn get(addr: SocketAddr, path: &str) -> Result<String, String> {
-    let tcp = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tokio::spawn(conn);
     let req = hyper::Request::get(path)
-        .header("host", addr.to_string())
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let resp = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("send: {e}"))?;
+    let resp = send(addr, req).await?;
     let status = resp.status();
     let bytes = resp
         .into_body()

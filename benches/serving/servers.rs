@@ -72,6 +72,20 @@ fn collect<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
     });
 }
 
+/// A child that dies with this bench: a bench killed mid-row leaves no server behind.
+fn dies_with_parent(cmd: &mut Command) -> &mut Command {
+    // SAFETY: between fork and exec the closure only calls `prctl`, which is
+    // async-signal-safe, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
 impl Server {
     /// procmem's main job serving SmolLM2 with f16 KV: a host budget of the weights plus
     /// `fraction` of the peak KV demand of `concurrency` sequences of `context` tokens.
@@ -82,7 +96,7 @@ impl Server {
     ) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let spec = format!("{fraction},{concurrency},{context}");
-        let mut child = Command::new(exe)
+        let mut child = dies_with_parent(&mut Command::new(exe))
             .env("PROCMEM_SERVING_CHILD", spec)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -137,7 +151,7 @@ impl Server {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let mut child = cmd
+        let mut child = dies_with_parent(&mut cmd)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
         let log = Arc::new(Mutex::new(String::new()));
@@ -175,17 +189,15 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
-    /// Its peak resident set so far (`VmHWM`), in bytes.
-    pub fn peak_rss(&self) -> u64 {
-        let Some(pid) = self.child.id() else { return 0 };
+    /// Its peak resident set so far (`VmHWM`), in bytes; `None` once it has exited.
+    fn peak_rss(&self) -> Option<u64> {
+        let pid = self.child.id()?;
         std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("VmHWM:"))
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-            .map_or(0, |kb| kb * 1024)
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
     }
 
     /// Reads `/metrics` every 100 ms until `stop` is dropped; the peaks.
@@ -225,22 +237,42 @@ impl Server {
         metric(&get(self.addr, "/metrics").await.ok()?, name)
     }
 
-    /// SIGTERM, then waits (30 s at most) for it to exit; its exit status and log.
-    pub async fn stop(mut self) -> Result<String, String> {
+    /// SIGTERM, then waits (30 s at most) for it to exit; its log and peak resident set, read
+    /// every 10 ms while it shuts down (the last reading is within 10 ms of its exit).
+    pub async fn stop(mut self) -> Result<Stopped, String> {
+        let mut rss = self.peak_rss().unwrap_or(0);
         if let Some(pid) = self.child.id() {
             // SAFETY: `kill` on our own child's pid, which has not been waited for yet.
             unsafe { libc::kill(pid as i32, libc::SIGTERM) };
         }
-        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
-            .await
-            .map_err(|_| format!("{} did not exit in 30 s after SIGTERM", self.kind.name()))?
-            .map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().map_err(|e| e.to_string())? {
+                break status;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} did not exit in 30 s after SIGTERM",
+                    self.kind.name()
+                ));
+            }
+            rss = rss.max(self.peak_rss().unwrap_or(0));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         // Let the readers take the last lines.
         tokio::time::sleep(Duration::from_millis(100)).await;
         let log = self.log();
         if !status.success() {
             return Err(format!("{} exited with {status}:\n{log}", self.kind.name()));
         }
-        Ok(log)
+        Ok(Stopped { log, rss })
     }
+}
+
+/// A server that exited.
+pub struct Stopped {
+    /// What it printed.
+    pub log: String,
+    /// Its peak resident set, in bytes.
+    pub rss: u64,
 }
