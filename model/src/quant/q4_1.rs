@@ -96,15 +96,16 @@ mod avx2 {
 
     /// [`super::column_scalar`] on AVX2: the integer dot products of eight blocks at a time,
     /// reduced together, and their float terms computed lane by lane with candle's
-    /// expression (a multiply, a multiply, a multiply, an add: no fused multiply-add, so
-    /// each lane rounds as the scalar code does), then added to the row's sum in block order.
+    /// expression ([`terms`]); then eight rows' terms are transposed so that one vector add
+    /// adds a block's term to eight rows' sums at once, each row's in block order. (One row
+    /// at a time, each sum was a chain of dependent scalar adds: the add's latency, not the
+    /// integer work, bounded the kernel.)
     ///
     /// # Safety
     /// The CPU must have AVX2.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn column(w: &[u8], y: &Rows, kb: usize, acc: &mut [f32]) {
         let low = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         let mut wv = [_mm256_setzero_si256(); WINDOW];
         let mut dx = [0f32; WINDOW];
         let mut mx = [0f32; WINDOW];
@@ -121,54 +122,135 @@ mod avx2 {
                 // In the activations' order: 16 low halves, then 16 high halves.
                 wv[b] = _mm256_set_m128i(hi, lo);
             }
-            for (r, a) in acc.iter_mut().enumerate() {
-                let row = r * kb + base;
+            if let [a] = acc {
+                // One row (a decode step): no transpose, its sum a chain of scalar adds.
                 let mut sum = *a;
                 for g in (0..nb).step_by(8) {
                     let cnt = (nb - g).min(8);
-                    let mut p = [_mm256_setzero_si256(); 8];
-                    for (i, pi) in p.iter_mut().enumerate().take(cnt) {
-                        // SAFETY: each `[i8; 32]` is 32 readable bytes; an unaligned load.
-                        let yv = unsafe { _mm256_loadu_si256(y.qs[row + g + i].as_ptr().cast()) };
-                        // Nibbles (at most 15) times signed bytes, pairs into i16 (at most
-                        // 2 * 15 * 128: no saturation), then pairs into i32.
-                        *pi = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[g + i], yv), ones);
+                    let mut t = [0f32; 8];
+                    // SAFETY: as in `terms`: `g + 8 <= WINDOW`, `y` padded past its end;
+                    // `t` is 8 writable floats.
+                    unsafe {
+                        let v = terms(&wv[g..], &dx[g..], &mx[g..], y, base + g, cnt);
+                        _mm256_storeu_ps(t.as_mut_ptr(), v);
                     }
-                    let s01 = _mm256_hadd_epi32(p[0], p[1]);
-                    let s23 = _mm256_hadd_epi32(p[2], p[3]);
-                    let s45 = _mm256_hadd_epi32(p[4], p[5]);
-                    let s67 = _mm256_hadd_epi32(p[6], p[7]);
-                    let s0123 = _mm256_hadd_epi32(s01, s23);
-                    let s4567 = _mm256_hadd_epi32(s45, s67);
-                    let sumi = _mm256_add_epi32(
-                        _mm256_permute2x128_si256(s0123, s4567, 0x20),
-                        _mm256_permute2x128_si256(s0123, s4567, 0x31),
-                    );
-                    // Exact as f32: at most 32 * 15 * 128 in magnitude.
-                    let sumi = _mm256_cvtepi32_ps(sumi);
-                    // SAFETY: `dx`, `mx` hold `WINDOW` (a multiple of 8) floats and `g + 8 <=
-                    // WINDOW`; `y.d` and `y.s` are padded with 8 floats past the last block.
-                    let t = unsafe {
-                        let scaled = _mm256_mul_ps(
-                            _mm256_mul_ps(sumi, _mm256_loadu_ps(dx[g..].as_ptr())),
-                            _mm256_loadu_ps(y.d[row + g..].as_ptr()),
-                        );
-                        let offset = _mm256_mul_ps(
-                            _mm256_loadu_ps(mx[g..].as_ptr()),
-                            _mm256_loadu_ps(y.s[row + g..].as_ptr()),
-                        );
-                        _mm256_add_ps(scaled, offset)
-                    };
-                    let mut terms = [0f32; 8];
-                    // SAFETY: `terms` is 8 writable floats; an unaligned store.
-                    unsafe { _mm256_storeu_ps(terms.as_mut_ptr(), t) };
-                    for term in &terms[..cnt] {
+                    for term in &t[..cnt] {
                         sum += term;
                     }
                 }
                 *a = sum;
+                continue;
+            }
+            for (group, accs) in acc.chunks_mut(8).enumerate() {
+                let r0 = group * 8;
+                // Eight rows' sums in one register, a row a lane: each lane adds its row's
+                // terms one block at a time, in block order, as the scalar code does.
+                let mut sums = [0f32; 8];
+                sums[..accs.len()].copy_from_slice(accs);
+                // SAFETY: `sums` is 8 readable floats.
+                let mut sums = unsafe { _mm256_loadu_ps(sums.as_ptr()) };
+                for g in (0..nb).step_by(8) {
+                    let cnt = (nb - g).min(8);
+                    let mut t = [_mm256_setzero_ps(); 8];
+                    for (i, ti) in t.iter_mut().enumerate().take(accs.len()) {
+                        let row = (r0 + i) * kb + base;
+                        // SAFETY: as in `terms`: `g + 8 <= WINDOW`, `y` padded past its end.
+                        *ti = unsafe { terms(&wv[g..], &dx[g..], &mx[g..], y, row + g, cnt) };
+                    }
+                    // Lane `i` of `c[j]` is row `i`'s term of block `g + j`.
+                    let c = transpose(t);
+                    for cj in &c[..cnt] {
+                        sums = _mm256_add_ps(sums, *cj);
+                    }
+                }
+                let mut out = [0f32; 8];
+                // SAFETY: `out` is 8 writable floats.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
+                accs.copy_from_slice(&out[..accs.len()]);
             }
         }
+    }
+
+    /// One row's float terms of blocks `at..at + cnt` (`cnt` at most 8; lanes past it are not
+    /// meant to be read): candle's `sumi * dx * dy + mx * sy`, each lane rounded as the scalar
+    /// code rounds it (a multiply, a multiply, a multiply, an add: no fused multiply-add).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `wv`, `dx`, `mx` hold 8 entries at least; `y.qs` holds `cnt`
+    /// blocks from `at`, `y.d` and `y.s` 8 floats from `at`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn terms(
+        wv: &[__m256i],
+        dx: &[f32],
+        mx: &[f32],
+        y: &Rows,
+        at: usize,
+        cnt: usize,
+    ) -> __m256 {
+        let ones = _mm256_set1_epi16(1);
+        let mut p = [_mm256_setzero_si256(); 8];
+        for (i, pi) in p.iter_mut().enumerate().take(cnt) {
+            // SAFETY: each `[i8; 32]` is 32 readable bytes; an unaligned load.
+            let yv = unsafe { _mm256_loadu_si256(y.qs[at + i].as_ptr().cast()) };
+            // Nibbles (at most 15) times signed bytes, pairs into i16 (at most 2 * 15 * 128:
+            // no saturation), then pairs into i32.
+            *pi = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[i], yv), ones);
+        }
+        let s01 = _mm256_hadd_epi32(p[0], p[1]);
+        let s23 = _mm256_hadd_epi32(p[2], p[3]);
+        let s45 = _mm256_hadd_epi32(p[4], p[5]);
+        let s67 = _mm256_hadd_epi32(p[6], p[7]);
+        let s0123 = _mm256_hadd_epi32(s01, s23);
+        let s4567 = _mm256_hadd_epi32(s45, s67);
+        let sumi = _mm256_add_epi32(
+            _mm256_permute2x128_si256(s0123, s4567, 0x20),
+            _mm256_permute2x128_si256(s0123, s4567, 0x31),
+        );
+        // Exact as f32: at most 32 * 15 * 128 in magnitude.
+        let sumi = _mm256_cvtepi32_ps(sumi);
+        // SAFETY: the caller's bounds.
+        unsafe {
+            let scaled = _mm256_mul_ps(
+                _mm256_mul_ps(sumi, _mm256_loadu_ps(dx.as_ptr())),
+                _mm256_loadu_ps(y.d[at..].as_ptr()),
+            );
+            let offset = _mm256_mul_ps(
+                _mm256_loadu_ps(mx.as_ptr()),
+                _mm256_loadu_ps(y.s[at..].as_ptr()),
+            );
+            _mm256_add_ps(scaled, offset)
+        }
+    }
+
+    /// The 8x8 transpose of eight registers of floats.
+    #[target_feature(enable = "avx2")]
+    fn transpose(r: [__m256; 8]) -> [__m256; 8] {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
     }
 }
 
