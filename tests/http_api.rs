@@ -528,7 +528,21 @@ fn a_client_leaving_mid_stream_cancels_and_sigterm_ends_with_the_books_at_zero()
     let mut held: Vec<TcpStream> = (0..3).map(|_| open_stream(&server, 300)).collect();
     let first = read_events(&mut held[0], 1);
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
-    std::thread::sleep(Duration::from_millis(300));
+    // The two others are queued once the server has read and submitted them: a fixed sleep
+    // lost that race on a loaded machine (the next request took a place in the queue).
+    let start = Instant::now();
+    loop {
+        let (_, _, health) = curl(&[&server.url("/health")]);
+        let health: Value = serde_json::from_str(&health).unwrap();
+        if health["waiting"] == 2 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "two requests never queued: {health}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let (status, head, body) = post(
         &server,
         "/v1/completions",
