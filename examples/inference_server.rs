@@ -572,54 +572,53 @@ async fn serve(args: Args) -> Result<(), String> {
     println!();
     println!("summary");
     let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
-    row(
-        "tokens/s (generated)",
-        format!("{:.1}", stats.generated as f64 / elapsed.as_secs_f64()),
-    );
-    row("tokens generated", stats.generated.to_string());
-    row("prompt tokens computed", stats.prefilled.to_string());
-    row("steps", stats.steps.to_string());
-    row("requests finished", finished.to_string());
-    row("requests preempted (shed)", stats.shed.to_string());
-    row(
-        "requests parked by preemption",
-        stats.preemptions.to_string(),
-    );
-    row(
-        "sequences preempted by pressure",
-        kv_stats.preemptions.to_string(),
-    );
-    row("sequences restored", stats.restores.to_string());
-    row(
-        "prompt tokens from shared blocks",
-        kv_stats.prefix_hit_tokens.to_string(),
-    );
-    row(
-        "swap space",
-        match kv_stats.swap {
-            SwapKind::Disk => "disk",
-            SwapKind::Host => "host tier",
-        }
-        .to_string(),
-    );
-    row("peak bytes swapped out", c.peak_swapped.to_string());
-    row(
-        "swaps that fell back to recompute",
-        kv_stats.swap_fallbacks.to_string(),
-    );
-    row("progress samples", c.taken.to_string());
-    row(
-        "samples with OS above ledger",
-        c.os_above_ledger.to_string(),
-    );
-    row(
-        "samples with frees in flight",
-        c.ledger_above_os.to_string(),
-    );
-    row(
-        "weight offloads / reloads",
-        format!("{} / {}", w_stats.offloads, w_stats.reloads),
-    );
+    let swap = match kv_stats.swap {
+        SwapKind::Disk => "disk",
+        SwapKind::Host => "host tier",
+    };
+    let tokens_per_s = stats.generated as f64 / elapsed.as_secs_f64();
+    for (k, v) in [
+        ("tokens/s (generated)", format!("{tokens_per_s:.1}")),
+        ("tokens generated", stats.generated.to_string()),
+        ("prompt tokens computed", stats.prefilled.to_string()),
+        ("steps", stats.steps.to_string()),
+        ("requests finished", finished.to_string()),
+        ("requests preempted (shed)", stats.shed.to_string()),
+        (
+            "requests parked by preemption",
+            stats.preemptions.to_string(),
+        ),
+        (
+            "sequences preempted by pressure",
+            kv_stats.preemptions.to_string(),
+        ),
+        ("sequences restored", stats.restores.to_string()),
+        (
+            "prompt tokens from shared blocks",
+            kv_stats.prefix_hit_tokens.to_string(),
+        ),
+        ("swap space", swap.to_string()),
+        ("peak bytes swapped out", c.peak_swapped.to_string()),
+        (
+            "swaps that fell back to recompute",
+            kv_stats.swap_fallbacks.to_string(),
+        ),
+        ("progress samples", c.taken.to_string()),
+        (
+            "samples with OS above ledger",
+            c.os_above_ledger.to_string(),
+        ),
+        (
+            "samples with frees in flight",
+            c.ledger_above_os.to_string(),
+        ),
+        (
+            "weight offloads / reloads",
+            format!("{} / {}", w_stats.offloads, w_stats.reloads),
+        ),
+    ] {
+        row(k, v);
+    }
     for (i, (name, s, os)) in books.iter().enumerate() {
         // The KV's authority was sampled after every step; the others only now.
         let (peak_ledger, peak_os) = match i == kv_books {
