@@ -520,5 +520,25 @@ async fn run() -> Result<(), String> {
     std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
         .map_err(|e| e.to_string())?;
     println!("wrote {}", path.display());
+    // Every row's answers, to see where two runs part (serving-answers.json).
+    let answers: serde_json::Map<String, Value> = by_key
+        .iter()
+        .map(|((server, workload, budget, c), a)| {
+            let texts: Vec<Value> = a
+                .iter()
+                .map(|((conv, turn), r)| {
+                    json!({"conversation": conv, "turn": turn,
+                           "text": r.as_ref().map(|a| a.text.clone()).map_err(Clone::clone)})
+                })
+                .collect();
+            (
+                format!("{server}/{workload}/{budget}/{c}"),
+                Value::Array(texts),
+            )
+        })
+        .collect();
+    let path = dir.join("serving-answers.json");
+    std::fs::write(&path, serde_json::to_string(&answers).unwrap()).map_err(|e| e.to_string())?;
+    println!("wrote {}", path.display());
     Ok(())
 }
