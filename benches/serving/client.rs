@@ -82,6 +82,11 @@ pub async fn chat(addr: SocketAddr, messages: &[Msg], max_tokens: u32) -> Result
                 }
                 let v: Value =
                     serde_json::from_str(data).map_err(|e| format!("bad event {data}: {e}"))?;
+                // A request that failed mid-stream ends with an error object, then [DONE]:
+                // its text so far is not an answer.
+                if let Some(e) = v.get("error") {
+                    return Err(format!("failed mid-stream after {:?}: {e}", answer.text));
+                }
                 let now = Instant::now();
                 if let Some(piece) = v["choices"][0]["delta"]["content"].as_str() {
                     if !piece.is_empty() {
