@@ -9,7 +9,7 @@ use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{KvStep, KvStoreHandle, MemoryManager, ResidencyHandle};
 use procmem_model::scheduler::{self, StepFuture, StepModel};
-use procmem_model::{ModelError, StepInput};
+use procmem_model::{ModelError, StepFault, StepInput};
 
 /// The synthetic model's sizes; its weights are seeded noise.
 pub struct Model {
@@ -128,10 +128,6 @@ impl StepModel for Synthetic {
     }
 }
 
-fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
-    ModelError::Weights(e.to_string())
-}
-
 impl Synthetic {
     /// Every layer over each sequence's new tokens: projections under residency, attention
     /// over the step's KV (causal within a chunk), output projection and norm. Returns the
@@ -165,13 +161,11 @@ impl Synthetic {
                         .map(|x| (matvec(wq, qd, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
                         .collect::<Vec<_>>()
                 })
-                .await
-                .map_err(weights_err)?;
+                .await?;
             let attended = match &self.gpu {
                 // The driver calls wait for the device: off the runtime's async threads.
                 Some(gpu) => {
-                    tokio::task::block_in_place(|| gpu.attend(&step, m.shape, layer, &rows, &qkv))
-                        .map_err(ModelError::Compute)?
+                    tokio::task::block_in_place(|| gpu.attend(&step, m.shape, layer, &rows, &qkv))?
                 }
                 None => procmem_model::smollm::attend(&step, m.shape, layer, qkv).await?,
             };
@@ -194,22 +188,14 @@ impl Synthetic {
                         })
                         .collect::<Vec<_>>()
                 })
-                .await
-                .map_err(weights_err)?;
+                .await?;
         }
         // Every layer's K/V of the new tokens is written by the kernels the last fence covers.
-        let store = |e: String| ModelError::Store(e);
         let fence = match step.stream().cuda() {
-            Some(stream) => stream
-                .submit(&[], |_| Ok(()))
-                .map_err(|e| store(e.to_string()))?,
-            None => step
-                .last_fence()
-                .ok_or_else(|| store("a step with no kernel".into()))?,
+            Some(stream) => stream.submit(&[], |_| Ok(()))?,
+            None => step.last_fence().ok_or(StepFault::NoKernel)?,
         };
-        step.complete(fence)
-            .await
-            .map_err(|e| store(e.to_string()))?;
+        step.complete(fence).await.map_err(ModelError::Store)?;
         let mut end = 0;
         Ok(batch
             .iter()
@@ -306,9 +292,14 @@ impl Gpu {
         layer: usize,
         rows: &[(usize, usize)],
         qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-    ) -> Result<Vec<Vec<f32>>, String> {
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         if rows.len() != qkv.len() {
-            return Err(format!("{} rows for {} projections", rows.len(), qkv.len()));
+            return Err(StepFault::Mismatch {
+                what: "rows of a step against its projections",
+                got: rows.len(),
+                expected: qkv.len(),
+            }
+            .into());
         }
         let mut outs = Vec::with_capacity(qkv.len());
         // More rows than the staging holds go a slice at a time.
@@ -326,24 +317,19 @@ impl Gpu {
         layer: usize,
         rows: &[(usize, usize)],
         qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
-    ) -> Result<Vec<Vec<f32>>, String> {
-        let stream = step
-            .stream()
-            .cuda()
-            .ok_or("the step is not on a GPU")?
-            .cuda();
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let stream = step.stream().cuda().ok_or(StepFault::NotOnDevice)?.cuda();
         let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
-        let err = |e: procmem_actors::procmem::MemoryError| e.to_string();
         let (qn, rn) = (
             (shape.q_heads * shape.head_dim) as u64 * 4,
             shape.token_elems() as u64 * 4,
         );
         // The previous slice's work read the staging buffers: done before they are rewritten.
-        stream.synchronize().map_err(err)?;
+        stream.synchronize()?;
         for (i, (&(seq, pos), (q, k, v))) in rows.iter().zip(qkv).enumerate() {
             let views = step
                 .views(seq, layer)
-                .ok_or("no such sequence in the step")?;
+                .ok_or(StepFault::NoSuchSequence(seq))?;
             let (qi, ki, vi, oi) = (
                 self.q + i as u64 * qn,
                 self.k + i as u64 * rn,
@@ -355,20 +341,21 @@ impl Gpu {
             // own (mapped read-write until its fence), and the views cover `pos + 1` rows;
             // one partials scratch serves every decode, as the stream runs them in order.
             unsafe {
-                self.device.copy_to_device(qi, &bytes(q)).map_err(err)?;
-                self.device.copy_to_device(ki, &bytes(k)).map_err(err)?;
-                self.device.copy_to_device(vi, &bytes(v)).map_err(err)?;
+                self.device.copy_to_device(qi, &bytes(q))?;
+                self.device.copy_to_device(ki, &bytes(k))?;
+                self.device.copy_to_device(vi, &bytes(v))?;
                 let n = shape.token_elems() as u32;
+                let no_row = StepFault::Mismatch {
+                    what: "rows the step's views cover",
+                    got: views.k.tokens,
+                    expected: pos + 1,
+                };
                 let (k_row, v_row) = (
-                    views.k.row_addr(pos).ok_or("no row for the new token")?,
-                    views.v.row_addr(pos).ok_or("no row for the new token")?,
+                    views.k.row_addr(pos).ok_or(no_row)?,
+                    views.v.row_addr(pos).ok_or(no_row)?,
                 );
-                self.kernels
-                    .write_row(stream, shape.dtype, k_row, ki, n)
-                    .map_err(err)?;
-                self.kernels
-                    .write_row(stream, shape.dtype, v_row, vi, n)
-                    .map_err(err)?;
+                self.kernels.write_row(stream, shape.dtype, k_row, ki, n)?;
+                self.kernels.write_row(stream, shape.dtype, v_row, vi, n)?;
                 let launch = DecodeLaunch {
                     q: qi,
                     k: views.k.addr,
@@ -381,13 +368,13 @@ impl Gpu {
                     partials: self.partials,
                     out: oi,
                 };
-                self.kernels.decode(stream, &launch).map_err(err)?;
+                self.kernels.decode(stream, &launch)?;
             }
         }
-        stream.synchronize().map_err(err)?;
+        stream.synchronize()?;
         let mut out = vec![0u8; qkv.len() * qn as usize];
         // SAFETY: the outputs of these rows lie at the start of `out`; the stream is idle.
-        unsafe { self.device.copy_to_host(&mut out, self.out).map_err(err)? };
+        unsafe { self.device.copy_to_host(&mut out, self.out)? };
         Ok(out
             .chunks_exact(qn as usize)
             .map(|o| {

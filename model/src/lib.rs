@@ -3,12 +3,16 @@
 //! math, each layer's quantized tensors a residency unit, and the KV in the KV store's flat
 //! buffers, read in place by this project's decode operator.
 
-#![deny(missing_docs)]
+#![deny(missing_docs, unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod fixture;
 pub mod gguf;
 #[cfg(feature = "http")]
 pub mod http;
+// The only unsafe code: candle's block types viewed in the weights' bytes, and the SIMD of
+// the Q4_1 kernel.
+#[allow(unsafe_code)]
 mod quant;
 pub mod scheduler;
 pub mod serve;
@@ -19,7 +23,7 @@ use std::path::PathBuf;
 
 pub use serve::{Completion, Engine, Request, RunStats};
 pub use smollm::{argmax, decode_step, forward_step, top2, Loaded, Smol, StepInput};
-pub use tokenizer::TextCodec;
+pub use tokenizer::{TextCodec, TokenizerError};
 
 /// Why the model could not be loaded or run.
 #[derive(Debug, thiserror::Error)]
@@ -29,19 +33,37 @@ pub enum ModelError {
     Gguf(#[from] gguf::GgufError),
     /// The tokenizer's vocabulary or merges, or a text it was given, are not usable.
     #[error("tokenizer: {0}")]
-    Format(String),
+    Tokenizer(#[from] tokenizer::TokenizerError),
     /// A tensor operation failed.
     #[error("compute: {0}")]
-    Compute(String),
+    Compute(#[from] candle_core::Error),
     /// The KV store refused a step.
     #[error("step refused: {0}")]
     Prepare(#[source] procmem_actors::KvStoreError),
-    /// The KV store failed.
+    /// The KV store failed to take a step's end.
     #[error("kv store: {0}")]
-    Store(String),
-    /// Model residency failed.
+    Store(#[source] procmem_actors::KvStoreError),
+    /// A kernel's reads or writes of the step's KV failed.
+    #[error("kv: {0}")]
+    Kv(#[from] procmem_actors::procmem::kv::KvError),
+    /// The step's stream took no more work.
+    #[error("stream: {0}")]
+    Stream(#[from] procmem_actors::StreamError),
+    /// A device call of a step failed.
+    #[error("device: {0}")]
+    Device(#[from] procmem_actors::procmem::MemoryError),
+    /// Model residency failed (a layer's reload included).
     #[error("weights: {0}")]
-    Weights(String),
+    Weights(#[from] procmem_actors::ResidencyError),
+    /// Starting the engine's holders failed.
+    #[error("memory manager: {0}")]
+    Manager(#[from] procmem_actors::ManagerError),
+    /// A step's work did not hold together.
+    #[error("step: {0}")]
+    Step(#[from] StepFault),
+    /// The scheduler ended a request without an answer.
+    #[error("scheduler: {0}")]
+    Scheduler(#[source] Box<scheduler::GenError>),
     /// A request with no prompt token: the first step has nothing to read.
     #[error("request {0} has an empty prompt")]
     EmptyPrompt(procmem_actors::SeqId),
@@ -55,6 +77,50 @@ pub enum ModelError {
         held: usize,
         /// The position the step named.
         asked: usize,
+    },
+}
+
+impl From<procmem_actors::CudaSubmitError> for ModelError {
+    fn from(e: procmem_actors::CudaSubmitError) -> Self {
+        match e {
+            procmem_actors::CudaSubmitError::Stream(s) => ModelError::Stream(s),
+            procmem_actors::CudaSubmitError::Work(w) => ModelError::Device(w),
+        }
+    }
+}
+
+/// How a step's work failed to hold together: a kernel that never ran or never finished, or
+/// sizes that do not match. Each is a defect of the model's code or of a caller's batch, not
+/// of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StepFault {
+    /// A kernel of the step was dropped before it answered (its stream went away).
+    #[error("a kernel of the step was dropped before it answered")]
+    KernelDropped,
+    /// A kernel of the step panicked, or the step's stages did not all run.
+    #[error("a kernel of the step panicked")]
+    KernelPanicked,
+    /// The step ended with no kernel queued, so no fence covers its writes.
+    #[error("the step queued no kernel")]
+    NoKernel,
+    /// A fence did not belong to the step's stream.
+    #[error("a fence of another stream")]
+    ForeignFence,
+    /// The step's work runs on a GPU and the step is not on one.
+    #[error("the step is not on a GPU")]
+    NotOnDevice,
+    /// The work names the step's sequence at an index the step does not have.
+    #[error("the step has no sequence at index {0}")]
+    NoSuchSequence(usize),
+    /// Two sizes that must agree do not.
+    #[error("{what}: {got}, expected {expected}")]
+    Mismatch {
+        /// What was counted.
+        what: &'static str,
+        /// What was found.
+        got: usize,
+        /// What the other side holds.
+        expected: usize,
     },
 }
 

@@ -7,7 +7,6 @@
 //! candle's, so the results are those of `QMatMul` on the same weights. Where candle is told
 //! to dequantize everything (`CANDLE_DEQUANTIZE_ALL`, which the exact comparison against
 //! candle's model sets) or the tensor is not block-quantized, `QMatMul` is built as before.
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::sync::OnceLock;
 
@@ -22,7 +21,7 @@ mod q4_1;
 
 use crate::gguf::TensorSlot;
 use crate::smollm::{cerr, matmul};
-use crate::ModelError;
+use crate::{ModelError, StepFault};
 
 /// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
 fn dequantize_all() -> bool {
@@ -76,9 +75,12 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
         (false, &[n, k]) => {
             let (m, xk) = x.dims2().map_err(cerr)?;
             if xk != k {
-                return Err(ModelError::Compute(format!(
-                    "projection of {xk} columns by a weight of {k}"
-                )));
+                return Err(StepFault::Mismatch {
+                    what: "columns of a projection's input against its weight's",
+                    got: xk,
+                    expected: k,
+                }
+                .into());
             }
             let lhs = x
                 .flatten_all()

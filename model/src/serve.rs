@@ -102,18 +102,11 @@ impl Engine {
                 priority: 10,
                 wait: std::time::Duration::from_secs(5),
             })
-            .await
-            .map_err(|e| ModelError::Weights(e.to_string()))?;
+            .await?;
         for (layer, bytes) in loaded.layers.into_iter().enumerate() {
-            weights
-                .load(layer, bytes, false)
-                .await
-                .map_err(|e| ModelError::Weights(e.to_string()))?;
+            weights.load(layer, bytes, false).await?;
         }
-        let kv = memory
-            .kv_store(kv_config)
-            .await
-            .map_err(|e| ModelError::Store(e.to_string()))?;
+        let kv = memory.kv_store(kv_config).await?;
         Ok(Engine {
             model: loaded.model,
             weights,
@@ -218,8 +211,9 @@ impl StepModel for Engine {
 /// A scheduler's error as the engine's.
 fn model_error(e: GenError) -> ModelError {
     match e {
-        GenError::Model(m) => m,
+        GenError::Model(m) => Arc::try_unwrap(m)
+            .unwrap_or_else(|m| ModelError::Scheduler(Box::new(GenError::Model(m)))),
         GenError::NoRoom(kv) => ModelError::Prepare(kv),
-        other => ModelError::Store(other.to_string()),
+        other => ModelError::Scheduler(Box::new(other)),
     }
 }

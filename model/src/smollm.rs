@@ -15,10 +15,10 @@ use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, Se
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
 use crate::quant::project;
-use crate::ModelError;
+use crate::{ModelError, StepFault};
 
 pub(crate) fn cerr(e: candle_core::Error) -> ModelError {
-    ModelError::Compute(e.to_string())
+    ModelError::Compute(e)
 }
 
 /// What stays outside the residency units: the embeddings (dequantized, as a lookup table),
@@ -304,14 +304,16 @@ fn attend_rows(
         qkv: &Qkv,
     ) -> Result<Vec<f32>, ModelError> {
         let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
-        let store = |e: procmem_actors::procmem::kv::KvError| ModelError::Store(e.to_string());
         let (qw, kw) = (shape.q_heads * shape.head_dim, shape.token_elems());
         let rows = qkv.q.len() / qw.max(1);
         let counted: usize = (0..kv.len()).filter_map(|i| kv.count(i)).sum();
         if rows != counted || qkv.k.len() != rows * kw || qkv.v.len() != rows * kw {
-            return Err(ModelError::Compute(format!(
-                "{rows} attention rows for a step of {counted} new tokens"
-            )));
+            return Err(StepFault::Mismatch {
+                what: "attention rows for the step's new tokens",
+                got: rows,
+                expected: counted,
+            }
+            .into());
         }
         let mut out = vec![0f32; qkv.q.len()];
         let mut first = 0;
@@ -321,10 +323,9 @@ fn attend_rows(
                 &qkv.k[first * kw..(first + n) * kw],
                 &qkv.v[first * kw..(first + n) * kw],
             );
-            kv.write_rows(i, layer, 0, &narrow(k), &narrow(v))
-                .map_err(store)?;
-            let keys = kv.keys::<T>(i, layer).map_err(store)?;
-            let values = kv.values::<T>(i, layer).map_err(store)?;
+            kv.write_rows(i, layer, 0, &narrow(k), &narrow(v))?;
+            let keys = kv.keys::<T>(i, layer)?;
+            let values = kv.values::<T>(i, layer)?;
             gqa_causal(
                 &qkv.q[first * qw..(first + n) * qw],
                 keys,
@@ -365,11 +366,8 @@ pub async fn attend(
     let (tx, rx) = tokio::sync::oneshot::channel();
     step.submit(move |kv| {
         let _ = tx.send(attend_rows(kv, shape, layer, &flat));
-    })
-    .map_err(|e| ModelError::Store(e.to_string()))?;
-    let out = rx
-        .await
-        .map_err(|_| ModelError::Store("the step's kernel was dropped".into()))??;
+    })?;
+    let out = rx.await.map_err(|_| StepFault::KernelDropped)??;
     Ok(out.chunks(width.max(1)).map(<[f32]>::to_vec).collect())
 }
 
@@ -397,7 +395,7 @@ fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>
 }
 
 fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
-    ModelError::Weights(e.to_string())
+    ModelError::Weights(e)
 }
 
 /// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
@@ -478,22 +476,18 @@ pub async fn forward_step(
     if let Some(last) = &last {
         fence_completed(last).await;
     }
-    let fence = step
-        .last_fence()
-        .ok_or_else(|| ModelError::Store("a step with no kernel".into()))?;
+    let fence = step.last_fence().ok_or(StepFault::NoKernel)?;
     let x = {
         let mut flow = flow.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(e) = flow.error.take() {
             return Err(e);
         }
         if flow.stages != 3 * model.config.layers {
-            return Err(ModelError::Compute("a kernel of the step panicked".into()));
+            return Err(StepFault::KernelPanicked.into());
         }
         flow.x.take().ok_or_else(lost_stream)?
     };
-    step.complete(fence)
-        .await
-        .map_err(|e| ModelError::Store(e.to_string()))?;
+    step.complete(fence).await.map_err(ModelError::Store)?;
     // Only each sequence's last row is read: the output head is the largest matmul.
     let x = if tokens.len() == batch.len() {
         x
@@ -511,7 +505,7 @@ pub async fn forward_step(
 }
 
 fn lost_stream() -> ModelError {
-    ModelError::Compute("a step's kernel lost the residual stream".into())
+    StepFault::KernelPanicked.into()
 }
 
 /// Queues every layer's three kernels of `step` (projections, attention, the rest); returns
@@ -552,18 +546,16 @@ async fn queue_layers(
             fence_completed(&projected).await;
         }
         let f = Arc::clone(flow);
-        let fence = step
-            .submit(move |kv| {
-                stage(&f, |flow| {
-                    let qkv = std::mem::take(&mut flow.qkv);
-                    flow.attended = attend_rows(kv, shape, layer, &qkv)?;
-                    Ok(())
-                })
+        let fence = step.submit(move |kv| {
+            stage(&f, |flow| {
+                let qkv = std::mem::take(&mut flow.qkv);
+                flow.attended = attend_rows(kv, shape, layer, &qkv)?;
+                Ok(())
             })
-            .map_err(|e| ModelError::Store(e.to_string()))?;
+        })?;
         if apart {
             let attended = TimelineFence::new(fence, step.stream().timeline())
-                .ok_or_else(|| ModelError::Store("a fence of another stream".into()))?;
+                .ok_or(StepFault::ForeignFence)?;
             fence_completed(&attended).await;
         }
         let (m, f) = (Arc::clone(model), Arc::clone(flow));

@@ -8,6 +8,26 @@ use tokenizers::{AddedToken, Tokenizer};
 use crate::gguf::TokenizerData;
 use crate::ModelError;
 
+/// Why the tokenizer could not be built, or could not take a text.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A merge in the GGUF is not two tokens separated by a space.
+    #[error("merge {0:?} is not two tokens")]
+    Merge(String),
+    /// The vocabulary and merges do not make a BPE.
+    #[error("BPE: {0}")]
+    Build(#[source] tokenizers::Error),
+    /// A text could not be encoded.
+    #[error("encode: {0}")]
+    Encode(#[source] tokenizers::Error),
+    /// Token ids could not be decoded.
+    #[error("decode: {0}")]
+    Decode(#[source] tokenizers::Error),
+    /// A chat message of a role the template does not know.
+    #[error("a message of role {0:?}")]
+    Role(String),
+}
+
 /// Text in, token ids out, and back.
 pub struct TextCodec {
     tokenizer: Tokenizer,
@@ -31,13 +51,13 @@ impl TextCodec {
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_owned(), b.to_owned()))
-                    .ok_or_else(|| ModelError::Format(format!("merge {m:?}")))
+                    .ok_or_else(|| TokenizerError::Merge(m.clone()))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(|e| ModelError::Format(format!("BPE: {e}")))?;
+            .map_err(TokenizerError::Build)?;
         let mut tokenizer = Tokenizer::new(bpe);
         tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
         tokenizer.with_decoder(Some(ByteLevel::default()));
@@ -64,14 +84,14 @@ impl TextCodec {
         self.tokenizer
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelError::Format(format!("encode: {e}")))
+            .map_err(|e| TokenizerError::Encode(e).into())
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
         self.tokenizer
             .decode(ids, true)
-            .map_err(|e| ModelError::Format(format!("decode: {e}")))
+            .map_err(|e| TokenizerError::Decode(e).into())
     }
 
     /// A chat prompt in the model's template (ChatML): an optional system message, the user's.
@@ -92,7 +112,7 @@ impl TextCodec {
         let mut text = String::new();
         for (role, content) in messages {
             if !matches!(*role, "system" | "user" | "assistant") {
-                return Err(ModelError::Format(format!("a message of role {role:?}")));
+                return Err(TokenizerError::Role(role.to_string()).into());
             }
             text.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
         }

@@ -12,7 +12,7 @@ use procmem_model::scheduler::{
     self, Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
     SchedulerHandle, StepFuture, StepModel,
 };
-use procmem_model::{ModelError, StepInput};
+use procmem_model::{ModelError, StepFault, StepInput};
 
 const VOCAB: usize = 97;
 const SHAPE: KvShape = KvShape {
@@ -56,14 +56,9 @@ impl StepModel for Toy {
                     out.push(logits);
                 }
                 let _ = tx.send(out);
-            })
-            .map_err(|e| ModelError::Store(e.to_string()))?;
-            let logits = rx
-                .await
-                .map_err(|_| ModelError::Compute("the kernel panicked".into()))?;
-            step.finish()
-                .await
-                .map_err(|e| ModelError::Store(e.to_string()))?;
+            })?;
+            let logits = rx.await.map_err(|_| StepFault::KernelPanicked)?;
+            step.finish().await.map_err(ModelError::Store)?;
             Ok(logits)
         })
     }
@@ -274,5 +269,115 @@ async fn stop_tokens_seeds_and_careless_requests() {
     handle.shutdown(Duration::ZERO);
     task.await.unwrap();
     drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+/// The toy model, with the steps named in `faults` failing before they start with the error
+/// `fault` makes: of the steps of at least `batch` sequences, counted from 0.
+struct Faulty {
+    toy: Arc<Toy>,
+    steps: std::sync::atomic::AtomicUsize,
+    batch: usize,
+    faults: std::ops::Range<usize>,
+    fault: fn() -> ModelError,
+}
+
+impl StepModel for Faulty {
+    fn kv(&self) -> &KvStoreHandle {
+        &self.toy.kv
+    }
+
+    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
+        if batch.len() < self.batch {
+            return self.toy.step(batch);
+        }
+        let n = self
+            .steps
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.faults.contains(&n) {
+            let e = (self.fault)();
+            return Box::pin(async move { Err(e) });
+        }
+        self.toy.step(batch)
+    }
+}
+
+/// A layer's weights that could not be brought back in time: what residency answers when
+/// the Governor's wait for its room ran out.
+fn weights_late() -> ModelError {
+    ModelError::Weights(procmem_actors::ResidencyError::Provider(
+        procmem_actors::ProviderError::Governor(procmem_actors::GovernorError::Busy { waiting: 1 }),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
+    let (free, _) = run_all(None, PreemptMode::Swap).await;
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    // Steps 3 to 8 each find no room for a layer's weights: the batch sheds its newest
+    // requests, one a step, and a lone one is tried again; nothing fails.
+    let model = Arc::new(Faulty {
+        toy: Arc::clone(&toy),
+        steps: Default::default(),
+        batch: 1,
+        faults: 3..9,
+        fault: weights_late,
+    });
+    let config = SchedulerConfig::new(SHAPE.max_tokens)
+        .step_tokens(48)
+        .max_running(8);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let streams: Vec<Generation> = (0..12)
+        .map(|i| handle.submit(request(5 + 9 * i, i as u32, 40)).unwrap())
+        .collect();
+    let mut out = Vec::new();
+    for g in streams {
+        let (tokens, end) = drain(g).await;
+        assert_eq!(end.unwrap(), FinishReason::Length);
+        out.push(tokens);
+    }
+    assert_eq!(out, free);
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert!(stats.shed >= 5, "{stats:?}");
+    drop((model, toy));
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_that_faults_fails_its_requests_with_one_error_and_the_rest_go_on() {
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    let model = Arc::new(Faulty {
+        toy: Arc::clone(&toy),
+        steps: Default::default(),
+        // The second step of all three: each has streamed a token.
+        batch: 3,
+        faults: 1..2,
+        fault: || StepFault::KernelPanicked.into(),
+    });
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), SchedulerConfig::new(256));
+    let first: Vec<Generation> = (0..3)
+        .map(|i| handle.submit(request(10, i, 20)).unwrap())
+        .collect();
+    let mut errors = Vec::new();
+    for g in first {
+        match drain(g).await {
+            (tokens, Err(GenError::Model(e))) if !tokens.is_empty() => errors.push(e),
+            other => panic!("{other:?}"),
+        }
+    }
+    // One error, shared by the step's requests, naming the fault.
+    assert!(errors.iter().all(|e| Arc::ptr_eq(e, &errors[0])));
+    assert!(matches!(
+        *errors[0],
+        ModelError::Step(StepFault::KernelPanicked)
+    ));
+    assert_eq!(toy.kv.stats().await.unwrap().sequences, 0);
+    // The scheduler goes on serving.
+    let (tokens, end) = drain(handle.submit(request(10, 7, 5)).unwrap()).await;
+    assert_eq!((tokens.len(), end.unwrap()), (5, FinishReason::Length));
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
 }

@@ -22,6 +22,27 @@ const LONELY_RETRIES: u32 = 3;
 /// Steps without pressure after which admission opens again.
 const CALM_STEPS: u32 = 16;
 
+/// Whether `e` says a step did not get memory by its deadline (for its KV, or for a layer's
+/// weights brought back from offload): a smaller batch, or the same one a little later, may
+/// fit. Anything else is a fault no retry mends.
+pub(super) fn short_of_room(e: &ModelError) -> bool {
+    use procmem_actors::procmem::ledger::LedgerError;
+    use procmem_actors::{ProviderError, ResidencyError};
+    let late = |g: &GovernorError| {
+        matches!(
+            g,
+            GovernorError::DeadlineExpired(_)
+                | GovernorError::Ledger(LedgerError::Denied(_))
+                | GovernorError::Busy { .. }
+        )
+    };
+    match e {
+        ModelError::Prepare(KvStoreError::Governor(g)) => late(g),
+        ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => late(g),
+        _ => false,
+    }
+}
+
 /// A request as submitted.
 pub(super) struct Queued {
     pub(super) request: GenRequest,
@@ -319,11 +340,10 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     self.parked.push_back(r);
                 }
             }
-            Err(ModelError::Prepare(KvStoreError::Governor(
-                GovernorError::DeadlineExpired(_) | GovernorError::Ledger(_),
-            ))) if self.running.len() > 1 => {
-                // The batch does not fit: the newest request starts over later from the
-                // tokens it knows (what it streamed already is not sent again).
+            Err(e) if short_of_room(&e) && self.running.len() > 1 => {
+                // The batch does not fit (its KV, or a layer's weights brought back for it):
+                // the newest request starts over later from the tokens it knows (what it
+                // streamed already is not sent again).
                 self.pressure();
                 let mut r = self.running.pop().expect("more than one");
                 self.model.kv().close(r.id);
@@ -333,29 +353,29 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 *self.shared.waiting() += 1;
                 self.waiting.push_front(r);
             }
-            Err(ModelError::Prepare(KvStoreError::Governor(GovernorError::DeadlineExpired(_))))
-                if self.lonely < LONELY_RETRIES =>
-            {
+            Err(e) if short_of_room(&e) && self.lonely < LONELY_RETRIES => {
                 // One sequence alone did not get room by its deadline: holders may still be
                 // freeing (a swap's copy, a fence), so it tries again, a few times.
                 self.lonely += 1;
                 self.shared.stats().retries += 1;
             }
             Err(e) => {
-                // The step's requests cannot go on: each fails with what happened.
+                // The step's requests cannot go on: each fails with what happened (a lone
+                // request the memory cannot hold, with the store's refusal).
                 self.lonely = 0;
-                let text = e.to_string();
-                let mut first = Some(match e {
-                    ModelError::Prepare(kv) => GenError::NoRoom(kv),
-                    other => GenError::Model(other),
-                });
-                for r in std::mem::take(&mut self.running) {
-                    let e = first
-                        .take()
-                        .unwrap_or_else(|| GenError::Model(ModelError::Compute(text.clone())));
-                    self.fail(r, e);
-                }
                 self.restore_blocked = false;
+                let mut running = std::mem::take(&mut self.running);
+                tracing::warn!(requests = running.len(), error = %e, "a step failed");
+                let e = match e {
+                    ModelError::Prepare(kv) if running.len() == 1 => {
+                        let r = running.pop().expect("one");
+                        return self.fail(r, GenError::NoRoom(kv));
+                    }
+                    other => Arc::new(other),
+                };
+                for r in running {
+                    self.fail(r, GenError::Model(Arc::clone(&e)));
+                }
             }
         }
     }

@@ -1,5 +1,6 @@
 //! What a caller hands the scheduler and what it gets back.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use procmem_actors::KvStoreError;
@@ -132,9 +133,9 @@ pub enum GenError {
     /// The memory could not hold it, even alone.
     #[error("no room: {0}")]
     NoRoom(#[source] KvStoreError),
-    /// The model or the KV store failed.
+    /// The model or the KV store failed: every request of the step gets the same error.
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(Arc<ModelError>),
 }
 
 /// What the scheduler did, over its whole run.
