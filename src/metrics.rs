@@ -354,7 +354,7 @@ pub const HOLDER_FAILURES_TOTAL: Metric = metric(
 );
 
 /// The metrics of the books, the deferred free, the backing and the node Governor, in the
-/// order the README's table lists them (the holders' follow: [`all`]).
+/// order the table of docs/metrics.md lists them (the holders' follow: [`all`]).
 const CORE: &[Metric] = &[
     GOVERNOR_CAPACITY_BYTES,
     GOVERNOR_APPROVED_BYTES,
@@ -425,7 +425,7 @@ impl Metric {
     }
 }
 
-/// Every metric, in the order the README's table lists them.
+/// Every metric, in the order the table of docs/metrics.md lists them.
 pub fn all() -> impl Iterator<Item = &'static Metric> {
     CORE.iter().chain(holders::HOLDERS)
 }

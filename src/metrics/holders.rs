@@ -247,7 +247,7 @@ pub const RESIDENCY_RELOAD_SECONDS: Metric = latency(
     MILLISECONDS,
 );
 
-/// Every holder metric, in the order the README's table lists them.
+/// Every holder metric, in the order the table of docs/metrics.md lists them.
 pub(super) const HOLDERS: &[Metric] = &[
     GOVERNOR_GRANT_SECONDS,
     HOLDER_APPROVED_BYTES,
