@@ -157,6 +157,7 @@ pub(crate) enum DeferredFreeMsg {
     },
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for DeferredFreeMsg {}
 
 /// The deferred-free actor of one stream.

@@ -235,8 +235,9 @@ pub(crate) enum GovernorMsg {
     },
 }
 
-// Local only (never sent across a cluster): ractor's `cluster` feature wants each message
-// type to say so.
+// Local only (never sent across a cluster): with the `cluster` feature, ractor wants each
+// message type to say so; without it, every type is a message.
+#[cfg(feature = "cluster")]
 impl ractor::Message for GovernorMsg {}
 
 impl From<PressureReport> for GovernorMsg {

@@ -18,9 +18,8 @@ use tokio::task::JoinHandle;
 ///     Other,
 /// }
 /// holder_mailbox!(MyHolderMsg::Ticket);
-/// // This crate enables ractor's `cluster` feature (the node Governor runs on
-/// // `ractor_cluster`), so each message type says it is one: local only here.
-/// impl ractor::Message for MyHolderMsg {}
+/// // With this crate's `cluster` feature (ractor's, for the node Governor), a message type
+/// // must also say it is one: `impl ractor::Message for MyHolderMsg {}`. Without it, nothing.
 /// ```
 #[macro_export]
 macro_rules! holder_mailbox {

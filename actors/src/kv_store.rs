@@ -321,6 +321,7 @@ pub(crate) enum KvStoreMsg {
     },
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for KvStoreMsg {}
 
 crate::holder_mailbox!(KvStoreMsg::Ticket);

@@ -79,6 +79,7 @@ mod holder;
 mod kv_store;
 pub mod machine;
 mod manager;
+#[cfg(feature = "cluster")]
 pub mod node;
 mod pressure;
 mod provider;
@@ -119,3 +120,8 @@ pub use stream::{fence_completed, CpuStream, StreamError};
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
+
+// So does the embedding guide's whole request (docs/embedding.md).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/embedding.md")]
+pub struct EmbeddingGuide;

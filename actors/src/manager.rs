@@ -52,6 +52,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 pub use binding::{Capabilities, MemoryBinding};
+#[cfg(feature = "cluster")]
 pub(crate) use builder::install_metrics;
 pub use builder::MemoryManagerBuilder;
 pub use report::{AuthorityReport, ManagerError, ShutdownReport};

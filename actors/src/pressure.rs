@@ -36,6 +36,7 @@ pub struct PressureTicket {
     pub(crate) answer_to: DerivedActorRef<PressureReport>,
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for PressureTicket {}
 
 impl PressureTicket {
@@ -65,6 +66,7 @@ pub struct PressureReport {
     pub freed_pending_fence: u64,
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for PressureReport {}
 
 /// How a Governor reaches a holder of any kind: a derived reference of any actor whose

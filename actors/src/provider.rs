@@ -154,6 +154,7 @@ pub(crate) enum ProviderMsg<K: ProviderKind> {
     },
 }
 
+#[cfg(feature = "cluster")]
 impl<K: ProviderKind> ractor::Message for ProviderMsg<K> {}
 
 impl<K: ProviderKind> std::fmt::Debug for ProviderMsg<K> {

@@ -185,6 +185,7 @@ pub(crate) enum ResidencyMsg {
     },
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for ResidencyMsg {}
 
 crate::holder_mailbox!(ResidencyMsg::Ticket);

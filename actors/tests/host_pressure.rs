@@ -48,6 +48,7 @@ enum CacheMsg {
     Hold(Lease),
 }
 holder_mailbox!(CacheMsg::Ticket);
+#[cfg(feature = "cluster")]
 impl ractor::Message for CacheMsg {}
 
 impl Actor for Cache {

@@ -10,17 +10,17 @@
 
 use std::sync::OnceLock;
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::k_quants::{
     self, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
     BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, GgmlType,
 };
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 mod q4_1;
 
 use crate::gguf::TensorSlot;
-use crate::smollm::{cerr, matmul};
 use crate::{ModelError, StepFault};
 
 /// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
@@ -63,7 +63,7 @@ fn run<T: GgmlType>(
     Some(
         k_quants::matmul((m, k, n), lhs, rhs, &mut dst)
             .map(|()| dst)
-            .map_err(cerr),
+            .map_err(ModelError::Compute),
     )
 }
 
@@ -73,7 +73,7 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
     let weights = &bytes[slot.offset..slot.offset + slot.len];
     let direct = match (dequantize_all(), slot.dims.as_slice()) {
         (false, &[n, k]) => {
-            let (m, xk) = x.dims2().map_err(cerr)?;
+            let (m, xk) = x.dims2().map_err(ModelError::Compute)?;
             if xk != k {
                 return Err(StepFault::Mismatch {
                     what: "columns of a projection's input against its weight's",
@@ -85,7 +85,7 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
             let lhs = x
                 .flatten_all()
                 .and_then(|t| t.to_vec1::<f32>())
-                .map_err(cerr)?;
+                .map_err(ModelError::Compute)?;
             let mkn = (m, k, n);
             let out = match slot.dtype {
                 GgmlDType::Q4_0 => run::<BlockQ4_0>(weights, mkn, &lhs),
@@ -105,12 +105,35 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
                 GgmlDType::Q8K => run::<BlockQ8K>(weights, mkn, &lhs),
                 GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => None,
             };
-            out.map(|r| r.and_then(|v| Tensor::from_vec(v, (m, n), &Device::Cpu).map_err(cerr)))
+            out.map(|r| {
+                r.and_then(|v| {
+                    Tensor::from_vec(v, (m, n), &Device::Cpu).map_err(ModelError::Compute)
+                })
+            })
         }
         _ => None,
     };
     match direct {
         Some(result) => result,
-        None => matmul(bytes, slot)?.forward(x).map_err(cerr),
+        None => matmul(bytes, slot)?.forward(x).map_err(ModelError::Compute),
     }
+}
+
+fn qtensor(bytes: &[u8], slot: &TensorSlot) -> Result<QTensor, ModelError> {
+    Ok(qtensor_from_ggml(
+        slot.dtype,
+        &bytes[slot.offset..slot.offset + slot.len],
+        slot.dims.clone(),
+        &Device::Cpu,
+    )?)
+}
+
+/// The tensor in `slot` of `bytes`, dequantized.
+pub(crate) fn dense(bytes: &[u8], slot: &TensorSlot) -> Result<Tensor, ModelError> {
+    Ok(qtensor(bytes, slot)?.dequantize(&Device::Cpu)?)
+}
+
+/// candle's `QMatMul` over a copy of the tensor in `slot` of `bytes`.
+pub(crate) fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelError> {
+    Ok(QMatMul::from_qtensor(qtensor(bytes, slot)?)?)
 }

@@ -7,17 +7,17 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
 use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
-use crate::quant::project;
+use crate::quant::{dense, matmul, project};
 use crate::{ModelError, StepFault};
 
-pub(crate) fn cerr(e: candle_core::Error) -> ModelError {
+fn cerr(e: candle_core::Error) -> ModelError {
     ModelError::Compute(e)
 }
 
@@ -45,24 +45,6 @@ pub struct Loaded {
     pub layers: Vec<Vec<u8>>,
     /// Vocabulary and merges.
     pub tokenizer: TokenizerData,
-}
-
-fn qtensor(bytes: &[u8], slot: &TensorSlot) -> Result<QTensor, ModelError> {
-    qtensor_from_ggml(
-        slot.dtype,
-        &bytes[slot.offset..slot.offset + slot.len],
-        slot.dims.clone(),
-        &Device::Cpu,
-    )
-    .map_err(cerr)
-}
-
-fn dense(bytes: &[u8], slot: &TensorSlot) -> Result<Tensor, ModelError> {
-    qtensor(bytes, slot)?.dequantize(&Device::Cpu).map_err(cerr)
-}
-
-pub(crate) fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelError> {
-    QMatMul::from_qtensor(qtensor(bytes, slot)?).map_err(cerr)
 }
 
 /// `cos`/`sin` of `position × θ_i`, `θ_i = base^(-2i/d)`, for every position up to `max`.

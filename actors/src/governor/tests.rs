@@ -34,6 +34,7 @@ enum HolderMsg {
     Panic,
 }
 
+#[cfg(feature = "cluster")]
 impl ractor::Message for HolderMsg {}
 
 crate::holder_mailbox!(HolderMsg::Ticket);
@@ -383,6 +384,7 @@ async fn holders_of_different_kinds_take_tickets_through_one_message_type() {
     enum OtherMsg {
         Pressure(PressureTicket),
     }
+    #[cfg(feature = "cluster")]
     impl ractor::Message for OtherMsg {}
     crate::holder_mailbox!(OtherMsg::Pressure);
     impl Actor for OtherKind {

@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use procmem::ledger::{AuthorityId, HolderId, LeaseId, Ledger, Priority};
+use procmem::ledger::admission::{self, Admission, AdmissionLimits, Ask, Refusal};
+use procmem::ledger::{AuthorityId, HolderId, LeaseId, Ledger, Priority, WaitQueue};
 use procmem::metrics as m;
 use procmem::MemoryRole;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -21,8 +22,15 @@ use super::wire::{
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
 
-mod admission;
+mod liveness;
+mod queue;
 mod report;
+
+/// The node's wait queues: bounded, and a capacity that never grows (it is the node's own).
+const LIMITS: AdmissionLimits = AdmissionLimits {
+    max_waiters: 4096,
+    elastic: false,
+};
 
 /// How to start a node Governor.
 #[derive(Debug, Clone)]
@@ -169,11 +177,9 @@ struct Process {
     watch: Watch,
 }
 
+/// A waiting ask; its bytes and priority are the queue's.
 struct Pending {
     token: u64,
-    authority: AuthorityId,
-    bytes: u64,
-    priority: Priority,
     deadline: Instant,
     reply: RpcReplyPort<Vec<u8>>,
 }
@@ -192,7 +198,9 @@ pub struct NodeState {
     ledger: Ledger,
     authorities: BTreeMap<String, AuthorityId>,
     processes: BTreeMap<u64, Process>,
-    pending: Vec<Pending>,
+    /// Each authority's waiters, in the process Governor's pure queue and admission rules
+    /// (`procmem::ledger::admission`), so the model check of those covers this one too.
+    waiters: BTreeMap<AuthorityId, WaitQueue<Pending>>,
     rounds: BTreeMap<AuthorityId, Round>,
     next_ticket: u64,
     status: NodeStatus,
@@ -222,7 +230,7 @@ impl Actor for NodeGovernor {
             ledger,
             authorities,
             processes: BTreeMap::new(),
-            pending: Vec::new(),
+            waiters: BTreeMap::new(),
             rounds: BTreeMap::new(),
             next_ticket: 1,
             status: NodeStatus::default(),
@@ -448,36 +456,6 @@ impl NodeState {
         }
     }
 
-    fn find_link(&mut self, token: u64) {
-        let Some(p) = self.processes.get_mut(&token) else {
-            return;
-        };
-        let alive = p
-            .link
-            .as_ref()
-            .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running);
-        if !alive {
-            p.link = ractor::pg::get_members(&link_group(token))
-                .into_iter()
-                .find(|c| c.get_status() == ractor::ActorStatus::Running)
-                .map(ActorRef::from);
-        }
-        // A link whose session came over the Unix socket: the kernel said which process it
-        // is, in this namespace; from now on its pidfd tells when it is gone.
-        let named = match (&p.watch, p.link.as_ref().map(|l| l.get_id())) {
-            (Watch::Session { .. }, Some(ractor::ActorId::Remote { node_id, .. })) => {
-                peer::pid_of(&self.pids, node_id)
-            }
-            _ => None,
-        };
-        if let Some((pid, watched)) = named.and_then(|pid| Some((pid, Watched::open(pid).ok()?))) {
-            tracing::info!(token, claimed = p.pid, pid, "process named by the kernel");
-            p.pid = pid;
-            p.watch = Watch::Pid(watched);
-        }
-    }
-
-    /// `(chunk, need)`: the chunk if it fits now, else the need (now or once room is made).
     fn ask(
         &mut self,
         token: u64,
@@ -497,36 +475,51 @@ impl NodeState {
             self.rejected(&WireError::Invalid("ask from a process that did not join"));
             return refuse(reply, "not joined");
         };
-        let capacity = self.ledger.totals(aid).map_or(0, |t| t.0);
-        if bytes > capacity {
-            return refuse(reply, "larger than the node's capacity");
-        }
-        let first = !self
-            .pending
-            .iter()
-            .any(|p| p.authority == aid && p.priority >= priority);
-        let serving = Instant::now() >= self.serving_from;
-        if first && serving {
-            let fits = |b| self.ledger.fits(aid, b).unwrap_or(false);
-            if let Some(b) = [chunk, bytes].into_iter().find(|b| fits(*b)) {
-                self.grant(token, holder, aid, line, b, reply);
-                return;
-            }
-        }
-        if wait_ms == 0 {
-            return refuse(reply, "no room");
-        }
+        let now = Instant::now();
         let wait = Duration::from_millis(wait_ms).min(self.config.max_wait);
-        self.pending.push(Pending {
-            token,
-            authority: aid,
+        let ask = |bytes| Ask {
             bytes,
             priority,
-            deadline: Instant::now() + wait,
-            reply,
-        });
-        // A new waiter: processes asked before may have more to give now.
-        self.rounds.entry(aid).or_default().asked.clear();
+            deadline: (wait_ms > 0).then(|| (now + wait).into_std()),
+        };
+        let queue = self.waiters.entry(aid).or_default();
+        let admit = |bytes| {
+            let answer =
+                admission::admit(&self.ledger, aid, queue, ask(bytes), now.into_std(), LIMITS);
+            match answer {
+                // Until the rejoin grace ends nothing is granted: an ask that may wait, waits.
+                Admission::GrantNow if now < self.serving_from => match wait_ms {
+                    0 => Admission::Deny(Refusal::NoRoom),
+                    _ => Admission::Wait,
+                },
+                other => other,
+            }
+        };
+        // The chunk where it fits at once, else the need.
+        let (bytes, answer) = match admit(chunk) {
+            Admission::GrantNow => (chunk, Admission::GrantNow),
+            _ => (bytes, admit(bytes)),
+        };
+        match answer {
+            Admission::GrantNow => self.grant(token, holder, aid, line, bytes, reply),
+            Admission::Deny(Refusal::NeverFits) => refuse(reply, "larger than the node's capacity"),
+            Admission::Deny(Refusal::Busy) => refuse(reply, "too many asks wait"),
+            Admission::Deny(Refusal::NoRoom) => refuse(reply, "no room"),
+            Admission::Wait => {
+                let deadline = now + wait;
+                queue.push(
+                    priority,
+                    bytes,
+                    Pending {
+                        token,
+                        deadline,
+                        reply,
+                    },
+                );
+                // A new waiter: processes asked before may have more to give now.
+                self.rounds.entry(aid).or_default().asked.clear();
+            }
+        }
     }
 
     fn grant(
@@ -613,82 +606,6 @@ impl NodeState {
                     self.rejected(&WireError::Invalid("leave from a stranger"));
                 }
             }
-        }
-    }
-
-    /// The process is gone (exited, or left): its credit comes back.
-    fn reap(&mut self, token: u64, why: &str) {
-        let Some(p) = self.processes.remove(&token) else {
-            return;
-        };
-        let mut returned = 0u64;
-        for m in p.members.values() {
-            let bytes = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-            if bytes > 0 && self.ledger.release(m.holder, m.line, bytes).is_ok() {
-                returned += bytes;
-            }
-            let _ = self.ledger.close_credit(m.holder, m.line);
-            let _ = self.ledger.retire_holder(m.holder);
-            m::NODE_PROCESS_CREDIT_BYTES
-                .gauge(&[self.authority_name(m.line), &p.name])
-                .set(0.0);
-        }
-        self.pending.retain(|w| w.token != token);
-        for round in self.rounds.values_mut() {
-            if round.outstanding.is_some_and(|(_, t, _)| t == token) {
-                round.outstanding = None;
-            }
-        }
-        self.status.reaped += 1;
-        m::NODE_REAPED_PROCESSES_TOTAL.counter(&[]).increment(1);
-        tracing::info!(token, pid = p.pid, name = %p.name, returned, why, "process reaped");
-    }
-
-    fn tick(&mut self) {
-        let now = Instant::now();
-        // Waiters past their deadline are refused.
-        let (expired, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
-            .into_iter()
-            .partition(|w| w.deadline <= now || w.reply.is_closed());
-        self.pending = kept;
-        for w in expired {
-            refuse(w.reply, "deadline passed while waiting for room");
-        }
-        let tokens: Vec<u64> = self.processes.keys().copied().collect();
-        for token in tokens {
-            self.find_link(token);
-        }
-        // Processes confirmed gone (their pidfd), or unnamed ones whose session stayed gone
-        // past the grace: their credit comes back.
-        let grace = self.config.session_grace;
-        let mut dead = Vec::new();
-        for (token, p) in &mut self.processes {
-            let running = p
-                .link
-                .as_ref()
-                .is_some_and(|l| l.get_status() == ractor::ActorStatus::Running);
-            match &mut p.watch {
-                Watch::Pid(w) if w.exited() => dead.push((*token, "exited")),
-                Watch::Pid(_) => {}
-                Watch::Session { lost } if running => *lost = None,
-                Watch::Session { lost } => {
-                    if now.duration_since(*lost.get_or_insert(now)) >= grace {
-                        dead.push((*token, "session gone past its grace"));
-                    }
-                }
-            }
-        }
-        for (token, why) in dead {
-            self.reap(token, why);
-        }
-        for round in self.rounds.values_mut() {
-            if round.outstanding.is_some_and(|(_, _, d)| d <= now) {
-                round.outstanding = None;
-            }
-        }
-        if now.duration_since(self.last_summary) >= Duration::from_millis(500) {
-            self.last_summary = now;
-            self.publish_summary();
         }
     }
 }

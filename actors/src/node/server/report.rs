@@ -45,7 +45,7 @@ impl NodeState {
                 })
             })
             .collect();
-        status.waiting = self.pending.len() as u64;
+        status.waiting = self.waiters.values().map(|q| q.len() as u64).sum();
         status
     }
 
@@ -101,7 +101,7 @@ impl NodeState {
                 .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
                 .map(|p| p.some_avg10),
             models: models.into_iter().map(|(m, (n, c))| (m, n, c)).collect(),
-            waiting: self.pending.len() as u64,
+            waiting: self.waiters.values().map(|q| q.len() as u64).sum(),
         };
         for w in watchers {
             let w: ActorRef<WatchMsg> = ActorRef::from(w);

@@ -1,34 +1,36 @@
-//! The node Governor's queue: waiters granted in order while they fit, and tickets to
-//! processes, least important first, for what does not.
+//! The node Governor's queue: waiters granted in order while the first fits, and tickets to
+//! processes, least important first, for what does not. The rules are the process
+//! Governor's (`procmem::ledger::admission`): one model check covers both.
 
+use procmem::ledger::admission::{self, Front};
 use procmem::ledger::AuthorityId;
 use procmem::metrics as m;
 use tokio::time::Instant;
 
-use super::{refuse, NodeState};
+use super::{refuse, NodeState, LIMITS};
 use crate::node::wire::{LinkMsg, LinkNotice};
 
 impl NodeState {
-    /// Grants waiters in order (priority, then arrival) while the first fits.
+    /// Grants waiters in order (priority, then arrival) while the first fits; one that can
+    /// never fit is refused rather than left to block the rest.
     pub(super) fn pump(&mut self) {
         if Instant::now() < self.serving_from {
             return;
         }
-        let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
+        let aids: Vec<AuthorityId> = self.waiters.keys().copied().collect();
         for aid in aids {
-            loop {
-                let best = self
-                    .pending
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, w)| w.authority == aid)
-                    .max_by_key(|(i, w)| (w.priority, std::cmp::Reverse(*i)))
-                    .map(|(i, w)| (i, w.bytes));
-                let Some((i, bytes)) = best else { break };
-                if !self.ledger.fits(aid, bytes).unwrap_or(false) {
-                    break;
+            while let Some(queue) = self.waiters.get_mut(&aid) {
+                let (seq, granted) = match admission::front(&self.ledger, aid, queue, LIMITS) {
+                    Front::Grant(seq) => (seq, true),
+                    Front::Deny(seq) => (seq, false),
+                    Front::Wait | Front::Empty => break,
+                };
+                let bytes = queue.front().map_or(0, |(_, b, _)| b);
+                let Some(w) = queue.remove(seq) else { break };
+                if !granted {
+                    refuse(w.reply, "larger than the node's capacity");
+                    continue;
                 }
-                let w = self.pending.remove(i);
                 let found = self
                     .processes
                     .get(&w.token)
@@ -47,14 +49,10 @@ impl NodeState {
     pub(super) fn drive_tickets(&mut self) {
         let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
         for aid in aids {
-            let wanted: u64 = self
-                .pending
-                .iter()
-                .filter(|w| w.authority == aid)
-                .map(|w| w.bytes)
-                .fold(0u64, u64::saturating_add);
-            let free = self.ledger.snapshot(aid).map_or(0, |s| s.free());
-            let shortfall = wanted.saturating_sub(free);
+            let shortfall = self
+                .waiters
+                .get(&aid)
+                .map_or(0, |q| admission::shortfall(&self.ledger, aid, q));
             let round = self.rounds.entry(aid).or_default();
             if shortfall == 0 {
                 round.asked.clear();
