@@ -8,6 +8,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::client::GovernorMsg;
 use super::*;
 use crate::pressure::PressureTicket;
 
@@ -473,14 +474,14 @@ async fn a_dead_holders_grants_return_at_once_and_leases_as_memory_is_freed() {
 async fn caller_gone_at_every_await_point_leaves_zero_orphaned_bytes() {
     let g = governor(1000).await;
     let h = g.register_holder("kv", 0, None).await.unwrap();
-    let actor = g.address.actor().unwrap();
+    let actor = g.actor();
     let req = move || request(h, 100, 0, Some(Duration::from_secs(1)));
 
     // 1. Gone before the Governor answers the reserve.
     let (tx, rx) = oneshot::channel();
     drop(rx);
     actor
-        .cast(GovernorMsg::Reserve {
+        .send_message(GovernorMsg::Reserve {
             request: req(),
             reply: tx.into(),
         })
@@ -490,7 +491,7 @@ async fn caller_gone_at_every_await_point_leaves_zero_orphaned_bytes() {
     // 2. Answered, but the grant is never read out of the reply.
     let (tx, rx) = oneshot::channel();
     actor
-        .cast(GovernorMsg::Reserve {
+        .send_message(GovernorMsg::Reserve {
             request: req(),
             reply: tx.into(),
         })
@@ -525,7 +526,7 @@ async fn caller_gone_at_every_await_point_leaves_zero_orphaned_bytes() {
     let (tx, rx) = oneshot::channel();
     drop(rx);
     actor
-        .cast(GovernorMsg::Commit {
+        .send_message(GovernorMsg::Commit {
             holder: h,
             grant: grant.id(),
             actual_bytes: 120,
@@ -548,7 +549,7 @@ async fn caller_gone_at_every_await_point_leaves_zero_orphaned_bytes() {
     let grant = g.reserve(req()).await.unwrap();
     let (tx, rx) = oneshot::channel();
     actor
-        .cast(GovernorMsg::Commit {
+        .send_message(GovernorMsg::Commit {
             holder: h,
             grant: grant.id(),
             actual_bytes: 80,

@@ -1,53 +1,33 @@
-//! Owning handles for what the Governor hands out, and the client side of its protocol.
+//! The owning handles the Governor hands out, [`Grant`] and [`Lease`], and the mailbox type
+//! they travel in: the protocol's, with these handles in its replies.
 
 use std::fmt;
 use std::sync::Arc;
 
-use procmem::ledger::{
-    self, AuthorityId, GrantId, HolderId, LeaseId, Ledger, LedgerError, Priority, Retired,
-};
+use procmem::ledger::{self, GrantId, HolderId, LeaseId, LedgerError};
 use procmem::MemoryRole;
-use ractor::{Actor, RpcReplyPort};
-use tokio::task::JoinHandle;
+use ractor::RpcReplyPort;
 
-use super::address::Address;
-use super::credit::CreditShared;
-use super::{
-    Governor, GovernorConfig, GovernorError, GovernorMsg, GovernorSnapshot, ReserveRequest,
-};
-use crate::pressure::TicketInbox;
+use super::account::{Account, CreditShared};
+use crate::governor::protocol::{self, answer, GovernorError};
 
-pub(super) async fn ask<T: Send + 'static>(
-    address: &Address,
-    build: impl FnOnce(RpcReplyPort<T>) -> GovernorMsg,
-) -> Result<T, GovernorError> {
-    let (tx, rx) = ractor::concurrency::oneshot();
-    answer(address.cast(build(tx.into())), rx).await
-}
-
-/// Sends a request whose reply comes on `rx`, and waits for it.
-async fn answer<T>(
-    sent: Result<(), ractor::MessagingErr<GovernorMsg>>,
-    rx: ractor::concurrency::OneshotReceiver<T>,
-) -> Result<T, GovernorError> {
-    sent.map_err(|_| GovernorError::Unavailable)?;
-    rx.await.map_err(|_| GovernorError::Unavailable)
-}
+/// The Governor's mailbox, its replies carrying these handles.
+pub(crate) type GovernorMsg = protocol::GovernorMsg<Grant, Lease, CreditShared>;
 
 /// A provisional grant. Commit it with the real footprint, or cancel it; dropped without
 /// either, it returns itself to the Governor.
 #[must_use = "a grant dropped unused is returned to the Governor"]
 pub struct Grant {
-    address: Arc<Address>,
+    account: Arc<Account>,
     grant: Option<ledger::GrantRecord>,
 }
 
 impl Grant {
-    /// Issued by the Governor at `address`; recorded there before it leaves the actor.
-    pub(super) fn new(address: Arc<Address>, grant: ledger::GrantRecord) -> Self {
-        address.grant_issued(&grant);
+    /// Issued by the Governor of `account`; recorded there before it leaves the actor.
+    pub(in crate::governor) fn new(account: Arc<Account>, grant: ledger::GrantRecord) -> Self {
+        account.grant_issued(&grant);
         Grant {
-            address,
+            account,
             grant: Some(grant),
         }
     }
@@ -72,9 +52,9 @@ impl Grant {
     }
 
     /// Stops this handle from returning the grant; the caller now keeps the books right.
-    pub(super) fn defuse(mut self) -> ledger::GrantRecord {
+    pub(in crate::governor) fn defuse(mut self) -> ledger::GrantRecord {
         let grant = self.grant.take().expect("a live grant");
-        let _ = self.address.grant_gone(grant.id, None);
+        let _ = self.account.grant_gone::<GovernorMsg>(grant.id, None);
         grant
     }
 
@@ -82,13 +62,16 @@ impl Grant {
     /// Governor refuses (a top-up that does not fit), the grant comes back unchanged.
     pub async fn commit(self, actual_bytes: u64) -> Result<Lease, CommitRefused> {
         let (holder, grant) = (self.holder(), self.id());
-        let result = ask(&self.address, |reply| GovernorMsg::Commit {
-            holder,
-            grant,
-            actual_bytes,
-            reply,
-        })
-        .await;
+        let result = self
+            .account
+            .route()
+            .ask(|reply| GovernorMsg::Commit {
+                holder,
+                grant,
+                actual_bytes,
+                reply,
+            })
+            .await;
         match result {
             Ok(Ok(lease)) => {
                 // Consumed by the commit: nothing left to return (the Governor already took
@@ -117,7 +100,7 @@ impl Grant {
     pub async fn cancel(mut self) -> Result<u64, GovernorError> {
         let grant = self.grant.take().expect("a live grant");
         let (tx, rx) = ractor::concurrency::oneshot();
-        let sent = self.address.grant_gone(
+        let sent = self.account.grant_gone(
             grant.id,
             Some(GovernorMsg::Cancel {
                 holder: grant.claim.holder,
@@ -132,7 +115,7 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         if let Some(grant) = self.grant.take() {
-            let _ = self.address.grant_gone(
+            let _ = self.account.grant_gone(
                 grant.id,
                 Some(GovernorMsg::Cancel {
                     holder: grant.claim.holder,
@@ -176,39 +159,39 @@ pub struct Lease {
 /// Where a lease's bytes go back to.
 enum Home {
     /// The Governor.
-    Governor(Arc<Address>),
+    Governor(Arc<Account>),
     /// The credit line it was taken from, while that is open (then the Governor). One
     /// reference, not two: taking from credit is on the decode path.
     Credit(Arc<CreditShared>),
 }
 
 impl Home {
-    fn address(&self) -> &Arc<Address> {
+    fn account(&self) -> &Arc<Account> {
         match self {
-            Home::Governor(address) => address,
-            Home::Credit(line) => line.address(),
+            Home::Governor(account) => account,
+            Home::Credit(line) => line.account(),
         }
     }
 
     fn share(&self) -> Home {
         match self {
-            Home::Governor(address) => Home::Governor(Arc::clone(address)),
+            Home::Governor(account) => Home::Governor(Arc::clone(account)),
             Home::Credit(line) => Home::Credit(Arc::clone(line)),
         }
     }
 }
 
 impl Lease {
-    /// Committed from `grant` by the Governor at `address`; recorded there (in the grant's
+    /// Committed from `grant` by the Governor of `account`; recorded there (in the grant's
     /// place) before it leaves the actor.
-    pub(super) fn committed(
-        address: Arc<Address>,
+    pub(in crate::governor) fn committed(
+        account: Arc<Account>,
         grant: GrantId,
         lease: ledger::LeaseRecord,
     ) -> Self {
-        address.grant_committed(grant, &lease);
+        account.grant_committed(grant, &lease);
         Lease {
-            home: Home::Governor(address),
+            home: Home::Governor(account),
             id: lease.id,
             holder: lease.claim.holder,
             role: lease.claim.role,
@@ -217,7 +200,7 @@ impl Lease {
     }
 
     /// `bytes` of the credit line `line` (already counted in the account and the books).
-    pub(super) fn from_credit(
+    pub(in crate::governor) fn from_credit(
         line: LeaseId,
         holder: HolderId,
         role: MemoryRole,
@@ -253,11 +236,14 @@ impl Lease {
         self.remaining
     }
 
-    /// Stops this handle from releasing; its bytes leave the address's account too (the
-    /// caller settles them with the Governor itself).
-    pub(super) fn defuse(mut self) -> (LeaseId, u64) {
+    /// Stops this handle from releasing; its bytes leave the account too (the caller settles
+    /// them with the Governor itself).
+    pub(in crate::governor) fn defuse(mut self) -> (LeaseId, u64) {
         let bytes = std::mem::take(&mut self.remaining);
-        let _ = self.home.address().lease_released(self.id, bytes, None);
+        let _ = self
+            .home
+            .account()
+            .lease_released::<GovernorMsg>(self.id, bytes, None);
         (self.id, bytes)
     }
 
@@ -335,14 +321,14 @@ impl Lease {
     }
 
     /// Tells the Governor `bytes` came back. The account changes with the message, under the
-    /// address's gate: a Governor that died and is being restarted rebuilds its books from the
+    /// route's gate: a Governor that died and is being restarted rebuilds its books from the
     /// account, so a release it never received is still counted once.
     fn send_release(
         &self,
         bytes: u64,
         reply: Option<RpcReplyPort<Result<u64, LedgerError>>>,
     ) -> Result<(), ractor::MessagingErr<GovernorMsg>> {
-        self.home.address().lease_released(
+        self.home.account().lease_released(
             self.id,
             bytes,
             Some(GovernorMsg::Release {
@@ -372,172 +358,5 @@ impl fmt::Debug for Lease {
             .field("bytes", &self.remaining)
             .field("from_credit", &matches!(self.home, Home::Credit(_)))
             .finish()
-    }
-}
-
-/// A cheap, cloneable handle to one authority's Governor. It reaches whichever Governor
-/// actor serves the authority now: a supervised Governor that died is replaced behind it.
-#[derive(Clone)]
-pub struct GovernorHandle {
-    pub(super) address: Arc<Address>,
-    authority: AuthorityId,
-    /// The authority's name (its metrics' label).
-    name: Arc<str>,
-    /// From a reserve call to its grant.
-    grant_latency: ::metrics::Histogram,
-}
-
-impl fmt::Debug for GovernorHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GovernorHandle")
-            .field("authority", &self.authority)
-            .field("actor", &self.address.actor().map(|a| a.get_id()))
-            .finish()
-    }
-}
-
-impl GovernorHandle {
-    /// Spawns a Governor for a new authority on the current tokio runtime. Unsupervised: if it
-    /// dies, its books die with it (see [`GovernorHandle::spawn_supervised`]).
-    pub async fn spawn(config: GovernorConfig) -> Result<(Self, JoinHandle<()>), ractor::SpawnErr> {
-        let mut ledger = Ledger::new();
-        let authority = ledger.add_authority(config.name.clone(), config.capacity);
-        let address = Arc::new(Address::new());
-        let name = config.name.clone();
-        let (actor, join) = Actor::spawn(
-            None,
-            Governor,
-            (ledger, authority, config, Arc::clone(&address)),
-        )
-        .await?;
-        address.set(actor);
-        Ok((GovernorHandle::new(address, authority, &name), join))
-    }
-
-    /// Spawns a Governor under a supervisor that restarts it when it dies (a panic or a kill):
-    /// the new Governor rebuilds its books from what the holders' grants and leases say they
-    /// hold, before any other message reaches it. Returns the handle and the supervisor.
-    pub async fn spawn_supervised(
-        config: GovernorConfig,
-    ) -> Result<(Self, ractor::ActorCell), ractor::SpawnErr> {
-        let mut ledger = Ledger::new();
-        let authority = ledger.add_authority(config.name.clone(), config.capacity);
-        Self::spawn_supervised_books(ledger, authority, config).await
-    }
-
-    /// The same, keeping the books of `authority` in `ledger` (split off a topology with
-    /// [`Ledger::books_for`], so the authority's identity is the topology's).
-    pub(crate) async fn spawn_supervised_books(
-        ledger: Ledger,
-        authority: AuthorityId,
-        config: GovernorConfig,
-    ) -> Result<(Self, ractor::ActorCell), ractor::SpawnErr> {
-        let address = Arc::new(Address::new());
-        let name = config.name.clone();
-        let (supervisor, _) = Actor::spawn(
-            None,
-            super::supervisor::GovernorSupervisor,
-            (ledger, authority, config, Arc::clone(&address)),
-        )
-        .await?;
-        Ok((
-            GovernorHandle::new(address, authority, &name),
-            supervisor.get_cell(),
-        ))
-    }
-
-    /// The Governor actor serving the authority now (for tests that kill it, and for
-    /// supervision).
-    pub fn actor(&self) -> ractor::ActorCell {
-        self.address
-            .actor()
-            .expect("a handle exists only once its Governor was spawned")
-            .get_cell()
-    }
-
-    /// Stops the Governor on purpose (its supervisor, if any, does not restart it).
-    pub fn stop(&self) {
-        self.address.stop();
-    }
-
-    fn new(address: Arc<Address>, authority: AuthorityId, name: &str) -> Self {
-        GovernorHandle {
-            address,
-            authority,
-            name: name.into(),
-            grant_latency: procmem::metrics::GOVERNOR_GRANT_SECONDS.histogram(&[name]),
-        }
-    }
-
-    /// The authority it keeps the books of.
-    pub fn authority(&self) -> AuthorityId {
-        self.authority
-    }
-
-    /// The authority's name, as its metrics are labelled.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Registers a holder. With an inbox, it receives pressure tickets and is watched: if
-    /// its actor dies, its grants return at once.
-    pub async fn register_holder(
-        &self,
-        name: impl Into<String>,
-        priority: Priority,
-        inbox: Option<TicketInbox>,
-    ) -> Result<HolderId, GovernorError> {
-        let name = name.into();
-        ask(&self.address, |reply| GovernorMsg::RegisterHolder {
-            name,
-            priority,
-            inbox,
-            reply,
-        })
-        .await?
-        .map_err(Into::into)
-    }
-
-    /// Retires a holder: grants return now, leases as their memory is freed.
-    pub async fn unregister_holder(&self, holder: HolderId) -> Result<Retired, GovernorError> {
-        ask(&self.address, |reply| GovernorMsg::UnregisterHolder {
-            holder,
-            reply: Some(reply),
-        })
-        .await?
-        .map_err(Into::into)
-    }
-
-    /// Asks for a provisional grant; waits for room until the request's deadline.
-    pub async fn reserve(&self, request: ReserveRequest) -> Result<Grant, GovernorError> {
-        let asked = std::time::Instant::now();
-        let grant = ask(&self.address, |reply| GovernorMsg::Reserve {
-            request,
-            reply,
-        })
-        .await??;
-        self.grant_latency.record(asked.elapsed().as_secs_f64());
-        Ok(grant)
-    }
-
-    /// Makes the capacity credit from `upstream` (a node Governor's link): waiters beyond it
-    /// are asked of the upstream, not of the holders. `None` makes the Governor govern alone.
-    pub fn set_upstream(&self, upstream: Option<super::Upstream>) {
-        self.address.set_upstream(upstream);
-        let _ = self.address.cast(GovernorMsg::Nudge);
-    }
-
-    /// Sets the capacity.
-    pub async fn set_capacity(&self, bytes: u64) -> Result<(), GovernorError> {
-        ask(&self.address, |reply| GovernorMsg::SetCapacity {
-            bytes,
-            reply: Some(reply),
-        })
-        .await
-    }
-
-    /// The books and the queue.
-    pub async fn snapshot(&self) -> Result<GovernorSnapshot, GovernorError> {
-        ask(&self.address, |reply| GovernorMsg::Snapshot { reply }).await
     }
 }

@@ -1,14 +1,15 @@
 //! A Governor that dies is restarted with its books: the supervisor spawns a successor over
 //! the same identity space and hands it, as its first message, what the holders' grants and
-//! leases say they hold (see [`Address`]).
+//! leases say they hold (see `Account`).
 
 use std::sync::Arc;
 
 use procmem::ledger::{AuthorityId, Ledger};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
-use super::address::Address;
-use super::{Governor, GovernorConfig, GovernorMsg};
+use super::actor::Governor;
+use super::config::GovernorConfig;
+use crate::governor::client::{Account, GovernorMsg};
 
 /// Supervises one authority's Governor.
 pub(crate) struct GovernorSupervisor;
@@ -17,19 +18,19 @@ pub(crate) struct SupervisorState {
     template: Ledger,
     authority: AuthorityId,
     config: GovernorConfig,
-    address: Arc<Address>,
+    account: Arc<Account>,
     restarts: u64,
 }
 
 impl Actor for GovernorSupervisor {
     type Msg = ();
     type State = SupervisorState;
-    type Arguments = (Ledger, AuthorityId, GovernorConfig, Arc<Address>);
+    type Arguments = (Ledger, AuthorityId, GovernorConfig, Arc<Account>);
 
     async fn pre_start(
         &self,
         myself: ActorRef<()>,
-        (template, authority, config, address): Self::Arguments,
+        (template, authority, config, account): Self::Arguments,
     ) -> Result<SupervisorState, ActorProcessingErr> {
         let (actor, _) = Actor::spawn_linked(
             None,
@@ -38,17 +39,17 @@ impl Actor for GovernorSupervisor {
                 template.clone(),
                 authority,
                 config.clone(),
-                Arc::clone(&address),
+                Arc::clone(&account),
             ),
             myself.get_cell(),
         )
         .await?;
-        address.set(actor);
+        account.route().set(actor);
         Ok(SupervisorState {
             template,
             authority,
             config,
-            address,
+            account,
             restarts: 0,
         })
     }
@@ -66,12 +67,12 @@ impl Actor for GovernorSupervisor {
             }
             _ => return Ok(()),
         };
-        if state.address.is_stopping() {
+        if state.account.is_stopping() {
             myself.stop(None);
             return Ok(());
         }
-        let mut books = state.template.successor(state.address.issued());
-        if let Some(capacity) = state.address.capacity() {
+        let mut books = state.template.successor(state.account.issued());
+        if let Some(capacity) = state.account.capacity() {
             books
                 .set_capacity(state.authority, capacity)
                 .map_err(|e| format!("cannot restore the capacity: {e}"))?;
@@ -83,13 +84,13 @@ impl Actor for GovernorSupervisor {
                 books,
                 state.authority,
                 state.config.clone(),
-                Arc::clone(&state.address),
+                Arc::clone(&state.account),
             ),
             myself.get_cell(),
         )
         .await?;
         let installed = state
-            .address
+            .account
             .restart(next, |recovery| GovernorMsg::Recover { recovery })
             .map_err(|e| format!("cannot hand the restarted governor its books: {e}"))?;
         if !installed {

@@ -1,25 +1,27 @@
-//! Where a Governor is, and what its handles hold: the record a restarted Governor rebuilds its
-//! books from.
+//! What a Governor's handles hold: the record a restarted Governor rebuilds its books from,
+//! and the counters of its credit lines.
 //!
 //! Every [`Grant`](super::Grant) and [`Lease`](super::Lease) reaches its Governor through an
-//! `Address`, never a bare actor reference. The address keeps, for each live handle, what it
+//! `Account`, never a bare actor reference. The account keeps, for each live handle, what it
 //! holds (the holders' own account of what they own) and changes it together with sending the
-//! message that tells the Governor, both under a shared gate. A supervisor that restarts a dead
-//! Governor takes the gate exclusively, reads that account and swaps the new actor in, so every
-//! release happens either before the account is read (and the new books never count it) or
-//! after the swap (and reaches the new Governor): no byte is counted twice or lost. Handles
-//! share the gate, so sends (which may wake a parked thread) never queue behind one another;
-//! only the account's maps are behind a short mutex.
+//! message that tells the Governor, both under its [`Route`]'s gate. A supervisor that restarts
+//! a dead Governor takes the gate exclusively, reads that account and swaps the new actor in,
+//! so every release happens either before the account is read (and the new books never count
+//! it) or after the swap (and reaches the new Governor): no byte is counted twice or lost.
+//! Handles share the gate, so sends (which may wake a parked thread) never queue behind one
+//! another; only the account's maps are behind a short mutex.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use crossbeam_utils::CachePadded;
 use procmem::ledger::{self, GrantId, HolderId, HolderReport, LeaseId, Priority};
 use procmem::MemoryRole;
-use ractor::{ActorRef, MessagingErr};
+use ractor::{ActorRef, Message, MessagingErr};
 
-use super::credit::CreditShared;
-use super::GovernorMsg;
+use super::route::Route;
+use crate::governor::protocol::Recovery;
 use crate::pressure::TicketInbox;
 
 #[derive(Debug, Clone)]
@@ -42,33 +44,19 @@ struct Record {
     stopping: bool,
 }
 
-/// The current Governor actor of one authority and the account of what its handles hold.
-pub(crate) struct Address {
-    /// The Governor now; read-locked by every send, write-locked only to swap it.
-    gate: RwLock<Option<ActorRef<GovernorMsg>>>,
-    /// Taken after the gate, never before it.
+/// The account of what one authority's handles hold, beside the route to its Governor.
+pub(crate) struct Account {
+    /// The Governor now; its gate is taken before the record, never after it.
+    route: Route,
     record: Mutex<Record>,
-    /// Told how many bytes waiters need beyond the capacity (see [`Upstream`]).
-    upstream: Mutex<Option<Upstream>>,
 }
 
-/// Where a Governor whose capacity is itself credit (a process under a node Governor) asks
-/// for more: called with the bytes its waiters need beyond its capacity. The Governor then
-/// asks its own holders only for what it holds over its capacity (the node decides who gives
-/// back, through tickets that lower the capacity).
-pub type Upstream = std::sync::Arc<dyn Fn(u64) + Send + Sync>;
-
-/// What a restarted Governor is handed as its first message: each holder's report of what it
-/// owns, with its ticket inbox. Only a Governor's supervisor makes one.
-#[derive(Debug)]
-pub(crate) struct Recovery(pub(crate) Vec<(HolderReport, Option<TicketInbox>)>);
-
-impl Address {
-    /// An address with no Governor yet: [`Address::set`] it once the actor is spawned (the
-    /// actor is given the address as it starts).
+impl Account {
+    /// An account with no Governor yet: [`Route::set`] its route once the actor is spawned
+    /// (the actor is given the account as it starts).
     pub(crate) fn new() -> Self {
-        Address {
-            gate: RwLock::new(None),
+        Account {
+            route: Route::new(),
             record: Mutex::new(Record {
                 holders: BTreeMap::new(),
                 grants: HashMap::new(),
@@ -78,62 +66,16 @@ impl Address {
                 capacity: None,
                 stopping: false,
             }),
-            upstream: Mutex::new(None),
         }
     }
 
-    /// Sets (or clears) where the Governor asks for more capacity.
-    pub(crate) fn set_upstream(&self, upstream: Option<Upstream>) {
-        *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = upstream;
+    /// Where the Governor is.
+    pub(crate) fn route(&self) -> &Route {
+        &self.route
     }
 
-    /// Whether the Governor has an upstream.
-    pub(crate) fn has_upstream(&self) -> bool {
-        self.upstream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
-    }
-
-    /// Where the Governor asks for more capacity, if anywhere.
-    pub(crate) fn upstream(&self) -> Option<Upstream> {
-        self.upstream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn record(&self) -> std::sync::MutexGuard<'_, Record> {
+    fn record(&self) -> MutexGuard<'_, Record> {
         self.record.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn gate(&self) -> RwLockReadGuard<'_, Option<ActorRef<GovernorMsg>>> {
-        self.gate.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Points the address at its first Governor.
-    pub(crate) fn set(&self, actor: ActorRef<GovernorMsg>) {
-        *self.gate.write().unwrap_or_else(|p| p.into_inner()) = Some(actor);
-    }
-
-    /// The Governor actor now (`None` only before [`Address::set`]).
-    pub(crate) fn actor(&self) -> Option<ActorRef<GovernorMsg>> {
-        self.gate().clone()
-    }
-
-    /// Sends `msg` to the Governor now (a request whose reply port is inside it).
-    pub(crate) fn cast(&self, msg: GovernorMsg) -> Result<(), MessagingErr<GovernorMsg>> {
-        Self::send(&self.gate(), msg)
-    }
-
-    fn send(
-        actor: &Option<ActorRef<GovernorMsg>>,
-        msg: GovernorMsg,
-    ) -> Result<(), MessagingErr<GovernorMsg>> {
-        match actor {
-            Some(actor) => actor.cast(msg),
-            None => Err(MessagingErr::SendErr(msg)),
-        }
     }
 
     fn saw(record: &mut Record, raw: u64) {
@@ -187,15 +129,15 @@ impl Address {
     }
 
     /// The grant is gone (committed, cancelled, rolled back); `then` is sent under the gate.
-    pub(crate) fn grant_gone(
+    pub(crate) fn grant_gone<M: Message>(
         &self,
         grant: GrantId,
-        then: Option<GovernorMsg>,
-    ) -> Result<(), MessagingErr<GovernorMsg>> {
-        let gate = self.gate();
+        then: Option<M>,
+    ) -> Result<(), MessagingErr<M>> {
+        let gate = self.route.gate();
         self.record().grants.remove(&grant);
         match then {
-            Some(msg) => Self::send(&gate, msg),
+            Some(msg) => Route::send(&gate, msg),
             None => Ok(()),
         }
     }
@@ -210,13 +152,13 @@ impl Address {
     }
 
     /// `bytes` of the lease came back; `then` (the Governor's release) is sent under the gate.
-    pub(crate) fn lease_released(
+    pub(crate) fn lease_released<M: Message>(
         &self,
         lease: LeaseId,
         bytes: u64,
-        then: Option<GovernorMsg>,
-    ) -> Result<(), MessagingErr<GovernorMsg>> {
-        let gate = self.gate();
+        then: Option<M>,
+    ) -> Result<(), MessagingErr<M>> {
+        let gate = self.route.gate();
         {
             let mut r = self.record();
             let standing = r.credit.contains_key(&lease);
@@ -230,7 +172,7 @@ impl Address {
             }
         }
         match then {
-            Some(msg) => Self::send(&gate, msg),
+            Some(msg) => Route::send(&gate, msg),
             None => Ok(()),
         }
     }
@@ -255,13 +197,13 @@ impl Address {
 
     /// The credit line was closed with `unused` bytes going back; `then` is sent under the
     /// gate. What its children still hold comes back as their leases are released.
-    pub(crate) fn credit_closed(
+    pub(crate) fn credit_closed<M: Message>(
         &self,
         line: LeaseId,
         unused: u64,
-        then: Option<GovernorMsg>,
-    ) -> Result<(), MessagingErr<GovernorMsg>> {
-        let gate = self.gate();
+        then: Option<M>,
+    ) -> Result<(), MessagingErr<M>> {
+        let gate = self.route.gate();
         {
             let mut r = self.record();
             r.credit.remove(&line);
@@ -275,7 +217,7 @@ impl Address {
             }
         }
         match then {
-            Some(msg) => Self::send(&gate, msg),
+            Some(msg) => Route::send(&gate, msg),
             None => Ok(()),
         }
     }
@@ -310,7 +252,7 @@ impl Address {
 
     /// Marks the Governor as being stopped on purpose: its supervisor does not restart it.
     pub(crate) fn stop(&self) {
-        let gate = self.gate();
+        let gate = self.route.gate();
         self.record().stopping = true;
         if let Some(actor) = gate.as_ref() {
             actor.stop(None);
@@ -330,17 +272,27 @@ impl Address {
     /// every handle reaches from now on, in one step with the gate held exclusively (no
     /// handle sends meanwhile). If the Governor was stopped on purpose meanwhile, `next` is
     /// stopped instead and `false` returned.
-    pub(crate) fn restart(
+    pub(crate) fn restart<M: Message>(
         &self,
-        next: ActorRef<GovernorMsg>,
-        recover: impl FnOnce(Recovery) -> GovernorMsg,
-    ) -> Result<bool, MessagingErr<GovernorMsg>> {
-        let mut gate = self.gate.write().unwrap_or_else(|p| p.into_inner());
+        next: ActorRef<M>,
+        recover: impl FnOnce(Recovery) -> M,
+    ) -> Result<bool, MessagingErr<M>> {
+        let mut gate = self.route.gate_mut();
         let r = self.record();
         if r.stopping {
             next.stop(None);
             return Ok(false);
         }
+        if let Err(e) = next.cast(recover(Recovery(Self::reports(&r)))) {
+            next.stop(None);
+            return Err(e);
+        }
+        *gate = Some(next.get_cell());
+        Ok(true)
+    }
+
+    /// Each holder's report of what it owns, with its ticket inbox.
+    fn reports(r: &Record) -> Vec<(HolderReport, Option<TicketInbox>)> {
         let mut reports: BTreeMap<HolderId, HolderReport> = r
             .holders
             .iter()
@@ -372,7 +324,7 @@ impl Address {
                 }
             }
         }
-        let recovery = reports
+        reports
             .into_values()
             .map(|mut report| {
                 report.grants.sort_unstable();
@@ -381,12 +333,125 @@ impl Address {
                 let inbox = r.holders.get(&report.holder).and_then(|h| h.inbox.clone());
                 (report, inbox)
             })
-            .collect();
-        if let Err(e) = next.cast(recover(Recovery(recovery))) {
-            next.stop(None);
-            return Err(e);
+            .collect()
+    }
+}
+
+/// Set once the line is closed: from then on, bytes given back go to the Governor.
+const CLOSED: u64 = 1 << 63;
+/// The most one line may hold unused (the counter keeps its top bit for `CLOSED`).
+pub const MAX_CREDIT: u64 = CLOSED - 1;
+
+/// A child's unused credit, shared by the child's leases and the Governor. On a cache line
+/// of its own: holders taking from their own lines never contend.
+pub(crate) struct CreditShared {
+    state: CachePadded<AtomicU64>,
+    /// The account bytes go back through once the line is closed. (The account keeps a weak
+    /// reference to this, so there is no cycle.)
+    account: Arc<Account>,
+}
+
+impl std::fmt::Debug for CreditShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CreditShared")
+            .field("unused", &self.unused())
+            .finish()
+    }
+}
+
+impl CreditShared {
+    pub(crate) fn new(account: Arc<Account>) -> Self {
+        CreditShared {
+            state: CachePadded::new(AtomicU64::new(0)),
+            account,
         }
-        *gate = Some(next);
-        Ok(true)
+    }
+
+    pub(crate) fn account(&self) -> &Arc<Account> {
+        &self.account
+    }
+
+    /// Takes exactly `bytes` if the line is open and holds that many unused.
+    pub(crate) fn take(&self, bytes: u64) -> bool {
+        self.state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v & CLOSED == 0 && v >= bytes).then(|| v - bytes)
+            })
+            .is_ok()
+    }
+
+    /// Takes up to `max` unused bytes of an open line; returns how many.
+    pub(crate) fn take_up_to(&self, max: u64) -> u64 {
+        match self
+            .state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v & CLOSED == 0 && v > 0 && max > 0).then(|| v - v.min(max))
+            }) {
+            Ok(before) => before.min(max),
+            Err(_) => 0,
+        }
+    }
+
+    /// Puts `bytes` back as unused, if the line is open (and they fit the counter).
+    pub(crate) fn give_back(&self, bytes: u64) -> bool {
+        self.state
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                if v & CLOSED != 0 {
+                    return None;
+                }
+                v.checked_add(bytes).filter(|t| *t <= MAX_CREDIT)
+            })
+            .is_ok()
+    }
+
+    /// Closes the line; returns the unused bytes it held (zero if it was closed already).
+    pub(crate) fn close(&self) -> u64 {
+        let before = self.state.fetch_or(CLOSED, Ordering::AcqRel);
+        if before & CLOSED != 0 {
+            0
+        } else {
+            before
+        }
+    }
+
+    /// Unused bytes now (zero once closed).
+    pub(crate) fn unused(&self) -> u64 {
+        let v = self.state.load(Ordering::Acquire);
+        if v & CLOSED != 0 {
+            0
+        } else {
+            v
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::{Account, CreditShared, MAX_CREDIT};
+
+    #[test]
+    fn the_counter_refuses_what_it_cannot_do_and_changes_nothing() {
+        let c = CreditShared::new(Arc::new(Account::new()));
+        assert!(!c.take(1), "empty");
+        assert!(c.give_back(100));
+        assert!(!c.take(101), "more than unused");
+        assert!(c.take(40));
+        assert_eq!(c.unused(), 60);
+        assert!(!c.give_back(u64::MAX), "past the counter");
+        assert!(
+            !c.give_back(MAX_CREDIT),
+            "60 + MAX_CREDIT overflows the counter"
+        );
+        assert_eq!(c.unused(), 60);
+        assert_eq!(c.take_up_to(0), 0);
+        assert_eq!(c.take_up_to(u64::MAX), 60);
+        assert_eq!(c.take_up_to(u64::MAX), 0, "nothing left");
+        assert!(c.give_back(10));
+        assert_eq!(c.close(), 10);
+        assert_eq!(c.close(), 0, "closed twice returns nothing twice");
+        assert!(!c.give_back(5), "a closed line takes nothing back");
+        assert_eq!(c.take_up_to(5), 0);
     }
 }
