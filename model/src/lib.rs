@@ -21,8 +21,9 @@ pub mod tokenizer;
 
 use std::path::PathBuf;
 
+pub use scheduler::{argmax, StepInput};
 pub use serve::{Completion, Engine, Request, RunStats};
-pub use smollm::{argmax, decode_step, forward_step, top2, Loaded, Smol, StepInput};
+pub use smollm::{decode_step, forward_step, top2, Loaded, Smol};
 pub use tokenizer::{TextCodec, TokenizerError};
 
 /// Why the model could not be loaded or run.

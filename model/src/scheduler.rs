@@ -23,10 +23,11 @@ mod run;
 mod sample;
 mod types;
 
-pub use sample::sample;
-pub use types::{Event, Figures, FinishReason, GenError, GenRequest, Sampling, SchedulerStats};
+pub use sample::{argmax, sample};
+pub use types::{
+    Event, Figures, FinishReason, GenError, GenRequest, Sampling, SchedulerStats, StepInput,
+};
 
-use crate::smollm::StepInput;
 use crate::ModelError;
 
 /// The logits of each input's last token, on their way.

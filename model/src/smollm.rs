@@ -15,6 +15,7 @@ use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, Se
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
 use crate::quant::{dense, matmul, project};
+pub use crate::scheduler::StepInput;
 use crate::{ModelError, StepFault};
 
 fn cerr(e: candle_core::Error) -> ModelError {
@@ -240,17 +241,6 @@ impl Smol {
     }
 }
 
-/// The index of the largest logit (the first, on a tie).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// The two largest logits, largest first.
 pub fn top2(logits: &[f32]) -> (f32, f32) {
     let mut v = logits.to_vec();
@@ -378,18 +368,6 @@ fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>
 
 fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
     ModelError::Weights(e)
-}
-
-/// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
-/// prompt's chunk has many; a decode step one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepInput {
-    /// The sequence.
-    pub seq: SeqId,
-    /// Its new tokens.
-    pub tokens: Vec<u32>,
-    /// Where the first goes: the tokens the store holds for it.
-    pub position: usize,
 }
 
 /// One decode step of `batch` (`(sequence, token, position)`): [`forward_step`] with one

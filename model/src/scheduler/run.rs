@@ -11,9 +11,8 @@ use tokio::sync::mpsc;
 
 use super::{
     next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest, SchedulerStats,
-    Shared, StepModel,
+    Shared, StepInput, StepModel,
 };
-use crate::smollm::StepInput;
 use crate::ModelError;
 
 /// Times in a row a lone sequence's step is tried again after its deadline passed without

@@ -4,7 +4,6 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::types::Sampling;
-use crate::smollm::argmax;
 
 /// The next token of `logits` under `s`, drawing from `rng` unless greedy.
 pub fn sample(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> u32 {
@@ -43,6 +42,17 @@ pub fn sample(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> u32 {
         at -= p;
     }
     probs.last().map_or(0, |p| p.0)
+}
+
+/// The index of the largest logit (the first, on a tie).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use procmem_actors::KvStoreError;
+use procmem_actors::{KvStoreError, SeqId};
 
 use crate::ModelError;
 
@@ -159,4 +159,16 @@ pub struct SchedulerStats {
     pub cancelled: u64,
     /// Requests finished.
     pub finished: u64,
+}
+
+/// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
+/// prompt's chunk has many; a decode step one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepInput {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its new tokens.
+    pub tokens: Vec<u32>,
+    /// Where the first goes: the tokens the store holds for it.
+    pub position: usize,
 }
