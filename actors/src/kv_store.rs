@@ -8,22 +8,17 @@
 //! recently used), then whole sequences that have no kernel in flight, lowest priority first,
 //! swapped to host memory or dropped for recomputation.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use procmem::fence::{Fence, StreamId, TimelineFence};
-use procmem::kv::{
-    choose_victims, KvError, KvSequence, KvShape, PendingGrowth, Phase, PrefixCache,
-    PrefixCandidate, SequenceCandidate, SequenceTable, TableError, Victim, Writer,
-};
+use procmem::fence::{Fence, StreamId};
+use procmem::kv::{KvError, KvShape, PrefixCache, TableError, Writer};
 use procmem::ledger::{HolderId, Priority};
-use procmem::{MapAccess, MemoryError, MemoryRole, PhysicalBlock, SharedMapping};
+use procmem::MemoryError;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use tokio::time::{Duration, Instant};
+use tokio::time::Duration;
 
-use crate::charge::{Charge, Tally};
-use crate::deferred_free::{DeferredRelease, PendingFree};
-use crate::governor::{GovernorError, GovernorHandle, Grant, ReserveRequest};
+use crate::charge::Tally;
+use crate::governor::{GovernorError, GovernorHandle, Grant};
 use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
 
@@ -34,19 +29,27 @@ mod handle;
 pub use handle::KvStoreHandle;
 mod lending;
 mod metrics;
+mod prefix;
+mod pressure;
+mod restore;
+mod sequences;
 mod state;
 mod step;
 mod steps;
 mod swap;
+mod transactions;
 
 use crate::device_provider::DeviceProvider;
 use device::KvDevice;
 pub use device::KvStream;
+use prefix::SharedPrefix;
+use sequences::Sequences;
+use step::StepMemory;
 pub use step::{KvStep, StepKv};
-use step::{StepMemory, StepSeq};
 pub(crate) use swap::default_disk_dir;
-use swap::{Saved, Space};
+use swap::Space;
 pub use swap::{SwapKind, SwapSpace};
+use transactions::Transactions;
 
 pub use procmem::kv::PreemptMode;
 
@@ -326,88 +329,6 @@ impl ractor::Message for KvStoreMsg {}
 
 crate::holder_mailbox!(KvStoreMsg::Ticket);
 
-/// One whole prompt block, shared by every sequence whose prompt starts the same way. Its
-/// lease bytes go back only when the last sequence mapping it has been freed.
-struct SharedPrefix {
-    blocks: Vec<PhysicalBlock>,
-    bytes: u64,
-    /// Released as it drops, after the blocks (see `Drop`).
-    _charge: Charge,
-}
-
-impl Drop for SharedPrefix {
-    fn drop(&mut self) {
-        // The blocks go first; the charge (a field) drops after this, once they are freed.
-        self.blocks.clear();
-    }
-}
-
-/// A sequence's memory on its way out: freed by its mechanism after its fences; its charge
-/// (the refund of its [`PendingFree`]) goes back after that.
-struct SeqMemory {
-    seq: KvSequence,
-    prefixes: Vec<Arc<SharedPrefix>>,
-}
-
-impl DeferredRelease for SeqMemory {
-    fn release(self: Box<Self>) -> Result<u64, MemoryError> {
-        let SeqMemory { seq, prefixes } = *self;
-        let bytes = seq.exclusive_bytes();
-        drop(seq);
-        drop(prefixes);
-        Ok(bytes)
-    }
-}
-
-/// A sequence's memory; its phase, incarnation, priority and the blocks it writes are in the
-/// store's [`SequenceTable`].
-struct SeqEntry {
-    /// Its KV memory; `None` while it is preempted.
-    memory: Option<KvSequence>,
-    /// Its KV copied out while it is preempted by swap.
-    saved: Option<Saved>,
-    /// Pays for the sequence's own memory (not the shared prefixes it maps).
-    charge: Charge,
-    prefixes: Vec<Arc<SharedPrefix>>,
-    last_fence: Option<Fence>,
-    /// While a step has its memory: the tokens and bytes it held when lent (for the stats).
-    away: Option<(usize, u64)>,
-    /// Growth mapped ahead (and paid for by `charge`), published at the next prepare.
-    ahead: Option<PendingGrowth>,
-}
-
-enum Pending {
-    Open {
-        seq: SeqId,
-        writer: Writer,
-        priority: Priority,
-        entry: Box<SeqEntry>,
-        /// The cached blocks found at open, held so no ticket evicts them meanwhile.
-        hits: Vec<(u64, Arc<SharedPrefix>)>,
-        new_keys: Vec<u64>,
-        bytes: u64,
-        reply: RpcReplyPort<Result<answer::OpenAnswer, KvStoreError>>,
-    },
-    Prepare {
-        /// Each sequence, its incarnation, its growth per buffer and its new tokens.
-        seqs: Vec<(SeqId, Writer, u64, usize)>,
-        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
-    },
-    Restore {
-        seq: SeqId,
-        writer: Writer,
-        per_buffer: u64,
-        tokens: usize,
-        saved: Saved,
-        reply: RpcReplyPort<Result<Restored, KvStoreError>>,
-    },
-}
-
-/// The step's batch: each sequence with its incarnation.
-fn batch_of(seqs: &[(SeqId, Writer, u64, usize)]) -> Vec<(SeqId, Writer)> {
-    seqs.iter().map(|(s, w, ..)| (*s, *w)).collect()
-}
-
 /// The store's state.
 pub(crate) struct KvStoreState {
     config: KvStoreConfig,
@@ -420,15 +341,11 @@ pub(crate) struct KvStoreState {
     holder: HolderId,
     /// What every charge of this store holds, those waiting for their fences included.
     tally: Tally,
-    /// Every sequence's phase and bookkeeping.
-    table: SequenceTable,
-    /// Every sequence's memory.
-    seqs: HashMap<SeqId, SeqEntry>,
+    /// Every open sequence: its phase, memory, charge and the prompt blocks it maps.
+    sequences: Sequences,
     prefixes: PrefixCache<Arc<SharedPrefix>>,
-    pending: HashMap<u64, Pending>,
-    /// The task waiting for each pending transaction's grant, to call it off.
-    reserving: HashMap<u64, tokio::task::AbortHandle>,
-    next_txn: u64,
+    /// What is in flight, waiting for grants.
+    transactions: Transactions,
     clock: u64,
     stats: KvStoreStats,
     swap_outcomes: Arc<swap::SwapOutcomes>,
@@ -505,12 +422,9 @@ impl Actor for KvStore {
             governor,
             holder,
             tally: Tally::default(),
-            seqs: HashMap::new(),
-            table: SequenceTable::new(),
+            sequences: Sequences::default(),
             prefixes: PrefixCache::default(),
-            pending: HashMap::new(),
-            reserving: HashMap::new(),
-            next_txn: 1,
+            transactions: Transactions::default(),
             clock: 0,
             stats: KvStoreStats::default(),
             swap_outcomes: Arc::default(),
@@ -558,19 +472,12 @@ impl Actor for KvStore {
             } => state.step_returned(&myself, step, memory, marker, advance, foreign, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq } => state.close(seq),
-            KvStoreMsg::Stats { reply } => {
-                let _ = reply.send(Ok(state.stats()));
-            }
+            KvStoreMsg::Stats { reply } => state.send_stats(reply),
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
             KvStoreMsg::Granted { txn, grant } => state.granted(&myself, txn, grant).await,
             KvStoreMsg::Publish => {
-                state.metrics.armed = false;
-                // Memory freed after fences comes back with no message to the store: while
-                // the figures still move, it looks again.
-                if state.publish().await {
-                    state.publish_soon(&myself);
-                }
+                state.scheduled_publish(&myself).await;
                 return Ok(());
             }
         }
@@ -583,8 +490,7 @@ impl Drop for KvStoreState {
     fn drop(&mut self) {
         // A stopped or panicking store still frees nothing early: every sequence goes through
         // the deferred-free path after its fences, and its leases follow the memory.
-        let entries: Vec<SeqEntry> = self.seqs.drain().map(|(_, e)| e).collect();
-        for entry in entries {
+        for entry in self.sequences.drain() {
             self.retire(entry);
         }
     }

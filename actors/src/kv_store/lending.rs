@@ -2,7 +2,20 @@
 //! moves, the store's own fence after everything the step's stream took, and each sequence's
 //! memory back (its new token counted if the step was completed) once that fence completes.
 
-use super::*;
+use std::sync::Arc;
+
+use procmem::fence::{Fence, StreamId};
+use procmem::kv::{KvError, LayerViews, Phase, Writer};
+use procmem::MemoryRole;
+use ractor::{ActorRef, RpcReplyPort};
+use tokio::time::Duration;
+
+use super::sequences::SeqEntry;
+use super::step::{KvStep, StepMemory, StepSeq};
+use super::transactions::batch_of;
+use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
+use crate::charge::Charge;
+use crate::governor::ReserveRequest;
 
 impl KvStoreState {
     /// Lends the memory of `plan` (grown, each still this incarnation unless closed
@@ -17,39 +30,71 @@ impl KvStoreState {
     ) {
         let batch = batch_of(plan);
         let batch = &batch[..];
-        if let Some(&(seq, ..)) = plan
-            .iter()
-            .find(|(s, w, ..)| self.table.get(*s).is_none_or(|r| r.writer != *w))
-        {
+        if let Some(&(seq, ..)) = plan.iter().find(|(s, w, ..)| !self.sequences.is(*s, *w)) {
             // Closed while its grant was on its way: the step is refused as a whole.
-            self.table.end_growth(batch, false);
+            self.sequences.table.end_growth(batch, false);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         }
         // Where each sequence's K and V lie, before anything moves: the growth made room for
         // the new tokens' rows, so this cannot fail; if it did, nothing is lent.
-        let views: Result<Vec<Vec<_>>, KvError> = plan
-            .iter()
-            .map(|(seq, _, _, count)| {
-                let memory = self.seqs[seq].memory.as_ref().expect("a grown sequence");
-                (0..self.config.shape.layers)
-                    .map(|l| memory.views(l, memory.tokens() + count))
-                    .collect()
-            })
-            .collect();
-        let views = match views {
+        let views = match self.step_views(plan) {
             Ok(v) => v,
             Err(e) => {
-                self.table.end_growth(batch, false);
+                self.sequences.table.end_growth(batch, false);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
         };
+        let (lent, ahead) = self.take_lent(plan);
+        self.sequences.table.end_growth(batch, true);
+        let id = self.transactions.next_id();
+        let step = KvStep::new(
+            id,
+            myself.clone(),
+            self.config.shape,
+            lent,
+            views,
+            self.stream.clone(),
+        );
+        if !ahead.is_empty() {
+            self.map_ahead(step.memory_weak(), ahead);
+        }
+        // A caller that gave up drops the step here, which ends it (nothing counts).
+        let _ = reply.send(Ok(step));
+    }
+
+    /// Where each sequence of `plan` has its K and V, each layer, with its new tokens.
+    fn step_views(
+        &self,
+        plan: &[(SeqId, Writer, u64, usize)],
+    ) -> Result<Vec<Vec<LayerViews>>, KvError> {
+        plan.iter()
+            .map(|(seq, _, _, count)| {
+                let memory = self.sequences.entries[seq]
+                    .memory
+                    .as_ref()
+                    .expect("a grown sequence");
+                (0..self.config.shape.layers)
+                    .map(|l| memory.views(l, memory.tokens() + count))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Takes the memory of each sequence of `plan` to lend it. Returns it, and the growth to
+    /// map ahead while the step runs: `(sequence, incarnation, growth per buffer)`.
+    #[allow(clippy::type_complexity)]
+    fn take_lent(
+        &mut self,
+        plan: &[(SeqId, Writer, u64, usize)],
+    ) -> (Vec<StepSeq>, Vec<(SeqId, Writer, u64)>) {
         let mut lent = Vec::with_capacity(plan.len());
         let mut ahead = Vec::new();
         for &(seq, writer, _, count) in plan {
             let entry = self
-                .seqs
+                .sequences
+                .entries
                 .get_mut(&seq)
                 .expect("an open sequence has an entry");
             let memory = entry
@@ -73,22 +118,7 @@ impl KvStoreState {
                 ahead: entry.ahead.take(),
             });
         }
-        self.table.end_growth(batch, true);
-        let id = self.next_txn;
-        self.next_txn += 1;
-        let step = KvStep::new(
-            id,
-            myself.clone(),
-            self.config.shape,
-            lent,
-            views,
-            self.stream.clone(),
-        );
-        if !ahead.is_empty() {
-            self.map_ahead(step.memory_weak(), ahead);
-        }
-        // A caller that gave up drops the step here, which ends it (nothing counts).
-        let _ = reply.send(Ok(step));
+        (lent, ahead)
     }
 
     /// Maps the next growth of `seqs` while their step runs, on a task of its own: for each,
@@ -231,7 +261,21 @@ impl KvStoreState {
             }
         };
         let advance = advance && foreign.is_none();
-        for StepSeq {
+        for lent in seqs {
+            self.take_back(lent, marker, advance);
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(match foreign {
+                Some(stream) => Err(KvStoreError::ForeignFence(stream)),
+                None => Ok(()),
+            });
+        }
+    }
+
+    /// A sequence back from a step: it takes its memory back (with its new tokens if
+    /// `advance`); one closed while the step had it (maybe opened again) is freed now.
+    fn take_back(&mut self, lent: StepSeq, marker: Option<Fence>, advance: bool) {
+        let StepSeq {
             seq,
             writer,
             mut memory,
@@ -239,48 +283,35 @@ impl KvStoreState {
             charge,
             ahead,
             count,
-        } in seqs
-        {
-            let ours = self
-                .table
-                .get(seq)
-                .is_some_and(|r| r.writer == writer && r.phase == Phase::Stepping);
-            let entry = self.seqs.get_mut(&seq).filter(|_| ours);
-            let Some(entry) = entry else {
-                // Closed while the step had it (maybe opened again): freed now.
-                self.retire(SeqEntry {
-                    memory: Some(memory),
-                    saved: None,
-                    charge,
-                    prefixes,
-                    last_fence: marker,
-                    away: None,
-                    ahead,
-                });
-                continue;
-            };
-            if advance {
-                let _ = memory.advance_by(count);
-            }
-            let tokens = memory.tokens();
-            entry.memory = Some(memory);
-            entry.prefixes = prefixes;
-            entry.charge = charge;
-            entry.last_fence = marker;
-            entry.away = None;
-            entry.ahead = ahead;
-            if let Ok(done) = self.table.end_step(seq, writer, tokens) {
-                for key in done {
-                    // Only the block this sequence filled; nobody else's under the key.
-                    self.prefixes.complete(key, writer);
-                }
-            }
-        }
-        if let Some(reply) = reply {
-            let _ = reply.send(match foreign {
-                Some(stream) => Err(KvStoreError::ForeignFence(stream)),
-                None => Ok(()),
+        } = lent;
+        let ours = self.sequences.is_in(seq, writer, Phase::Stepping);
+        let Some(entry) = self.sequences.entries.get_mut(&seq).filter(|_| ours) else {
+            self.retire(SeqEntry {
+                memory: Some(memory),
+                saved: None,
+                charge,
+                prefixes,
+                last_fence: marker,
+                away: None,
+                ahead,
             });
+            return;
+        };
+        if advance {
+            let _ = memory.advance_by(count);
+        }
+        let tokens = memory.tokens();
+        entry.memory = Some(memory);
+        entry.prefixes = prefixes;
+        entry.charge = charge;
+        entry.last_fence = marker;
+        entry.away = None;
+        entry.ahead = ahead;
+        if let Ok(done) = self.sequences.table.end_step(seq, writer, tokens) {
+            for key in done {
+                // Only the block this sequence filled; nobody else's under the key.
+                self.prefixes.complete(key, writer);
+            }
         }
     }
 }

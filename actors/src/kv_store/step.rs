@@ -17,7 +17,8 @@ use procmem::kv::{
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
 use super::device::KvStream;
-use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId, SharedPrefix};
+use super::prefix::Mapped;
+use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId};
 use crate::charge::Charge;
 use crate::governor::Lease;
 use crate::stream::StreamError;
@@ -30,7 +31,7 @@ pub(super) struct StepSeq {
     pub(super) count: usize,
     /// Dropped first: unmapped before the blocks it maps and before its charge goes back.
     pub(super) memory: KvSequence,
-    pub(super) prefixes: Vec<Arc<SharedPrefix>>,
+    pub(super) prefixes: Vec<Mapped>,
     pub(super) charge: Charge,
     /// Growth for the token after this step's, mapped while the step runs (paid for by
     /// `charge`); published at the next prepare.

@@ -1,0 +1,442 @@
+//! The pressure responder: answers a Governor's ticket with whole units (growth mapped
+//! ahead, unreferenced cached prefixes, then whole sequences with no kernel in flight) and
+//! preempts the sequences it picks.
+
+use std::sync::Arc;
+
+use procmem::fence::Fence;
+use procmem::kv::{choose_victims, Phase, PreemptMode, PrefixCandidate, SequenceCandidate, Victim};
+use ractor::ActorRef;
+use tracing::Instrument;
+
+use super::sequences::{SeqEntry, SeqMemory};
+use super::swap::Saved;
+use super::{KvStoreMsg, KvStoreState, SeqId, TICKET_RECHECKS};
+use crate::charge::Charge;
+use crate::pressure::PressureTicket;
+
+/// What one preemption did.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Taken {
+    /// Bytes freed.
+    pub(super) freed: u64,
+    /// A step the sequence was waiting in was called off.
+    pub(super) called_off_step: bool,
+    /// Bytes freed once a copy out on the stream has run.
+    pub(super) pending: u64,
+}
+
+/// A preempted sequence's memory on its way out: the memory is freed, then what paid for it
+/// (fields drop in this order); a swap's copy kernel drops it once the rows are out.
+struct CopyOut {
+    memory: SeqMemory,
+    _charge: Charge,
+}
+
+/// What a ticket has got so far: bytes freed now, and bytes freed after a fence.
+#[derive(Debug, Default, Clone, Copy)]
+struct Got {
+    freed: u64,
+    pending: u64,
+}
+
+impl Got {
+    fn total(self) -> u64 {
+        self.freed + self.pending
+    }
+}
+
+impl KvStoreState {
+    /// Whether a kernel that used `entry` may still be running.
+    pub(super) fn fence_pending(&self, entry: &SeqEntry) -> bool {
+        entry
+            .last_fence
+            .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    }
+
+    /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
+    /// free to go as soon as that kernel's fence completes.
+    pub(super) fn waits_only_for_its_fence(&self, seq: SeqId, entry: &SeqEntry) -> bool {
+        self.sequences.table.evictable(seq) && entry.memory.is_some() && self.fence_pending(entry)
+    }
+
+    /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
+    /// sequences with no kernel in flight. Everything chosen is freed now (nothing chosen is
+    /// in use by the device), so the report has nothing pending a fence. `rechecks`: how many
+    /// times this ticket was already put off.
+    pub(super) async fn answer(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        ticket: PressureTicket,
+        rechecks: u32,
+    ) {
+        let span = tracing::debug_span!(
+            "pressure_ticket",
+            ticket = ticket.id.get(),
+            wanted = ticket.bytes_wanted
+        );
+        self.answer_in(myself, ticket, rechecks)
+            .instrument(span)
+            .await
+    }
+
+    /// Unmaps growth mapped ahead and not published yet (slack no kernel uses) until `wanted`
+    /// bytes are freed, releasing what paid for it after the unmap. Returns the bytes freed.
+    fn drop_ahead(&mut self, wanted: u64) -> u64 {
+        let mut freed = 0;
+        for entry in self.sequences.entries.values_mut() {
+            if freed >= wanted {
+                break;
+            }
+            let (Some(memory), Some(growth)) = (entry.memory.as_mut(), entry.ahead.take()) else {
+                continue;
+            };
+            let bytes = growth.bytes();
+            // A tail that fails to unmap stays mapped, and stays paid for by the sequence.
+            if memory.abandon(growth).is_ok() {
+                drop(entry.charge.split(bytes));
+                freed += bytes;
+            }
+        }
+        freed
+    }
+
+    /// Every cached prefix block, and whether some sequence maps it.
+    fn prefix_candidates(&self) -> Vec<PrefixCandidate<u64>> {
+        self.prefixes
+            .blocks()
+            .map(|(key, block, last_used, _)| PrefixCandidate {
+                key,
+                bytes: block.bytes,
+                last_used,
+                // Some sequence maps it (its writer included, or an open about to).
+                referenced: block.sharers() > 0,
+            })
+            .collect()
+    }
+
+    /// Every sequence with its memory, what taking it frees and whether it is in flight.
+    fn sequence_candidates(&self) -> Vec<SequenceCandidate<SeqId>> {
+        self.sequences
+            .table
+            .iter()
+            .filter_map(|(id, r)| {
+                let e = self.sequences.entries.get(&id)?;
+                let memory = e.memory.as_ref()?;
+                // Taking it frees its own memory and lets go of the prompt blocks only it maps
+                // (it is their one sharer), which are then evicted like any unreferenced
+                // block. A sequence that maps only shared blocks still gives way this way.
+                let sole_blocks: u64 = e
+                    .prefixes
+                    .iter()
+                    .filter(|p| p.sharers() <= 1)
+                    .map(|p| p.bytes)
+                    .sum();
+                Some(SequenceCandidate {
+                    id,
+                    bytes: memory.exclusive_bytes() + sole_blocks,
+                    priority: r.priority,
+                    in_flight: !self.sequences.table.evictable(id) || self.fence_pending(e),
+                    admitted: r.admitted,
+                })
+            })
+            .collect()
+    }
+
+    /// The earliest fence after which a sequence waiting only for its kernel can go.
+    fn soon_free(&self) -> Option<Fence> {
+        self.sequences
+            .entries
+            .iter()
+            .filter(|(id, e)| self.waits_only_for_its_fence(**id, e))
+            .filter_map(|(_, e)| e.last_fence)
+            .min_by_key(|f| f.value)
+    }
+
+    /// Looks at `ticket` again once `fence` completes.
+    fn recheck_after(
+        &self,
+        myself: &ActorRef<KvStoreMsg>,
+        fence: Fence,
+        ticket: PressureTicket,
+        rechecks: u32,
+    ) {
+        let me = myself.clone();
+        self.stream.timeline().on_complete(
+            fence.value,
+            Box::new(move |_| {
+                let _ = me.cast(KvStoreMsg::RecheckTicket {
+                    ticket,
+                    rechecks: rechecks + 1,
+                });
+            }),
+        );
+    }
+
+    async fn answer_in(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        ticket: PressureTicket,
+        rechecks: u32,
+    ) {
+        // Growth mapped ahead goes first: it is slack, and taking it costs no sequence.
+        let slack = self.drop_ahead(ticket.bytes_wanted);
+        if slack >= ticket.bytes_wanted {
+            ticket.report(slack, 0);
+            return;
+        }
+        let prefixes = self.prefix_candidates();
+        let sequences = self.sequence_candidates();
+        let available: u64 = prefixes
+            .iter()
+            .filter(|p| !p.referenced)
+            .map(|p| p.bytes)
+            .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
+            .sum();
+        if let Some(fence) = self.soon_free().filter(|_| {
+            available == 0
+                && slack == 0
+                && rechecks < TICKET_RECHECKS
+                && tokio::time::Instant::now() < ticket.deadline
+        }) {
+            // Nothing can go now, but a sequence whose last kernel is finishing can go once
+            // its fence completes: its completion wakes the store to look again (a few times
+            // at most) rather than answer "nothing" and not be asked again in this round.
+            // Nothing polls. (The Governor has one ticket out at a time and moves on at the
+            // ticket's deadline.)
+            self.recheck_after(myself, fence, ticket, rechecks);
+            return;
+        }
+        let wanted = ticket.bytes_wanted;
+        let mut got = Got {
+            freed: slack,
+            pending: 0,
+        };
+        self.take_victims(&prefixes, &sequences, wanted, &mut got)
+            .await;
+        // Blocks the preempted sequences were the last to map are unreferenced now.
+        if got.total() < wanted {
+            self.evict_loose(wanted, &mut got);
+        }
+        self.stats.tickets += 1;
+        self.stats.freed_by_pressure += got.total();
+        tracing::debug!(
+            wanted,
+            freed = got.freed,
+            pending = got.pending,
+            "KV store answered a pressure ticket"
+        );
+        ticket.report(got.freed, got.pending);
+    }
+
+    /// Takes every eligible unit in the policy's order; stops once enough is really freed (a
+    /// unit whose free fails frees nothing and the next one is taken).
+    async fn take_victims(
+        &mut self,
+        prefixes: &[PrefixCandidate<u64>],
+        sequences: &[SequenceCandidate<SeqId>],
+        wanted: u64,
+        got: &mut Got,
+    ) {
+        for victim in choose_victims(u64::MAX, prefixes, sequences) {
+            if got.total() >= wanted {
+                break;
+            }
+            match victim {
+                Victim::Prefix(key) => {
+                    if procmem::fault::hit("kv.evict").is_err() {
+                        continue;
+                    }
+                    if let Some(block) = self.prefixes.remove(key) {
+                        got.freed += block.bytes;
+                        self.stats.prefix_blocks_evicted += 1;
+                    }
+                }
+                Victim::Sequence(id) => {
+                    let taken = self.preempt(id).await;
+                    got.freed += taken.freed;
+                    got.pending += taken.pending;
+                    if taken.called_off_step {
+                        // A step of this store was called off: what the ticket wanted may
+                        // have been for it. Stop here; if others still lack room the
+                        // Governor asks again.
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Evicts cached blocks nobody maps any more, least recently used first.
+    fn evict_loose(&mut self, wanted: u64, got: &mut Got) {
+        let mut loose: Vec<(u64, u64, u64)> = self
+            .prefixes
+            .blocks()
+            .filter(|(_, b, _, _)| b.sharers() == 0)
+            .map(|(key, b, last_used, _)| (last_used, key, b.bytes))
+            .collect();
+        loose.sort_unstable();
+        for (_, key, _) in loose {
+            if got.total() >= wanted {
+                break;
+            }
+            if let Some(block) = self.prefixes.remove(key) {
+                got.freed += block.bytes;
+                self.stats.prefix_blocks_evicted += 1;
+            }
+        }
+    }
+
+    /// Preempts a sequence that has no kernel in flight: its KV is copied out to the swap
+    /// space by a kernel on the stream that then frees the memory (swap), or dropped and its
+    /// memory freed now (recompute, or a swap space without room). Returns the bytes freed
+    /// now, those freed after the copy's fence, and whether a step it was waiting in was
+    /// called off.
+    pub(super) async fn preempt(&mut self, id: SeqId) -> Taken {
+        let span = tracing::debug_span!("eviction", seq = id, mode = ?self.config.preempt);
+        self.preempt_in(id).instrument(span).await
+    }
+
+    async fn preempt_in(&mut self, id: SeqId) -> Taken {
+        if procmem::fault::hit("kv.evict").is_err() {
+            return Taken::default();
+        }
+        let Some(memory) = self.sequences.memory(id) else {
+            return Taken::default();
+        };
+        if !self.sequences.table.evictable(id) {
+            return Taken::default();
+        }
+        let tokens = memory.tokens();
+        // On a GPU the copy out is a device-to-host copy made here, so the sequence's last
+        // kernel must have finished first (on the host the copy is a kernel queued after it).
+        let fence = self.sequences.entries.get(&id).and_then(|e| e.last_fence);
+        let idle = match fence {
+            Some(f) if !self.device.is_host() => self.device.wait(f, self.config.wait).await,
+            _ => true,
+        };
+        if self.sequences.memory(id).is_none() {
+            return Taken::default();
+        }
+        let saved = match self.config.preempt {
+            PreemptMode::Swap if tokens > 0 && idle => self.reserve_copy(id, tokens).await,
+            _ => None,
+        };
+        let mut mode = match (self.config.preempt, &saved) {
+            (PreemptMode::Swap, Some(_)) => PreemptMode::Swap,
+            _ => PreemptMode::Recompute,
+        };
+        let was_growing = self
+            .sequences
+            .table
+            .get(id)
+            .is_some_and(|r| r.phase == Phase::Growing);
+        let Some(writer) = self.sequences.table.preempt(id, mode, tokens) else {
+            return Taken::default();
+        };
+        let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
+        let (freed, pending) = self.let_go(id, saved, idle, &mut mode);
+        // The blocks it had not finished writing leave the cache with it.
+        self.prefixes.abandon(writer);
+        match mode {
+            PreemptMode::Swap => self.stats.preempted_by_swap += 1,
+            PreemptMode::Recompute => self.stats.preempted_by_recompute += 1,
+        }
+        Taken {
+            freed,
+            called_off_step,
+            pending,
+        }
+    }
+
+    /// Room for the copy out of `id`'s `tokens`, found first (the sequence is idle: nothing
+    /// writes it meanwhile); a swap space without room makes the preemption a recompute.
+    async fn reserve_copy(&mut self, id: SeqId, tokens: usize) -> Option<Saved> {
+        let memory = self.sequences.memory(id)?;
+        let saved = Saved::reserve(&self.swap, self.device.host(), memory, tokens).await;
+        if saved.is_none() {
+            self.stats.swap_fallbacks += 1;
+        }
+        saved
+    }
+
+    /// Takes a preempted sequence's memory away: copied out into `saved` first if there is
+    /// one, then freed. Returns the bytes freed now and those freed after the stream's work;
+    /// `mode` becomes `Recompute` if nothing was kept.
+    fn let_go(
+        &mut self,
+        id: SeqId,
+        saved: Option<Saved>,
+        idle: bool,
+        mode: &mut PreemptMode,
+    ) -> (u64, u64) {
+        let entry = self.sequences.entries.get_mut(&id).expect("checked above");
+        let memory = entry.memory.take().expect("checked above");
+        // Growth mapped ahead is part of this memory, and goes with it.
+        entry.ahead = None;
+        let prefixes = std::mem::take(&mut entry.prefixes);
+        let bytes = memory.exclusive_bytes();
+        let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
+        // Dropped, it unmaps the memory and then gives back what paid for it.
+        let out = CopyOut {
+            memory: SeqMemory {
+                seq: memory,
+                prefixes,
+            },
+            _charge: charge,
+        };
+        match saved {
+            Some(saved) if !self.device.is_host() => {
+                // The sequence's kernels have finished: the rows are copied out now, and the
+                // memory goes after the stream's queued work (nothing of it uses this memory).
+                saved.copy(
+                    self.metrics.swap_out.clone(),
+                    Arc::clone(&self.swap_outcomes),
+                )(&out.memory.seq);
+                if saved.copied() {
+                    entry.saved = Some(saved);
+                } else {
+                    // Nothing kept (the copy counted its failure): the restore recomputes.
+                    *mode = PreemptMode::Recompute;
+                }
+                self.stream.after_queued(move || drop(out));
+                (0, bytes)
+            }
+            Some(mut saved) => {
+                // The copy out is a kernel on the stream, which frees the memory once the
+                // rows are out.
+                let copy = saved.copy(
+                    self.metrics.swap_out.clone(),
+                    Arc::clone(&self.swap_outcomes),
+                );
+                let submitted = self.stream.submit_host(move || {
+                    copy(&out.memory.seq);
+                    drop(out);
+                });
+                let got = match submitted {
+                    Ok(fence) => {
+                        // Counted by the copy once its bytes are written.
+                        saved.fence = Some(fence);
+                        entry.last_fence = Some(fence);
+                        (0, bytes)
+                    }
+                    // A closed stream ran nothing: the kernel (and the memory, then its
+                    // charge) is gone already, and the restore will recompute.
+                    Err(_) => (bytes, 0),
+                };
+                entry.saved = Some(saved);
+                got
+            }
+            None if idle => {
+                // Nothing to copy and not in flight: freed here and now.
+                drop(out);
+                (bytes, 0)
+            }
+            None => {
+                // Its last kernel was not seen to finish: freed after the stream's queued work.
+                self.stream.after_queued(move || drop(out));
+                (0, bytes)
+            }
+        }
+    }
+}

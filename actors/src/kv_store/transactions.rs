@@ -1,0 +1,171 @@
+//! What the store has in flight: each transaction waiting for its grant (an open, a
+//! step's growth, a restore), and the task waiting for that grant, kept together so that
+//! calling one off aborts its wait and hands back what it was for.
+
+use std::collections::HashMap;
+
+use procmem::kv::Writer;
+use procmem::ledger::Priority;
+use ractor::RpcReplyPort;
+use tokio::task::AbortHandle;
+
+use super::answer::{OpenAnswer, Restored};
+use super::prefix::Mapped;
+use super::sequences::SeqEntry;
+use super::step::KvStep;
+use super::swap::Saved;
+use super::{KvStoreError, SeqId};
+
+/// A transaction waiting for its grant: what it does once the grant comes.
+pub(super) enum Pending {
+    Open {
+        seq: SeqId,
+        writer: Writer,
+        priority: Priority,
+        entry: Box<SeqEntry>,
+        /// The cached blocks found at open, held so no ticket evicts them meanwhile.
+        hits: Vec<(u64, Mapped)>,
+        new_keys: Vec<u64>,
+        bytes: u64,
+        reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
+    },
+    Prepare {
+        /// Each sequence, its incarnation, its growth per buffer and its new tokens.
+        seqs: Vec<(SeqId, Writer, u64, usize)>,
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
+    },
+    Restore {
+        seq: SeqId,
+        writer: Writer,
+        per_buffer: u64,
+        tokens: usize,
+        saved: Saved,
+        reply: RpcReplyPort<Result<Restored, KvStoreError>>,
+    },
+}
+
+/// The step's batch: each sequence with its incarnation.
+pub(super) fn batch_of(seqs: &[(SeqId, Writer, u64, usize)]) -> Vec<(SeqId, Writer)> {
+    seqs.iter().map(|(s, w, ..)| (*s, *w)).collect()
+}
+
+/// Every transaction in flight, and the task waiting for each one's grant.
+pub(super) struct Transactions {
+    pending: HashMap<u64, Pending>,
+    /// The task waiting for each pending transaction's grant, to call it off.
+    reserving: HashMap<u64, AbortHandle>,
+    next: u64,
+}
+
+impl Default for Transactions {
+    fn default() -> Self {
+        Transactions {
+            pending: HashMap::new(),
+            reserving: HashMap::new(),
+            next: 1,
+        }
+    }
+}
+
+impl Transactions {
+    /// A fresh number (for a transaction or a step).
+    pub(super) fn next_id(&mut self) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        id
+    }
+
+    /// Records `pending`, returning its number.
+    pub(super) fn begin(&mut self, pending: Pending) -> u64 {
+        let txn = self.next_id();
+        self.pending.insert(txn, pending);
+        txn
+    }
+
+    /// Records the task waiting for `txn`'s grant.
+    pub(super) fn waiting(&mut self, txn: u64, task: AbortHandle) {
+        self.reserving.insert(txn, task);
+    }
+
+    /// `txn`'s grant came: the transaction, unless it was called off meanwhile.
+    pub(super) fn granted(&mut self, txn: u64) -> Option<Pending> {
+        self.reserving.remove(&txn);
+        self.pending.remove(&txn)
+    }
+
+    /// Calls off the first transaction `theirs` picks: its wait is aborted (the request
+    /// leaves the Governor's queue; a grant already on its way goes back as its handle
+    /// drops). Returns it, to be failed.
+    pub(super) fn call_off(&mut self, theirs: impl Fn(&Pending) -> bool) -> Option<Pending> {
+        let txn = self
+            .pending
+            .iter()
+            .find_map(|(txn, p)| theirs(p).then_some(*txn))?;
+        if let Some(task) = self.reserving.remove(&txn) {
+            task.abort();
+        }
+        self.pending.remove(&txn)
+    }
+
+    /// Calls off the step growing `seq` (incarnation `writer`), if one waits.
+    pub(super) fn call_off_step_of(&mut self, seq: SeqId, writer: Writer) -> Option<Pending> {
+        self.call_off(|p| match p {
+            Pending::Prepare { seqs, .. } => {
+                seqs.iter().any(|(s, w, ..)| *s == seq && *w == writer)
+            }
+            _ => false,
+        })
+    }
+
+    /// How many transactions are in flight.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use procmem::kv::SequenceTable;
+
+    use super::*;
+
+    fn prepare(seq: SeqId, writer: Writer) -> Pending {
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        Pending::Prepare {
+            seqs: vec![(seq, writer, 0, 1)],
+            reply: RpcReplyPort::from(tx),
+        }
+    }
+
+    #[test]
+    fn numbers_go_up_and_a_grant_takes_its_transaction() {
+        let mut table = SequenceTable::new();
+        let w = table.begin_open(1).unwrap();
+        let mut t = Transactions::default();
+        let a = t.begin(prepare(1, w));
+        let b = t.next_id();
+        assert!(b > a);
+        assert!(t.granted(a).is_some());
+        assert!(t.granted(a).is_none());
+        assert_eq!(t.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn calling_off_aborts_the_wait() {
+        let mut table = SequenceTable::new();
+        let w1 = table.begin_open(1).unwrap();
+        let w2 = table.begin_open(2).unwrap();
+        let mut t = Transactions::default();
+        let txn = t.begin(prepare(1, w1));
+        let task = tokio::spawn(std::future::pending::<()>());
+        t.waiting(txn, task.abort_handle());
+        assert!(t.call_off_step_of(2, w2).is_none());
+        assert!(t.call_off_step_of(1, w2).is_none() || w1 == w2);
+        let called = t.call_off_step_of(1, w1);
+        assert!(matches!(called, Some(Pending::Prepare { .. })));
+        assert!(task.await.unwrap_err().is_cancelled());
+        assert_eq!(t.len(), 0);
+        assert!(t.granted(txn).is_none());
+    }
+}
