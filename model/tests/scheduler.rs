@@ -109,12 +109,13 @@ async fn drain(mut g: Generation) -> (Vec<u32>, Result<FinishReason, GenError>) 
     (tokens, Err(GenError::Stopped))
 }
 
-async fn run_all(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u64) {
-    let (memory, model) = toy(budget, preempt).await;
+/// Twelve requests of growing prompts, 40 tokens each, at most 8 running: every one must
+/// finish at its length. Their tokens, and the scheduler's figures.
+async fn twelve<M: StepModel>(model: Arc<M>) -> (Vec<Vec<u32>>, scheduler::SchedulerStats) {
     let config = SchedulerConfig::new(SHAPE.max_tokens)
         .step_tokens(48)
         .max_running(8);
-    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let (handle, task) = SchedulerHandle::spawn(model, config);
     let streams: Vec<Generation> = (0..12)
         .map(|i| handle.submit(request(5 + 9 * i, i as u32, 40)).unwrap())
         .collect();
@@ -125,7 +126,12 @@ async fn run_all(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u
         out.push(tokens);
     }
     handle.shutdown(Duration::ZERO);
-    let stats = task.await.unwrap();
+    (out, task.await.unwrap())
+}
+
+async fn run_all(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u64) {
+    let (memory, model) = toy(budget, preempt).await;
+    let (out, stats) = twelve(Arc::clone(&model)).await;
     assert_eq!(stats.finished, 12);
     drop(model);
     let report = memory.shutdown().await.unwrap();
@@ -323,22 +329,8 @@ async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
         faults: 3..9,
         fault: weights_late,
     });
-    let config = SchedulerConfig::new(SHAPE.max_tokens)
-        .step_tokens(48)
-        .max_running(8);
-    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
-    let streams: Vec<Generation> = (0..12)
-        .map(|i| handle.submit(request(5 + 9 * i, i as u32, 40)).unwrap())
-        .collect();
-    let mut out = Vec::new();
-    for g in streams {
-        let (tokens, end) = drain(g).await;
-        assert_eq!(end.unwrap(), FinishReason::Length);
-        out.push(tokens);
-    }
+    let (out, stats) = twelve(Arc::clone(&model)).await;
     assert_eq!(out, free);
-    handle.shutdown(Duration::ZERO);
-    let stats = task.await.unwrap();
     assert!(stats.shed >= 5, "{stats:?}");
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
