@@ -39,7 +39,7 @@ use procmem::kv::{gqa_decode, KvDtype, KvSequence, KvShape};
 use procmem::VirtualBacking;
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStep,
-    KvStoreConfig, KvStoreHandle, PreemptMode, SwapSpace,
+    KvStoreConfig, KvStoreHandle,
 };
 use serde_json::json;
 
@@ -140,16 +140,10 @@ impl StepApi {
             let p = CpuProvider::spawn(CpuProviderConfig::default())
                 .await
                 .unwrap();
-            let config = KvStoreConfig {
-                name: "kv".into(),
-                priority: 0,
-                shape,
-                chunk_granules,
-                preempt: PreemptMode::Swap,
-                wait: std::time::Duration::from_secs(5),
-                swap: SwapSpace::Auto,
-                map_ahead,
-            };
+            let config = KvStoreConfig::new("kv", shape)
+                .chunk_granules(chunk_granules)
+                .wait(std::time::Duration::from_secs(5))
+                .map_ahead(map_ahead);
             let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
                 .await
                 .unwrap();

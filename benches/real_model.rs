@@ -39,7 +39,7 @@ use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 use candle_transformers::models::quantized_mistral::Model as Mistral;
 use candle_transformers::quantized_var_builder::VarBuilder;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_actors::{KvStoreConfig, MemoryManager};
 use procmem_model::{
     argmax, decode_step, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
 };
@@ -230,10 +230,9 @@ fn candle_logits<M>(
 /// An engine over `memory` for prompts up to `max_tokens`: f32 KV, growth mapped ahead.
 async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usize) -> Engine {
     let loaded = Smol::load(path, max_tokens).unwrap();
-    let kv = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: KvShape {
+    let kv = KvStoreConfig::new(
+        "kv",
+        KvShape {
             layers: 0,
             q_heads: 1,
             kv_heads: 1,
@@ -241,12 +240,10 @@ async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usiz
             max_tokens,
             dtype: KvDtype::F32,
         },
-        chunk_granules: 16,
-        preempt: PreemptMode::Swap,
-        wait: std::time::Duration::from_secs(30),
-        swap: SwapSpace::Auto,
-        map_ahead: true,
-    };
+    )
+    .chunk_granules(16)
+    .wait(std::time::Duration::from_secs(30))
+    .map_ahead(true);
     Engine::start(memory, loaded, kv, None).await.unwrap()
 }
 

@@ -21,9 +21,7 @@ use procmem_actors::procmem::cuda::CudaDevice;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
-use procmem_actors::{
-    KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind, SwapSpace,
-};
+use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind};
 use procmem_model::scheduler::{
     Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, STEP_TOKENS,
 };
@@ -452,19 +450,13 @@ async fn serve(args: Args) -> Result<(), String> {
     let kv = memory
         .kv_store_on(
             kv_device,
-            KvStoreConfig {
-                name: "kv".into(),
-                priority: 0,
-                shape: model.shape,
-                chunk_granules: 1,
-                preempt: match args.preempt {
+            KvStoreConfig::new("kv", model.shape)
+                .preempt(match args.preempt {
                     Preempt::Swap => PreemptMode::Swap,
                     Preempt::Recompute => PreemptMode::Recompute,
-                },
-                wait: Duration::from_millis(250),
-                swap: SwapSpace::Auto,
-                map_ahead: true,
-            },
+                })
+                .wait(Duration::from_millis(250))
+                .map_ahead(true),
         )
         .await
         .map_err(|e| e.to_string())?;

@@ -150,18 +150,14 @@ fn library_greedy(user: &str, max_new: usize) -> String {
             .build()
             .await
             .unwrap();
-        let config = procmem_actors::KvStoreConfig {
-            name: "kv".into(),
-            priority: 0,
-            shape: loaded
+        let config = procmem_actors::KvStoreConfig::new(
+            "kv",
+            loaded
                 .model
                 .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, 512),
-            chunk_granules: 3,
-            preempt: procmem_actors::PreemptMode::Swap,
-            wait: Duration::from_secs(5),
-            swap: procmem_actors::SwapSpace::Auto,
-            map_ahead: false,
-        };
+        )
+        .chunk_granules(3)
+        .wait(Duration::from_secs(5));
         let engine = procmem_model::Engine::start(&memory, loaded, config, codec.eos)
             .await
             .unwrap();

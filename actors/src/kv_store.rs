@@ -56,8 +56,10 @@ pub use procmem::kv::PreemptMode;
 /// A sequence's identity, chosen by the caller.
 pub type SeqId = u64;
 
-/// How to start a KV store.
+/// How to start a KV store: [`KvStoreConfig::new`], then the setters of what differs from
+/// the defaults (a new field never breaks a caller).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct KvStoreConfig {
     /// Name (holder name in diagnoses and metrics).
     pub name: String,
@@ -79,6 +81,66 @@ pub struct KvStoreConfig {
     /// room only if there is some now (it never asks other holders to give way), and a chunk
     /// of slack is held one step earlier.
     pub map_ahead: bool,
+}
+
+impl KvStoreConfig {
+    /// A store named `name` for `shape`: priority 0, one granule a growth, preemption by
+    /// swap to the default place ([`SwapSpace::Auto`]), steps waiting up to 5 s for room, no
+    /// mapping ahead.
+    pub fn new(name: impl Into<String>, shape: KvShape) -> Self {
+        KvStoreConfig {
+            name: name.into(),
+            priority: 0,
+            shape,
+            chunk_granules: 1,
+            preempt: PreemptMode::Swap,
+            wait: Duration::from_secs(5),
+            swap: SwapSpace::Auto,
+            map_ahead: false,
+        }
+    }
+
+    /// Sets the holder priority.
+    #[must_use]
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Sets the granules mapped per growth.
+    #[must_use]
+    pub fn chunk_granules(mut self, granules: u64) -> Self {
+        self.chunk_granules = granules;
+        self
+    }
+
+    /// Sets what preemption does.
+    #[must_use]
+    pub fn preempt(mut self, preempt: PreemptMode) -> Self {
+        self.preempt = preempt;
+        self
+    }
+
+    /// Sets how long a step may wait for room.
+    #[must_use]
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Sets where swapped-out KV goes.
+    #[must_use]
+    pub fn swap(mut self, swap: SwapSpace) -> Self {
+        self.swap = swap;
+        self
+    }
+
+    /// Sets whether the next growth is mapped while a step runs.
+    #[must_use]
+    pub fn map_ahead(mut self, map_ahead: bool) -> Self {
+        self.map_ahead = map_ahead;
+        self
+    }
 }
 
 /// Why the store refused; the sequence is as it was.

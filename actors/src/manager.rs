@@ -9,19 +9,18 @@
 //!     .metrics_addr("127.0.0.1:9464".parse().unwrap())
 //!     .build()
 //!     .await?;
-//! let kv = memory.kv_store(procmem_actors::KvStoreConfig {
-//!     name: "kv".into(),
-//!     priority: 0,
-//!     shape: procmem_actors::procmem::kv::KvShape {
-//!         layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
-//!         dtype: procmem_actors::procmem::kv::KvDtype::F16,
-//!     },
-//!     chunk_granules: 16,
-//!     preempt: procmem_actors::PreemptMode::Swap,
-//!     wait: std::time::Duration::from_secs(1),
-//!     swap: procmem_actors::SwapSpace::Auto,
-//!     map_ahead: true,
-//! }).await?;
+//! let shape = procmem_actors::procmem::kv::KvShape {
+//!     layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
+//!     dtype: procmem_actors::procmem::kv::KvDtype::F16,
+//! };
+//! let kv = memory
+//!     .kv_store(
+//!         procmem_actors::KvStoreConfig::new("kv", shape)
+//!             .chunk_granules(16)
+//!             .wait(std::time::Duration::from_secs(1))
+//!             .map_ahead(true),
+//!     )
+//!     .await?;
 //! // ... serve requests through `kv` ...
 //! let report = memory.shutdown().await?;
 //! assert!(report.is_zero());

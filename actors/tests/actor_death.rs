@@ -24,7 +24,7 @@ use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
     AttendItem, CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
     KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, ResidencyArgs, ResidencyConfig,
-    ResidencyHandle, SwapSpace,
+    ResidencyHandle,
 };
 
 mod common;
@@ -402,16 +402,9 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
     let (g, p) = system(1 << 30, 1).await;
     let kv = match holder {
         Holder::KvStore => {
-            let config = KvStoreConfig {
-                name: "kv".into(),
-                priority: 0,
-                shape: SHAPE,
-                chunk_granules: 1,
-                preempt: PreemptMode::Recompute,
-                wait: Duration::from_millis(100),
-                swap: SwapSpace::Auto,
-                map_ahead: false,
-            };
+            let config = KvStoreConfig::new("kv", SHAPE)
+                .preempt(PreemptMode::Recompute)
+                .wait(Duration::from_millis(100));
             Some(
                 KvStoreHandle::spawn(config, g.clone(), p.clone())
                     .await

@@ -132,16 +132,9 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
     let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
         .await
         .unwrap();
-    let config = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 1,
-        preempt: PreemptMode::Swap,
-        wait: Duration::from_secs(10),
-        swap: SwapSpace::Host(host.clone()),
-        map_ahead: false,
-    };
+    let config = KvStoreConfig::new("kv", SHAPE)
+        .wait(Duration::from_secs(10))
+        .swap(SwapSpace::Host(host.clone()));
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await
         .unwrap();

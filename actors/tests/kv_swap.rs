@@ -23,10 +23,7 @@ const SHAPE: KvShape = KvShape {
 };
 
 fn config(swap: SwapSpace) -> KvStoreConfig {
-    KvStoreConfig {
-        swap,
-        ..kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300))
-    }
+    kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300)).swap(swap)
 }
 
 async fn steps(kv: &KvStoreHandle, seq: u64, from: usize, to: usize) -> Vec<Vec<f32>> {

@@ -8,7 +8,7 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
 use procmem_actors::{
     AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
-    PreemptMode, ProviderError, SwapSpace,
+    ProviderError,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -21,16 +21,7 @@ const SHAPE: KvShape = KvShape {
 };
 
 fn kv_config() -> KvStoreConfig {
-    KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: SHAPE,
-        chunk_granules: 1,
-        preempt: PreemptMode::Swap,
-        wait: Duration::from_millis(200),
-        swap: SwapSpace::Auto,
-        map_ahead: false,
-    }
+    KvStoreConfig::new("kv", SHAPE).wait(Duration::from_millis(200))
 }
 
 fn item(seq: u64) -> AttendItem {

@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::{DeviceKey, MemoryRole, MemoryTier};
-use procmem_actors::{
-    AttendItem, KvStoreConfig, MemoryManager, PreemptMode, ReserveRequest, Restored, SwapSpace,
-};
+use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, ReserveRequest, Restored};
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -83,16 +81,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         dtype: KvDtype::F32,
     };
     let kv = memory
-        .kv_store(KvStoreConfig {
-            name: "kv".into(),
-            priority: 0,
-            shape,
-            chunk_granules: 1,
-            preempt: PreemptMode::Swap,
-            wait: Duration::from_millis(200),
-            swap: SwapSpace::Auto,
-            map_ahead: false,
-        })
+        .kv_store(KvStoreConfig::new("kv", shape).wait(Duration::from_millis(200)))
         .await
         .unwrap();
     kv.open(1, (0..20).collect(), 0).await.unwrap();

@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 use procmem_actors::node::NodeLink;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::procmem::kv::KvShape;
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode};
 use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
 
 /// What the run is asked to do.
@@ -146,16 +145,9 @@ where
         ));
     }
     let (memory, link) = manager(budget).await?;
-    let config = KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape: KvShape { ..shape },
-        chunk_granules: CHUNK_GRANULES,
-        preempt: run.preempt,
-        wait: Duration::from_secs(5),
-        swap: SwapSpace::Auto,
-        map_ahead: false,
-    };
+    let config = KvStoreConfig::new("kv", shape)
+        .chunk_granules(CHUNK_GRANULES)
+        .preempt(run.preempt);
     let engine = Engine::start(&memory, loaded, config, codec.eos)
         .await
         .map_err(|e| e.to_string())?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, KvStoreHandle, MemoryManager, PreemptMode, SwapSpace};
+use procmem_actors::{KvStoreConfig, KvStoreHandle, MemoryManager, PreemptMode};
 use procmem_model::scheduler::{
     self, Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
     SchedulerHandle, StepFuture, StepModel,
@@ -71,16 +71,11 @@ async fn toy(budget: Option<u64>, preempt: PreemptMode) -> (MemoryManager, Arc<T
     }
     let memory = builder.build().await.unwrap();
     let kv = memory
-        .kv_store(KvStoreConfig {
-            name: "kv".into(),
-            priority: 0,
-            shape: SHAPE,
-            chunk_granules: 1,
-            preempt,
-            wait: Duration::from_millis(500),
-            swap: SwapSpace::Auto,
-            map_ahead: false,
-        })
+        .kv_store(
+            KvStoreConfig::new("kv", SHAPE)
+                .preempt(preempt)
+                .wait(Duration::from_millis(500)),
+        )
         .await
         .unwrap();
     (memory, Arc::new(Toy { kv }))

@@ -8,7 +8,7 @@ use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle, Grant,
-    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, SwapSpace,
+    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest,
 };
 
 /// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
@@ -50,16 +50,10 @@ pub fn kv_config(
     preempt: PreemptMode,
     wait: Duration,
 ) -> KvStoreConfig {
-    KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        shape,
-        chunk_granules,
-        preempt,
-        wait,
-        swap: SwapSpace::Auto,
-        map_ahead: false,
-    }
+    KvStoreConfig::new("kv", shape)
+        .chunk_granules(chunk_granules)
+        .preempt(preempt)
+        .wait(wait)
 }
 
 /// A host Governor of `capacity` bytes, a CPU provider with one stream, and a KV store of

@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, SwapSpace};
+use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode};
 use procmem_model::{smollm2_path, top2, Completion, Engine, Request, RunStats, Smol, TextCodec};
 
 pub const NEW_TOKENS: usize = 64;
@@ -33,11 +33,10 @@ pub fn prompts() -> Vec<(Option<&'static str>, &'static str)> {
 }
 
 pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
-    KvStoreConfig {
-        name: "kv".into(),
-        priority: 0,
-        // The engine sets the rest of the shape from the model.
-        shape: KvShape {
+    // The engine sets the rest of the shape from the model.
+    KvStoreConfig::new(
+        "kv",
+        KvShape {
             layers: 0,
             q_heads: 1,
             kv_heads: 1,
@@ -45,12 +44,10 @@ pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
             max_tokens: MAX_TOKENS,
             dtype: KvDtype::F32,
         },
-        chunk_granules: 3,
-        preempt,
-        wait: Duration::from_secs(5),
-        swap: SwapSpace::Auto,
-        map_ahead: false,
-    }
+    )
+    .chunk_granules(3)
+    .preempt(preempt)
+    .wait(Duration::from_secs(5))
 }
 
 /// candle-transformers' `quantized_llama` with its own KV cache: greedy tokens, and the
