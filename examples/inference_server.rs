@@ -427,11 +427,7 @@ async fn serve(args: Args) -> Result<(), String> {
     }
 
     let weights = memory
-        .residency(ResidencyConfig {
-            name: "weights".into(),
-            priority: 10,
-            wait: Duration::from_secs(2),
-        })
+        .residency(ResidencyConfig::new("weights").wait(Duration::from_secs(2)))
         .await
         .map_err(|e| e.to_string())?;
     // Every layer is used on every step, so the weights are pinned: under pressure the KV

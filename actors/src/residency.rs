@@ -38,8 +38,10 @@ use crate::stream::completed_within;
 mod metrics;
 mod offload;
 
-/// How to start model residency.
+/// How to start model residency: [`ResidencyConfig::new`], then the setters of what differs
+/// from the defaults (a new field never breaks a caller).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ResidencyConfig {
     /// Holder name.
     pub name: String,
@@ -47,6 +49,32 @@ pub struct ResidencyConfig {
     pub priority: Priority,
     /// How long a reload may wait for room.
     pub wait: Duration,
+}
+
+impl ResidencyConfig {
+    /// Residency named `name`: priority 10 (above a KV store's default 0, so caches are
+    /// asked first), reloads waiting up to 5 s for room.
+    pub fn new(name: impl Into<String>) -> Self {
+        ResidencyConfig {
+            name: name.into(),
+            priority: 10,
+            wait: Duration::from_secs(5),
+        }
+    }
+
+    /// Sets the holder priority.
+    #[must_use]
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Sets how long a reload may wait for room.
+    #[must_use]
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
 }
 
 /// Layers residency keeps at most (far beyond any model's).

@@ -417,11 +417,9 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
     let residency = match holder {
         Holder::Residency => {
             let args = ResidencyArgs {
-                config: ResidencyConfig {
-                    name: "w".into(),
-                    priority: 1,
-                    wait: Duration::from_millis(100),
-                },
+                config: ResidencyConfig::new("w")
+                    .priority(1)
+                    .wait(Duration::from_millis(100)),
                 device: g.clone(),
                 host: None,
                 provider: p.clone().into(),

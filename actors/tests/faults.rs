@@ -211,11 +211,9 @@ async fn a_failed_weights_copy_keeps_the_layer_on_the_device() {
         .await
         .unwrap();
     let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
-        config: ResidencyConfig {
-            name: "weights".into(),
-            priority: 1,
-            wait: Duration::from_millis(200),
-        },
+        config: ResidencyConfig::new("weights")
+            .priority(1)
+            .wait(Duration::from_millis(200)),
         device: device.clone(),
         host: None,
         provider: provider.into(),

@@ -244,11 +244,7 @@ async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
     let res = memory
         .residency_on(
             DeviceKey::cuda(0),
-            ResidencyConfig {
-                name: "weights".into(),
-                priority: 5,
-                wait: Duration::from_secs(5),
-            },
+            ResidencyConfig::new("weights").priority(5),
         )
         .await
         .unwrap();

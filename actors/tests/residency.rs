@@ -27,11 +27,9 @@ async fn cold_layers_offload_under_pressure_and_reload_intact() {
     let provider = CpuProvider::spawn(CpuProviderConfig::default())
         .await
         .unwrap();
-    let config = ResidencyConfig {
-        name: "weights".into(),
-        priority: 1,
-        wait: Duration::from_secs(1),
-    };
+    let config = ResidencyConfig::new("weights")
+        .priority(1)
+        .wait(Duration::from_secs(1));
     let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
         config,
         device: device.clone(),
@@ -116,11 +114,9 @@ async fn device_only(capacity: u64) -> (GovernorHandle, CpuProvider, ResidencyCo
     let provider = CpuProvider::spawn(CpuProviderConfig::default())
         .await
         .unwrap();
-    let config = ResidencyConfig {
-        name: "weights".into(),
-        priority: 1,
-        wait: Duration::from_millis(100),
-    };
+    let config = ResidencyConfig::new("weights")
+        .priority(1)
+        .wait(Duration::from_millis(100));
     (device, provider, config)
 }
 

@@ -96,13 +96,7 @@ impl Engine {
             .model
             .kv_shape(kv_config.shape.dtype, kv_config.shape.max_tokens);
         kv_config.shape = shape;
-        let weights = memory
-            .residency(ResidencyConfig {
-                name: "weights".into(),
-                priority: 10,
-                wait: std::time::Duration::from_secs(5),
-            })
-            .await?;
+        let weights = memory.residency(ResidencyConfig::new("weights")).await?;
         for (layer, bytes) in loaded.layers.into_iter().enumerate() {
             weights.load(layer, bytes, false).await?;
         }
