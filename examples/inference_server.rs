@@ -21,7 +21,9 @@ use procmem_actors::procmem::cuda::CudaDevice;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::DeviceKey;
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind};
+use procmem_actors::{
+    AuthorityBooks, KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind,
+};
 use procmem_model::scheduler::{
     Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, STEP_TOKENS,
 };
@@ -607,7 +609,16 @@ async fn serve(args: Args) -> Result<(), String> {
     ] {
         row(k, v);
     }
-    for (i, (name, s, os)) in books.iter().enumerate() {
+    for (
+        i,
+        AuthorityBooks {
+            name,
+            snapshot: s,
+            os_bytes: os,
+            ..
+        },
+    ) in books.iter().enumerate()
+    {
         // The KV's authority was sampled after every step; the others only now.
         let (peak_ledger, peak_os) = match i == kv_books {
             true => (c.peak_ledger, c.peak_os),
@@ -669,7 +680,12 @@ async fn progress(
         tokio::time::sleep(Duration::from_secs(1)).await;
         let stats = scheduler.stats();
         let books = memory.books().await;
-        let Some((_, s, os)) = books.get(synthetic.kv_books) else {
+        let Some(AuthorityBooks {
+            snapshot: s,
+            os_bytes: os,
+            ..
+        }) = books.get(synthetic.kv_books)
+        else {
             continue;
         };
         if let Some(g) = &synthetic.gpu {

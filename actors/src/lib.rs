@@ -102,8 +102,8 @@ pub use kv_store::{
     PreemptMode, Restored, SeqId, StepKv, SwapKind, SwapSpace,
 };
 pub use manager::{
-    Authority, AuthorityReport, Capabilities, ManagerError, MemoryBinding, MemoryManager,
-    MemoryManagerBuilder, ShutdownReport,
+    Authority, AuthorityBooks, AuthorityReport, Capabilities, ManagerError, MemoryBinding,
+    MemoryManager, MemoryManagerBuilder, ShutdownReport,
 };
 pub use pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
 pub use procmem;

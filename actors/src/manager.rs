@@ -159,6 +159,19 @@ impl std::fmt::Debug for MemoryManager {
     }
 }
 
+/// One authority's books ([`MemoryManager::books`]): the Governor's snapshot, and the bytes
+/// the OS reports for the authority where it can say.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AuthorityBooks {
+    /// The authority's name.
+    pub name: String,
+    /// Its Governor's books and queue.
+    pub snapshot: GovernorSnapshot,
+    /// What the OS says it holds (`None` where it cannot say).
+    pub os_bytes: Option<u64>,
+}
+
 impl MemoryManager {
     /// A builder.
     pub fn builder() -> MemoryManagerBuilder {
@@ -329,12 +342,16 @@ impl MemoryManager {
         Ok(r)
     }
 
-    /// Each authority's books.
-    pub async fn books(&self) -> Vec<(String, GovernorSnapshot, Option<u64>)> {
+    /// Each authority's books, beside what the OS says it holds.
+    pub async fn books(&self) -> Vec<AuthorityBooks> {
         let mut out = Vec::new();
         for a in self.inner.topology.authorities() {
-            if let Ok(s) = a.governor.snapshot().await {
-                out.push((a.name.clone(), s, self.inner.os_bytes(a)));
+            if let Ok(snapshot) = a.governor.snapshot().await {
+                out.push(AuthorityBooks {
+                    name: a.name.clone(),
+                    snapshot,
+                    os_bytes: self.inner.os_bytes(a),
+                });
             }
         }
         out

@@ -72,7 +72,7 @@ async fn start_use_and_shut_down_with_the_books_at_zero() {
         .await
         .unwrap();
     let books = memory.books().await;
-    let (_, host, os) = &books[0];
+    let (host, os) = (&books[0].snapshot, &books[0].os_bytes);
     assert!(host.books.leased >= (1 << 20) + kv.stats().await.unwrap().exclusive_bytes);
     assert_eq!(
         Some(host.books.leased),
@@ -116,7 +116,7 @@ async fn a_crashed_holder_does_not_take_the_system_down() {
     let again = memory.kv_store(kv_config()).await.unwrap();
     again.open(7, vec![], 0).await.unwrap();
     decode(&again, 7, 10).await;
-    let leased = memory.books().await[0].1.books.leased;
+    let leased = memory.books().await[0].snapshot.books.leased;
     assert_eq!(
         leased,
         again.stats().await.unwrap().leased_bytes,

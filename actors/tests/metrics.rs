@@ -127,7 +127,7 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         .await
         .unwrap()
         .unwrap();
-    let snapshot = memory.books().await.remove(0).1;
+    let snapshot = memory.books().await.remove(0).snapshot;
     let stats = kv.stats().await.unwrap();
     assert_eq!(
         (stats.preempted_by_swap, stats.swap_ins),

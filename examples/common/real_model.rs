@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use procmem_actors::node::NodeLink;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode};
+use procmem_actors::{AuthorityBooks, KvStoreConfig, MemoryManager, PreemptMode};
 use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
 
 /// What the run is asked to do.
@@ -182,7 +182,13 @@ where
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                for (name, s, os) in memory.books().await {
+                for AuthorityBooks {
+                    name,
+                    snapshot: s,
+                    os_bytes: os,
+                    ..
+                } in memory.books().await
+                {
                     println!(
                         "[{:>5.1}s] {name}: approved {} of {} bytes, OS {} bytes, tickets {}",
                         start.elapsed().as_secs_f64(),
@@ -231,7 +237,13 @@ where
             .to_string(),
     );
     row("prefix-cache hit tokens", kv.prefix_hit_tokens.to_string());
-    for (name, s, os) in &books {
+    for AuthorityBooks {
+        name,
+        snapshot: s,
+        os_bytes: os,
+        ..
+    } in &books
+    {
         println!("  authority {name}");
         row("  capacity bytes", s.books.capacity.to_string());
         row("  bytes (ledger)", s.books.approved().to_string());

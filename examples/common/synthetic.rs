@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::KvShape;
-use procmem_actors::{KvStep, KvStoreHandle, MemoryManager, ResidencyHandle};
+use procmem_actors::{AuthorityBooks, KvStep, KvStoreHandle, MemoryManager, ResidencyHandle};
 use procmem_model::scheduler::{self, StepFuture, StepModel};
 use procmem_model::{ModelError, StepFault, StepInput};
 
@@ -210,7 +210,12 @@ impl Synthetic {
     async fn sample(&self) {
         let books = self.memory.books().await;
         let swapped = self.kv.stats().await.map(|s| s.swapped_bytes).unwrap_or(0);
-        let Some((_, s, os)) = books.get(self.kv_books) else {
+        let Some(AuthorityBooks {
+            snapshot: s,
+            os_bytes: os,
+            ..
+        }) = books.get(self.kv_books)
+        else {
             return;
         };
         let mut c = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
