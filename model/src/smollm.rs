@@ -18,10 +18,6 @@ use crate::quant::{dense, matmul, project};
 pub use crate::scheduler::StepInput;
 use crate::{ModelError, StepFault};
 
-fn cerr(e: candle_core::Error) -> ModelError {
-    ModelError::Compute(e)
-}
-
 /// What stays outside the residency units: the embeddings (dequantized, as a lookup table),
 /// the final norm, the output head, and the RoPE tables.
 pub struct Smol {
@@ -53,13 +49,17 @@ fn rope_tables(head_dim: usize, base: f32, max: usize) -> Result<(Tensor, Tensor
     let theta: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    let theta = Tensor::from_vec(theta, (1, head_dim / 2), &Device::Cpu).map_err(cerr)?;
+    let theta =
+        Tensor::from_vec(theta, (1, head_dim / 2), &Device::Cpu).map_err(ModelError::Compute)?;
     let positions = Tensor::arange(0u32, max as u32, &Device::Cpu)
         .and_then(|t| t.to_dtype(DType::F32))
         .and_then(|t| t.reshape((max, 1)))
-        .map_err(cerr)?;
-    let angles = positions.matmul(&theta).map_err(cerr)?;
-    Ok((angles.cos().map_err(cerr)?, angles.sin().map_err(cerr)?))
+        .map_err(ModelError::Compute)?;
+    let angles = positions.matmul(&theta).map_err(ModelError::Compute)?;
+    Ok((
+        angles.cos().map_err(ModelError::Compute)?,
+        angles.sin().map_err(ModelError::Compute)?,
+    ))
 }
 
 impl Smol {
@@ -126,12 +126,14 @@ impl Smol {
 
     /// The residual stream of `tokens`, one row each: `[tokens, hidden]`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
-        let ids = Tensor::new(tokens, &Device::Cpu).map_err(cerr)?;
-        self.embed.index_select(&ids, 0).map_err(cerr)
+        let ids = Tensor::new(tokens, &Device::Cpu).map_err(ModelError::Compute)?;
+        self.embed
+            .index_select(&ids, 0)
+            .map_err(ModelError::Compute)
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
-        candle_nn::ops::rms_norm(x, w, self.config.rms_eps).map_err(cerr)
+        candle_nn::ops::rms_norm(x, w, self.config.rms_eps).map_err(ModelError::Compute)
     }
 
     /// Interleaved RoPE (the GGUF's Q/K rows are permuted for it) of rows `[rows, heads ×
@@ -144,23 +146,29 @@ impl Smol {
         positions: &Tensor,
     ) -> Result<Vec<f32>, ModelError> {
         let hd = self.config.head_dim;
-        let n = rows.dim(0).map_err(cerr)?;
-        let cos = self.cos.index_select(positions, 0).map_err(cerr)?;
-        let sin = self.sin.index_select(positions, 0).map_err(cerr)?;
+        let n = rows.dim(0).map_err(ModelError::Compute)?;
+        let cos = self
+            .cos
+            .index_select(positions, 0)
+            .map_err(ModelError::Compute)?;
+        let sin = self
+            .sin
+            .index_select(positions, 0)
+            .map_err(ModelError::Compute)?;
         let x = rows
             .contiguous()
             .and_then(|t| t.reshape((n, heads, hd)))
             .and_then(|t| t.transpose(0, 1))
             .and_then(|t| t.contiguous())
             .and_then(|t| t.unsqueeze(0))
-            .map_err(cerr)?;
+            .map_err(ModelError::Compute)?;
         candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
             .and_then(|t| t.squeeze(0))
             .and_then(|t| t.transpose(0, 1))
             .and_then(|t| t.contiguous())
             .and_then(|t| t.flatten_all())
             .and_then(|t| t.to_vec1::<f32>())
-            .map_err(cerr)
+            .map_err(ModelError::Compute)
     }
 
     /// Layer `layer`'s attention inputs for the rows of `x` at `positions`, RoPE applied to
@@ -178,7 +186,7 @@ impl Smol {
             Some(qkv) => {
                 let all = project(bytes, qkv, &h)?;
                 let (nq, nk, nv) = (s[1].dims[0], s[2].dims[0], s[3].dims[0]);
-                let part = |from, n| all.narrow(1, from, n).map_err(cerr);
+                let part = |from, n| all.narrow(1, from, n).map_err(ModelError::Compute);
                 (part(0, nq)?, part(nq, nk)?, part(nq + nk, nv)?)
             }
             None => (
@@ -189,14 +197,14 @@ impl Smol {
         };
         let c = &self.config;
         let at: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let at = Tensor::new(at.as_slice(), &Device::Cpu).map_err(cerr)?;
+        let at = Tensor::new(at.as_slice(), &Device::Cpu).map_err(ModelError::Compute)?;
         Ok(Qkv {
             q: self.rope(&q, c.q_heads, &at)?,
             k: self.rope(&k, c.kv_heads, &at)?,
             v: v.contiguous()
                 .and_then(|t| t.flatten_all())
                 .and_then(|t| t.to_vec1::<f32>())
-                .map_err(cerr)?,
+                .map_err(ModelError::Compute)?,
         })
     }
 
@@ -212,22 +220,23 @@ impl Smol {
     ) -> Result<Tensor, ModelError> {
         let s = &self.slots[layer];
         let rows = attended.len() / self.config.hidden.max(1);
-        let a =
-            Tensor::from_vec(attended, (rows, self.config.hidden), &Device::Cpu).map_err(cerr)?;
-        let x = (project(bytes, &s[4], &a)? + x).map_err(cerr)?;
+        let a = Tensor::from_vec(attended, (rows, self.config.hidden), &Device::Cpu)
+            .map_err(ModelError::Compute)?;
+        let x = (project(bytes, &s[4], &a)? + x).map_err(ModelError::Compute)?;
         let h = self.rms(&x, &dense(bytes, &s[5])?)?;
         let (gate, up) = match &self.fused[layer][1] {
             Some(gate_up) => {
                 let both = project(bytes, gate_up, &h)?;
                 let (ng, nu) = (s[6].dims[0], s[7].dims[0]);
-                let part = |from, n| both.narrow(1, from, n).map_err(cerr);
+                let part = |from, n| both.narrow(1, from, n).map_err(ModelError::Compute);
                 (part(0, ng)?, part(ng, nu)?)
             }
             None => (project(bytes, &s[6], &h)?, project(bytes, &s[7], &h)?),
         };
-        let act = (candle_nn::ops::silu(&gate).map_err(cerr)? * up).map_err(cerr)?;
+        let act = (candle_nn::ops::silu(&gate).map_err(ModelError::Compute)? * up)
+            .map_err(ModelError::Compute)?;
         let down = project(bytes, &s[8], &act)?;
-        (down + x).map_err(cerr)
+        (down + x).map_err(ModelError::Compute)
     }
 
     /// Logits of each row of the final residual stream: `[rows][vocab]`.
@@ -237,7 +246,7 @@ impl Smol {
             .forward(&h)
             .and_then(|l| l.to_dtype(DType::F32))
             .and_then(|l| l.to_vec2::<f32>())
-            .map_err(cerr)
+            .map_err(ModelError::Compute)
     }
 }
 
@@ -366,10 +375,6 @@ fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>
     }
 }
 
-fn weights_err(e: procmem_actors::ResidencyError) -> ModelError {
-    ModelError::Weights(e)
-}
-
 /// One decode step of `batch` (`(sequence, token, position)`): [`forward_step`] with one
 /// token per sequence. Returns each row's logits.
 pub async fn decode_step(
@@ -458,8 +463,8 @@ pub async fn forward_step(
             end += b.tokens.len() as u32;
             last.push(end - 1);
         }
-        let at = Tensor::new(last.as_slice(), &Device::Cpu).map_err(cerr)?;
-        x.index_select(&at, 0).map_err(cerr)?
+        let at = Tensor::new(last.as_slice(), &Device::Cpu).map_err(ModelError::Compute)?;
+        x.index_select(&at, 0).map_err(ModelError::Compute)?
     };
     model.logits(&x)
 }
@@ -499,8 +504,7 @@ async fn queue_layers(
                     Ok(())
                 })
             })
-            .await
-            .map_err(weights_err)?;
+            .await?;
         let apart = projected.fence().stream != kv_stream;
         if apart {
             fence_completed(&projected).await;
@@ -528,8 +532,7 @@ async fn queue_layers(
                     Ok(())
                 })
             })
-            .await
-            .map_err(weights_err)?;
+            .await?;
         last = Some(finished);
     }
     Ok(last)
