@@ -6,9 +6,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
-use procmem_actors::procmem::{AllocationRequest, DeviceMemoryMechanism, MemoryRole};
+use procmem_actors::procmem::{AllocationRequest, MemoryMechanism, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
+    governor::{GovernorConfig, GovernorHandle},
+    provider::{CpuProvider, CpuProviderConfig},
+    Buffer,
 };
 use serde_json::json;
 
@@ -18,7 +20,7 @@ const BUFFERS: usize = 20_000;
 const BYTES: u64 = 4096;
 const LATENCY_SAMPLES: usize = 2_000;
 
-async fn make_buffers(g: &GovernorHandle, p: &CpuProvider, n: usize) -> Vec<DeviceBuffer> {
+async fn make_buffers(g: &GovernorHandle, p: &CpuProvider, n: usize) -> Vec<Buffer> {
     let h = g.register_holder("bench", 0, None).await.unwrap();
     let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
     let mut out = Vec::with_capacity(n);
@@ -46,7 +48,7 @@ const CUDA_BYTES: u64 = 1 << 20;
 /// without a driver or device.
 async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
     use procmem_actors::procmem::cuda::{driver_present, CudaDevice};
-    use procmem_actors::{CudaProvider, CudaProviderConfig};
+    use procmem_actors::provider::{CudaProvider, CudaProviderConfig};
     if !driver_present() {
         return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});
     }
@@ -59,7 +61,7 @@ async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
     let stream = p.stream(0).unwrap().clone();
     let h = g.register_holder("bench-cuda", 0, None).await.unwrap();
     let request = AllocationRequest::new(CUDA_BYTES, MemoryRole::Workspace);
-    let fill = |b: &DeviceBuffer| {
+    let fill = |b: &Buffer| {
         let v = b.view();
         // SAFETY: the buffer is passed in `uses`, so it outlives the fill's fence.
         stream
@@ -142,7 +144,7 @@ fn main() {
         // Latency, one at a time: a buffer is dropped while its kernel waits on a gate, the
         // drop is known to be queued, the gate opens, and the fence completion is timed to
         // the refund reaching the Governor's mailbox.
-        let stats = |s: &procmem_actors::CpuStream| {
+        let stats = |s: &procmem_actors::provider::CpuStream| {
             let q = s.deferred_free().clone();
             async move { q.stats().await.unwrap() }
         };

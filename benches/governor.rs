@@ -15,7 +15,8 @@ use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink, NODE_GR
 use procmem_actors::procmem::ledger::{HolderId, Ledger};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    CreditLine, GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest,
+    governor::{CreditLine, GovernorConfig, GovernorHandle, Lease, ReserveRequest},
+    holder::PressureTicket,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
@@ -166,7 +167,7 @@ enum ChunkMsg {
 
 impl ractor::Message for ChunkMsg {}
 
-procmem_actors::holder_mailbox!(ChunkMsg::Ticket);
+procmem_actors::holder::holder_mailbox!(ChunkMsg::Ticket);
 
 struct ChunkState {
     governor: GovernorHandle,

@@ -31,6 +31,7 @@ mod common;
 #[path = "common/cuda_decode.rs"]
 mod cuda_decode;
 
+use procmem_actors::kv::StepEnd;
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -38,8 +39,9 @@ use procmem::host::HostMechanism;
 use procmem::kv::{gqa_decode, KvDtype, KvSequence, KvShape};
 use procmem::VirtualBacking;
 use procmem_actors::{
-    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, KvStep,
-    KvStoreConfig, KvStoreHandle,
+    governor::{GovernorConfig, GovernorHandle},
+    kv::{AttendItem, KvStep, KvStoreConfig, KvStoreHandle},
+    provider::{CpuProvider, CpuProviderConfig},
 };
 use serde_json::json;
 
@@ -183,7 +185,7 @@ impl Strategy for StepApi {
             })
             .unwrap();
         }
-        self.rt.block_on(step.finish()).unwrap();
+        self.rt.block_on(step.complete(StepEnd::Submitted)).unwrap();
     }
     fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
         let (k, v) = self.pending[layer].take().expect("appended first");

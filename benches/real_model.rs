@@ -39,7 +39,7 @@ use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 use candle_transformers::models::quantized_mistral::Model as Mistral;
 use candle_transformers::quantized_var_builder::VarBuilder;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, MemoryManager};
+use procmem_actors::{kv::KvStoreConfig, MemoryManager};
 use procmem_model::{
     argmax, decode_step, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
 };

@@ -30,7 +30,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::{MemoryManager, PreemptMode};
+use procmem_actors::{kv::PreemptMode, MemoryManager};
 use procmem_model::gguf::Gguf;
 use procmem_model::{fetch_smollm2, TextCodec};
 use serde_json::{json, Value};

@@ -20,9 +20,11 @@ use procmem_actors::node::{LinkConfig, NodeLink};
 use procmem_actors::procmem::cuda::CudaDevice;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::procmem::DeviceKey;
+use procmem_actors::procmem::Place;
 use procmem_actors::{
-    AuthorityBooks, KvStoreConfig, MemoryManager, PreemptMode, ResidencyConfig, SwapKind,
+    kv::{KvStoreConfig, PreemptMode, SwapKind},
+    residency::ResidencyConfig,
+    AuthorityBooks, MemoryManager,
 };
 use procmem_model::scheduler::{
     Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, STEP_TOKENS,
@@ -226,13 +228,13 @@ async fn join_node(
 ) -> Result<NodeLink, String> {
     let (device, tier, authority) = if cuda {
         (
-            DeviceKey::cuda(0),
+            Place::cuda(0),
             procmem_actors::procmem::MemoryTier::Device,
             "cuda:0",
         )
     } else {
         (
-            DeviceKey::HOST,
+            Place::HOST,
             procmem_actors::procmem::MemoryTier::Host,
             "host",
         )
@@ -440,11 +442,7 @@ async fn serve(args: Args) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
     }
-    let kv_device = if cuda {
-        DeviceKey::cuda(0)
-    } else {
-        DeviceKey::HOST
-    };
+    let kv_device = if cuda { Place::cuda(0) } else { Place::HOST };
     let kv = memory
         .kv_store_on(
             kv_device,

@@ -3,7 +3,7 @@
 //! ```text
 //!  Holder ──reserve/commit──▶ Governor          (whether there is room)
 //!     │
-//!     └──▶ DeviceMemoryMechanism                 (how memory is obtained)
+//!     └──▶ MemoryMechanism                 (how memory is obtained)
 //!            ├── allocator()        required  : allocate / free
 //!            ├── virtual_backing()  optional  : reserve / commit_range / decommit_range
 //!            └── shared_mapping()   optional  : one physical block at several addresses
@@ -19,15 +19,13 @@ mod granules;
 mod ids;
 mod virtual_allocation;
 
+pub use allocation::{Allocation, AllocationRequest};
 pub(crate) use allocation::{AllocationOrigin, AllocationParts};
-pub use allocation::{AllocationRequest, DeviceAllocation};
-pub use capabilities::{
-    CommitModel, DeviceAllocator, DeviceMemoryMechanism, SharedMapping, VirtualBacking,
-};
+pub use capabilities::{Allocator, CommitModel, MemoryMechanism, SharedMapping, VirtualBacking};
 pub use error::{FreeError, MemoryError, Refused};
 pub use granules::{GranuleMap, GranuleState};
 pub use ids::{
-    BlockId, ChargeId, ContextId, DeviceKey, DeviceKind, MechanismId, MemoryRole, MemoryTier,
+    BlockId, ChargeId, ContextId, MechanismId, MemoryRole, MemoryTier, Place, PlaceKind,
 };
 pub use virtual_allocation::{
     CommitResult, DecommitResult, MapAccess, PhysicalBlock, SharedView, VirtualAllocation,

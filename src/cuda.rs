@@ -1,6 +1,6 @@
 //! CUDA mechanisms over cudarc's driver API (dynamically loaded). Compiled always; usable only
 //! where [`driver_present`] says the driver library exists. Without it, every entry point
-//! returns [`MemoryError::NoCudaDriver`](crate::MemoryError::NoCudaDriver).
+//! returns [`MemoryError::NoCudaDriver`].
 
 mod allocator;
 mod backing;
@@ -17,8 +17,8 @@ pub use kernels::{DecodeKernels, DecodeLaunch, CUDA_MAX_HEAD_DIM, CUDA_SPLIT_TOK
 pub use stream::{CudaEvent, CudaStream, HostGate};
 
 use crate::api::{
-    ContextId, DeviceAllocator, DeviceKey, DeviceMemoryMechanism, MechanismId, MemoryError,
-    SharedMapping, VirtualBacking,
+    Allocator, ContextId, MechanismId, MemoryError, MemoryMechanism, Place, SharedMapping,
+    VirtualBacking,
 };
 
 /// One CUDA device as a mechanism: eager `cuMemAlloc` allocations, VMM on-demand mapping and
@@ -75,16 +75,16 @@ impl CudaMechanism {
     }
 }
 
-impl DeviceMemoryMechanism for CudaMechanism {
+impl MemoryMechanism for CudaMechanism {
     fn id(&self) -> MechanismId {
         self.id
     }
 
-    fn device(&self) -> DeviceKey {
-        DeviceKey::cuda(self.device.ordinal())
+    fn place(&self) -> Place {
+        Place::cuda(self.device.ordinal())
     }
 
-    fn allocator(&self) -> &dyn DeviceAllocator {
+    fn allocator(&self) -> &dyn Allocator {
         &self.allocator
     }
 

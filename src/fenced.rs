@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::deferred::{route, Route};
 use crate::fence::{Fence, TimelineFence};
-use crate::{DeviceAllocation, MemoryError};
+use crate::{Allocation, MemoryError};
 
 /// Something that can be freed only by the mechanism that created it.
 pub trait Release: Send + 'static {
@@ -27,9 +27,9 @@ pub trait Release: Send + 'static {
     fn release(self: Box<Self>) -> Result<u64, MemoryError>;
 }
 
-impl Release for DeviceAllocation {
+impl Release for Allocation {
     fn release(self: Box<Self>) -> Result<u64, MemoryError> {
-        DeviceAllocation::release(*self)
+        Allocation::release(*self)
     }
 }
 

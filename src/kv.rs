@@ -17,7 +17,7 @@ pub use elem::{KvElement, KvView, LayerViews};
 pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.
 pub use half::f16;
-pub use prefix::{chain_hash, BlockState, Lookup, PrefixCache, Writer};
+pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
 pub use shape::{KvDtype, KvShape, ShapeError};

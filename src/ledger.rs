@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub use error::{Denial, HolderUsage, LedgerError};
 pub use pressure::{PressureRound, WaitQueue};
 
-use crate::api::{DeviceKey, MemoryRole, MemoryTier};
+use crate::api::{MemoryRole, MemoryTier, Place};
 
 /// One physical pool's accounting identity within a ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -207,7 +207,7 @@ pub struct Ledger {
     id_base: u64,
     next_id: u64,
     authorities: BTreeMap<AuthorityId, AuthorityBooks>,
-    tiers: BTreeMap<(DeviceKey, MemoryTier), AuthorityId>,
+    tiers: BTreeMap<(Place, MemoryTier), AuthorityId>,
     holders: BTreeMap<HolderId, HolderBooks>,
     grants: BTreeMap<GrantId, Claim>,
     leases: BTreeMap<LeaseId, Claim>,
@@ -261,7 +261,7 @@ impl Ledger {
     /// same bytes (unified memory) are bound to one authority.
     pub fn bind_tier(
         &mut self,
-        device: DeviceKey,
+        device: Place,
         tier: MemoryTier,
         authority: AuthorityId,
     ) -> Result<(), LedgerError> {
@@ -280,12 +280,12 @@ impl Ledger {
     }
 
     /// The authority that pays for `tier` on `device`.
-    pub fn authority_for(&self, device: DeviceKey, tier: MemoryTier) -> Option<AuthorityId> {
+    pub fn authority_for(&self, device: Place, tier: MemoryTier) -> Option<AuthorityId> {
         self.tiers.get(&(device, tier)).copied()
     }
 
     /// The (device, tier) pairs `authority` pays for.
-    pub fn tiers_of(&self, authority: AuthorityId) -> Vec<(DeviceKey, MemoryTier)> {
+    pub fn tiers_of(&self, authority: AuthorityId) -> Vec<(Place, MemoryTier)> {
         self.tiers
             .iter()
             .filter(|(_, a)| **a == authority)

@@ -4,8 +4,7 @@
 
 use procmem::host::HostMechanism;
 use procmem::{
-    DeviceMemoryMechanism, MemoryError, MemoryRole, VirtualAllocation, VirtualBuffer,
-    VirtualRequest,
+    MemoryError, MemoryMechanism, MemoryRole, VirtualAllocation, VirtualBuffer, VirtualRequest,
 };
 use proptest::prelude::*;
 

@@ -8,7 +8,7 @@ use common::rerun_in_child;
 
 use procmem::cuda::{driver_present, CudaDevice, CudaMechanism};
 use procmem::{
-    DeviceMemoryMechanism, MapAccess, MemoryError, MemoryRole, VirtualBacking, VirtualBuffer,
+    MapAccess, MemoryError, MemoryMechanism, MemoryRole, VirtualBacking, VirtualBuffer,
     VirtualRequest,
 };
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use procmem::host::{allocation_bytes, allocation_bytes_mut, HostMechanism};
 use procmem::{
-    AllocationRequest, CommitModel, DeviceMemoryMechanism, FreeError, MapAccess, MemoryError,
-    MemoryRole, VirtualAllocation, VirtualBuffer, VirtualRequest,
+    AllocationRequest, CommitModel, FreeError, MapAccess, MemoryError, MemoryMechanism, MemoryRole,
+    VirtualAllocation, VirtualBuffer, VirtualRequest,
 };
 
 mod common;

@@ -150,7 +150,7 @@ fn library_greedy(user: &str, max_new: usize) -> String {
             .build()
             .await
             .unwrap();
-        let config = procmem_actors::KvStoreConfig::new(
+        let config = procmem_actors::kv::KvStoreConfig::new(
             "kv",
             loaded
                 .model

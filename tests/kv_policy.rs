@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use procmem::kv::{
-    BlockState, Phase, PreemptMode, PrefixCache, SeqId, SequenceTable, TableError, Writer,
+    BlockState, Incarnation, Phase, PreemptMode, PrefixCache, SeqId, SequenceTable, TableError,
 };
 use proptest::prelude::*;
 
@@ -61,9 +61,9 @@ struct Store {
     cache: PrefixCache<u64>,
     table: SequenceTable,
     /// Opens on their way: seq -> (writer, prompt, hits, claimed keys).
-    opening: HashMap<SeqId, (Writer, Vec<u32>, usize, Vec<u64>)>,
-    prepares: VecDeque<Vec<(SeqId, Writer)>>,
-    restores: HashMap<SeqId, Writer>,
+    opening: HashMap<SeqId, (Incarnation, Vec<u32>, usize, Vec<u64>)>,
+    prepares: VecDeque<Vec<(SeqId, Incarnation)>>,
+    restores: HashMap<SeqId, Incarnation>,
     tokens: HashMap<SeqId, usize>,
     next_block: u64,
     clock: u64,
@@ -497,8 +497,9 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
     );
     // Every block being written belongs to exactly one live writer that lists it, and every
     // block a live sequence lists is being written by it (not cached, not someone else's).
-    let live: HashMap<Writer, SeqId> = store.table.iter().map(|(s, r)| (r.writer, s)).collect();
-    let opening: HashMap<Writer, SeqId> =
+    let live: HashMap<Incarnation, SeqId> =
+        store.table.iter().map(|(s, r)| (r.writer, s)).collect();
+    let opening: HashMap<Incarnation, SeqId> =
         store.opening.iter().map(|(s, (w, ..))| (*w, *s)).collect();
     for (key, state) in store.cache.states() {
         match state {

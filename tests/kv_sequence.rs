@@ -10,8 +10,8 @@ use std::sync::Arc;
 use procmem::host::HostMechanism;
 use procmem::kv::{gqa_decode, KvDtype, KvError, KvSequence, KvShape};
 use procmem::{
-    CommitResult, DecommitResult, DeviceKey, DeviceMemoryMechanism, HostBacking, MapAccess,
-    MechanismId, MemoryError, VirtualAllocation, VirtualBacking, VirtualRequest,
+    CommitResult, DecommitResult, HostBacking, MapAccess, MechanismId, MemoryError,
+    MemoryMechanism, Place, VirtualAllocation, VirtualBacking, VirtualRequest,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -48,8 +48,8 @@ impl VirtualBacking for FailingBacking {
     fn mechanism(&self) -> MechanismId {
         VirtualBacking::mechanism(self.inner.as_ref())
     }
-    fn device(&self) -> DeviceKey {
-        self.inner.device()
+    fn place(&self) -> Place {
+        self.inner.place()
     }
     fn granularity(&self) -> u64 {
         VirtualBacking::granularity(self.inner.as_ref())

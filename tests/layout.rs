@@ -1,6 +1,7 @@
-//! The layout stays readable: no source file over 700 lines outside tests, and no import
-//! cycle among the modules of any crate at any depth (a module's uses of a sibling, through
-//! `crate::`, `super::` or `self::`, doc comments aside, are its edges).
+//! The layout stays readable: no source file over 700 lines outside tests, no library
+//! function over 80 lines, no import cycle among the modules of any crate at any depth (a
+//! module's uses of a sibling, through `crate::`, `super::` or `self::`, doc comments aside,
+//! are its edges), and at most 20 names at the root of the crate a server embeds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -285,4 +286,160 @@ fn the_cycle_finder_finds_a_cycle() {
     );
     graph.get_mut("c").unwrap().clear();
     assert_eq!(find_cycle(&graph), None);
+}
+
+const MAX_FN_LINES: usize = 80;
+
+/// The functions of `code` (rustfmt's layout: a body closes with `}` at the indentation of
+/// its `fn`), as (name, first line, length in lines from the signature to the closing brace).
+fn functions(code: &[String]) -> Vec<(String, usize, usize)> {
+    let mut out = Vec::new();
+    for (i, line) in code.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let Some(name) = fn_name(trimmed) else {
+            continue;
+        };
+        if line.trim_end().ends_with('}') && line.contains('{') {
+            continue; // a one-line body
+        }
+        // The signature ends at the first line ending in `{` (a body) or `;` (a declaration).
+        let Some(open) = (i..code.len()).find(|&j| {
+            let l = code[j].trim_end();
+            l.ends_with('{') || l.ends_with(';')
+        }) else {
+            continue;
+        };
+        if code[open].trim_end().ends_with(';') {
+            continue;
+        }
+        let close = format!("{indent}}}");
+        if let Some(end) = (open + 1..code.len()).find(|&j| code[j] == close) {
+            out.push((name, i + 1, end - i + 1));
+        }
+    }
+    out
+}
+
+/// The name of the function a trimmed line declares, if it declares one.
+fn fn_name(trimmed: &str) -> Option<String> {
+    let mut words = trimmed.split_whitespace().peekable();
+    while let Some(w) = words.peek() {
+        let qualifier = w.starts_with("pub") || ["async", "const", "unsafe", "default"].contains(w);
+        if !qualifier {
+            break;
+        }
+        words.next();
+    }
+    (words.next()? == "fn").then_some(())?;
+    let name: String = words
+        .next()?
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect();
+    (!name.is_empty()).then_some(name)
+}
+
+#[test]
+fn no_library_function_is_over_80_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut long = Vec::new();
+    for krate in CRATES {
+        let mut files = Vec::new();
+        rust_files(&root.join(krate), &mut files);
+        for file in files.iter().filter(|f| !is_test_file(f)) {
+            for (name, line, n) in functions(&code(file)) {
+                if n > MAX_FN_LINES {
+                    long.push(format!("{}:{line} {name} ({n} lines)", file.display()));
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "over {MAX_FN_LINES} lines: {long:?}");
+}
+
+#[test]
+fn the_function_finder_measures_bodies_not_declarations() {
+    let code: Vec<String> = [
+        "pub(crate) async fn long(",
+        "    x: u8,",
+        ") -> u8 {",
+        "    let y = x;",
+        "    y",
+        "}",
+        "trait T {",
+        "    fn declared(&self);",
+        "    fn short(&self) { }",
+        "    fn body(&self) {",
+        "        1;",
+        "    }",
+        "}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let found = functions(&code);
+    assert_eq!(
+        found,
+        vec![("long".to_string(), 1, 6), ("body".to_string(), 10, 3)]
+    );
+}
+
+const MAX_ROOT_NAMES: usize = 20;
+
+/// The names `procmem-actors` exports at its root: its `pub mod`s and the items of its
+/// top-level `pub use`s (the `pub mod` blocks' own uses are not the root's), and exported
+/// macros that are not hidden.
+fn root_names(lib: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut lines = lib.lines();
+    while let Some(line) = lines.next() {
+        if let Some(rest) = line.strip_prefix("pub mod ") {
+            names.push(rest.trim_end_matches([';', '{', ' ']).to_string());
+        } else if let Some(rest) = line.strip_prefix("pub use ") {
+            let mut text = rest.to_string();
+            while !text.contains(';') {
+                text.push_str(lines.next().unwrap_or(";"));
+            }
+            let inner = match (text.find('{'), text.rfind('}')) {
+                (Some(a), Some(b)) => text[a + 1..b].to_string(),
+                _ => text.rsplit("::").next().unwrap_or("").to_string(),
+            };
+            for item in inner.split(',') {
+                let name = item.rsplit(" as ").next().unwrap_or("").trim();
+                let name = name.trim_end_matches(';').rsplit("::").next().unwrap_or("");
+                if !name.is_empty() {
+                    names.push(name.to_string());
+                }
+            }
+        } else if let Some(rest) = line.strip_prefix("macro_rules! ") {
+            let name = rest.trim_end_matches([' ', '{']);
+            if !name.starts_with("__") {
+                names.push(format!("{name}!"));
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn the_embedded_crate_exports_at_most_20_names_at_its_root() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib = std::fs::read_to_string(root.join("actors/src/lib.rs")).unwrap();
+    let mut names = root_names(&lib);
+    let mut files = Vec::new();
+    rust_files(&root.join("actors/src"), &mut files);
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        if text.contains("#[macro_export]") {
+            names.extend(root_names(&text).into_iter().filter(|n| n.ends_with('!')));
+        }
+    }
+    assert!(names.contains(&"MemoryManager".to_string()), "{names:?}");
+    assert!(names.contains(&"kv".to_string()), "{names:?}");
+    assert!(
+        names.len() <= MAX_ROOT_NAMES,
+        "{} names at the root, over {MAX_ROOT_NAMES}: {names:?}",
+        names.len()
+    );
 }

@@ -3,7 +3,7 @@
 #![cfg(target_os = "linux")]
 
 use procmem::host::HostMechanism;
-use procmem::{AllocationRequest, DeviceMemoryMechanism, MapAccess, MemoryRole, VirtualBuffer};
+use procmem::{AllocationRequest, MapAccess, MemoryMechanism, MemoryRole, VirtualBuffer};
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

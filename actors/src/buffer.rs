@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::fenced::{Fenced, RecordUse, Release};
-use procmem::{ContextId, DeviceAllocation, DeviceKey, MemoryError};
+use procmem::{Allocation, ContextId, MemoryError, Place};
 
 use crate::charge::Charge;
 use crate::deferred_free::DeferredQueue;
@@ -16,7 +16,7 @@ use crate::governor::Lease;
 /// Dropping it never blocks and never frees: it hands its [`Fenced`] owner (the allocation,
 /// the lease and the fence of every stream that used it) to its home stream's deferred-free
 /// actor. The mechanism frees it once those fences complete, then the Governor is refunded.
-pub struct DeviceBuffer {
+pub struct Buffer {
     fenced: Option<Fenced<Shared, Charge>>,
     home: DeferredQueue,
     context: ContextId,
@@ -25,11 +25,11 @@ pub struct DeviceBuffer {
 }
 
 /// The allocation, shared only with host kernels reading it while they run (see
-/// [`CpuStream::submit_reading`](crate::CpuStream::submit_reading)): a kernel's share
+/// [`CpuStream::submit_reading`](crate::provider::CpuStream::submit_reading)): a kernel's share
 /// is dropped before its fence completes, so by the time the deferred free runs the share is
 /// the only one. The bytes a kernel reads come from `procmem::host::allocation_bytes`, the one
 /// constructor of host slices, on a share that keeps the mapping alive.
-pub(crate) struct Shared(pub(crate) Arc<DeviceAllocation>);
+pub(crate) struct Shared(pub(crate) Arc<Allocation>);
 
 impl Release for Shared {
     fn release(self: Box<Self>) -> Result<u64, MemoryError> {
@@ -44,7 +44,7 @@ impl Release for Shared {
 }
 
 /// A raw view of a buffer for device kernels: an address and a length on one device. Host
-/// kernels read through [`CpuStream::submit_reading`](crate::CpuStream::submit_reading)
+/// kernels read through [`CpuStream::submit_reading`](crate::provider::CpuStream::submit_reading)
 /// instead, which hands them slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferView {
@@ -53,17 +53,17 @@ pub struct BufferView {
     /// Length in bytes.
     pub len: u64,
     /// The device the bytes are on.
-    pub device: DeviceKey,
+    pub device: Place,
 }
 
-impl DeviceBuffer {
+impl Buffer {
     pub(crate) fn new(
-        allocation: DeviceAllocation,
+        allocation: Allocation,
         lease: Option<Lease>,
         home: DeferredQueue,
         keep_alive: Arc<dyn Send + Sync>,
     ) -> Self {
-        DeviceBuffer {
+        Buffer {
             context: allocation.context(),
             fenced: Some(Fenced::new(
                 Box::new(Shared(Arc::new(allocation))),
@@ -78,13 +78,13 @@ impl DeviceBuffer {
         self.fenced.as_ref().expect("live until dropped")
     }
 
-    fn allocation(&self) -> &DeviceAllocation {
+    fn allocation(&self) -> &Allocation {
         &self.fenced().item().0
     }
 
     /// A share of the allocation for a host kernel that reads it (dropped before its fence
     /// completes).
-    pub(crate) fn share(&self) -> Arc<DeviceAllocation> {
+    pub(crate) fn share(&self) -> Arc<Allocation> {
         Arc::clone(&self.fenced().item().0)
     }
 
@@ -94,7 +94,7 @@ impl DeviceBuffer {
         BufferView {
             addr: a.addr(),
             len: a.bytes(),
-            device: a.device(),
+            device: a.place(),
         }
     }
 
@@ -119,7 +119,7 @@ impl DeviceBuffer {
     }
 
     /// The underlying allocation.
-    pub fn allocation_handle(&self) -> &DeviceAllocation {
+    pub fn allocation_handle(&self) -> &Allocation {
         self.allocation()
     }
 
@@ -150,12 +150,12 @@ impl DeviceBuffer {
     }
 }
 
-impl DeviceBuffer {
+impl Buffer {
     /// Runs `f` on the allocation, writable: refused while a host kernel holds a share of it.
     /// Work queued on streams is not waited for; order it with the buffer's fences.
     pub(crate) fn write_with<T>(
         &mut self,
-        f: impl FnOnce(&mut DeviceAllocation) -> Result<T, MemoryError>,
+        f: impl FnOnce(&mut Allocation) -> Result<T, MemoryError>,
     ) -> Result<T, MemoryError> {
         let fenced = self.fenced.as_mut().expect("live until dropped");
         let allocation =
@@ -164,13 +164,13 @@ impl DeviceBuffer {
     }
 }
 
-impl RecordUse for DeviceBuffer {
+impl RecordUse for Buffer {
     fn record_use(&self, use_: TimelineFence) {
         self.fenced().record_use(use_);
     }
 }
 
-impl Drop for DeviceBuffer {
+impl Drop for Buffer {
     fn drop(&mut self) {
         let Some(fenced) = self.fenced.take() else {
             return;
@@ -182,9 +182,9 @@ impl Drop for DeviceBuffer {
     }
 }
 
-impl std::fmt::Debug for DeviceBuffer {
+impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceBuffer")
+        f.debug_struct("Buffer")
             .field("fenced", &self.fenced)
             .finish()
     }

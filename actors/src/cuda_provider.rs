@@ -10,7 +10,7 @@ use procmem::fenced::RecordUse;
 use procmem::MemoryError;
 
 use crate::deferred_free::{DeferredQueue, StreamRegistry};
-use crate::provider::{OpenedDevice, Provider, ProviderKind};
+use crate::execution::{OpenedMechanism, ProviderKind, ProviderOf};
 use crate::stream::{StreamCore, StreamError};
 
 struct StreamInner {
@@ -157,9 +157,9 @@ impl ProviderKind for Cuda {
     const NAME: &'static str = "CudaProvider";
 
     /// Without a CUDA driver this is `MemoryError::NoCudaDriver` and nothing starts.
-    fn open(config: CudaProviderConfig) -> Result<OpenedDevice<Self>, MemoryError> {
+    fn open(config: CudaProviderConfig) -> Result<OpenedMechanism<Self>, MemoryError> {
         let mechanism = CudaMechanism::new(config.ordinal, config.prefill_handles)?;
-        Ok(OpenedDevice {
+        Ok(OpenedMechanism {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,
@@ -184,7 +184,7 @@ impl CudaStreamHandle {
     }
 }
 
-crate::provider::provider_stream!(CudaStreamHandle);
+crate::execution::provider_stream!(CudaStreamHandle);
 
 /// The CUDA execution provider: a device's mechanism and CUDA streams.
-pub type CudaProvider = Provider<Cuda>;
+pub type CudaProvider = ProviderOf<Cuda>;

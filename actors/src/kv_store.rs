@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{KvError, KvShape, PrefixCache, TableError, Writer};
+use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, TableError};
 use procmem::ledger::{HolderId, Priority};
 use procmem::MemoryError;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -39,22 +39,19 @@ mod steps;
 mod swap;
 mod transactions;
 
-use crate::device_provider::DeviceProvider;
+use crate::provider_choice::Provider;
 use device::KvDevice;
 pub use device::KvStream;
 use prefix::SharedPrefix;
 use sequences::Sequences;
 use step::StepMemory;
-pub use step::{KvStep, StepKv};
+pub use step::{KvStep, StepEnd, StepKv};
 pub(crate) use swap::default_disk_dir;
 use swap::Space;
 pub use swap::{SwapKind, SwapSpace};
 use transactions::Transactions;
 
-pub use procmem::kv::PreemptMode;
-
-/// A sequence's identity, chosen by the caller.
-pub type SeqId = u64;
+pub use procmem::kv::{PreemptMode, SeqId};
 
 /// How to start a KV store: [`KvStoreConfig::new`], then the setters of what differs from
 /// the defaults (a new field never breaks a caller).
@@ -192,7 +189,7 @@ pub enum KvStoreError {
     NoTokens(SeqId),
     /// Its provider has no stream to run attention on.
     #[error("the KV store's provider refused: {0}")]
-    Provider(#[from] crate::provider::ProviderError),
+    Provider(#[from] crate::execution::ProviderError),
     /// The swap space given is the authority the KV is charged to: swapping there frees
     /// nothing.
     #[error("the swap space is the KV's own authority; swapping there frees nothing")]
@@ -364,7 +361,7 @@ pub(crate) enum KvStoreMsg {
         seq: SeqId,
     },
     /// An open's answer was dropped unread: closes that incarnation, if it is still open.
-    Abandon { seq: SeqId, writer: Writer },
+    Abandon { seq: SeqId, writer: Incarnation },
     /// A caller left before its answer: the call waiting for room is called off.
     CallOff(answer::Left),
     /// What the store holds now, for `KvStoreHandle::stats`.
@@ -389,7 +386,7 @@ pub(crate) enum KvStoreMsg {
 #[cfg(feature = "cluster")]
 impl ractor::Message for KvStoreMsg {}
 
-crate::holder_mailbox!(KvStoreMsg::Ticket);
+crate::holder::holder_mailbox!(KvStoreMsg::Ticket);
 
 /// The store's state.
 pub(crate) struct KvStoreState {
@@ -425,7 +422,7 @@ pub(crate) struct KvStoreArgs {
     /// The Governor of the authority its memory comes from.
     pub governor: GovernorHandle,
     /// The execution provider whose mechanism backs it and whose stream its steps run on.
-    pub provider: DeviceProvider,
+    pub provider: Provider,
 }
 
 impl Actor for KvStore {

@@ -15,7 +15,7 @@
 //! };
 //! let kv = memory
 //!     .kv_store(
-//!         procmem_actors::KvStoreConfig::new("kv", shape)
+//!         procmem_actors::kv::KvStoreConfig::new("kv", shape)
 //!             .chunk_granules(16)
 //!             .wait(std::time::Duration::from_secs(1))
 //!             .map_ahead(true),
@@ -45,7 +45,7 @@ use std::time::Duration;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use procmem::metrics;
-use procmem::{DeviceKey, DeviceKind, MemoryTier};
+use procmem::{MemoryMechanism as _, MemoryTier, Place, PlaceKind};
 use ractor::{ActorCell, ActorRef};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -59,13 +59,12 @@ pub use topology::Authority;
 
 use crate::cuda_provider::CudaProvider;
 use crate::deferred_free::DrainReport;
-use crate::device_provider::DeviceProvider;
+use crate::execution::CpuProvider;
 use crate::governor::{GovernorHandle, GovernorSnapshot};
 use crate::kv_store::SwapSpace;
 use crate::kv_store::{KvStoreConfig, KvStoreHandle};
-use crate::provider::CpuProvider;
+use crate::provider_choice::Provider;
 use crate::residency::{ResidencyArgs, ResidencyConfig, ResidencyHandle};
-use binding::DynProvider;
 use topology::Topology;
 
 struct Inner {
@@ -75,7 +74,7 @@ struct Inner {
     /// The CUDA provider, where one was asked for: device holders run on it.
     cuda: Option<CudaProvider>,
     /// Every provider, the host's first.
-    providers: Vec<Arc<dyn DynProvider>>,
+    providers: Vec<Provider>,
     admitting: Arc<AtomicBool>,
     supervisor: ActorRef<()>,
     metrics: Option<PrometheusHandle>,
@@ -118,13 +117,13 @@ impl Inner {
         if authority
             .tiers
             .iter()
-            .all(|(d, _)| d.kind == DeviceKind::Host)
+            .all(|(d, _)| d.kind == PlaceKind::Host)
         {
             self.host.mechanism().resident_bytes().ok()
         } else if authority
             .tiers
             .iter()
-            .all(|(d, _)| d.kind != DeviceKind::Host)
+            .all(|(d, _)| d.kind != PlaceKind::Host)
         {
             // A device authority of its own: the VMM handles mapped and the eager
             // allocations live, as the driver was asked for them (handles pooled unmapped
@@ -184,7 +183,7 @@ impl MemoryManager {
     }
 
     /// The Governor paying for `tier` on `device`.
-    pub fn governor(&self, device: DeviceKey, tier: MemoryTier) -> Option<&GovernorHandle> {
+    pub fn governor(&self, device: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
         self.inner.topology.governor(device, tier)
     }
 
@@ -198,16 +197,16 @@ impl MemoryManager {
         self.inner.cuda.as_ref()
     }
 
-    fn provider(&self, device: DeviceKey) -> Result<&Arc<dyn DynProvider>, ManagerError> {
+    fn provider(&self, device: Place) -> Result<&Provider, ManagerError> {
         self.inner
             .providers
             .iter()
-            .find(|p| p.device() == device)
+            .find(|p| p.place() == device)
             .ok_or(ManagerError::UnknownDevice(device, self.device_list()))
     }
 
     /// What `device`'s mechanism can do, asked of the mechanism now.
-    pub fn capabilities(&self, device: DeviceKey) -> Result<Capabilities, ManagerError> {
+    pub fn capabilities(&self, device: Place) -> Result<Capabilities, ManagerError> {
         Ok(Capabilities::of(self.provider(device)?.mechanism()))
     }
 
@@ -220,11 +219,7 @@ impl MemoryManager {
     }
 
     /// A binding for `tier` on `device`.
-    pub fn binding(
-        &self,
-        device: DeviceKey,
-        tier: MemoryTier,
-    ) -> Result<MemoryBinding, ManagerError> {
+    pub fn binding(&self, device: Place, tier: MemoryTier) -> Result<MemoryBinding, ManagerError> {
         let governor = self
             .governor(device, tier)
             .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
@@ -233,7 +228,7 @@ impl MemoryManager {
             device,
             tier,
             governor,
-            provider: Arc::clone(self.provider(device)?),
+            provider: self.provider(device)?.clone(),
             admitting: Arc::clone(&self.inner.admitting),
         })
     }
@@ -251,15 +246,15 @@ impl MemoryManager {
     /// copy out frees device memory).
     fn holder_home(
         &self,
-        device: DeviceKey,
-    ) -> Result<(GovernorHandle, DeviceProvider, Option<GovernorHandle>), ManagerError> {
+        device: Place,
+    ) -> Result<(GovernorHandle, Provider, Option<GovernorHandle>), ManagerError> {
         self.admit()?;
         let unknown = || ManagerError::UnknownDevice(device, self.device_list());
-        let (tier, provider): (_, DeviceProvider) = if device == DeviceKey::HOST {
+        let (tier, provider): (_, Provider) = if device == Place::HOST {
             (MemoryTier::Host, self.inner.host.clone().into())
         } else {
             match &self.inner.cuda {
-                Some(cuda) if DynProvider::device(cuda) == device => {
+                Some(cuda) if cuda.mechanism().place() == device => {
                     (MemoryTier::Device, cuda.clone().into())
                 }
                 _ => return Err(unknown()),
@@ -267,7 +262,7 @@ impl MemoryManager {
         };
         let governor = self.governor(device, tier).ok_or_else(unknown)?.clone();
         let host = self
-            .governor(DeviceKey::HOST, MemoryTier::Host)
+            .governor(Place::HOST, MemoryTier::Host)
             .expect("the host authority always exists");
         let host = (host.authority() != governor.authority()).then(|| host.clone());
         Ok((governor, provider, host))
@@ -275,7 +270,7 @@ impl MemoryManager {
 
     /// Starts a KV store on the host authority, supervised by the manager.
     pub async fn kv_store(&self, config: KvStoreConfig) -> Result<KvStoreHandle, ManagerError> {
-        self.kv_store_on(DeviceKey::HOST, config).await
+        self.kv_store_on(Place::HOST, config).await
     }
 
     /// Starts a KV store whose memory lives on `device` (the host, or the CUDA device the
@@ -285,7 +280,7 @@ impl MemoryManager {
     /// (unified), to disk, as on the host.
     pub async fn kv_store_on(
         &self,
-        device: DeviceKey,
+        device: Place,
         mut config: KvStoreConfig,
     ) -> Result<KvStoreHandle, ManagerError> {
         let (governor, provider, host_tier) = self.holder_home(device)?;
@@ -312,7 +307,7 @@ impl MemoryManager {
         &self,
         config: ResidencyConfig,
     ) -> Result<ResidencyHandle, ManagerError> {
-        self.residency_on(DeviceKey::HOST, config).await
+        self.residency_on(Place::HOST, config).await
     }
 
     /// Starts model residency whose weights live on `device`, charged to that device's
@@ -322,7 +317,7 @@ impl MemoryManager {
     /// nothing).
     pub async fn residency_on(
         &self,
-        device: DeviceKey,
+        device: Place,
         config: ResidencyConfig,
     ) -> Result<ResidencyHandle, ManagerError> {
         let (governor, provider, host) = self.holder_home(device)?;
@@ -380,7 +375,7 @@ impl MemoryManager {
         for provider in &self.inner.providers {
             match provider.shutdown().await {
                 Ok(d) => drained.add(d),
-                Err(_) => lost_providers.push(provider.device().to_string()),
+                Err(_) => lost_providers.push(provider.place().to_string()),
             }
         }
         // Refunds travel as messages: give them a moment to land.

@@ -10,7 +10,7 @@
 //!
 //! A process's Governor governs its own holders as before, within a capacity that is exactly
 //! the credit the node approved to that process. When its waiters need more, it asks its
-//! [`Upstream`](crate::Upstream), the link, which asks the node in chunks. The node approves
+//! [`Upstream`](crate::governor::Upstream), the link, which asks the node in chunks. The node approves
 //! from what is free; otherwise it sends tickets to processes, least important first: a process
 //! gives back unused capacity at once, then lowers its capacity so its own Governor asks its
 //! holders, and gives back as they free. Local capacity is raised only after the node approved

@@ -3,7 +3,7 @@
 //! execution provider's stream and the device copy is freed only after that copy's fence;
 //! a layer is reloaded before it is used again.
 //!
-//! Residency runs on any device ([`DeviceProvider`]): on the host a layer is used by a closure
+//! Residency runs on any device ([`Provider`]): on the host a layer is used by a closure
 //! over its bytes on the CPU stream ([`ResidencyHandle::with_weights`]); on a GPU the server
 //! launches its kernels over the layer's device address on the CUDA stream and returns their
 //! fence ([`ResidencyHandle::with_device_weights`]), which the buffer records, so an offload
@@ -26,13 +26,13 @@ use procmem::{AllocationRequest, MemoryError, MemoryRole};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
-use crate::buffer::{BufferView, DeviceBuffer};
+use crate::buffer::{Buffer, BufferView};
 use crate::cuda_provider::CudaStreamHandle;
-use crate::device_provider::DeviceProvider;
+use crate::execution::ProviderError;
 use crate::governor::GovernorHandle;
-use crate::holder::HolderRef;
+use crate::mailbox::HolderRef;
 use crate::pressure::PressureTicket;
-use crate::provider::ProviderError;
+use crate::provider_choice::Provider;
 use crate::stream::completed_within;
 
 mod metrics;
@@ -216,10 +216,10 @@ pub(crate) enum ResidencyMsg {
 #[cfg(feature = "cluster")]
 impl ractor::Message for ResidencyMsg {}
 
-crate::holder_mailbox!(ResidencyMsg::Ticket);
+crate::holder::holder_mailbox!(ResidencyMsg::Ticket);
 
 enum Slot {
-    Device(DeviceBuffer),
+    Device(Buffer),
     /// Offloaded: the copy (and what pays for it) goes once the layer is back.
     Away(offload::Offloaded),
 }
@@ -233,7 +233,7 @@ struct Layer {
 /// Residency's state.
 pub(crate) struct ResidencyState {
     config: ResidencyConfig,
-    provider: DeviceProvider,
+    provider: Provider,
     device: GovernorHandle,
     host: Option<GovernorHandle>,
     holder: HolderId,
@@ -261,7 +261,7 @@ pub struct ResidencyArgs {
     pub host: Option<GovernorHandle>,
     /// The execution provider that holds device memory and runs copies (a `CpuProvider`
     /// or a `CudaProvider`, `.into()`).
-    pub provider: DeviceProvider,
+    pub provider: Provider,
 }
 
 impl Actor for ModelResidency {
@@ -367,7 +367,7 @@ impl Actor for ModelResidency {
 }
 
 impl ResidencyState {
-    async fn device_buffer(&self, bytes: &[u8]) -> Result<DeviceBuffer, ResidencyError> {
+    async fn device_buffer(&self, bytes: &[u8]) -> Result<Buffer, ResidencyError> {
         let request = AllocationRequest::new(bytes.len() as u64, MemoryRole::Weights);
         let deadline = Some(Instant::now() + self.config.wait);
         let mut buffer = self
@@ -436,7 +436,7 @@ impl ResidencyState {
     }
 
     /// The layer's device buffer, reloaded first if it was offloaded.
-    async fn resident(&mut self, layer: usize) -> Result<&mut DeviceBuffer, ResidencyError> {
+    async fn resident(&mut self, layer: usize) -> Result<&mut Buffer, ResidencyError> {
         let clock = self.clock;
         let started = Instant::now();
         let back = match self.layers.get(layer).and_then(Option::as_ref) {
@@ -478,7 +478,7 @@ impl ResidencyState {
         layer: usize,
         f: WeightsFn,
     ) -> Result<TimelineFence, ResidencyError> {
-        let DeviceProvider::Host(provider) = self.provider.clone() else {
+        let Provider::Cpu(provider) = self.provider.clone() else {
             return Err(ResidencyError::WrongDevice);
         };
         let buffer = self.resident(layer).await?;
@@ -494,7 +494,7 @@ impl ResidencyState {
         layer: usize,
         f: DeviceWeightsFn,
     ) -> Result<Fence, ResidencyError> {
-        let DeviceProvider::Cuda(provider) = self.provider.clone() else {
+        let Provider::Cuda(provider) = self.provider.clone() else {
             return Err(ResidencyError::WrongDevice);
         };
         let stream = provider.stream(0)?.clone();
@@ -533,7 +533,7 @@ impl ResidencyState {
 
 /// Waits (without blocking the thread, at most `limit`) until every fence recorded on `buffer`
 /// has completed; false if one did not, or is of another stream than `stream`.
-async fn idle(buffer: &DeviceBuffer, stream: &CudaStreamHandle, limit: Duration) -> bool {
+async fn idle(buffer: &Buffer, stream: &CudaStreamHandle, limit: Duration) -> bool {
     let timeline = stream.timeline();
     for fence in buffer.fences() {
         if fence.stream != stream.id()

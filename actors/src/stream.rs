@@ -12,9 +12,9 @@ use crossbeam_channel::{unbounded, Sender};
 use procmem::fence::{Fence, HostTimeline, StreamId, Timeline, TimelineFence};
 
 use procmem::fenced::RecordUse;
-use procmem::{DeviceKey, DeviceKind};
+use procmem::{Place, PlaceKind};
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::Buffer;
 use crate::deferred_free::DeferredQueue;
 
 type Kernel = Box<dyn FnOnce() + Send + 'static>;
@@ -63,7 +63,7 @@ pub enum StreamError {
     Closed(StreamId),
     /// A host kernel was asked to read a buffer on a device; nothing was submitted.
     #[error("a host kernel cannot read memory on {0:?}")]
-    NotHost(DeviceKey),
+    NotHost(Place),
 }
 
 type Slot<T> = Mutex<Option<Sender<(u64, T)>>>;
@@ -265,7 +265,7 @@ impl CpuStream {
     }
 
     /// Queues `kernel` after everything already submitted and returns its fence. Each buffer
-    /// in `uses` (a `DeviceBuffer`, or anything that records uses) records the fence, so it is
+    /// in `uses` (a `Buffer`, or anything that records uses) records the fence, so it is
     /// not freed before the kernel is done with it.
     pub fn submit(
         &self,
@@ -289,8 +289,8 @@ impl CpuStream {
     /// the call. Refused, with nothing queued, if a buffer is not host memory.
     ///
     /// ```
-    /// # use procmem_actors::{CpuStream, DeviceBuffer};
-    /// fn copy_out(stream: &CpuStream, buf: &DeviceBuffer) {
+    /// # use procmem_actors::{Buffer, provider::CpuStream};
+    /// fn copy_out(stream: &CpuStream, buf: &Buffer) {
     ///     let (tx, _rx) = std::sync::mpsc::channel::<Vec<u8>>();
     ///     let _ = stream.submit_reading(&[buf], move |bytes| {
     ///         let _ = tx.send(bytes[0].to_vec());
@@ -299,8 +299,8 @@ impl CpuStream {
     /// ```
     /// The slices cannot leave the kernel (this does not compile):
     /// ```compile_fail
-    /// # use procmem_actors::{CpuStream, DeviceBuffer};
-    /// fn smuggle(stream: &CpuStream, buf: &DeviceBuffer) {
+    /// # use procmem_actors::{Buffer, provider::CpuStream};
+    /// fn smuggle(stream: &CpuStream, buf: &Buffer) {
     ///     let (tx, _rx) = std::sync::mpsc::channel::<&'static [u8]>();
     ///     let _ = stream.submit_reading(&[buf], move |bytes| {
     ///         let _ = tx.send(bytes[0]);
@@ -309,12 +309,12 @@ impl CpuStream {
     /// ```
     pub fn submit_reading(
         &self,
-        reads: &[&DeviceBuffer],
+        reads: &[&Buffer],
         kernel: impl FnOnce(&[&[u8]]) + Send + 'static,
     ) -> Result<Fence, StreamError> {
         if let Some(b) = reads
             .iter()
-            .find(|b| b.view().device.kind != DeviceKind::Host)
+            .find(|b| b.view().device.kind != PlaceKind::Host)
         {
             return Err(StreamError::NotHost(b.view().device));
         }

@@ -9,6 +9,7 @@
 //! `fault-injection` feature (panic points), on for the workspace's tests.
 #![cfg(feature = "fault-injection")]
 
+use procmem_actors::kv::StepEnd;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,9 +23,11 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
-    AttendItem, CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
-    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest, ResidencyArgs, ResidencyConfig,
-    ResidencyHandle,
+    governor::{GovernorConfig, GovernorHandle, ReserveRequest},
+    kv::{AttendItem, KvStoreConfig, KvStoreHandle, PreemptMode},
+    provider::{CpuProvider, CpuProviderConfig},
+    residency::{ResidencyArgs, ResidencyConfig, ResidencyHandle},
+    Buffer,
 };
 
 mod common;
@@ -77,14 +80,14 @@ fn kill(target: Target, g: &GovernorHandle, p: &CpuProvider) {
     }
 }
 
-fn fill(buffer: &mut DeviceBuffer, value: u8) {
+fn fill(buffer: &mut Buffer, value: u8) {
     buffer.host_bytes_mut().unwrap().fill(value);
 }
 
 /// A kernel that waits for its gate, then checks that `views` still hold their patterns.
 fn checker(
     gate: Option<crossbeam_channel::Receiver<()>>,
-    views: Vec<(procmem_actors::BufferView, u8)>,
+    views: Vec<(procmem_actors::provider::BufferView, u8)>,
     corrupt: Arc<AtomicU64>,
 ) -> impl FnOnce() + Send + 'static {
     move || {
@@ -144,7 +147,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
     let mut fences = Vec::new();
     let mut gated_bytes = 0;
     let mut holder: Option<HolderId> = None;
-    let (mut a, mut b): (Option<DeviceBuffer>, Option<DeviceBuffer>) = (None, None);
+    let (mut a, mut b): (Option<Buffer>, Option<Buffer>) = (None, None);
     let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
     for step in 0..STEPS {
         if let Death::KillBefore(target, n) = death {
@@ -169,7 +172,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
             3 | 4 => {
                 // Stream 0 reads A and B, stream 1 reads B, each behind a gate.
                 let stream = step - 3;
-                let uses: Vec<(&DeviceBuffer, u8)> = if stream == 0 {
+                let uses: Vec<(&Buffer, u8)> = if stream == 0 {
                     [(a.as_ref(), 0xA1), (b.as_ref(), 0xA2)]
                         .into_iter()
                         .filter_map(|(x, v)| x.map(|x| (x, v)))
@@ -468,7 +471,7 @@ async fn holder_run(holder: Holder, death: HolderDeath) -> (bool, bool, u64) {
                     None => Ok(()),
                 },
                 Msg::Finish => match step.take() {
-                    Some(st) => st.finish().await,
+                    Some(st) => st.complete(StepEnd::Submitted).await,
                     None => Ok(()),
                 },
                 Msg::Close(s) => {

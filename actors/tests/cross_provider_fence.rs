@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
-use procmem_actors::{CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle};
+use procmem_actors::{
+    governor::{GovernorConfig, GovernorHandle},
+    provider::{CpuProvider, CpuProviderConfig},
+};
 
 use common::{figure, is_mapped};
 

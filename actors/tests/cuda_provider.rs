@@ -8,7 +8,8 @@ use procmem_actors::procmem::cuda::{driver_present, CudaDevice};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryError, MemoryRole};
 use procmem_actors::{
-    CudaProvider, CudaProviderConfig, GovernorConfig, GovernorHandle, ProviderError,
+    governor::{GovernorConfig, GovernorHandle},
+    provider::{CudaProvider, CudaProviderConfig, ProviderError},
 };
 
 fn skipped(test: &str, why: &str) {
@@ -220,7 +221,7 @@ async fn cuda_free_queued_when_its_deferred_free_actor_dies_waits_for_the_event(
 /// shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_manager_binding_charges_the_device_authority() {
-    use procmem_actors::procmem::{DeviceKey, MemoryTier};
+    use procmem_actors::procmem::{MemoryTier, Place};
     use procmem_actors::MemoryManager;
     if !have_gpu("cuda_manager_binding_charges_the_device_authority") {
         return;
@@ -238,9 +239,7 @@ async fn cuda_manager_binding_charges_the_device_authority() {
         .map(|a| a.name.clone())
         .collect();
     assert_eq!(names.len(), 2, "host and device authorities: {names:?}");
-    let binding = memory
-        .binding(DeviceKey::cuda(0), MemoryTier::Device)
-        .unwrap();
+    let binding = memory.binding(Place::cuda(0), MemoryTier::Device).unwrap();
     let caps = binding.capabilities();
     assert!(caps.virtual_backing && caps.shared_mapping, "{caps:?}");
     let holder = binding

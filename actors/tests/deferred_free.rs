@@ -9,7 +9,9 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorHandle,
+    governor::{GovernorConfig, GovernorHandle},
+    provider::{CpuProvider, CpuProviderConfig},
+    Buffer,
 };
 
 mod common;
@@ -37,7 +39,7 @@ async fn buffer(
     p: &CpuProvider,
     bytes: u64,
     home: usize,
-) -> DeviceBuffer {
+) -> Buffer {
     let request = AllocationRequest::new(bytes, MemoryRole::Workspace);
     p.allocate(g, h, &request, 0, None, home).await.unwrap()
 }
@@ -53,7 +55,7 @@ fn gate() -> (Sender<()>, Receiver<()>) {
 /// A kernel that waits for its gate, then checks every byte of the buffer still holds the
 /// pattern. If the memory were unmapped first it would fault; if reused, the check fails.
 fn checking_kernel(
-    buf: &DeviceBuffer,
+    buf: &Buffer,
     pattern: u8,
     open: Receiver<()>,
     ok: Arc<AtomicBool>,
@@ -170,7 +172,7 @@ async fn drops_from_many_threads_never_block_and_lose_nothing() {
     let (g, h, p) = setup(2).await;
     let (open, wait) = bounded::<()>(THREADS * PER_THREAD);
     let ran = Arc::new(AtomicU64::new(0));
-    let mut batches: Vec<Vec<DeviceBuffer>> = (0..THREADS).map(|_| Vec::new()).collect();
+    let mut batches: Vec<Vec<Buffer>> = (0..THREADS).map(|_| Vec::new()).collect();
     for i in 0..THREADS * PER_THREAD {
         let buf = buffer(&g, h, &p, 64 * 1024 + i as u64, i % 2).await;
         let (wait, ran) = (wait.clone(), ran.clone());
@@ -246,16 +248,16 @@ async fn the_wrong_context_can_never_free_a_buffer() {
     // The mechanism level refuses too: another allocator hands a foreign allocation back.
     let foreign = other.mechanism().host_allocator();
     let own = p.mechanism().host_allocator();
-    let a = procmem_actors::procmem::DeviceAllocator::allocate(
+    let a = procmem_actors::procmem::Allocator::allocate(
         own,
         &AllocationRequest::new(4096, MemoryRole::Other),
     )
     .unwrap();
-    let back = match procmem_actors::procmem::DeviceAllocator::free(foreign, a) {
+    let back = match procmem_actors::procmem::Allocator::free(foreign, a) {
         Err(procmem_actors::procmem::FreeError::Refused(r)) => r.handle,
         other => panic!("a foreign free must be refused: {other:?}"),
     };
-    assert!(procmem_actors::procmem::DeviceAllocator::free(own, back).is_ok());
+    assert!(procmem_actors::procmem::Allocator::free(own, back).is_ok());
     p.free(refused.buffer).unwrap();
     await_refund_after_free(&g, &p).await;
 }

@@ -4,12 +4,17 @@
 //! feature (on for the workspace's tests through the root crate's dev-dependency).
 #![cfg(feature = "fault-injection")]
 
+use procmem_actors::kv::StepEnd;
 use std::io::Write;
 use std::time::Duration;
 
 use procmem_actors::procmem::fault;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{AttendItem, CpuProvider, GovernorHandle, KvStoreHandle, PreemptMode};
+use procmem_actors::{
+    governor::GovernorHandle,
+    kv::{AttendItem, KvStoreHandle, PreemptMode},
+    provider::CpuProvider,
+};
 
 mod common;
 
@@ -69,7 +74,9 @@ async fn step(w: &World, seqs: &[u64], pos: usize) -> Result<(), String> {
         let items = seqs.iter().map(|s| item(*s, pos, layer)).collect();
         step.attend(layer, items).await.map_err(|e| e.to_string())?;
     }
-    step.finish().await.map_err(|e| e.to_string())
+    step.complete(StepEnd::Submitted)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// No provisional bytes, and what the Governor leases is what the kernel holds.
@@ -200,8 +207,9 @@ async fn a_fault_during_eviction_or_deferred_free_loses_nothing() {
 async fn a_failed_weights_copy_keeps_the_layer_on_the_device() {
     use procmem_actors::procmem::MemoryRole;
     use procmem_actors::{
-        CpuProviderConfig, GovernorConfig, Placement, ReserveRequest, ResidencyArgs,
-        ResidencyConfig, ResidencyHandle,
+        governor::{GovernorConfig, ReserveRequest},
+        provider::CpuProviderConfig,
+        residency::{Placement, ResidencyArgs, ResidencyConfig, ResidencyHandle},
     };
     let _serial = SERIAL.lock().await;
     let (device, _) = GovernorHandle::spawn(GovernorConfig::new("device", 1 << 20))

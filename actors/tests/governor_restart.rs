@@ -16,8 +16,9 @@ use procmem_actors::procmem::fenced::RecordUse;
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, DeviceBuffer, GovernorConfig, GovernorError, GovernorHandle,
-    Grant, ReserveRequest,
+    governor::{GovernorConfig, GovernorError, GovernorHandle, Grant, ReserveRequest},
+    provider::{CpuProvider, CpuProviderConfig},
+    Buffer,
 };
 
 use common::{figure, let_messages_land, os_bytes};
@@ -56,8 +57,8 @@ struct World {
     p: CpuProvider,
     a: HolderId,
     b: HolderId,
-    buffers_a: Vec<DeviceBuffer>,
-    buffers_b: Vec<DeviceBuffer>,
+    buffers_a: Vec<Buffer>,
+    buffers_b: Vec<Buffer>,
     grant: Option<Grant>,
     capacity: u64,
 }
@@ -70,12 +71,12 @@ impl World {
             .buffers_a
             .iter()
             .chain(&self.buffers_b)
-            .map(DeviceBuffer::charged_bytes)
+            .map(Buffer::charged_bytes)
             .sum();
         (self.grant.as_ref().map_or(0, Grant::bytes), leased)
     }
 
-    async fn allocate(&self, holder: HolderId) -> DeviceBuffer {
+    async fn allocate(&self, holder: HolderId) -> Buffer {
         let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
         retry("allocate", || {
             self.p.allocate(&self.g, holder, &request, 0, None, 0)

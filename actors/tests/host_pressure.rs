@@ -11,7 +11,8 @@ use procmem_actors::procmem::host::pressure::{CgroupLimits, PressurePolicy, PsiS
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    holder_mailbox, GovernorConfig, GovernorHandle, Lease, PressureTicket, ReserveRequest,
+    governor::{GovernorConfig, GovernorHandle, Lease, ReserveRequest},
+    holder::{holder_mailbox, PressureTicket},
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 

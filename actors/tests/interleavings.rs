@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use procmem_actors::procmem::fenced::RecordUse;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
-use procmem_actors::{CpuProvider, DeviceBuffer, GovernorHandle};
+use procmem_actors::{governor::GovernorHandle, provider::CpuProvider, Buffer};
 use tokio::sync::mpsc;
 
 mod common;
@@ -86,7 +86,7 @@ impl Live {
 }
 
 struct Held {
-    buffer: DeviceBuffer,
+    buffer: Buffer,
     pattern: u8,
 }
 

@@ -4,11 +4,15 @@
 
 mod common;
 
+use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
 use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, KvDtype, KvError, KvShape};
-use procmem_actors::{GovernorHandle, KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored};
+use procmem_actors::{
+    governor::GovernorHandle,
+    kv::{KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored},
+};
 
 const SHAPE: KvShape = KvShape {
     layers: 2,
@@ -62,7 +66,7 @@ async fn chunk_step(step: KvStep, seeds: &[u64]) -> Vec<Vec<Vec<f32>>> {
             outs[i].push(rx.await.unwrap());
         }
     }
-    step.finish().await.unwrap();
+    step.complete(StepEnd::Submitted).await.unwrap();
     outs
 }
 

@@ -13,8 +13,12 @@ use std::time::Duration;
 use procmem_actors::procmem::cuda::{driver_present, CudaDevice, DecodeKernels};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
-    CudaProvider, CudaProviderConfig, GovernorConfig, GovernorHandle, KvStep, KvStoreConfig,
-    KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace,
+    governor::{GovernorConfig, GovernorHandle},
+    kv::{
+        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind,
+        SwapSpace,
+    },
+    provider::{CudaProvider, CudaProviderConfig},
 };
 
 use common::another_holder_asks;
@@ -227,8 +231,11 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
 /// reloaded with the same bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
-    use procmem_actors::procmem::DeviceKey;
-    use procmem_actors::{MemoryManager, Placement, ResidencyConfig, ResidencyError};
+    use procmem_actors::procmem::Place;
+    use procmem_actors::{
+        residency::{Placement, ResidencyConfig, ResidencyError},
+        MemoryManager,
+    };
     if !have_gpu("cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes") {
         return;
     }
@@ -242,10 +249,7 @@ async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
         .await
         .unwrap();
     let res = memory
-        .residency_on(
-            DeviceKey::cuda(0),
-            ResidencyConfig::new("weights").priority(5),
-        )
+        .residency_on(Place::cuda(0), ResidencyConfig::new("weights").priority(5))
         .await
         .unwrap();
     let weights = |layer: usize| -> Vec<u8> {
@@ -290,10 +294,7 @@ async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
     // A more important holder wants two layers' worth of the device: cold layers go to the
     // host tier.
     let g = memory
-        .governor(
-            DeviceKey::cuda(0),
-            procmem_actors::procmem::MemoryTier::Device,
-        )
+        .governor(Place::cuda(0), procmem_actors::procmem::MemoryTier::Device)
         .unwrap()
         .clone();
     let grant = another_holder_asks(g, 2 * granule, Duration::from_secs(10))

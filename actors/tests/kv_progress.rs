@@ -8,11 +8,15 @@
 //! preempted while its step waited (`Err(Preempted)`) leaves the batch and is restored later,
 //! oldest first; `Restored::Recompute` replays from token zero.
 
+use procmem_actors::kv::StepEnd;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
-use procmem_actors::{AttendItem, GovernorError, KvStoreError, PreemptMode, Restored};
+use procmem_actors::{
+    governor::GovernorError,
+    kv::{AttendItem, KvStoreError, PreemptMode, Restored},
+};
 
 mod common;
 
@@ -204,7 +208,7 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
                 );
             }
         }
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
         for s in &batch {
             let r = &mut reqs[*s as usize];
             r.pos += 1;

@@ -4,15 +4,17 @@
 
 mod common;
 
+use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
-use procmem_actors::procmem::DeviceKey;
+use procmem_actors::procmem::Place;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorHandle, KvStep, KvStoreError, KvStoreHandle,
-    PreemptMode, Restored,
+    governor::GovernorHandle,
+    kv::{KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored},
+    provider::{CpuProvider, CpuProviderConfig},
 };
 
 const SHAPE: KvShape = KvShape {
@@ -57,7 +59,7 @@ async fn run_step(step: KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
         .unwrap();
         outs.push(rx.await.unwrap());
     }
-    step.finish().await.unwrap();
+    step.complete(StepEnd::Submitted).await.unwrap();
     outs
 }
 
@@ -82,7 +84,7 @@ async fn views_point_at_the_memory_the_kernel_reads() {
         assert_eq!(v.k.dtype, KvDtype::F32);
         assert_eq!(v.k.token_stride, SHAPE.token_bytes());
         assert_eq!(v.k.head_stride, 16 * 4);
-        assert_eq!(v.k.device, DeviceKey::HOST);
+        assert_eq!(v.k.device, Place::HOST);
         assert_ne!(v.k.addr, v.v.addr);
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -223,7 +225,7 @@ async fn a_close_and_reopen_while_a_step_is_out_never_mixes_the_two() {
         }
     })
     .unwrap();
-    old.finish().await.unwrap();
+    old.complete(StepEnd::Submitted).await.unwrap();
     let s = settled(&g, &kv).await;
     assert_eq!((s.sequences, s.tokens), (1, 1));
     let again = kv.prepare(vec![7]).await.unwrap();
@@ -249,14 +251,14 @@ async fn a_kernel_that_panics_fails_its_call_and_the_step_still_ends_cleanly() {
     let (g, _p, kv) = store(SHAPE, 1 << 30).await;
     kv.open(1, vec![], 0).await.unwrap();
     let step = kv.prepare(vec![1]).await.unwrap();
-    let bad = procmem_actors::AttendItem {
+    let bad = procmem_actors::kv::AttendItem {
         seq: 1,
         q: vec![0.0; 3],
         k: vec![0.0; SHAPE.token_elems()],
         v: vec![0.0; SHAPE.token_elems()],
     };
     assert!(step.attend(0, vec![bad]).await.is_err(), "a short q");
-    let stranger = procmem_actors::AttendItem {
+    let stranger = procmem_actors::kv::AttendItem {
         seq: 99,
         q: vec![0.0; 64],
         k: vec![0.0; SHAPE.token_elems()],
@@ -267,7 +269,7 @@ async fn a_kernel_that_panics_fails_its_call_and_the_step_still_ends_cleanly() {
         Err(KvStoreError::NotInStep(99))
     ));
     step.submit(|_| panic!("a server's kernel fails")).unwrap();
-    step.finish().await.unwrap();
+    step.complete(StepEnd::Submitted).await.unwrap();
     let s = settled(&g, &kv).await;
     assert_eq!(s.tokens, 1);
 }
@@ -300,7 +302,7 @@ async fn sixteen_bit_kv_steps_swaps_and_comes_back_bit_for_bit() {
             kv.write(0, 1, &k1, &v1).unwrap();
         })
         .unwrap();
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
     }
     let before = settled(&g, &kv).await;
     assert_eq!(before.tokens, 40);
@@ -420,7 +422,7 @@ async fn a_step_ending_while_its_stream_shuts_down_waits_for_what_was_queued() {
         tokio::spawn(async move { p.shutdown().await })
     };
     tokio::time::sleep(Duration::from_millis(30)).await;
-    let ending = tokio::spawn(step.finish());
+    let ending = tokio::spawn(step.complete(StepEnd::Submitted));
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(
         !ending.is_finished(),
@@ -452,7 +454,7 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
             .submit(&[], move || gate.recv().unwrap())
             .unwrap();
         let after = TimelineFence::new(fence, other_stream.timeline()).unwrap();
-        let mut ending = Some(tokio::spawn(step.complete_after(after)));
+        let mut ending = Some(tokio::spawn(step.complete(after)));
         tokio::time::sleep(Duration::from_millis(30)).await;
         assert!(
             !ending.as_ref().unwrap().is_finished(),
@@ -492,7 +494,7 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
 
 /// A store config growing one granule at a time and mapping ahead, with the tokens a chunk
 /// holds and a chunk's bytes over every buffer.
-fn mapping_ahead() -> (usize, u64, procmem_actors::KvStoreConfig) {
+fn mapping_ahead() -> (usize, u64, procmem_actors::kv::KvStoreConfig) {
     let page = procmem_actors::procmem::granularity();
     let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
     config.map_ahead = true;

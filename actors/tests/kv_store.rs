@@ -3,6 +3,7 @@
 //! answered with whole units, preemption and resumption, and a crash that frees nothing early.
 #![allow(clippy::needless_range_loop)]
 
+use procmem_actors::kv::StepEnd;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,8 +12,9 @@ use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    AttendItem, CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle,
-    KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, ReserveRequest, Restored,
+    governor::{GovernorConfig, GovernorError, GovernorHandle, ReserveRequest},
+    kv::{AttendItem, KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored},
+    provider::{CpuProvider, CpuProviderConfig},
 };
 
 mod common;
@@ -84,7 +86,7 @@ async fn step(
         let items = seqs.iter().map(|(s, p)| item(*s, *p, layer)).collect();
         out.push(step.attend(layer, items).await?);
     }
-    step.finish().await?;
+    step.complete(StepEnd::Submitted).await?;
     Ok(out)
 }
 
@@ -283,7 +285,11 @@ async fn pressure_takes_whole_sequences_never_one_in_flight_and_they_resume_iden
         let grant = wanted.await.unwrap().unwrap();
         in_flight.await.unwrap().unwrap();
         held_step.attend(1, vec![item(3, 40, 1)]).await.unwrap();
-        Arc::into_inner(held_step).unwrap().finish().await.unwrap();
+        Arc::into_inner(held_step)
+            .unwrap()
+            .complete(StepEnd::Submitted)
+            .await
+            .unwrap();
         let st = kv.stats().await.unwrap();
         assert_eq!(
             st.preempted, stats.preempted,
@@ -456,7 +462,7 @@ async fn a_failed_start_names_its_cause() {
 }
 
 /// Holds every free byte of `g` until the returned lease is dropped, so what asks next waits.
-async fn hold_everything(g: &GovernorHandle) -> procmem_actors::Lease {
+async fn hold_everything(g: &GovernorHandle) -> procmem_actors::governor::Lease {
     let holder = g.register_holder("blocker", 10, None).await.unwrap();
     let free = g.snapshot().await.unwrap().books.free();
     g.reserve(ReserveRequest {
@@ -560,7 +566,7 @@ async fn a_batch_naming_a_sequence_twice_is_refused_and_changes_nothing() {
         assert!(twice.is_err(), "layer {layer}: {twice:?}");
         step.attend(layer, vec![item(1, 0, layer)]).await.unwrap();
     }
-    step.finish().await.unwrap();
+    step.complete(StepEnd::Submitted).await.unwrap();
     assert_eq!(kv.stats().await.unwrap().tokens, 1);
 }
 

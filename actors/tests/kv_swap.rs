@@ -4,13 +4,15 @@
 
 mod common;
 
+use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_item, system};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
-    CpuProvider, GovernorConfig, GovernorHandle, KvStoreConfig, KvStoreError, KvStoreHandle,
-    PreemptMode, Restored, SwapKind, SwapSpace,
+    governor::{GovernorConfig, GovernorHandle},
+    kv::{KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace},
+    provider::CpuProvider,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -38,13 +40,13 @@ async fn steps(kv: &KvStoreHandle, seq: u64, from: usize, to: usize) -> Vec<Vec<
                 .unwrap();
             last.push(out[0].clone());
         }
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
     }
     last
 }
 
 /// Another holder takes everything the store holds: the store must preempt its sequence.
-async fn squeeze(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::Lease {
+async fn squeeze(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::governor::Lease {
     let held = kv.stats().await.unwrap();
     g.set_capacity(held.leased_bytes).await.unwrap();
     another_holder_asks(g.clone(), held.exclusive_bytes, Duration::from_secs(2))
@@ -113,7 +115,7 @@ async fn a_swap_is_charged_to_the_host_tier_and_comes_back_intact() {
             it.seq = 3;
             reference.push(step.attend(layer, vec![it]).await.unwrap()[0].clone());
         }
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
     }
     assert_eq!(resumed, reference, "the swapped rows came back bit for bit");
 }

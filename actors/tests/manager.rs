@@ -2,13 +2,15 @@
 //! may crash without taking the system down, shutdown that reports the books at zero, and
 //! bad input refused with a clear error.
 
+use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::procmem::{AllocationRequest, DeviceKey, MemoryError, MemoryRole, MemoryTier};
+use procmem_actors::procmem::{AllocationRequest, MemoryError, MemoryRole, MemoryTier, Place};
 use procmem_actors::{
-    AttendItem, DeviceBuffer, KvStoreConfig, ManagerError, MemoryBinding, MemoryManager,
-    ProviderError,
+    kv::{AttendItem, KvStoreConfig},
+    provider::ProviderError,
+    Buffer, ManagerError, MemoryBinding, MemoryManager,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -34,13 +36,13 @@ fn item(seq: u64) -> AttendItem {
     }
 }
 
-async fn decode(kv: &procmem_actors::KvStoreHandle, seq: u64, steps: usize) {
+async fn decode(kv: &procmem_actors::kv::KvStoreHandle, seq: u64, steps: usize) {
     for _ in 0..steps {
         let step = kv.prepare(vec![seq]).await.unwrap();
         for layer in 0..SHAPE.layers {
             step.attend(layer, vec![item(seq)]).await.unwrap();
         }
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
     }
 }
 
@@ -51,12 +53,12 @@ async fn start_use_and_shut_down_with_the_books_at_zero() {
         .build()
         .await
         .unwrap();
-    let caps = memory.capabilities(DeviceKey::HOST).unwrap();
+    let caps = memory.capabilities(Place::HOST).unwrap();
     assert!(caps.virtual_backing && caps.shared_mapping);
     let kv = memory.kv_store(kv_config()).await.unwrap();
     kv.open(1, vec![], 0).await.unwrap();
     decode(&kv, 1, 40).await;
-    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
+    let binding = memory.binding(Place::HOST, MemoryTier::Host).unwrap();
     let holder = binding
         .governor()
         .register_holder("scratch", 0, None)
@@ -163,14 +165,14 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
         .await
         .unwrap();
     let unknown = memory
-        .binding(DeviceKey::cuda(3), MemoryTier::Device)
+        .binding(Place::cuda(3), MemoryTier::Device)
         .unwrap_err();
     assert!(
         matches!(unknown, ManagerError::UnknownDevice(..)),
         "{unknown}"
     );
     assert!(matches!(
-        memory.capabilities(DeviceKey::cuda(3)),
+        memory.capabilities(Place::cuda(3)),
         Err(ManagerError::UnknownDevice(..))
     ));
     let in_use = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -188,14 +190,14 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
 }
 
 /// A manager with `streams` host streams and one 1 MiB buffer allocated through its binding.
-async fn manager_with_a_buffer(streams: usize) -> (MemoryManager, MemoryBinding, DeviceBuffer) {
+async fn manager_with_a_buffer(streams: usize) -> (MemoryManager, MemoryBinding, Buffer) {
     let memory = MemoryManager::builder()
         .host_budget(64 << 20)
         .streams(streams)
         .build()
         .await
         .unwrap();
-    let binding = memory.binding(DeviceKey::HOST, MemoryTier::Host).unwrap();
+    let binding = memory.binding(Place::HOST, MemoryTier::Host).unwrap();
     let holder = binding
         .governor()
         .register_holder("scratch", 0, None)

@@ -3,14 +3,19 @@
 //! query for the Governor's committed bytes. Alone in its binary: the metrics recorder is
 //! process-global.
 
+use procmem_actors::kv::StepEnd;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::procmem::{DeviceKey, MemoryRole, MemoryTier};
-use procmem_actors::{AttendItem, KvStoreConfig, MemoryManager, ReserveRequest, Restored};
+use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
+use procmem_actors::{
+    governor::ReserveRequest,
+    kv::{AttendItem, KvStoreConfig, Restored},
+    MemoryManager,
+};
 
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
@@ -97,11 +102,11 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
             };
             step.attend(layer, vec![it]).await.unwrap();
         }
-        step.finish().await.unwrap();
+        step.complete(StepEnd::Submitted).await.unwrap();
     }
     // Another holder wants all but a page: the sequence is swapped out, then restored.
     let governor = memory
-        .governor(DeviceKey::HOST, MemoryTier::Host)
+        .governor(Place::HOST, MemoryTier::Host)
         .unwrap()
         .clone();
     let before = kv.stats().await.unwrap();

@@ -7,16 +7,17 @@
 
 mod common;
 
+use procmem_actors::kv::StepEnd;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use procmem_actors::kv::{KvStoreHandle, PreemptMode};
 use procmem_actors::node::wire::{NodeNotice, NodeRequest, WireError};
 use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
 use procmem_actors::procmem::kv::KvShape;
-use procmem_actors::{KvStoreHandle, PreemptMode};
 
 const ROLE: &str = "PROCMEM_NODE_ROLE";
 const COOKIE: &str = "procmem-test-cookie";
@@ -99,7 +100,7 @@ async fn run_node() {
     }
 }
 
-fn item(seq: u64, pos: usize, layer: usize) -> procmem_actors::AttendItem {
+fn item(seq: u64, pos: usize, layer: usize) -> procmem_actors::kv::AttendItem {
     common::kv_item(&SHAPE, seq, pos, layer)
 }
 
@@ -112,7 +113,9 @@ async fn fill(kv: &KvStoreHandle, seq: u64, from: usize) -> Result<(), String> {
                 .await
                 .map_err(|e| e.to_string())?;
         }
-        step.finish().await.map_err(|e| e.to_string())?;
+        step.complete(StepEnd::Submitted)
+            .await
+            .map_err(|e| e.to_string())?;
     }
     Ok(())
 }

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorHandle, Placement, ReserveRequest,
-    ResidencyArgs, ResidencyConfig, ResidencyHandle,
+    governor::{GovernorConfig, GovernorHandle, ReserveRequest},
+    provider::{CpuProvider, CpuProviderConfig},
+    residency::{Placement, ResidencyArgs, ResidencyConfig, ResidencyHandle},
 };
 
 const LAYER: usize = 64 * 1024;
@@ -139,7 +140,7 @@ async fn a_load_at_a_huge_layer_index_is_a_typed_error() {
         assert!(
             matches!(
                 refused,
-                Err(procmem_actors::ResidencyError::LayerOutOfRange { .. })
+                Err(procmem_actors::residency::ResidencyError::LayerOutOfRange { .. })
             ),
             "layer {layer}: {refused:?}"
         );
@@ -163,7 +164,10 @@ async fn without_a_host_tier_offloads_go_to_disk() {
     })
     .await;
     assert!(
-        matches!(aliased, Err(procmem_actors::ResidencyError::HostAliased)),
+        matches!(
+            aliased,
+            Err(procmem_actors::residency::ResidencyError::HostAliased)
+        ),
         "{aliased:?}"
     );
     let (res, _) = ResidencyHandle::spawn(ResidencyArgs {
@@ -179,7 +183,7 @@ async fn without_a_host_tier_offloads_go_to_disk() {
     // Another holder wants all but half the layer: residency offloads it to disk.
     let other = device.register_holder("other", 9, None).await.unwrap();
     let grant = device
-        .reserve(procmem_actors::ReserveRequest {
+        .reserve(procmem_actors::governor::ReserveRequest {
             holder: other,
             role: procmem_actors::procmem::MemoryRole::Workspace,
             bytes: (1 << 20) - held / 2,

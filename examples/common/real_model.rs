@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 use procmem_actors::node::NodeLink;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::{AuthorityBooks, KvStoreConfig, MemoryManager, PreemptMode};
+use procmem_actors::{
+    kv::{KvStoreConfig, PreemptMode},
+    AuthorityBooks, MemoryManager,
+};
 use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
 
 /// What the run is asked to do.

@@ -7,7 +7,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::KvShape;
-use procmem_actors::{AuthorityBooks, KvStep, KvStoreHandle, MemoryManager, ResidencyHandle};
+use procmem_actors::{
+    kv::{KvStep, KvStoreHandle},
+    residency::ResidencyHandle,
+    AuthorityBooks, MemoryManager,
+};
 use procmem_model::scheduler::{self, StepFuture, StepModel};
 use procmem_model::{ModelError, StepFault, StepInput};
 

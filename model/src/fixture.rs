@@ -258,114 +258,7 @@ type Edit = Box<dyn Fn(&mut Model)>;
 /// Every hostile variant, named: the valid file with one field changed. Each must be refused.
 pub fn hostile() -> Vec<(String, Vec<u8>)> {
     let (valid, at) = valid_model().write();
-    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
-    let raw = |name: &str, field: &str, value: &[u8]| {
-        let mut b = valid.clone();
-        patch(&mut b, at[field], value);
-        (name.to_string(), b)
-    };
-    let u64s = |v: u64| v.to_le_bytes().to_vec();
-    let u32s = |v: u32| v.to_le_bytes().to_vec();
-    let q = "tensor:blk.0.attn_q.weight";
-    for (name, field, value) in [
-        ("magic", "magic", b"XXXX".to_vec()),
-        ("tensor_count_max", "tensor_count", u64s(u64::MAX)),
-        (
-            "tensor_count_one_more",
-            "tensor_count",
-            u64s(LAYERS * 9 + 3),
-        ),
-        ("kv_count_max", "kv_count", u64s(u64::MAX)),
-        ("kv_count_2^40", "kv_count", u64s(1 << 40)),
-        ("key_length_max", "key:general.architecture", u64s(u64::MAX)),
-        (
-            "string_length_max",
-            "kv:general.architecture",
-            u64s(u64::MAX),
-        ),
-        (
-            "string_length_1TiB",
-            "kv:general.architecture",
-            u64s(1 << 40),
-        ),
-        ("value_type_unknown", "type:llama.block_count", u32s(13)),
-        (
-            "array_count_max",
-            "count:tokenizer.ggml.tokens",
-            u64s(u64::MAX),
-        ),
-        (
-            "array_count_2^36",
-            "count:tokenizer.ggml.tokens",
-            u64s(1 << 36),
-        ),
-        ("array_type_unknown", "kv:tokenizer.ggml.tokens", u32s(99)),
-        (
-            "merges_count_max",
-            "count:tokenizer.ggml.merges",
-            u64s(u64::MAX),
-        ),
-        ("tensor_offset_max", &format!("{q}:offset"), u64s(u64::MAX)),
-        (
-            "tensor_offset_past_end",
-            &format!("{q}:offset"),
-            u64s(1 << 20),
-        ),
-        (
-            "tensor_offset_misaligned",
-            &format!("{q}:offset"),
-            u64s(257),
-        ),
-        ("tensor_n_dims_0", &format!("{q}:n_dims"), u32s(0)),
-        ("tensor_n_dims_100", &format!("{q}:n_dims"), u32s(100)),
-        ("tensor_dim_0", &format!("{q}:dims"), u64s(0)),
-        (
-            "tensor_dim_u32_max",
-            &format!("{q}:dims"),
-            u64s(u32::MAX.into()),
-        ),
-        ("tensor_dim_max", &format!("{q}:dims"), u64s(u64::MAX)),
-        ("tensor_dims_overflow", &format!("{q}:dims"), u64s(1 << 62)),
-        ("tensor_40GiB", &format!("{q}:dims"), u64s(10 << 30)),
-        ("tensor_type_unknown", &format!("{q}:type"), u32s(99)),
-        (
-            "tensor_type_q4_0_partial_block",
-            &format!("{q}:type"),
-            u32s(2),
-        ),
-        (
-            "tensor_name_length_max",
-            &format!("{q}:name"),
-            u64s(u64::MAX),
-        ),
-    ] {
-        out.push(raw(name, field, &value));
-    }
-    out.push({
-        let mut b = valid.clone();
-        patch(&mut b, 4, &u32s(1));
-        ("version_1".into(), b)
-    });
-    out.push({
-        let mut b = valid.clone();
-        patch(&mut b, 4, &u32s(99));
-        ("version_99".into(), b)
-    });
-    // Dimensions that both overflow when multiplied and claim the maximum.
-    out.push({
-        let mut b = valid.clone();
-        let d = at[&format!("{q}:dims")];
-        patch(&mut b, d, &u64s(u64::MAX / 2));
-        patch(&mut b, d + 8, &u64s(4));
-        ("tensor_dims_product_wraps".into(), b)
-    });
-    out.push({
-        let mut b = valid.clone();
-        let d = at[&format!("{q}:dims")];
-        patch(&mut b, d, &u64s(1 << 32));
-        patch(&mut b, d + 8, &u64s(1 << 30));
-        ("tensor_claims_2^62_bytes".into(), b)
-    });
+    let mut out = patched_fields(&valid, &at);
     for (name, cut) in [
         ("empty_file", 0),
         ("truncated_header", at["kv:tokenizer.ggml.tokens"] + 100),
@@ -374,7 +267,169 @@ pub fn hostile() -> Vec<(String, Vec<u8>)> {
         out.push((name.into(), valid[..cut].to_vec()));
     }
     out.push(("nested_100000".into(), nested(100_000)));
-    let edits: Vec<(&str, Edit)> = vec![
+    let edits = [
+        model_edits(),
+        attention_edits(),
+        vocabulary_edits(),
+        tensor_edits(),
+    ];
+    for (name, edit) in edits.into_iter().flatten() {
+        let mut m = valid_model();
+        edit(&mut m);
+        out.push((name.into(), m.write().0));
+    }
+    out
+}
+
+/// The valid file with one field's bytes overwritten: counts, lengths, types, offsets and
+/// dimensions at their limits, and versions it does not speak.
+fn patched_fields(valid: &[u8], at: &Fields) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+    let raw = |name: &str, field: &str, value: &[u8]| {
+        let mut b = valid.to_vec();
+        patch(&mut b, at[field], value);
+        (name.to_string(), b)
+    };
+    let u64s = |v: u64| v.to_le_bytes().to_vec();
+    let u32s = |v: u32| v.to_le_bytes().to_vec();
+    let q = "tensor:blk.0.attn_q.weight";
+    for (name, field, value) in field_limits() {
+        out.push(raw(name, &field, &value));
+    }
+    out.push({
+        let mut b = valid.to_vec();
+        patch(&mut b, 4, &u32s(1));
+        ("version_1".into(), b)
+    });
+    out.push({
+        let mut b = valid.to_vec();
+        patch(&mut b, 4, &u32s(99));
+        ("version_99".into(), b)
+    });
+    // Dimensions that both overflow when multiplied and claim the maximum.
+    out.push({
+        let mut b = valid.to_vec();
+        let d = at[&format!("{q}:dims")];
+        patch(&mut b, d, &u64s(u64::MAX / 2));
+        patch(&mut b, d + 8, &u64s(4));
+        ("tensor_dims_product_wraps".into(), b)
+    });
+    out.push({
+        let mut b = valid.to_vec();
+        let d = at[&format!("{q}:dims")];
+        patch(&mut b, d, &u64s(1 << 32));
+        patch(&mut b, d + 8, &u64s(1 << 30));
+        ("tensor_claims_2^62_bytes".into(), b)
+    });
+    out
+}
+
+/// Header and tensor-table fields set to their limits: (name, field, bytes).
+fn field_limits() -> Vec<(&'static str, String, Vec<u8>)> {
+    let u64s = |v: u64| v.to_le_bytes().to_vec();
+    let u32s = |v: u32| v.to_le_bytes().to_vec();
+    let q = "tensor:blk.0.attn_q.weight";
+    let mut limits: Vec<(&'static str, String, Vec<u8>)> = vec![
+        ("magic", "magic".to_string(), b"XXXX".to_vec()),
+        (
+            "tensor_count_max",
+            "tensor_count".to_string(),
+            u64s(u64::MAX),
+        ),
+        (
+            "tensor_count_one_more",
+            "tensor_count".to_string(),
+            u64s(LAYERS * 9 + 3),
+        ),
+        ("kv_count_max", "kv_count".to_string(), u64s(u64::MAX)),
+        ("kv_count_2^40", "kv_count".to_string(), u64s(1 << 40)),
+        (
+            "key_length_max",
+            "key:general.architecture".to_string(),
+            u64s(u64::MAX),
+        ),
+        (
+            "string_length_max",
+            "kv:general.architecture".to_string(),
+            u64s(u64::MAX),
+        ),
+        (
+            "string_length_1TiB",
+            "kv:general.architecture".to_string(),
+            u64s(1 << 40),
+        ),
+        (
+            "value_type_unknown",
+            "type:llama.block_count".to_string(),
+            u32s(13),
+        ),
+        (
+            "array_count_max",
+            "count:tokenizer.ggml.tokens".to_string(),
+            u64s(u64::MAX),
+        ),
+        (
+            "array_count_2^36",
+            "count:tokenizer.ggml.tokens".to_string(),
+            u64s(1 << 36),
+        ),
+        (
+            "array_type_unknown",
+            "kv:tokenizer.ggml.tokens".to_string(),
+            u32s(99),
+        ),
+        (
+            "merges_count_max",
+            "count:tokenizer.ggml.merges".to_string(),
+            u64s(u64::MAX),
+        ),
+    ];
+    limits.extend(tensor_limits(q, u64s, u32s));
+    limits
+}
+
+/// The first tensor's fields set to their limits.
+fn tensor_limits(
+    q: &str,
+    u64s: impl Fn(u64) -> Vec<u8>,
+    u32s: impl Fn(u32) -> Vec<u8>,
+) -> Vec<(&'static str, String, Vec<u8>)> {
+    vec![
+        ("tensor_offset_max", format!("{q}:offset"), u64s(u64::MAX)),
+        (
+            "tensor_offset_past_end",
+            format!("{q}:offset"),
+            u64s(1 << 20),
+        ),
+        ("tensor_offset_misaligned", format!("{q}:offset"), u64s(257)),
+        ("tensor_n_dims_0", format!("{q}:n_dims"), u32s(0)),
+        ("tensor_n_dims_100", format!("{q}:n_dims"), u32s(100)),
+        ("tensor_dim_0", format!("{q}:dims"), u64s(0)),
+        (
+            "tensor_dim_u32_max",
+            format!("{q}:dims"),
+            u64s(u32::MAX.into()),
+        ),
+        ("tensor_dim_max", format!("{q}:dims"), u64s(u64::MAX)),
+        ("tensor_dims_overflow", format!("{q}:dims"), u64s(1 << 62)),
+        ("tensor_40GiB", format!("{q}:dims"), u64s(10 << 30)),
+        ("tensor_type_unknown", format!("{q}:type"), u32s(99)),
+        (
+            "tensor_type_q4_0_partial_block",
+            format!("{q}:type"),
+            u32s(2),
+        ),
+        (
+            "tensor_name_length_max",
+            format!("{q}:name"),
+            u64s(u64::MAX),
+        ),
+    ]
+}
+
+/// Hostile edits of the model's header: architecture, alignment, sizes.
+fn model_edits() -> Vec<(&'static str, Edit)> {
+    vec![
         (
             "architecture_gpt2",
             Box::new(|m| m.set("general.architecture", Meta::Str("gpt2".into()))),
@@ -435,6 +490,12 @@ pub fn hostile() -> Vec<(String, Vec<u8>)> {
             "embedding_length_16",
             Box::new(|m| m.set("llama.embedding_length", Meta::U32(16))),
         ),
+    ]
+}
+
+/// Hostile edits of attention and position: heads, context, epsilon, rope.
+fn attention_edits() -> Vec<(&'static str, Edit)> {
+    vec![
         (
             "head_count_0",
             Box::new(|m| m.set("llama.attention.head_count", Meta::U32(0))),
@@ -484,6 +545,12 @@ pub fn hostile() -> Vec<(String, Vec<u8>)> {
             "rope_base_infinite",
             Box::new(|m| m.set("llama.rope.freq_base", Meta::F32(f32::INFINITY))),
         ),
+    ]
+}
+
+/// Hostile edits of the vocabulary and its merges.
+fn vocabulary_edits() -> Vec<(&'static str, Edit)> {
+    vec![
         (
             "vocab_size_0",
             Box::new(|m| m.set("llama.vocab_size", Meta::U32(0))),
@@ -531,6 +598,12 @@ pub fn hostile() -> Vec<(String, Vec<u8>)> {
             "duplicate_key",
             Box::new(|m| m.meta.push(("llama.block_count".into(), Meta::U32(2)))),
         ),
+    ]
+}
+
+/// Hostile edits of the tensor table.
+fn tensor_edits() -> Vec<(&'static str, Edit)> {
+    vec![
         (
             "tensor_missing",
             Box::new(|m| m.tensors.retain(|t| t.0 != "blk.1.ffn_down.weight")),
@@ -565,11 +638,5 @@ pub fn hostile() -> Vec<(String, Vec<u8>)> {
                 }
             }),
         ),
-    ];
-    for (name, edit) in edits {
-        let mut m = valid_model();
-        edit(&mut m);
-        out.push((name.into(), m.write().0));
-    }
-    out
+    ]
 }

@@ -40,22 +40,22 @@ pub enum ModelError {
     Compute(#[from] candle_core::Error),
     /// The KV store refused a step.
     #[error("step refused: {0}")]
-    Prepare(#[source] procmem_actors::KvStoreError),
+    Prepare(#[source] procmem_actors::kv::KvStoreError),
     /// The KV store failed to take a step's end.
     #[error("kv store: {0}")]
-    Store(#[source] procmem_actors::KvStoreError),
+    Store(#[source] procmem_actors::kv::KvStoreError),
     /// A kernel's reads or writes of the step's KV failed.
     #[error("kv: {0}")]
     Kv(#[from] procmem_actors::procmem::kv::KvError),
     /// The step's stream took no more work.
     #[error("stream: {0}")]
-    Stream(#[from] procmem_actors::StreamError),
+    Stream(#[from] procmem_actors::provider::StreamError),
     /// A device call of a step failed.
     #[error("device: {0}")]
     Device(#[from] procmem_actors::procmem::MemoryError),
     /// Model residency failed (a layer's reload included).
     #[error("weights: {0}")]
-    Weights(#[from] procmem_actors::ResidencyError),
+    Weights(#[from] procmem_actors::residency::ResidencyError),
     /// Starting the engine's holders failed.
     #[error("memory manager: {0}")]
     Manager(#[from] procmem_actors::ManagerError),
@@ -67,13 +67,13 @@ pub enum ModelError {
     Scheduler(#[source] Box<scheduler::GenError>),
     /// A request with no prompt token: the first step has nothing to read.
     #[error("request {0} has an empty prompt")]
-    EmptyPrompt(procmem_actors::SeqId),
+    EmptyPrompt(procmem_actors::kv::SeqId),
     /// A step named a sequence at another position than the store holds it at (a step given
     /// up while it committed still counted, say); nothing was done.
     #[error("sequence {seq} holds {held} tokens: a step at position {asked} does not follow")]
     Position {
         /// The sequence.
-        seq: procmem_actors::SeqId,
+        seq: procmem_actors::kv::SeqId,
         /// Tokens the store holds for it.
         held: usize,
         /// The position the step named.
@@ -81,11 +81,11 @@ pub enum ModelError {
     },
 }
 
-impl From<procmem_actors::CudaSubmitError> for ModelError {
-    fn from(e: procmem_actors::CudaSubmitError) -> Self {
+impl From<procmem_actors::provider::CudaSubmitError> for ModelError {
+    fn from(e: procmem_actors::provider::CudaSubmitError) -> Self {
         match e {
-            procmem_actors::CudaSubmitError::Stream(s) => ModelError::Stream(s),
-            procmem_actors::CudaSubmitError::Work(w) => ModelError::Device(w),
+            procmem_actors::provider::CudaSubmitError::Stream(s) => ModelError::Stream(s),
+            procmem_actors::provider::CudaSubmitError::Work(w) => ModelError::Device(w),
         }
     }
 }

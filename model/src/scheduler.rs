@@ -16,7 +16,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use procmem_actors::{KvStep, KvStoreHandle, SeqId};
+use procmem_actors::kv::{KvStep, KvStoreHandle, SeqId};
 use tokio::sync::mpsc;
 
 mod run;

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
-    KvStoreConfig, KvStoreHandle, MemoryManager, ResidencyConfig, ResidencyHandle, SeqId,
+    kv::{KvStoreConfig, KvStoreHandle, SeqId},
+    residency::{ResidencyConfig, ResidencyHandle},
+    MemoryManager,
 };
 
 use crate::scheduler::{

@@ -11,7 +11,11 @@ use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
-use procmem_actors::{fence_completed, KvStep, KvStoreHandle, ResidencyHandle, SeqId, StepKv};
+use procmem_actors::{
+    kv::{KvStep, KvStoreHandle, SeqId, StepKv},
+    provider::fence_completed,
+    residency::ResidencyHandle,
+};
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
 use crate::quant::{dense, matmul, project};

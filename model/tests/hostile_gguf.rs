@@ -7,7 +7,7 @@ mod common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use procmem_actors::PreemptMode;
+use procmem_actors::kv::PreemptMode;
 use procmem_model::gguf::{Gguf, GgufError};
 use procmem_model::{fixture, Engine, ModelError, Request, Smol, TextCodec};
 

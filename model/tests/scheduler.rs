@@ -3,11 +3,15 @@
 //! pressure equal those without, a dropped stream closes its sequence, a full queue and a
 //! shutdown refuse and cancel, stop tokens, seeds and careless requests.
 
+use procmem_actors::kv::StepEnd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, KvStoreHandle, MemoryManager, PreemptMode};
+use procmem_actors::{
+    kv::{KvStoreConfig, KvStoreHandle, PreemptMode},
+    MemoryManager,
+};
 use procmem_model::scheduler::{
     self, Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
     SchedulerHandle, StepFuture, StepModel,
@@ -58,7 +62,9 @@ impl StepModel for Toy {
                 let _ = tx.send(out);
             })?;
             let logits = rx.await.map_err(|_| StepFault::KernelPanicked)?;
-            step.finish().await.map_err(ModelError::Store)?;
+            step.complete(StepEnd::Submitted)
+                .await
+                .map_err(ModelError::Store)?;
             Ok(logits)
         })
     }
@@ -306,8 +312,10 @@ impl StepModel for Faulty {
 /// A layer's weights that could not be brought back in time: what residency answers when
 /// the Governor's wait for its room ran out.
 fn weights_late() -> ModelError {
-    ModelError::Weights(procmem_actors::ResidencyError::Provider(
-        procmem_actors::ProviderError::Governor(procmem_actors::GovernorError::Busy { waiting: 1 }),
+    ModelError::Weights(procmem_actors::residency::ResidencyError::Provider(
+        procmem_actors::provider::ProviderError::Governor(
+            procmem_actors::governor::GovernorError::Busy { waiting: 1 },
+        ),
     ))
 }
 

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use procmem_actors::{KvStoreError, PreemptMode};
+use procmem_actors::kv::{KvStoreError, PreemptMode};
 use procmem_model::{decode_step, Engine, ModelError, Smol, TextCodec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

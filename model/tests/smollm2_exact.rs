@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use procmem_actors::PreemptMode;
+use procmem_actors::kv::PreemptMode;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_tokens_equal_candles_own_quantized_llama() {

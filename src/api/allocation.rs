@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::error::MemoryError;
-use super::ids::{ChargeId, ContextId, DeviceKey, MechanismId, MemoryRole};
+use super::ids::{ChargeId, ContextId, MechanismId, MemoryRole, Place};
 
 /// A request for ordinary (non-virtual) memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,14 +76,14 @@ pub(crate) trait AllocationOrigin: Send + Sync {
 ///
 /// It remembers the mechanism, device, context and charge that created it, and keeps the
 /// creator alive. It is released only through its creator: by
-/// [`DeviceAllocator::free`](super::DeviceAllocator::free) on that creator (any other
+/// [`Allocator::free`](super::Allocator::free) on that creator (any other
 /// mechanism refuses it and hands it back), or when dropped.
-pub struct DeviceAllocation {
+pub struct Allocation {
     addr: u64,
     bytes: u64,
     footprint: u64,
     role: MemoryRole,
-    device: DeviceKey,
+    device: Place,
     context: ContextId,
     mechanism: MechanismId,
     charge: Option<ChargeId>,
@@ -96,15 +96,15 @@ pub(crate) struct AllocationParts {
     pub(crate) bytes: u64,
     pub(crate) footprint: u64,
     pub(crate) role: MemoryRole,
-    pub(crate) device: DeviceKey,
+    pub(crate) device: Place,
     pub(crate) context: ContextId,
     pub(crate) mechanism: MechanismId,
     pub(crate) charge: Option<ChargeId>,
 }
 
-impl DeviceAllocation {
+impl Allocation {
     pub(crate) fn new(parts: AllocationParts, origin: Arc<dyn AllocationOrigin>) -> Self {
-        DeviceAllocation {
+        Allocation {
             addr: parts.addr,
             bytes: parts.bytes,
             footprint: parts.footprint,
@@ -138,7 +138,7 @@ impl DeviceAllocation {
     }
 
     /// The device the bytes live on.
-    pub fn device(&self) -> DeviceKey {
+    pub fn place(&self) -> Place {
         self.device
     }
 
@@ -173,7 +173,7 @@ impl DeviceAllocation {
     }
 }
 
-impl Drop for DeviceAllocation {
+impl Drop for Allocation {
     fn drop(&mut self) {
         if let Some(origin) = self.origin.take() {
             if let Err(error) = origin.release(self.addr, self.footprint) {
@@ -183,9 +183,9 @@ impl Drop for DeviceAllocation {
     }
 }
 
-impl fmt::Debug for DeviceAllocation {
+impl fmt::Debug for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceAllocation")
+        f.debug_struct("Allocation")
             .field("addr", &format_args!("{:#x}", self.addr))
             .field("bytes", &self.bytes)
             .field("footprint", &self.footprint)

@@ -1,12 +1,12 @@
-//! The capability traits. `DeviceAllocator` is required of every mechanism; `VirtualBacking`
+//! The capability traits. `Allocator` is required of every mechanism; `VirtualBacking`
 //! and `SharedMapping` are optional and reached through explicit queries that return `None`
 //! where the mechanism cannot do the job. Nothing here has a default body that pretends.
 
 use std::ops::Range;
 
-use super::allocation::{AllocationRequest, DeviceAllocation};
+use super::allocation::{Allocation, AllocationRequest};
 use super::error::{FreeError, MemoryError};
-use super::ids::{ContextId, DeviceKey, MechanismId};
+use super::ids::{ContextId, MechanismId, Place};
 use super::virtual_allocation::{
     CommitResult, DecommitResult, MapAccess, PhysicalBlock, VirtualAllocation, VirtualRequest,
 };
@@ -21,11 +21,11 @@ pub enum CommitModel {
 }
 
 /// Ordinary allocate/free: the one capability every mechanism has.
-pub trait DeviceAllocator: Send + Sync {
+pub trait Allocator: Send + Sync {
     /// The mechanism this allocator belongs to.
     fn mechanism(&self) -> MechanismId;
     /// The device it allocates on.
-    fn device(&self) -> DeviceKey;
+    fn place(&self) -> Place;
     /// The provider context its allocations belong to.
     fn context(&self) -> ContextId;
     /// When physical memory is taken.
@@ -33,12 +33,12 @@ pub trait DeviceAllocator: Send + Sync {
     /// The physical bytes `request` would take: what a charge for it must cover.
     fn footprint(&self, request: &AllocationRequest) -> Result<u64, MemoryError>;
     /// Allocates; on success the footprint is physically taken (for an eager allocator).
-    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError>;
+    fn allocate(&self, request: &AllocationRequest) -> Result<Allocation, MemoryError>;
     /// Frees an allocation this allocator made, returning the bytes freed. An allocation from
     /// another mechanism or context is refused and handed back untouched.
-    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError>;
+    fn free(&self, allocation: Allocation) -> Result<u64, FreeError>;
     /// Physical bytes of `allocation` present now, as the OS or driver reports them.
-    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError>;
+    fn resident_bytes(&self, allocation: &Allocation) -> Result<u64, MemoryError>;
 
     /// Copies bytes `offset..offset + dst.len()` of `allocation` (one of this allocator's)
     /// into `dst`, and returns once they are there. On a device the copy does not wait for
@@ -46,7 +46,7 @@ pub trait DeviceAllocator: Send + Sync {
     /// unless the mechanism provides it (the host and CUDA ones do).
     fn read(
         &self,
-        allocation: &DeviceAllocation,
+        allocation: &Allocation,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
@@ -58,10 +58,10 @@ pub trait DeviceAllocator: Send + Sync {
     }
 
     /// Copies `src` to bytes `offset..offset + src.len()` of `allocation` and returns once it
-    /// is there; as [`DeviceAllocator::read`] on ordering and support.
+    /// is there; as [`Allocator::read`] on ordering and support.
     fn write(
         &self,
-        allocation: &mut DeviceAllocation,
+        allocation: &mut Allocation,
         offset: u64,
         src: &[u8],
     ) -> Result<(), MemoryError> {
@@ -83,7 +83,7 @@ pub(crate) fn copy_span(offset: u64, len: usize) -> Result<Range<u64>, MemoryErr
 
 /// The byte range `offset..offset + len` of `allocation`, checked to lie within it.
 pub(crate) fn copy_range(
-    allocation: &DeviceAllocation,
+    allocation: &Allocation,
     offset: u64,
     len: usize,
 ) -> Result<std::ops::Range<usize>, MemoryError> {
@@ -103,7 +103,7 @@ pub trait VirtualBacking: Send + Sync {
     /// The mechanism this backing belongs to.
     fn mechanism(&self) -> MechanismId;
     /// The device it maps on.
-    fn device(&self) -> DeviceKey;
+    fn place(&self) -> Place;
     /// Minimum mapping unit in bytes, as the OS or driver reports it.
     fn granularity(&self) -> u64;
     /// Reserves address space with nothing behind it.
@@ -184,13 +184,13 @@ pub trait SharedMapping: Send + Sync {
 ///
 /// The queries borrow from the mechanism itself, so they always answer for its current state,
 /// never for a snapshot taken earlier.
-pub trait DeviceMemoryMechanism: Send + Sync {
+pub trait MemoryMechanism: Send + Sync {
     /// Its identity; every handle it creates carries it.
     fn id(&self) -> MechanismId;
     /// The device it manages.
-    fn device(&self) -> DeviceKey;
+    fn place(&self) -> Place;
     /// Ordinary allocation (required).
-    fn allocator(&self) -> &dyn DeviceAllocator;
+    fn allocator(&self) -> &dyn Allocator;
     /// On-demand mapping, where supported.
     fn virtual_backing(&self) -> Option<&dyn VirtualBacking>;
     /// Shared physical blocks, where supported.

@@ -173,12 +173,12 @@ pub struct Refused<T: std::fmt::Debug> {
     pub handle: T,
 }
 
-/// Why [`DeviceAllocator::free`](super::DeviceAllocator::free) did not free.
+/// Why [`Allocator::free`](super::Allocator::free) did not free.
 #[derive(Debug, thiserror::Error)]
 pub enum FreeError {
     /// The allocation belongs to another mechanism or context; it is handed back untouched.
     #[error(transparent)]
-    Refused(Box<Refused<super::DeviceAllocation>>),
+    Refused(Box<Refused<super::Allocation>>),
     /// The creator tried and the system call failed; the handle is consumed.
     #[error("the creating mechanism failed to free: {0}")]
     Failed(#[source] MemoryError),

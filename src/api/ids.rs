@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What kind of device a memory pool lives on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DeviceKind {
+pub enum PlaceKind {
     /// Host RAM, reached through the CPU's page tables.
     Host,
     /// A CUDA device, reached through the CUDA driver.
@@ -14,34 +14,34 @@ pub enum DeviceKind {
 
 /// One device: its kind and its ordinal among devices of that kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DeviceKey {
+pub struct Place {
     /// The kind of device.
-    pub kind: DeviceKind,
+    pub kind: PlaceKind,
     /// Its index among devices of the same kind (0 for the host).
     pub ordinal: u32,
 }
 
-impl DeviceKey {
+impl Place {
     /// The host (there is one).
-    pub const HOST: DeviceKey = DeviceKey {
-        kind: DeviceKind::Host,
+    pub const HOST: Place = Place {
+        kind: PlaceKind::Host,
         ordinal: 0,
     };
 
     /// The CUDA device with this ordinal.
     pub const fn cuda(ordinal: u32) -> Self {
-        DeviceKey {
-            kind: DeviceKind::Cuda,
+        Place {
+            kind: PlaceKind::Cuda,
             ordinal,
         }
     }
 }
 
-impl fmt::Display for DeviceKey {
+impl fmt::Display for Place {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind {
-            DeviceKind::Host => write!(f, "host"),
-            DeviceKind::Cuda => write!(f, "cuda:{}", self.ordinal),
+            PlaceKind::Host => write!(f, "host"),
+            PlaceKind::Cuda => write!(f, "cuda:{}", self.ordinal),
         }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::error::MemoryError;
 use super::granules::GranuleMap;
-use super::ids::{BlockId, DeviceKey, MechanismId, MemoryRole};
+use super::ids::{BlockId, MechanismId, MemoryRole, Place};
 
 /// A request to reserve virtual address space.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,7 +122,7 @@ pub struct SharedView {
 pub struct VirtualAllocation {
     addr: u64,
     role: MemoryRole,
-    device: DeviceKey,
+    device: Place,
     mechanism: MechanismId,
     pub(crate) granules: GranuleMap,
     // Declared before `shared`: the range is unmapped before the last block references go.
@@ -135,7 +135,7 @@ impl VirtualAllocation {
         addr: u64,
         granules: GranuleMap,
         role: MemoryRole,
-        device: DeviceKey,
+        device: Place,
         mechanism: MechanismId,
         backend: Box<dyn Any + Send + Sync>,
     ) -> Self {
@@ -176,7 +176,7 @@ impl VirtualAllocation {
     }
 
     /// The device the range lives on.
-    pub fn device(&self) -> DeviceKey {
+    pub fn place(&self) -> Place {
         self.device
     }
 

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use super::driver::CudaDevice;
 use crate::api::capabilities::copy_range;
 use crate::api::{
-    AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
-    DeviceAllocator, DeviceKey, FreeError, MechanismId, MemoryError, Refused,
+    Allocation, AllocationOrigin, AllocationParts, AllocationRequest, Allocator, CommitModel,
+    ContextId, FreeError, MechanismId, MemoryError, Place, Refused,
 };
 
 struct Origin {
@@ -19,7 +19,7 @@ struct Origin {
 
 impl AllocationOrigin for Origin {
     fn release(&self, addr: u64, footprint: u64) -> Result<u64, MemoryError> {
-        // SAFETY: only `DeviceAllocation` calls this, once, for an address `allocate` returned;
+        // SAFETY: only `Allocation` calls this, once, for an address `allocate` returned;
         // device work is ordered before it by the deferred-free path.
         unsafe { self.device.free(addr)? };
         self.live.fetch_sub(footprint, Ordering::AcqRel);
@@ -40,7 +40,7 @@ impl CudaAllocator {
         self.origin.live.load(Ordering::Acquire)
     }
 
-    fn own(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {
+    fn own(&self, allocation: &Allocation) -> Result<(), MemoryError> {
         if allocation.mechanism() == self.mechanism {
             Ok(())
         } else {
@@ -58,7 +58,7 @@ impl CudaAllocator {
 pub struct CudaAllocator {
     mechanism: MechanismId,
     context: ContextId,
-    key: DeviceKey,
+    key: Place,
     granularity: u64,
     origin: Arc<Origin>,
 }
@@ -73,7 +73,7 @@ impl CudaAllocator {
         Ok(CudaAllocator {
             mechanism,
             context,
-            key: DeviceKey::cuda(device.ordinal()),
+            key: Place::cuda(device.ordinal()),
             granularity: device.granularity()?,
             origin: Arc::new(Origin {
                 device,
@@ -84,12 +84,12 @@ impl CudaAllocator {
     }
 }
 
-impl DeviceAllocator for CudaAllocator {
+impl Allocator for CudaAllocator {
     fn mechanism(&self) -> MechanismId {
         self.mechanism
     }
 
-    fn device(&self) -> DeviceKey {
+    fn place(&self) -> Place {
         self.key
     }
 
@@ -111,11 +111,11 @@ impl DeviceAllocator for CudaAllocator {
             })
     }
 
-    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
+    fn allocate(&self, request: &AllocationRequest) -> Result<Allocation, MemoryError> {
         let footprint = self.footprint(request)?;
         let addr = self.origin.device.alloc(request.bytes)?;
         self.origin.live.fetch_add(footprint, Ordering::AcqRel);
-        Ok(DeviceAllocation::new(
+        Ok(Allocation::new(
             AllocationParts {
                 addr,
                 bytes: request.bytes,
@@ -130,7 +130,7 @@ impl DeviceAllocator for CudaAllocator {
         ))
     }
 
-    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError> {
+    fn free(&self, allocation: Allocation) -> Result<u64, FreeError> {
         if allocation.mechanism() != self.mechanism || allocation.context() != self.context {
             return Err(FreeError::Refused(Box::new(Refused {
                 error: MemoryError::ForeignHandle {
@@ -144,7 +144,7 @@ impl DeviceAllocator for CudaAllocator {
     }
 
     /// An eager CUDA allocation is resident in full for its whole life.
-    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError> {
+    fn resident_bytes(&self, allocation: &Allocation) -> Result<u64, MemoryError> {
         if allocation.mechanism() != self.mechanism {
             return Err(MemoryError::ForeignHandle {
                 owner: allocation.mechanism(),
@@ -156,7 +156,7 @@ impl DeviceAllocator for CudaAllocator {
 
     fn read(
         &self,
-        allocation: &DeviceAllocation,
+        allocation: &Allocation,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
@@ -176,7 +176,7 @@ impl DeviceAllocator for CudaAllocator {
 
     fn write(
         &self,
-        allocation: &mut DeviceAllocation,
+        allocation: &mut Allocation,
         offset: u64,
         src: &[u8],
     ) -> Result<(), MemoryError> {

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use super::driver::{AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
 use crate::api::capabilities::copy_span;
 use crate::api::{
-    CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
-    MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
+    CommitResult, DecommitResult, GranuleMap, GranuleState, MapAccess, MechanismId, MemoryError,
+    PhysicalBlock, Place, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
     VirtualRequest,
 };
 use crate::virtual_memory::{check_readable, check_writable};
@@ -108,7 +108,7 @@ struct CudaBlock {
 #[derive(Debug)]
 pub struct CudaVmmBacking {
     id: MechanismId,
-    key: DeviceKey,
+    key: Place,
     granularity: u64,
     pool: Arc<HandlePool>,
 }
@@ -139,7 +139,7 @@ impl CudaVmmBacking {
         }
         Ok(CudaVmmBacking {
             id,
-            key: DeviceKey::cuda(device.ordinal()),
+            key: Place::cuda(device.ordinal()),
             granularity,
             pool,
         })
@@ -193,7 +193,7 @@ impl VirtualBacking for CudaVmmBacking {
         self.id
     }
 
-    fn device(&self) -> DeviceKey {
+    fn place(&self) -> Place {
         self.key
     }
 

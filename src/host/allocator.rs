@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::api::capabilities::copy_range;
 use crate::api::{
-    AllocationOrigin, AllocationParts, AllocationRequest, CommitModel, ContextId, DeviceAllocation,
-    DeviceAllocator, DeviceKey, DeviceKind, FreeError, MechanismId, MemoryError, Refused,
+    Allocation, AllocationOrigin, AllocationParts, AllocationRequest, Allocator, CommitModel,
+    ContextId, FreeError, MechanismId, MemoryError, Place, PlaceKind, Refused,
 };
 use crate::virtual_memory::{granularity, sys};
 
@@ -19,7 +19,7 @@ impl AllocationOrigin for Origin {
     fn release(&self, addr: u64, footprint: u64) -> Result<u64, MemoryError> {
         // Held across the unmap so `resident_total` never asks about a range mid-release.
         let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: only `DeviceAllocation` calls this, once, for the range `allocate` mapped;
+        // SAFETY: only `Allocation` calls this, once, for the range `allocate` mapped;
         // the handle is being consumed, so no borrow of its bytes remains.
         unsafe { sys::unmap(addr, footprint)? };
         live.remove(&addr);
@@ -82,7 +82,7 @@ impl HostAllocator {
         )
     }
 
-    fn check_owner(&self, allocation: &DeviceAllocation) -> Result<(), MemoryError> {
+    fn check_owner(&self, allocation: &Allocation) -> Result<(), MemoryError> {
         if allocation.mechanism() != self.mechanism {
             return Err(MemoryError::ForeignHandle {
                 owner: allocation.mechanism(),
@@ -99,13 +99,13 @@ impl HostAllocator {
     }
 }
 
-impl DeviceAllocator for HostAllocator {
+impl Allocator for HostAllocator {
     fn mechanism(&self) -> MechanismId {
         self.mechanism
     }
 
-    fn device(&self) -> DeviceKey {
-        DeviceKey::HOST
+    fn place(&self) -> Place {
+        Place::HOST
     }
 
     fn context(&self) -> ContextId {
@@ -127,7 +127,7 @@ impl DeviceAllocator for HostAllocator {
             })
     }
 
-    fn allocate(&self, request: &AllocationRequest) -> Result<DeviceAllocation, MemoryError> {
+    fn allocate(&self, request: &AllocationRequest) -> Result<Allocation, MemoryError> {
         let footprint = self.footprint(request)?;
         let ptr = sys::map_anonymous_populated(footprint as usize)?;
         self.origin
@@ -140,15 +140,15 @@ impl DeviceAllocator for HostAllocator {
             bytes: request.bytes,
             footprint,
             role: request.role,
-            device: DeviceKey::HOST,
+            device: Place::HOST,
             context: self.context,
             mechanism: self.mechanism,
             charge: request.charge,
         };
-        Ok(DeviceAllocation::new(parts, self.origin.clone()))
+        Ok(Allocation::new(parts, self.origin.clone()))
     }
 
-    fn free(&self, allocation: DeviceAllocation) -> Result<u64, FreeError> {
+    fn free(&self, allocation: Allocation) -> Result<u64, FreeError> {
         if let Err(error) = self.check_owner(&allocation) {
             return Err(FreeError::Refused(Box::new(Refused {
                 error,
@@ -158,7 +158,7 @@ impl DeviceAllocator for HostAllocator {
         allocation.release_now().map_err(FreeError::Failed)
     }
 
-    fn resident_bytes(&self, allocation: &DeviceAllocation) -> Result<u64, MemoryError> {
+    fn resident_bytes(&self, allocation: &Allocation) -> Result<u64, MemoryError> {
         self.check_owner(allocation)?;
         // SAFETY: the allocation is alive (borrowed) and was mapped by this allocator.
         unsafe { sys::resident_bytes(allocation.addr(), allocation.footprint(), self.page) }
@@ -166,7 +166,7 @@ impl DeviceAllocator for HostAllocator {
 
     fn read(
         &self,
-        allocation: &DeviceAllocation,
+        allocation: &Allocation,
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), MemoryError> {
@@ -178,7 +178,7 @@ impl DeviceAllocator for HostAllocator {
 
     fn write(
         &self,
-        allocation: &mut DeviceAllocation,
+        allocation: &mut Allocation,
         offset: u64,
         src: &[u8],
     ) -> Result<(), MemoryError> {
@@ -190,7 +190,7 @@ impl DeviceAllocator for HostAllocator {
 }
 
 /// The bytes of a host allocation.
-pub fn allocation_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryError> {
+pub fn allocation_bytes(allocation: &Allocation) -> Result<&[u8], MemoryError> {
     require_host(allocation)?;
     // SAFETY: a host allocation maps `addr..addr + bytes` read-write until it is released,
     // which consumes the handle, so the borrow of `allocation` keeps the bytes mapped.
@@ -198,14 +198,14 @@ pub fn allocation_bytes(allocation: &DeviceAllocation) -> Result<&[u8], MemoryEr
 }
 
 /// The bytes of a host allocation, writable.
-pub fn allocation_bytes_mut(allocation: &mut DeviceAllocation) -> Result<&mut [u8], MemoryError> {
+pub fn allocation_bytes_mut(allocation: &mut Allocation) -> Result<&mut [u8], MemoryError> {
     require_host(allocation)?;
     // SAFETY: as in `allocation_bytes`; `&mut` makes this the only reference.
     Ok(unsafe { sys::slice_mut(allocation.addr(), allocation.bytes()) })
 }
 
-fn require_host(allocation: &DeviceAllocation) -> Result<(), MemoryError> {
-    if allocation.device().kind == DeviceKind::Host {
+fn require_host(allocation: &Allocation) -> Result<(), MemoryError> {
+    if allocation.place().kind == PlaceKind::Host {
         Ok(())
     } else {
         Err(MemoryError::Unsupported {

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use super::HostAllocator;
 use crate::api::{
-    ContextId, DeviceAllocator, DeviceKey, DeviceMemoryMechanism, MechanismId, MemoryError,
-    SharedMapping, VirtualBacking,
+    Allocator, ContextId, MechanismId, MemoryError, MemoryMechanism, Place, SharedMapping,
+    VirtualBacking,
 };
 use crate::virtual_memory::HostBacking;
 
@@ -66,16 +66,16 @@ pub fn machine_memory_bytes() -> Option<u64> {
     kb.checked_mul(1024)
 }
 
-impl DeviceMemoryMechanism for HostMechanism {
+impl MemoryMechanism for HostMechanism {
     fn id(&self) -> MechanismId {
         self.id
     }
 
-    fn device(&self) -> DeviceKey {
-        DeviceKey::HOST
+    fn place(&self) -> Place {
+        Place::HOST
     }
 
-    fn allocator(&self) -> &dyn DeviceAllocator {
+    fn allocator(&self) -> &dyn Allocator {
         &self.allocator
     }
 

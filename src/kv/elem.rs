@@ -3,7 +3,7 @@
 use bytemuck::Pod;
 
 use super::shape::KvDtype;
-use crate::api::DeviceKey;
+use crate::api::Place;
 
 /// A type K and V elements are stored as: `f32` or `half::f16`.
 pub trait KvElement: Pod + Send + Sync + 'static {
@@ -56,7 +56,7 @@ pub struct KvView {
     /// Bytes from one KV head to the next within a row.
     pub head_stride: u64,
     /// Where the memory is.
-    pub device: DeviceKey,
+    pub device: Place,
 }
 
 impl KvView {

@@ -313,24 +313,57 @@ fn split_body<const FMA: bool, const HD: usize>(
     // The common head sizes are compiled as constants (loops unrolled, no bounds checks in
     // them); `HD == 0` takes the size from the shape.
     let hd = if HD > 0 { HD } else { d.head_dim };
-    let (group, stride) = (d.group, d.stride);
     let (stats, acc) = part.split_at_mut(2 * d.q_heads);
     let (maxes, sums) = stats.split_at_mut(d.q_heads);
     // Scores of this split, query head major: `scores[h * n + t]`.
     let mut scores = vec![0f32; d.q_heads * n];
     // f16 rows are widened into this: two whole key rows, or a chunk of one head's values.
     let widened = if matches!(rows, Rows::F16(..)) {
-        (2 * stride).max(CHUNK * hd)
+        (2 * d.stride).max(CHUNK * hd)
     } else {
         0
     };
     let mut buf = vec![0f32; widened];
-    // Keys two tokens at a time: each query vector loaded serves both rows.
+    let span = Span { first, n, hd };
+    split_scores::<FMA, HD>(q, rows, span, d, &mut scores, &mut buf);
+    for h in 0..d.q_heads {
+        let s = &mut scores[h * n..][..n];
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        maxes[h] = max;
+        sums[h] = sum;
+    }
+    split_values::<FMA>(rows, span, d, &scores, acc, &mut buf);
+}
+
+/// The tokens a split covers, and the head size it runs at.
+#[derive(Clone, Copy)]
+struct Span {
+    first: usize,
+    n: usize,
+    hd: usize,
+}
+
+/// A split's scores: keys two tokens at a time, each query vector loaded serving both rows.
+#[inline(always)]
+fn split_scores<const FMA: bool, const HD: usize>(
+    q: &[f32],
+    rows: &Rows<'_>,
+    Span { first, n, hd }: Span,
+    d: &Dims,
+    scores: &mut [f32],
+    buf: &mut [f32],
+) {
+    let (group, stride) = (d.group, d.stride);
     let mut touched = 0u32;
     let mut t = 0;
     while t < n {
         let count = 2.min(n - t);
-        let pair = rows.rows(false, first + t, count, stride, &mut buf);
+        let pair = rows.rows(false, first + t, count, stride, buf);
         for g in 0..d.kv_heads {
             for i in 0..count {
                 touched ^= rows.touch_values((first + t + i) * stride + g * hd, hd);
@@ -362,26 +395,27 @@ fn split_body<const FMA: bool, const HD: usize>(
         t += count;
     }
     std::hint::black_box(touched);
-    for h in 0..d.q_heads {
-        let s = &mut scores[h * n..][..n];
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        maxes[h] = max;
-        sums[h] = sum;
-    }
-    // Values a chunk of tokens at a time (small enough to stay in the first-level cache), one
-    // KV head at a time: a tile of its query heads keeps its outputs in registers across the
-    // chunk, and each value vector loaded serves the whole tile.
+}
+
+/// A split's weighted values: a chunk of tokens at a time (small enough to stay in the
+/// first-level cache), one KV head at a time; a tile of its query heads keeps its outputs in
+/// registers across the chunk, and each value vector loaded serves the whole tile.
+#[inline(always)]
+fn split_values<const FMA: bool>(
+    rows: &Rows<'_>,
+    Span { first, n, hd }: Span,
+    d: &Dims,
+    scores: &[f32],
+    acc: &mut [f32],
+    buf: &mut [f32],
+) {
+    let (group, stride) = (d.group, d.stride);
     acc.fill(0.0);
     let mut t = 0;
     while t < n {
         let count = CHUNK.min(n - t);
         for g in 0..d.kv_heads {
-            let (vals, vstride) = rows.head_rows(first + t, count, g, hd, stride, &mut buf);
+            let (vals, vstride) = rows.head_rows(first + t, count, g, hd, stride, buf);
             let mut h = g * group;
             while h < (g + 1) * group {
                 let m = TILE.min((g + 1) * group - h);

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 /// Who writes a block: one incarnation of a sequence (never reused, unlike sequence ids).
-pub type Writer = u64;
+pub type Incarnation = u64;
 
 /// The hash of a block given its parent's: FNV-1a over the parent's hash and the block's
 /// token ids.
@@ -34,12 +34,12 @@ pub enum BlockState {
     /// Claimed by `writer`, whose memory for it does not exist yet.
     Claimed {
         /// The writer.
-        writer: Writer,
+        writer: Incarnation,
     },
     /// Its memory exists and `writer` is writing its tokens.
     Filling {
         /// The writer.
-        writer: Writer,
+        writer: Incarnation,
     },
     /// Written: any sequence with the same prompt prefix may map it.
     Complete,
@@ -97,7 +97,7 @@ impl<B: Clone> PrefixCache<B> {
         &mut self,
         prompt: &[u32],
         block_tokens: usize,
-        writer: Writer,
+        writer: Incarnation,
         now: u64,
     ) -> Lookup<B> {
         let mut found = Lookup {
@@ -145,7 +145,7 @@ impl<B: Clone> PrefixCache<B> {
 
     /// Gives a block claimed by `writer` its memory. Refused (the block is handed back) if the
     /// key is not claimed by `writer`.
-    pub fn fill(&mut self, key: u64, writer: Writer, block: B) -> Result<(), B> {
+    pub fn fill(&mut self, key: u64, writer: Incarnation, block: B) -> Result<(), B> {
         match self.entries.get_mut(&key) {
             Some(e) if e.state == (BlockState::Claimed { writer }) => {
                 e.state = BlockState::Filling { writer };
@@ -158,7 +158,7 @@ impl<B: Clone> PrefixCache<B> {
 
     /// `writer` has written every token of the block under `key`: it becomes shareable. Only
     /// the writer that filled it can complete it; anything else changes nothing (`false`).
-    pub fn complete(&mut self, key: u64, writer: Writer) -> bool {
+    pub fn complete(&mut self, key: u64, writer: Incarnation) -> bool {
         match self.entries.get_mut(&key) {
             Some(e) if e.state == (BlockState::Filling { writer }) => {
                 e.state = BlockState::Complete;
@@ -170,7 +170,7 @@ impl<B: Clone> PrefixCache<B> {
 
     /// `writer` is gone (closed, preempted, or its open failed): its claims and the blocks it
     /// had not finished leave the cache. Returns the blocks removed.
-    pub fn abandon(&mut self, writer: Writer) -> Vec<B> {
+    pub fn abandon(&mut self, writer: Incarnation) -> Vec<B> {
         let keys: Vec<u64> = self
             .entries
             .iter()

@@ -452,7 +452,7 @@ impl KvSequence {
             dtype: self.shape.dtype,
             token_stride: self.shape.token_bytes(),
             head_stride: self.shape.head_dim as u64 * self.shape.dtype.bytes(),
-            device: b.allocation().device(),
+            device: b.allocation().place(),
         };
         Ok(LayerViews {
             k: view(&self.buffers[2 * layer]),

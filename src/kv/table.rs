@@ -3,13 +3,13 @@
 //! itself lives beside this table.
 //!
 //! A sequence is identified by the caller's id, but each opening is an *incarnation* (a
-//! [`Writer`]) that is never reused: work that outlives a close (a grant still on its way for
+//! [`Incarnation`]) that is never reused: work that outlives a close (a grant still on its way for
 //! a prepare or a restore) names its incarnation and finds nothing when the id was closed,
 //! even if it was opened again meanwhile.
 
 use std::collections::{HashMap, HashSet};
 
-use super::prefix::Writer;
+use super::prefix::Incarnation;
 
 /// A sequence's id, chosen by the caller.
 pub type SeqId = u64;
@@ -76,7 +76,7 @@ pub enum TableError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqRecord {
     /// This incarnation.
-    pub writer: Writer,
+    pub writer: Incarnation,
     /// How much it matters (higher is more important).
     pub priority: u32,
     /// Where it is.
@@ -91,8 +91,8 @@ pub struct SeqRecord {
 #[derive(Debug, Default, Clone)]
 pub struct SequenceTable {
     seqs: HashMap<SeqId, SeqRecord>,
-    opening: HashMap<SeqId, Writer>,
-    next_writer: Writer,
+    opening: HashMap<SeqId, Incarnation>,
+    next_writer: Incarnation,
     next_admission: u64,
 }
 
@@ -132,7 +132,7 @@ impl SequenceTable {
     }
 
     /// Starts opening `seq`: its incarnation. Refused if the id is open or being opened.
-    pub fn begin_open(&mut self, seq: SeqId) -> Result<Writer, TableError> {
+    pub fn begin_open(&mut self, seq: SeqId) -> Result<Incarnation, TableError> {
         if self.seqs.contains_key(&seq) || self.opening.contains_key(&seq) {
             return Err(TableError::AlreadyOpen(seq));
         }
@@ -148,7 +148,7 @@ impl SequenceTable {
     pub fn end_open(
         &mut self,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         priority: u32,
         filling: Option<Vec<(u64, usize)>>,
     ) -> bool {
@@ -186,7 +186,7 @@ impl SequenceTable {
     /// and named once. Refused as a whole, changing nothing.
     /// Returns each sequence's incarnation; mark them with [`SequenceTable::growing`] if a
     /// grant must be waited for.
-    pub fn begin_step(&self, batch: &[SeqId]) -> Result<Vec<(SeqId, Writer)>, TableError> {
+    pub fn begin_step(&self, batch: &[SeqId]) -> Result<Vec<(SeqId, Incarnation)>, TableError> {
         if let Some(twice) = first_duplicate(batch) {
             return Err(TableError::Duplicate(twice));
         }
@@ -201,14 +201,14 @@ impl SequenceTable {
     }
 
     /// The step's sequences wait for their grant.
-    pub fn growing(&mut self, batch: &[(SeqId, Writer)]) {
+    pub fn growing(&mut self, batch: &[(SeqId, Incarnation)]) {
         self.set_phase(batch, Phase::Growing);
     }
 
     /// The step's grant and growth are done: `stepping` when the server now uses the
     /// sequences (the prepare succeeded and its caller got the answer), otherwise back to
     /// idle. Sequences closed meanwhile are skipped.
-    pub fn end_growth(&mut self, batch: &[(SeqId, Writer)], stepping: bool) {
+    pub fn end_growth(&mut self, batch: &[(SeqId, Incarnation)], stepping: bool) {
         let phase = if stepping {
             Phase::Stepping
         } else {
@@ -217,7 +217,7 @@ impl SequenceTable {
         self.set_phase(batch, phase);
     }
 
-    fn set_phase(&mut self, batch: &[(SeqId, Writer)], phase: Phase) {
+    fn set_phase(&mut self, batch: &[(SeqId, Incarnation)], phase: Phase) {
         for (seq, writer) in batch {
             if let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) {
                 // A sequence preempted while its step waited stays preempted.
@@ -230,7 +230,7 @@ impl SequenceTable {
 
     /// The first sequence of `batch` that pressure took while the step waited for its grant
     /// (the step then fails as a whole), with how it was preempted.
-    pub fn preempted_in(&self, batch: &[(SeqId, Writer)]) -> Option<(SeqId, PreemptMode)> {
+    pub fn preempted_in(&self, batch: &[(SeqId, Incarnation)]) -> Option<(SeqId, PreemptMode)> {
         batch.iter().find_map(|(seq, writer)| {
             let r = self.seqs.get(seq).filter(|r| r.writer == *writer)?;
             match r.phase {
@@ -247,7 +247,7 @@ impl SequenceTable {
     pub fn end_step(
         &mut self,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         tokens: usize,
     ) -> Result<Vec<u64>, TableError> {
         let r = self.usable(seq)?;
@@ -298,7 +298,7 @@ impl SequenceTable {
     /// blocks it was writing will never be finished by it (a step whose grant then lands
     /// fails with `Preempted`). Returns its incarnation (to abandon those blocks), or `None`
     /// if it was not evictable.
-    pub fn preempt(&mut self, seq: SeqId, mode: PreemptMode, tokens: usize) -> Option<Writer> {
+    pub fn preempt(&mut self, seq: SeqId, mode: PreemptMode, tokens: usize) -> Option<Incarnation> {
         if !self.evictable(seq) {
             return None;
         }
@@ -313,7 +313,7 @@ impl SequenceTable {
     pub fn begin_restore(
         &mut self,
         seq: SeqId,
-    ) -> Result<Option<(Writer, PreemptMode, usize)>, TableError> {
+    ) -> Result<Option<(Incarnation, PreemptMode, usize)>, TableError> {
         let r = self.seqs.get_mut(&seq).ok_or(TableError::Unknown(seq))?;
         match r.phase {
             Phase::Preempted { mode, tokens } => {
@@ -327,7 +327,7 @@ impl SequenceTable {
 
     /// The restore of `seq` as `writer` ended: `restored` puts it back to idle, otherwise it
     /// is preempted as before. `false` if that incarnation is gone (closed meanwhile).
-    pub fn end_restore(&mut self, seq: SeqId, writer: Writer, restored: bool) -> bool {
+    pub fn end_restore(&mut self, seq: SeqId, writer: Incarnation, restored: bool) -> bool {
         let Some(r) = self.seqs.get_mut(&seq).filter(|r| r.writer == writer) else {
             return false;
         };

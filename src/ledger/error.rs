@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::{AuthorityId, GrantId, HolderId, LeaseId};
-use crate::api::{DeviceKey, MemoryTier};
+use crate::api::{MemoryTier, Place};
 
 /// One holder's share of an authority.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,7 +151,7 @@ pub enum LedgerError {
     #[error("{tier:?} on {device} is already bound to {authority}")]
     TierAlreadyBound {
         /// The device.
-        device: DeviceKey,
+        device: Place,
         /// The tier.
         tier: MemoryTier,
         /// The authority it is bound to.

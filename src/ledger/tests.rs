@@ -183,21 +183,20 @@ fn retiring_returns_grants_at_once_and_keeps_leases_until_freed() {
 fn aliased_tiers_share_one_authority() {
     let mut l = Ledger::new();
     let unified = l.add_authority("unified", 100);
-    l.bind_tier(DeviceKey::HOST, MemoryTier::Host, unified)
-        .unwrap();
-    l.bind_tier(DeviceKey::cuda(0), MemoryTier::Device, unified)
+    l.bind_tier(Place::HOST, MemoryTier::Host, unified).unwrap();
+    l.bind_tier(Place::cuda(0), MemoryTier::Device, unified)
         .unwrap();
     assert_eq!(
-        l.authority_for(DeviceKey::cuda(0), MemoryTier::Device),
+        l.authority_for(Place::cuda(0), MemoryTier::Device),
         Some(unified)
     );
     assert_eq!(
-        l.authority_for(DeviceKey::HOST, MemoryTier::Host),
+        l.authority_for(Place::HOST, MemoryTier::Host),
         Some(unified)
     );
     let other = l.add_authority("other", 100);
     assert!(matches!(
-        l.bind_tier(DeviceKey::HOST, MemoryTier::Host, other),
+        l.bind_tier(Place::HOST, MemoryTier::Host, other),
         Err(LedgerError::TierAlreadyBound { .. })
     ));
     let h = l.register_holder(unified, "kv", 0).unwrap();
@@ -486,19 +485,19 @@ fn books_split_off_a_topology_keep_the_authority_and_issue_their_own_ids() {
     let host = topology.add_authority("host", 100);
     let gpu = topology.add_authority("cuda:0", 50);
     topology
-        .bind_tier(DeviceKey::HOST, MemoryTier::Host, host)
+        .bind_tier(Place::HOST, MemoryTier::Host, host)
         .unwrap();
     topology
-        .bind_tier(DeviceKey::cuda(0), MemoryTier::Device, gpu)
+        .bind_tier(Place::cuda(0), MemoryTier::Device, gpu)
         .unwrap();
     let mut host_books = topology.books_for(host).unwrap();
     let mut gpu_books = topology.books_for(gpu).unwrap();
     assert_eq!(
-        host_books.authority_for(DeviceKey::HOST, MemoryTier::Host),
+        host_books.authority_for(Place::HOST, MemoryTier::Host),
         Some(host)
     );
     assert_eq!(
-        host_books.authority_for(DeviceKey::cuda(0), MemoryTier::Device),
+        host_books.authority_for(Place::cuda(0), MemoryTier::Device),
         None,
         "only its own tiers"
     );

@@ -10,8 +10,8 @@ use super::range::VirtualRange;
 use super::{granularity, smaps, sys};
 use crate::api::capabilities::copy_span;
 use crate::api::{
-    CommitResult, DecommitResult, DeviceKey, GranuleMap, GranuleState, MapAccess, MechanismId,
-    MemoryError, PhysicalBlock, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
+    CommitResult, DecommitResult, GranuleMap, GranuleState, MapAccess, MechanismId, MemoryError,
+    PhysicalBlock, Place, SharedMapping, SharedView, VirtualAllocation, VirtualBacking,
     VirtualRequest,
 };
 
@@ -108,8 +108,8 @@ impl VirtualBacking for HostBacking {
         self.id
     }
 
-    fn device(&self) -> DeviceKey {
-        DeviceKey::HOST
+    fn place(&self) -> Place {
+        Place::HOST
     }
 
     fn granularity(&self) -> u64 {
@@ -130,7 +130,7 @@ impl VirtualBacking for HostBacking {
             addr,
             GranuleMap::new(request.bytes, self.granularity),
             request.role,
-            DeviceKey::HOST,
+            Place::HOST,
             self.id,
             Box::new(backend),
         ))

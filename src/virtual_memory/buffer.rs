@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::host_access::{range_bytes, range_bytes_mut};
 use crate::api::capabilities::copy_span;
 use crate::api::{
-    CommitResult, DecommitResult, DeviceKind, MapAccess, MemoryError, MemoryRole, PhysicalBlock,
+    CommitResult, DecommitResult, MapAccess, MemoryError, MemoryRole, PhysicalBlock, PlaceKind,
     SharedMapping, VirtualAllocation, VirtualBacking, VirtualRequest,
 };
 
@@ -210,8 +210,8 @@ impl VirtualBuffer {
     }
 
     fn require_host(&self) -> Result<(), MemoryError> {
-        match self.allocation.device().kind {
-            DeviceKind::Host => Ok(()),
+        match self.allocation.place().kind {
+            PlaceKind::Host => Ok(()),
             _ => Err(MemoryError::Unsupported {
                 capability: "host access to a virtual buffer",
                 reason: "the buffer lives in device memory",

@@ -3,10 +3,10 @@
 use std::ops::Range;
 
 use super::sys;
-use crate::api::{DeviceKind, GranuleState, MapAccess, MemoryError, VirtualAllocation};
+use crate::api::{GranuleState, MapAccess, MemoryError, PlaceKind, VirtualAllocation};
 
 fn check_host(allocation: &VirtualAllocation) -> Result<(), MemoryError> {
-    if allocation.device().kind == DeviceKind::Host {
+    if allocation.place().kind == PlaceKind::Host {
         Ok(())
     } else {
         Err(MemoryError::Unsupported {

@@ -38,7 +38,7 @@ enum HolderMsg {
 #[cfg(feature = "cluster")]
 impl ractor::Message for HolderMsg {}
 
-crate::holder_mailbox!(HolderMsg::Ticket);
+crate::holder::holder_mailbox!(HolderMsg::Ticket);
 
 struct HolderState {
     behavior: Behavior,
@@ -387,7 +387,7 @@ async fn holders_of_different_kinds_take_tickets_through_one_message_type() {
     }
     #[cfg(feature = "cluster")]
     impl ractor::Message for OtherMsg {}
-    crate::holder_mailbox!(OtherMsg::Pressure);
+    crate::holder::holder_mailbox!(OtherMsg::Pressure);
     impl Actor for OtherKind {
         type Msg = OtherMsg;
         type State = Option<Lease>;

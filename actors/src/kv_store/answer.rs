@@ -4,10 +4,10 @@
 //! credit top-up a `Lease`, which undo themselves the same way; a restore is answered again
 //! by a retry (a sequence that is not preempted answers what it holds).
 
-use procmem::kv::Writer;
+use procmem::kv::Incarnation;
 use ractor::ActorRef;
 
-use crate::holder::HolderRef;
+use crate::mailbox::HolderRef;
 
 use super::{KvStoreMsg, SeqId};
 
@@ -39,7 +39,7 @@ pub enum Restored {
 pub(crate) struct OpenAnswer {
     opened: Opened,
     /// Closes that incarnation of the sequence unless the caller took the answer.
-    undo: Option<(ActorRef<KvStoreMsg>, SeqId, Writer)>,
+    undo: Option<(ActorRef<KvStoreMsg>, SeqId, Incarnation)>,
 }
 
 impl OpenAnswer {
@@ -47,7 +47,7 @@ impl OpenAnswer {
         opened: Opened,
         store: ActorRef<KvStoreMsg>,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
     ) -> Self {
         OpenAnswer {
             opened,

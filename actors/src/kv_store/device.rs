@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId, Timeline};
 use procmem::host::HostMechanism;
-use procmem::{DeviceKey, SharedMapping, VirtualBacking};
+use procmem::{Place, SharedMapping, VirtualBacking};
 
 use crate::cuda_provider::{CudaStreamHandle, CudaSubmitError};
 use crate::deferred_free::DeferredQueue;
-use crate::device_provider::DeviceProvider;
+use crate::provider_choice::Provider;
 use crate::stream::{completed_within, CpuStream, StreamError};
 
 use super::KvStoreError;
@@ -106,7 +106,7 @@ impl KvStream {
     ) -> Result<Fence, StreamError> {
         match self {
             KvStream::Cpu(s) => s.submit(&[], kernel),
-            KvStream::Cuda(s) => Err(StreamError::NotHost(DeviceKey::cuda(
+            KvStream::Cuda(s) => Err(StreamError::NotHost(Place::cuda(
                 s.cuda().device().ordinal(),
             ))),
         }
@@ -115,7 +115,7 @@ impl KvStream {
 
 /// What the store uses of its provider's device.
 pub(crate) struct KvDevice {
-    pub(crate) provider: DeviceProvider,
+    pub(crate) provider: Provider,
     pub(crate) stream: KvStream,
     pub(crate) backing: Arc<dyn VirtualBacking>,
     pub(crate) shared: Arc<dyn SharedMapping>,
@@ -124,7 +124,7 @@ pub(crate) struct KvDevice {
 }
 
 impl KvDevice {
-    pub(crate) fn open(provider: DeviceProvider) -> Result<KvDevice, KvStoreError> {
+    pub(crate) fn open(provider: Provider) -> Result<KvDevice, KvStoreError> {
         // The backing does both: reserving and mapping, and sharing prefix blocks.
         let (stream, backing, shared, host): (
             _,
@@ -132,11 +132,11 @@ impl KvDevice {
             Arc<dyn SharedMapping>,
             _,
         ) = match &provider {
-            DeviceProvider::Host(p) => {
+            Provider::Cpu(p) => {
                 let b = p.mechanism().backing();
                 (KvStream::Cpu(p.stream(0)?.clone()), b.clone(), b, None)
             }
-            DeviceProvider::Cuda(p) => {
+            Provider::Cuda(p) => {
                 let b = p.mechanism().backing();
                 let host = Some(HostMechanism::new()?);
                 (KvStream::Cuda(p.stream(0)?.clone()), b.clone(), b, host)
@@ -158,15 +158,15 @@ impl KvDevice {
 
     /// Whether the KV is host memory (host kernels, host swap copies).
     pub(crate) fn is_host(&self) -> bool {
-        matches!(self.provider, DeviceProvider::Host(_))
+        matches!(self.provider, Provider::Cpu(_))
     }
 
     /// The host mechanism swap copies charged to a host tier are allocated from.
     pub(crate) fn host(&self) -> &HostMechanism {
         match (&self.provider, &self.host) {
-            (DeviceProvider::Host(p), _) => p.mechanism(),
+            (Provider::Cpu(p), _) => p.mechanism(),
             (_, Some(host)) => host,
-            (DeviceProvider::Cuda(_), None) => unreachable!("a CUDA store opens a host mechanism"),
+            (Provider::Cuda(_), None) => unreachable!("a CUDA store opens a host mechanism"),
         }
     }
 
@@ -180,8 +180,8 @@ impl KvDevice {
     /// the kernel counts them), or the VMM handles mapped (as the driver was asked for them).
     pub(crate) fn resident_bytes(&self) -> u64 {
         match &self.provider {
-            DeviceProvider::Host(p) => p.mechanism().backing().resident_bytes().unwrap_or(0),
-            DeviceProvider::Cuda(p) => p.mechanism().backing().mapped_bytes(),
+            Provider::Cpu(p) => p.mechanism().backing().resident_bytes().unwrap_or(0),
+            Provider::Cuda(p) => p.mechanism().backing().mapped_bytes(),
         }
     }
 }

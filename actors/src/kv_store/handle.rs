@@ -4,11 +4,11 @@
 use ractor::RpcReplyPort;
 
 use super::{
-    answer, DeviceProvider, KvStep, KvStore, KvStoreArgs, KvStoreConfig, KvStoreError, KvStoreMsg,
-    KvStoreStats, Opened, Restored, SeqId,
+    answer, KvStep, KvStore, KvStoreArgs, KvStoreConfig, KvStoreError, KvStoreMsg, KvStoreStats,
+    Opened, Provider, Restored, SeqId,
 };
 use crate::governor::GovernorHandle;
-use crate::holder::HolderRef;
+use crate::mailbox::HolderRef;
 use procmem::ledger::Priority;
 
 /// A cheap, cloneable handle to a KV store.
@@ -19,12 +19,12 @@ pub struct KvStoreHandle {
 
 impl KvStoreHandle {
     /// Starts a store registered as a holder with `governor`, backed by `provider` (the
-    /// host's [`CpuProvider`](crate::CpuProvider) or a [`CudaProvider`](crate::CudaProvider)).
+    /// host's [`CpuProvider`](crate::provider::CpuProvider) or a [`CudaProvider`](crate::provider::CudaProvider)).
     /// A store that cannot start says why (a bad shape is `KvStoreError::Kv`).
     pub async fn spawn(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: impl Into<DeviceProvider>,
+        provider: impl Into<Provider>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         Self::start(config, governor, provider.into(), None).await
     }
@@ -33,7 +33,7 @@ impl KvStoreHandle {
     pub async fn spawn_supervised(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: impl Into<DeviceProvider>,
+        provider: impl Into<Provider>,
         supervisor: ractor::ActorCell,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         Self::start(config, governor, provider.into(), Some(supervisor)).await
@@ -42,7 +42,7 @@ impl KvStoreHandle {
     async fn start(
         config: KvStoreConfig,
         governor: GovernorHandle,
-        provider: DeviceProvider,
+        provider: Provider,
         supervisor: Option<ractor::ActorCell>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
         let args = KvStoreArgs {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{KvError, LayerViews, Phase, Writer};
+use procmem::kv::{Incarnation, KvError, LayerViews, Phase};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
@@ -25,7 +25,7 @@ impl KvStoreState {
     pub(super) fn lend(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
-        plan: &[(SeqId, Writer, u64, usize)],
+        plan: &[(SeqId, Incarnation, u64, usize)],
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
         let batch = batch_of(plan);
@@ -67,7 +67,7 @@ impl KvStoreState {
     /// Where each sequence of `plan` has its K and V, each layer, with its new tokens.
     fn step_views(
         &self,
-        plan: &[(SeqId, Writer, u64, usize)],
+        plan: &[(SeqId, Incarnation, u64, usize)],
     ) -> Result<Vec<Vec<LayerViews>>, KvError> {
         plan.iter()
             .map(|(seq, _, _, count)| {
@@ -87,8 +87,8 @@ impl KvStoreState {
     #[allow(clippy::type_complexity)]
     fn take_lent(
         &mut self,
-        plan: &[(SeqId, Writer, u64, usize)],
-    ) -> (Vec<StepSeq>, Vec<(SeqId, Writer, u64)>) {
+        plan: &[(SeqId, Incarnation, u64, usize)],
+    ) -> (Vec<StepSeq>, Vec<(SeqId, Incarnation, u64)>) {
         let mut lent = Vec::with_capacity(plan.len());
         let mut ahead = Vec::new();
         for &(seq, writer, _, count) in plan {
@@ -125,7 +125,7 @@ impl KvStoreState {
     /// a grant of room there is now (no holder is asked to give way for it), committed, then
     /// the mapping under the step's memory (off the async threads: a host kernel may hold
     /// it). A step back in the store by then takes nothing (the lease goes back).
-    fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<(SeqId, Writer, u64)>) {
+    fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<(SeqId, Incarnation, u64)>) {
         let governor = self.governor.clone();
         let holder = self.holder;
         let buffers = self.config.shape.buffers() as u64;

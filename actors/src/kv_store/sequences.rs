@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use procmem::fence::Fence;
-use procmem::kv::{KvSequence, PendingGrowth, Phase, SequenceTable, Writer};
+use procmem::kv::{Incarnation, KvSequence, PendingGrowth, Phase, SequenceTable};
 use procmem::MemoryError;
 
 use super::prefix::Mapped;
@@ -109,12 +109,12 @@ impl Sequences {
     }
 
     /// Whether `seq` is open as incarnation `writer`.
-    pub(super) fn is(&self, seq: SeqId, writer: Writer) -> bool {
+    pub(super) fn is(&self, seq: SeqId, writer: Incarnation) -> bool {
         self.table.get(seq).is_some_and(|r| r.writer == writer)
     }
 
     /// Whether `seq` is open as incarnation `writer` in `phase`.
-    pub(super) fn is_in(&self, seq: SeqId, writer: Writer, phase: Phase) -> bool {
+    pub(super) fn is_in(&self, seq: SeqId, writer: Incarnation, phase: Phase) -> bool {
         self.table
             .get(seq)
             .is_some_and(|r| r.writer == writer && r.phase == phase)
@@ -127,7 +127,7 @@ impl Sequences {
 
     /// Closes `seq`: its record and its entry go together. Returns the incarnation closed
     /// and the entry, whose memory the caller retires.
-    pub(super) fn close(&mut self, seq: SeqId) -> (Option<Writer>, Option<SeqEntry>) {
+    pub(super) fn close(&mut self, seq: SeqId) -> (Option<Incarnation>, Option<SeqEntry>) {
         let writer = self.table.close(seq).map(|r| r.writer);
         (writer, self.entries.remove(&seq))
     }
@@ -173,7 +173,7 @@ mod tests {
     use super::*;
     use crate::charge::Tally;
 
-    fn opened(s: &mut Sequences, seq: SeqId) -> Writer {
+    fn opened(s: &mut Sequences, seq: SeqId) -> Incarnation {
         let writer = s.table.begin_open(seq).unwrap();
         let tally = Tally::default();
         assert!(s.table.end_open(seq, writer, 1, Some(Vec::new())));

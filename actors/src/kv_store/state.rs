@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 
 use procmem::fence::TimelineFence;
-use procmem::kv::{KvError, KvSequence, PreemptMode, Writer};
+use procmem::kv::{Incarnation, KvError, KvSequence, PreemptMode};
 use procmem::ledger::Priority;
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
@@ -32,7 +32,7 @@ impl KvStoreState {
     }
 
     /// An open that failed: its claims go and the id is free again.
-    pub(super) fn forget_open(&mut self, seq: SeqId, writer: Writer) {
+    pub(super) fn forget_open(&mut self, seq: SeqId, writer: Incarnation) {
         self.prefixes.abandon(writer);
         self.sequences.table.end_open(seq, writer, 0, None);
     }
@@ -101,7 +101,7 @@ impl KvStoreState {
     pub(super) fn call_off_step_of(
         &mut self,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         mode: PreemptMode,
     ) -> bool {
         match self.transactions.call_off_step_of(seq, writer) {

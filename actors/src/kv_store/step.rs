@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    gqa_decode, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews, PendingGrowth, Writer,
+    gqa_decode, Incarnation, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews,
+    PendingGrowth,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
@@ -26,7 +27,7 @@ use crate::stream::StreamError;
 /// One sequence's memory while a step has it.
 pub(super) struct StepSeq {
     pub(super) seq: SeqId,
-    pub(super) writer: Writer,
+    pub(super) writer: Incarnation,
     /// New tokens the step makes room for.
     pub(super) count: usize,
     /// Dropped first: unmapped before the blocks it maps and before its charge goes back.
@@ -68,7 +69,7 @@ impl StepMemory {
     pub(super) fn map_ahead(
         &self,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         per: u64,
         lease: Lease,
         latency: &::metrics::Histogram,
@@ -193,6 +194,34 @@ impl StepKv<'_> {
     }
 }
 
+/// What covers the kernels that wrote a step's rows, for [`KvStep::complete`]: the memory
+/// comes back, and the rows count, only after it.
+#[derive(Debug, Clone)]
+pub enum StepEnd {
+    /// The kernels submitted through the step ([`KvStep::submit`] and its kin): the host
+    /// path.
+    Submitted,
+    /// A fence of the step's own stream, recorded after kernels queued on it outside
+    /// `submit` (a CUDA server's launches).
+    Fence(Fence),
+    /// A fence of another stream (another provider's, a copy engine's) with its timeline,
+    /// besides everything queued on the step's own stream. The same holds if the call is
+    /// given up (dropped) while it waits.
+    After(TimelineFence),
+}
+
+impl From<Fence> for StepEnd {
+    fn from(fence: Fence) -> Self {
+        StepEnd::Fence(fence)
+    }
+}
+
+impl From<TimelineFence> for StepEnd {
+    fn from(fence: TimelineFence) -> Self {
+        StepEnd::After(fence)
+    }
+}
+
 /// One step of a batch of sequences, lent by [`KvStoreHandle::prepare_tokens`] (or
 /// [`KvStoreHandle::prepare`], one token each): room for each sequence's new tokens is mapped
 /// and paid for, and until the step ends none of them can be taken by pressure.
@@ -200,9 +229,9 @@ impl StepKv<'_> {
 /// For each sequence and layer, [`KvStep::views`] says where its flat K and V lie (address,
 /// rows, element type, strides) for the server's own kernels, valid until the step's fence.
 /// Host kernels run on [`KvStep::stream`] through [`KvStep::submit`], which hands them the
-/// memory as typed slices ([`StepKv`]). End the step with [`KvStep::complete`] (the new token
-/// counts) once every layer's K/V is written, or drop it (nothing counts; its memory is still
-/// held until every kernel it submitted ran).
+/// memory as typed slices ([`StepKv`]). A step ends one of two ways: [`KvStep::complete`]
+/// once every layer's K/V is written (the new tokens count), or [`KvStep::abandon`] (or a
+/// drop: nothing counts; its memory is still held until every kernel it submitted ran).
 ///
 /// [`KvStoreHandle::prepare`]: super::KvStoreHandle::prepare
 /// [`KvStoreHandle::prepare_tokens`]: super::KvStoreHandle::prepare_tokens
@@ -218,7 +247,7 @@ pub struct KvStep {
     memory: Option<Arc<StepMemory>>,
     stream: KvStream,
     last_fence: Mutex<Option<Fence>>,
-    /// A fence of another stream the step's end waits for (`complete_after`).
+    /// A fence of another stream the step's end waits for ([`StepEnd::After`]).
     after: Option<TimelineFence>,
 }
 
@@ -373,30 +402,29 @@ impl KvStep {
             .map_err(KvStoreError::from)
     }
 
-    /// Ends the step: every sequence holds its new tokens, written by the kernels that `fence`
-    /// (of the step's stream) covers. Returns once the store has the memory back (after
-    /// `fence`, and after every kernel submitted through the step). A fence of another stream
-    /// is refused (`ForeignFence`) and the step ends as if dropped: the store cannot see that
-    /// stream, so work there must be covered with [`KvStep::complete_after`].
-    pub async fn complete(mut self, fence: Fence) -> Result<(), KvStoreError> {
-        self.end(Some(fence), true).await
-    }
-
-    /// Ends the step like [`KvStep::complete`] once `fence`, a fence of any stream with its
-    /// timeline (another provider's stream, a copy engine), has completed too: for kernels that
-    /// used the views on another stream. The memory comes back only after both that fence and
-    /// everything queued on the step's own stream; the same holds if this call is given up
-    /// (dropped) while it waits.
-    pub async fn complete_after(mut self, fence: TimelineFence) -> Result<(), KvStoreError> {
-        self.after = Some(fence);
-        let own = self.last_fence();
-        self.end(own, true).await
-    }
-
-    /// [`KvStep::complete`] with the fence of the last kernel submitted through the step.
-    pub async fn finish(mut self) -> Result<(), KvStoreError> {
-        let fence = self.last_fence();
+    /// Ends the step: every sequence holds its new tokens, written by the kernels that `end`
+    /// covers ([`StepEnd`]: those submitted through the step, a fence of the step's stream, or
+    /// a fence of any other stream besides). Returns once the store has the memory back
+    /// (after that fence, and after every kernel submitted through the step). A
+    /// [`StepEnd::Fence`] of another stream is refused (`ForeignFence`) and the step ends as
+    /// if abandoned: the store cannot see that stream, so work there must be covered with
+    /// [`StepEnd::After`]. The other way a step ends is [`KvStep::abandon`] (or a drop).
+    pub async fn complete(mut self, end: impl Into<StepEnd>) -> Result<(), KvStoreError> {
+        let fence = match end.into() {
+            StepEnd::Submitted => self.last_fence(),
+            StepEnd::Fence(fence) => Some(fence),
+            StepEnd::After(after) => {
+                self.after = Some(after);
+                self.last_fence()
+            }
+        };
         self.end(fence, true).await
+    }
+
+    /// Ends the step without its tokens counting (what a drop does): the memory goes back
+    /// after every kernel submitted through the step, and no sequence grows.
+    pub fn abandon(self) {
+        drop(self);
     }
 
     async fn end(&mut self, fence: Option<Fence>, advance: bool) -> Result<(), KvStoreError> {

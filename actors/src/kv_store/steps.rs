@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use procmem::kv::{KvError, PendingGrowth, Writer};
+use procmem::kv::{Incarnation, KvError, PendingGrowth};
 use procmem::ledger::Priority;
 use procmem::{MapAccess, PhysicalBlock, SharedMapping};
 use ractor::{ActorRef, RpcReplyPort};
@@ -210,7 +210,7 @@ impl KvStoreState {
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         cached: usize,
         reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
     ) {
@@ -229,7 +229,7 @@ impl KvStoreState {
     }
 
     /// An open's answer was dropped unread: closes that incarnation, if it is still open.
-    pub(super) fn abandon(&mut self, seq: SeqId, writer: Writer) {
+    pub(super) fn abandon(&mut self, seq: SeqId, writer: Incarnation) {
         if self.sequences.is(seq, writer) {
             self.close(seq);
         }
@@ -376,7 +376,7 @@ impl KvStoreState {
     #[allow(clippy::type_complexity)]
     fn map_batch(
         &mut self,
-        seqs: &[(SeqId, Writer, u64, usize)],
+        seqs: &[(SeqId, Incarnation, u64, usize)],
     ) -> (Vec<(SeqId, PendingGrowth)>, Option<KvStoreError>) {
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
         for (seq, writer, per, _) in seqs {

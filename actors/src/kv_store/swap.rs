@@ -22,7 +22,7 @@ use procmem::fence::Fence;
 use procmem::host::{allocation_bytes, allocation_bytes_mut, unlinked_file, HostMechanism};
 use procmem::kv::{KvError, KvSequence};
 use procmem::ledger::{HolderId, Priority};
-use procmem::{AllocationRequest, DeviceAllocation, DeviceAllocator, MemoryError, MemoryRole};
+use procmem::{Allocation, AllocationRequest, Allocator, MemoryError, MemoryRole};
 
 use crate::governor::{GovernorHandle, Lease, ReserveRequest};
 
@@ -99,16 +99,16 @@ pub(super) struct Saved {
     per_buffer: u64,
     buffers: usize,
     /// Shared with the copy kernel, which keeps it alive while it writes.
-    place: Arc<Mutex<Place>>,
+    place: Arc<Mutex<SwapPlace>>,
     copied: Arc<AtomicBool>,
     /// The copy kernel's fence.
     pub(super) fence: Option<Fence>,
 }
 
-enum Place {
+enum SwapPlace {
     /// The copy, then what pays for it (fields drop in this order).
     Host {
-        rows: DeviceAllocation,
+        rows: Allocation,
         _lease: Lease,
     },
     Disk(File),
@@ -128,7 +128,7 @@ impl Saved {
         let per_buffer = tokens as u64 * memory.shape().token_bytes();
         let total = per_buffer.checked_mul(buffers as u64)?;
         let place = match space {
-            Space::Disk(dir) => Place::Disk(
+            Space::Disk(dir) => SwapPlace::Disk(
                 unlinked_file(dir)
                     .map_err(|e| tracing::warn!(%e, dir = %dir.display(), "no swap file"))
                     .ok()?,
@@ -153,7 +153,7 @@ impl Saved {
                     .ok()?;
                 let lease = grant.commit(charge).await.ok()?;
                 let rows = host.host_allocator().allocate(&request).ok()?;
-                Place::Host {
+                SwapPlace::Host {
                     rows,
                     _lease: lease,
                 }
@@ -187,7 +187,7 @@ impl Saved {
             let ok = (0..buffers).all(|b| {
                 let at = b as u64 * per_buffer;
                 match &mut *place {
-                    Place::Disk(file) => {
+                    SwapPlace::Disk(file) => {
                         staging.resize(per_buffer as usize, 0);
                         memory
                             .read_buffer(b, tokens, &mut staging)
@@ -198,7 +198,7 @@ impl Saved {
                                 .map_err(|e| tracing::warn!(%e, "swap file write failed"))
                                 .is_ok()
                     }
-                    Place::Host { rows: copy, .. } => match allocation_bytes_mut(copy) {
+                    SwapPlace::Host { rows: copy, .. } => match allocation_bytes_mut(copy) {
                         Ok(out) => memory
                             .read_buffer(
                                 b,
@@ -248,14 +248,14 @@ impl Saved {
         for b in 0..self.buffers {
             let at = b as u64 * self.per_buffer;
             match &*place {
-                Place::Disk(file) => {
+                SwapPlace::Disk(file) => {
                     file.read_exact_at(&mut rows, at)
                         .map_err(|source| MemoryError::Os {
                             op: "reading a swap file",
                             source,
                         })?
                 }
-                Place::Host { rows: copy, .. } => {
+                SwapPlace::Host { rows: copy, .. } => {
                     let all = allocation_bytes(copy)?;
                     rows.copy_from_slice(&all[at as usize..(at + self.per_buffer) as usize]);
                 }

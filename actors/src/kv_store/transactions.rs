@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use procmem::kv::Writer;
+use procmem::kv::Incarnation;
 use procmem::ledger::Priority;
 use ractor::RpcReplyPort;
 use tokio::task::AbortHandle;
@@ -20,7 +20,7 @@ use super::{KvStoreError, SeqId};
 pub(super) enum Pending {
     Open {
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         priority: Priority,
         entry: Box<SeqEntry>,
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
@@ -31,12 +31,12 @@ pub(super) enum Pending {
     },
     Prepare {
         /// Each sequence, its incarnation, its growth per buffer and its new tokens.
-        seqs: Vec<(SeqId, Writer, u64, usize)>,
+        seqs: Vec<(SeqId, Incarnation, u64, usize)>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
         seq: SeqId,
-        writer: Writer,
+        writer: Incarnation,
         per_buffer: u64,
         tokens: usize,
         saved: Saved,
@@ -45,7 +45,7 @@ pub(super) enum Pending {
 }
 
 /// The step's batch: each sequence with its incarnation.
-pub(super) fn batch_of(seqs: &[(SeqId, Writer, u64, usize)]) -> Vec<(SeqId, Writer)> {
+pub(super) fn batch_of(seqs: &[(SeqId, Incarnation, u64, usize)]) -> Vec<(SeqId, Incarnation)> {
     seqs.iter().map(|(s, w, ..)| (*s, *w)).collect()
 }
 
@@ -108,7 +108,7 @@ impl Transactions {
     }
 
     /// Calls off the step growing `seq` (incarnation `writer`), if one waits.
-    pub(super) fn call_off_step_of(&mut self, seq: SeqId, writer: Writer) -> Option<Pending> {
+    pub(super) fn call_off_step_of(&mut self, seq: SeqId, writer: Incarnation) -> Option<Pending> {
         self.call_off(|p| match p {
             Pending::Prepare { seqs, .. } => {
                 seqs.iter().any(|(s, w, ..)| *s == seq && *w == writer)
@@ -130,7 +130,7 @@ mod tests {
 
     use super::*;
 
-    fn prepare(seq: SeqId, writer: Writer) -> Pending {
+    fn prepare(seq: SeqId, writer: Incarnation) -> Pending {
         let (tx, _rx) = tokio::sync::oneshot::channel();
         Pending::Prepare {
             seqs: vec![(seq, writer, 0, 1)],

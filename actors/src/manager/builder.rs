@@ -7,17 +7,17 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use procmem::{DeviceKey, MemoryTier};
+use procmem::{MemoryTier, Place};
 use ractor::{Actor, ActorCell};
 use tokio::task::JoinHandle;
 
-use super::binding::DynProvider;
 use super::supervisor::HolderSupervisor;
 use super::topology::Topology;
 use super::{sample, Inner, ManagerError, MemoryManager};
 use crate::cuda_provider::{CudaProvider, CudaProviderConfig};
+use crate::execution::{CpuProvider, CpuProviderConfig};
 use crate::governor::{GovernorConfig, GovernorHandle};
-use crate::provider::{CpuProvider, CpuProviderConfig};
+use crate::provider_choice::Provider;
 
 /// Builds a [`MemoryManager`].
 #[derive(Debug, Clone, Default)]
@@ -128,63 +128,14 @@ impl MemoryManagerBuilder {
             (None, true) => Some(install_metrics(None)?.0),
             (None, false) => None,
         };
-        // CUDA where asked: without a driver this is a typed error, never a silent fallback.
-        let cuda = match self.cuda {
-            Some((ordinal, budget)) => {
-                let provider = CudaProvider::spawn(CudaProviderConfig {
-                    ordinal,
-                    ..CudaProviderConfig::default()
-                })
-                .await?;
-                started.providers.push(Arc::new(provider.clone()));
-                let detected = provider
-                    .mechanism()
-                    .device()
-                    .is_integrated()
-                    .unwrap_or(false);
-                Some((ordinal, budget, provider, self.unified.unwrap_or(detected)))
-            }
-            None => None,
-        };
-        // The topology: host, and the device either as a tier of the host's pool (unified
-        // memory) or as an authority of its own.
-        let mut topology = Topology::default();
-        let mut host_tiers = vec![(DeviceKey::HOST, MemoryTier::Host)];
-        let mut device_authority = None;
-        if let Some((ordinal, budget, _, unified)) = &cuda {
-            let device = (DeviceKey::cuda(*ordinal), MemoryTier::Device);
-            if *unified {
-                host_tiers.push(device);
-            } else {
-                device_authority = Some((DeviceKey::cuda(*ordinal).to_string(), *budget, device));
-            }
-        }
-        let host_id = topology.add("host", host_budget, &host_tiers)?;
-        let mut authorities = vec![(host_id, "host".to_string(), host_budget)];
-        if let Some((name, budget, tier)) = device_authority {
-            let id = topology.add(&name, budget, &[tier])?;
-            authorities.push((id, name, budget));
-        }
-        // Supervised: a Governor that dies is restarted with the holders' books.
-        for (id, name, budget) in authorities {
-            let books = topology.books_for(id)?;
-            let config = GovernorConfig::new(name.clone(), budget);
-            let (governor, supervisor) = GovernorHandle::spawn_supervised_books(books, id, config)
-                .await
-                .map_err(|source| ManagerError::Spawn {
-                    what: "Governor",
-                    source,
-                })?;
-            started.governors.push(governor.clone());
-            started.actors.push(supervisor);
-            topology.serve(&name, governor);
-        }
+        let cuda = self.start_cuda(started).await?;
+        let topology = start_governors(host_budget, cuda.as_ref(), started).await?;
         let host = CpuProvider::spawn(CpuProviderConfig {
             streams: self.streams.max(1),
             registry: None,
         })
         .await?;
-        started.providers.push(Arc::new(host.clone()));
+        started.providers.push(host.clone().into());
         let (supervisor, _) = Actor::spawn(None, HolderSupervisor, ())
             .await
             .map_err(|source| ManagerError::Spawn {
@@ -192,10 +143,10 @@ impl MemoryManagerBuilder {
                 source,
             })?;
         started.actors.push(supervisor.get_cell());
-        let mut providers: Vec<Arc<dyn DynProvider>> = vec![Arc::new(host.clone())];
+        let mut providers: Vec<Provider> = vec![host.clone().into()];
         let cuda = cuda.map(|(_, _, cuda, _)| cuda);
         if let Some(cuda) = &cuda {
-            providers.push(Arc::new(cuda.clone()));
+            providers.push(cuda.clone().into());
         }
         let inner = Arc::new(Inner {
             topology,
@@ -211,7 +162,7 @@ impl MemoryManagerBuilder {
             machine: Mutex::new(None),
         });
         if self.follow_machine {
-            if let Some(governor) = inner.topology.governor(DeviceKey::HOST, MemoryTier::Host) {
+            if let Some(governor) = inner.topology.governor(Place::HOST, MemoryTier::Host) {
                 let follow = crate::machine::HostPressure::spawn(
                     governor.clone(),
                     procmem::host::pressure::PressurePolicy::new(host_budget),
@@ -226,13 +177,83 @@ impl MemoryManagerBuilder {
         *started = Started::default();
         Ok(MemoryManager { inner })
     }
+
+    /// The CUDA provider where asked (without a driver this is a typed error, never a silent
+    /// fallback), and whether its memory is the host's.
+    async fn start_cuda(&self, started: &mut Started) -> Result<Option<Cuda>, ManagerError> {
+        let Some((ordinal, budget)) = self.cuda else {
+            return Ok(None);
+        };
+        let provider = CudaProvider::spawn(CudaProviderConfig {
+            ordinal,
+            ..CudaProviderConfig::default()
+        })
+        .await?;
+        started.providers.push(provider.clone().into());
+        let detected = provider
+            .mechanism()
+            .device()
+            .is_integrated()
+            .unwrap_or(false);
+        Ok(Some((
+            ordinal,
+            budget,
+            provider,
+            self.unified.unwrap_or(detected),
+        )))
+    }
+}
+
+/// A started CUDA device: its ordinal, budget, provider, and whether its memory is unified
+/// with the host's.
+type Cuda = (u32, u64, CudaProvider, bool);
+
+/// The topology: host, and the device either as a tier of the host's pool (unified memory)
+/// or as an authority of its own; each authority's Governor started supervised (one that
+/// dies is restarted with the holders' books).
+async fn start_governors(
+    host_budget: u64,
+    cuda: Option<&Cuda>,
+    started: &mut Started,
+) -> Result<Topology, ManagerError> {
+    let mut topology = Topology::default();
+    let mut host_tiers = vec![(Place::HOST, MemoryTier::Host)];
+    let mut device_authority = None;
+    if let Some((ordinal, budget, _, unified)) = cuda {
+        let device = (Place::cuda(*ordinal), MemoryTier::Device);
+        if *unified {
+            host_tiers.push(device);
+        } else {
+            device_authority = Some((Place::cuda(*ordinal).to_string(), *budget, device));
+        }
+    }
+    let host_id = topology.add("host", host_budget, &host_tiers)?;
+    let mut authorities = vec![(host_id, "host".to_string(), host_budget)];
+    if let Some((name, budget, tier)) = device_authority {
+        let id = topology.add(&name, budget, &[tier])?;
+        authorities.push((id, name, budget));
+    }
+    for (id, name, budget) in authorities {
+        let books = topology.books_for(id)?;
+        let config = GovernorConfig::new(name.clone(), budget);
+        let (governor, supervisor) = GovernorHandle::spawn_supervised_books(books, id, config)
+            .await
+            .map_err(|source| ManagerError::Spawn {
+                what: "Governor",
+                source,
+            })?;
+        started.governors.push(governor.clone());
+        started.actors.push(supervisor);
+        topology.serve(&name, governor);
+    }
+    Ok(topology)
 }
 
 /// What a `build` that fails part-way has started, to be stopped again.
 #[derive(Default)]
 pub(super) struct Started {
     exporter: Option<JoinHandle<()>>,
-    providers: Vec<Arc<dyn DynProvider>>,
+    providers: Vec<Provider>,
     governors: Vec<GovernorHandle>,
     actors: Vec<ActorCell>,
 }

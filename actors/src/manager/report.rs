@@ -2,10 +2,10 @@
 
 use std::net::SocketAddr;
 
-use procmem::DeviceKey;
+use procmem::Place;
 
+use crate::execution::ProviderError;
 use crate::kv_store::KvStoreError;
-use crate::provider::ProviderError;
 use crate::residency::ResidencyError;
 
 /// Why the manager could not start, bind or shut down cleanly.
@@ -24,7 +24,7 @@ pub enum ManagerError {
     },
     /// A device this build or machine does not have.
     #[error("unknown device {0}: this manager has host{1}")]
-    UnknownDevice(DeviceKey, &'static str),
+    UnknownDevice(Place, &'static str),
     /// The metrics endpoint could not be started (address in use, not local, ...).
     #[error("cannot serve metrics on {addr}: {why}")]
     Metrics {

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use procmem::ledger::{AuthorityId, Ledger, LedgerError};
-use procmem::{DeviceKey, MemoryTier};
+use procmem::{MemoryTier, Place};
 
 use crate::governor::GovernorHandle;
 
@@ -18,7 +18,7 @@ pub struct Authority {
     /// Its Governor.
     pub governor: GovernorHandle,
     /// The (device, tier) pairs it pays for.
-    pub tiers: Vec<(DeviceKey, MemoryTier)>,
+    pub tiers: Vec<(Place, MemoryTier)>,
 }
 
 /// The authorities of a process and the tiers each pays for.
@@ -37,7 +37,7 @@ impl Topology {
         &mut self,
         name: &str,
         capacity: u64,
-        tiers: &[(DeviceKey, MemoryTier)],
+        tiers: &[(Place, MemoryTier)],
     ) -> Result<AuthorityId, LedgerError> {
         if let Some((device, tier)) = tiers
             .iter()
@@ -83,7 +83,7 @@ impl Topology {
     }
 
     /// The Governor paying for `tier` on `device`.
-    pub(crate) fn governor(&self, device: DeviceKey, tier: MemoryTier) -> Option<&GovernorHandle> {
+    pub(crate) fn governor(&self, device: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
         let id = self.books.authority_for(device, tier)?;
         let at = *self.index.get(&id)?;
         Some(&self.authorities[at].governor)
@@ -102,12 +102,12 @@ mod tests {
                 "host",
                 100,
                 &[
-                    (DeviceKey::HOST, MemoryTier::Host),
-                    (DeviceKey::cuda(0), MemoryTier::Device),
+                    (Place::HOST, MemoryTier::Host),
+                    (Place::cuda(0), MemoryTier::Device),
                 ],
             )
             .unwrap();
-        let again = t.add("cuda:0", 50, &[(DeviceKey::cuda(0), MemoryTier::Device)]);
+        let again = t.add("cuda:0", 50, &[(Place::cuda(0), MemoryTier::Device)]);
         assert!(
             matches!(again, Err(LedgerError::TierAlreadyBound { authority, .. }) if authority == host)
         );

@@ -15,10 +15,10 @@ use procmem::MemoryRole;
 use tokio::time::Instant;
 
 use super::{idle, Layer, ResidencyError, ResidencyState, Slot};
-use crate::buffer::DeviceBuffer;
-use crate::device_provider::DeviceProvider;
+use crate::buffer::Buffer;
 use crate::governor::{Lease, ReserveRequest};
 use crate::pressure::PressureTicket;
+use crate::provider_choice::Provider;
 use crate::stream::completed_within;
 
 /// How long a reload waits at least for its layer's copy kernel.
@@ -44,7 +44,7 @@ pub(super) struct Offloaded {
     /// The device copy, until the copy kernel has written the lower tier's: the kernel drops
     /// it (freed after its fence) once its copy succeeded, and one that failed leaves it here,
     /// so a failed copy loses nothing.
-    kept: Arc<Mutex<Option<DeviceBuffer>>>,
+    kept: Arc<Mutex<Option<Buffer>>>,
 }
 
 /// What a reload finds.
@@ -52,7 +52,7 @@ pub(super) enum Back {
     /// The copy's bytes.
     Bytes(Vec<u8>),
     /// The device copy, kept because the copy out failed: the layer never left.
-    Kept(DeviceBuffer),
+    Kept(Buffer),
 }
 
 impl Offloaded {
@@ -64,7 +64,7 @@ impl Offloaded {
     /// Gives the device copy to the copy kernel (see `kept`). Where the copy is already
     /// written (it ran first, or on a GPU it was made before) the buffer drops here, freed
     /// after the stream's work on it.
-    fn hand_over(&self, buffer: DeviceBuffer) {
+    fn hand_over(&self, buffer: Buffer) {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         if self.fence.is_some() && !self.copied.load(Ordering::Acquire) {
             *kept = Some(buffer);
@@ -200,7 +200,7 @@ impl ResidencyState {
         layer: usize,
         away: &Offloaded,
     ) -> Result<Back, ResidencyError> {
-        if let (Some(fence), DeviceProvider::Host(provider)) = (away.fence, &self.provider) {
+        if let (Some(fence), Provider::Cpu(provider)) = (away.fence, &self.provider) {
             let stream = provider.stream(0)?;
             // A copy kernel always finishes on a running stream; the limit only keeps a
             // stopped one from holding the actor.
@@ -234,17 +234,17 @@ impl ResidencyState {
 /// Copies `buffer` out to `place`: a kernel on the host stream, or (on a GPU) a
 /// device-to-host copy once the layer's kernels are done. `None` if it could not be queued.
 async fn copy_out(
-    provider: &DeviceProvider,
-    buffer: &DeviceBuffer,
+    provider: &Provider,
+    buffer: &Buffer,
     place: Place,
     len: usize,
     wait: std::time::Duration,
 ) -> Option<Offloaded> {
     let place = Arc::new(place);
     let copied = Arc::new(AtomicBool::new(false));
-    let kept: Arc<Mutex<Option<DeviceBuffer>>> = Arc::new(Mutex::new(None));
+    let kept: Arc<Mutex<Option<Buffer>>> = Arc::new(Mutex::new(None));
     let fence = match provider {
-        DeviceProvider::Host(host) => {
+        Provider::Cpu(host) => {
             let (sink, done, keep) = (Arc::clone(&place), Arc::clone(&copied), Arc::clone(&kept));
             let stream = host.stream(0).ok()?;
             let fence = stream
@@ -262,7 +262,7 @@ async fn copy_out(
                 .ok()?;
             Some(fence)
         }
-        DeviceProvider::Cuda(cuda) => {
+        Provider::Cuda(cuda) => {
             // The server's kernels over it must be done before a device-to-host copy.
             let stream = cuda.stream(0).ok()?;
             if !idle(buffer, stream, wait).await {

@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
-    CpuProvider, CpuProviderConfig, GovernorConfig, GovernorError, GovernorHandle, Grant,
-    KvStoreConfig, KvStoreHandle, PreemptMode, ReserveRequest,
+    governor::{GovernorConfig, GovernorError, GovernorHandle, Grant, ReserveRequest},
+    kv::{KvStoreConfig, KvStoreHandle, PreemptMode},
+    provider::{CpuProvider, CpuProviderConfig},
 };
 
 /// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
@@ -27,7 +28,7 @@ pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvid
 
 /// Waits (up to 10 s) until the store's books, the Governor's and the kernel's agree;
 /// returns the store's figures then.
-pub async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::KvStoreStats {
+pub async fn settled(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::kv::KvStoreStats {
     let start = Instant::now();
     loop {
         let s = kv.stats().await.unwrap();
@@ -150,7 +151,7 @@ pub fn is_mapped(addr: u64) -> bool {
 ///
 /// # Safety
 /// The view's buffer was in the kernel's `uses`, and nothing writes it meanwhile.
-pub unsafe fn read_by_address<'a>(view: &procmem_actors::BufferView) -> &'a [u8] {
+pub unsafe fn read_by_address<'a>(view: &procmem_actors::provider::BufferView) -> &'a [u8] {
     // SAFETY: the caller's preconditions.
     unsafe { std::slice::from_raw_parts(view.addr as usize as *const u8, view.len as usize) }
 }
@@ -179,9 +180,9 @@ pub fn kv_item(
     seq: u64,
     pos: usize,
     layer: usize,
-) -> procmem_actors::AttendItem {
+) -> procmem_actors::kv::AttendItem {
     let tf = shape.token_elems();
-    procmem_actors::AttendItem {
+    procmem_actors::kv::AttendItem {
         seq,
         q: kv_floats(seq, pos, layer, 0, shape.q_heads * shape.head_dim),
         k: kv_floats(seq, pos, layer, 1, tf),

@@ -4,7 +4,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use procmem_actors::{GovernorError, KvStoreError, Restored, SeqId};
+use procmem_actors::{
+    governor::GovernorError,
+    kv::{KvStoreError, Restored, SeqId},
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
@@ -26,7 +29,7 @@ const CALM_STEPS: u32 = 16;
 /// fit. Anything else is a fault no retry mends.
 pub(super) fn short_of_room(e: &ModelError) -> bool {
     use procmem_actors::procmem::ledger::LedgerError;
-    use procmem_actors::{ProviderError, ResidencyError};
+    use procmem_actors::{provider::ProviderError, residency::ResidencyError};
     let late = |g: &GovernorError| {
         matches!(
             g,

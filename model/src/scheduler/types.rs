@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use procmem_actors::{KvStoreError, SeqId};
+use procmem_actors::kv::{KvStoreError, SeqId};
 
 use crate::ModelError;
 

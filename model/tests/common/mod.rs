@@ -8,7 +8,10 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{KvStoreConfig, MemoryManager, PreemptMode};
+use procmem_actors::{
+    kv::{KvStoreConfig, PreemptMode},
+    MemoryManager,
+};
 use procmem_model::{smollm2_path, top2, Completion, Engine, Request, RunStats, Smol, TextCodec};
 
 pub const NEW_TOKENS: usize = 64;

@@ -14,7 +14,7 @@ pub struct GovernorConfig {
     /// How long one holder gets to answer a ticket before the next one is asked.
     pub ticket_timeout: Duration,
     /// Requests that may wait at once; more are refused with
-    /// [`GovernorError::Busy`](crate::GovernorError::Busy).
+    /// [`GovernorError::Busy`](crate::governor::GovernorError::Busy).
     pub max_waiters: usize,
 }
 

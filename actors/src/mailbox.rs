@@ -1,17 +1,17 @@
 //! What every holder shares: a mailbox that takes [`PressureTicket`]s (so the Governor can
-//! reach it through a [`TicketInbox`](crate::TicketInbox)), and a handle that spawns it,
+//! reach it through a [`TicketInbox`](crate::holder::TicketInbox)), and a handle that spawns it,
 //! supervised or not, and asks it things.
 
 use ractor::{Actor, ActorCell, ActorRef, Message, RpcReplyPort, SpawnErr};
 use tokio::task::JoinHandle;
 
 /// Lets a holder's mailbox take pressure tickets: `holder_mailbox!(MyMsg::Ticket)` makes
-/// `MyMsg` from a [`PressureTicket`](crate::PressureTicket) and back, which is what
-/// `ActorRef::get_derived` needs to make the [`TicketInbox`](crate::TicketInbox) a holder
+/// `MyMsg` from a [`PressureTicket`](crate::holder::PressureTicket) and back, which is what
+/// `ActorRef::get_derived` needs to make the [`TicketInbox`](crate::holder::TicketInbox) a holder
 /// registers with its Governor.
 ///
 /// ```
-/// use procmem_actors::{holder_mailbox, PressureTicket};
+/// use procmem_actors::holder::{holder_mailbox, PressureTicket};
 ///
 /// enum MyHolderMsg {
 ///     Ticket(PressureTicket),
@@ -21,16 +21,18 @@ use tokio::task::JoinHandle;
 /// // With this crate's `cluster` feature (ractor's, for the node Governor), a message type
 /// // must also say it is one: `impl ractor::Message for MyHolderMsg {}`. Without it, nothing.
 /// ```
+// Exported under `holder` (`procmem_actors::holder::holder_mailbox!`), not at the root.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! holder_mailbox {
+macro_rules! __holder_mailbox {
     ($msg:ident :: $variant:ident) => {
-        impl ::core::convert::From<$crate::PressureTicket> for $msg {
-            fn from(ticket: $crate::PressureTicket) -> Self {
+        impl ::core::convert::From<$crate::holder::PressureTicket> for $msg {
+            fn from(ticket: $crate::holder::PressureTicket) -> Self {
                 $msg::$variant(ticket)
             }
         }
 
-        impl ::core::convert::TryFrom<$msg> for $crate::PressureTicket {
+        impl ::core::convert::TryFrom<$msg> for $crate::holder::PressureTicket {
             type Error = ();
             #[allow(unreachable_patterns)]
             fn try_from(msg: $msg) -> ::core::result::Result<Self, ()> {

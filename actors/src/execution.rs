@@ -2,7 +2,7 @@
 //! own deferred-free actor, supervised by the provider actor. One generic actor and handle,
 //! [`Provider`], serves every kind; a [`ProviderKind`] says what differs: the mechanism and
 //! how a stream starts. The CPU kind is here ([`CpuProvider`]); the CUDA kind is in
-//! [`CudaProvider`](crate::CudaProvider).
+//! [`CudaProvider`](crate::provider::CudaProvider).
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -10,14 +10,11 @@ use std::sync::Arc;
 use procmem::fence::{HostTimeline, StreamId, Timeline};
 use procmem::host::HostMechanism;
 use procmem::ledger::{HolderId, Priority};
-use procmem::{
-    AllocationRequest, ContextId, DeviceAllocation, DeviceAllocator, DeviceMemoryMechanism,
-    MemoryError,
-};
+use procmem::{Allocation, AllocationRequest, Allocator, ContextId, MemoryError, MemoryMechanism};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::time::Instant;
 
-use crate::buffer::DeviceBuffer;
+use crate::buffer::Buffer;
 use crate::deferred_free::{
     DeferredFree, DeferredFreeMsg, DeferredQueue, DrainReport, StreamRegistry,
 };
@@ -51,7 +48,7 @@ pub struct WrongContext {
     /// The context it was handed to.
     pub this: ContextId,
     /// The buffer, untouched.
-    pub buffer: DeviceBuffer,
+    pub buffer: Buffer,
 }
 
 /// What differs between kinds of execution provider.
@@ -59,14 +56,14 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
     /// What starting one takes.
     type Config: Send + 'static;
     /// The memory mechanism of its device.
-    type Mechanism: DeviceMemoryMechanism + Send + Sync + 'static;
+    type Mechanism: MemoryMechanism + Send + Sync + 'static;
     /// One of its streams.
     type Stream: ProviderStream;
     /// Its name, for logs.
     const NAME: &'static str;
 
     /// Opens the device's mechanism (before any actor starts, so the error is typed).
-    fn open(config: Self::Config) -> Result<OpenedDevice<Self>, MemoryError>;
+    fn open(config: Self::Config) -> Result<OpenedMechanism<Self>, MemoryError>;
 
     /// Starts stream `id`, whose completions go to `deferred`.
     fn start_stream(
@@ -77,7 +74,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
 }
 
 /// An opened device, ready for its provider actor.
-pub struct OpenedDevice<K: ProviderKind> {
+pub struct OpenedMechanism<K: ProviderKind> {
     /// The mechanism.
     pub mechanism: K::Mechanism,
     /// The context its allocations belong to.
@@ -103,13 +100,13 @@ pub(crate) use sealed::StreamControl;
 /// `stop_and_join` methods (every kind of stream has them).
 macro_rules! provider_stream {
     ($stream:ty) => {
-        impl $crate::provider::StreamControl for $stream {
+        impl $crate::execution::StreamControl for $stream {
             fn stop_and_join(&self) {
                 <$stream>::stop_and_join(self);
             }
         }
 
-        impl $crate::provider::ProviderStream for $stream {
+        impl $crate::execution::ProviderStream for $stream {
             fn timeline(&self) -> std::sync::Arc<dyn procmem::fence::Timeline> {
                 <$stream>::timeline(self)
             }
@@ -178,14 +175,14 @@ impl<K> Default for ExecutionProvider<K> {
 impl<K: ProviderKind> Actor for ExecutionProvider<K> {
     type Msg = ProviderMsg<K>;
     type State = Arc<ProviderContext<K>>;
-    type Arguments = OpenedDevice<K>;
+    type Arguments = OpenedMechanism<K>;
 
     async fn pre_start(
         &self,
         myself: ActorRef<ProviderMsg<K>>,
-        opened: OpenedDevice<K>,
+        opened: OpenedMechanism<K>,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let OpenedDevice {
+        let OpenedMechanism {
             mechanism,
             context: id,
             streams: count,
@@ -262,21 +259,21 @@ impl<K: ProviderKind> Actor for ExecutionProvider<K> {
 }
 
 /// A handle to an execution provider of kind `K`; cheap to clone.
-pub struct Provider<K: ProviderKind> {
+pub struct ProviderOf<K: ProviderKind> {
     actor: ActorRef<ProviderMsg<K>>,
     context: Arc<ProviderContext<K>>,
 }
 
-impl<K: ProviderKind> Clone for Provider<K> {
+impl<K: ProviderKind> Clone for ProviderOf<K> {
     fn clone(&self) -> Self {
-        Provider {
+        ProviderOf {
             actor: self.actor.clone(),
             context: self.context.clone(),
         }
     }
 }
 
-impl<K: ProviderKind> std::fmt::Debug for Provider<K> {
+impl<K: ProviderKind> std::fmt::Debug for ProviderOf<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct(K::NAME)
             .field("context", &self.context.id)
@@ -285,7 +282,7 @@ impl<K: ProviderKind> std::fmt::Debug for Provider<K> {
     }
 }
 
-impl<K: ProviderKind> Provider<K> {
+impl<K: ProviderKind> ProviderOf<K> {
     /// Opens the device and starts the provider with its streams and their deferred-free
     /// actors. A device that cannot be opened (no CUDA driver, say) is a typed
     /// `ProviderError::Memory` and nothing starts.
@@ -296,7 +293,7 @@ impl<K: ProviderKind> Provider<K> {
             .map_err(|_| ProviderError::Unavailable)?;
         let context = ractor::call!(actor, |r| ProviderMsg::Context { reply: r })
             .map_err(|_| ProviderError::Unavailable)?;
-        Ok(Provider { actor, context })
+        Ok(ProviderOf { actor, context })
     }
 
     /// The provider actor (for supervision and tests).
@@ -341,7 +338,7 @@ impl<K: ProviderKind> Provider<K> {
         priority: Priority,
         deadline: Option<Instant>,
         home: usize,
-    ) -> Result<DeviceBuffer, ProviderError> {
+    ) -> Result<Buffer, ProviderError> {
         let stream = self.stream(home)?;
         let (allocation, lease) = charged_allocation(
             self.context.mechanism.allocator(),
@@ -352,7 +349,7 @@ impl<K: ProviderKind> Provider<K> {
             deadline,
         )
         .await?;
-        Ok(DeviceBuffer::new(
+        Ok(Buffer::new(
             allocation,
             Some(lease),
             stream.deferred_free().clone(),
@@ -362,7 +359,7 @@ impl<K: ProviderKind> Provider<K> {
 
     /// Frees a buffer through this provider: refused (and handed back) if another
     /// context made it; otherwise queued for deferred free like a drop.
-    pub fn free(&self, buffer: DeviceBuffer) -> Result<(), Box<WrongContext>> {
+    pub fn free(&self, buffer: Buffer) -> Result<(), Box<WrongContext>> {
         free_in_context(self.context.id, buffer)
     }
 
@@ -402,9 +399,9 @@ impl ProviderKind for Cpu {
     type Stream = CpuStream;
     const NAME: &'static str = "CpuProvider";
 
-    fn open(config: CpuProviderConfig) -> Result<OpenedDevice<Self>, MemoryError> {
+    fn open(config: CpuProviderConfig) -> Result<OpenedMechanism<Self>, MemoryError> {
         let mechanism = HostMechanism::new()?;
-        Ok(OpenedDevice {
+        Ok(OpenedMechanism {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,
@@ -424,18 +421,18 @@ impl ProviderKind for Cpu {
 provider_stream!(CpuStream);
 
 /// The CPU execution provider: the host mechanism and CPU streams.
-pub type CpuProvider = Provider<Cpu>;
+pub type CpuProvider = ProviderOf<Cpu>;
 
 /// Charges the full footprint of `request` to `holder`, allocates, and commits the charge at
 /// the real footprint. Any failure returns the grant (and frees an allocation no stream used).
 pub(crate) async fn charged_allocation(
-    allocator: &dyn DeviceAllocator,
+    allocator: &dyn Allocator,
     governor: &GovernorHandle,
     holder: HolderId,
     request: &AllocationRequest,
     priority: Priority,
     deadline: Option<Instant>,
-) -> Result<(DeviceAllocation, Lease), ProviderError> {
+) -> Result<(Allocation, Lease), ProviderError> {
     let footprint = allocator.footprint(request)?;
     let grant = governor
         .reserve(ReserveRequest {
@@ -469,10 +466,7 @@ pub(crate) async fn charged_allocation(
 }
 
 /// Drops `buffer` into its deferred-free path if `context` made it; hands it back otherwise.
-pub(crate) fn free_in_context(
-    context: ContextId,
-    buffer: DeviceBuffer,
-) -> Result<(), Box<WrongContext>> {
+pub(crate) fn free_in_context(context: ContextId, buffer: Buffer) -> Result<(), Box<WrongContext>> {
     if buffer.context() != context {
         return Err(Box::new(WrongContext {
             owner: buffer.context(),
