@@ -3,7 +3,7 @@
 //! ```text
 //!  Holder ──reserve/commit──▶ Governor          (whether there is room)
 //!     │
-//!     └──▶ MemoryMechanism                 (how memory is obtained)
+//!     └──▶ MemoryMechanism                      (how memory is obtained)
 //!            ├── allocator()        required  : allocate / free
 //!            ├── virtual_backing()  optional  : reserve / commit_range / decommit_range
 //!            └── shared_mapping()   optional  : one physical block at several addresses

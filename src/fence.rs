@@ -26,7 +26,7 @@ use std::sync::{
     Condvar, Mutex,
 };
 
-/// Identity of one device stream (a CPU worker thread, a CUDA stream).
+/// Identity of one stream (a CPU worker thread, a CUDA stream).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId(u64);
 

@@ -1,4 +1,4 @@
-//! Memory that must outlive the device work that used it, with one owner.
+//! Memory that must outlive the work on streams that used it, with one owner.
 //!
 //! A [`Fenced`] holds the item (an allocation, a mapped block), the refund that pays for it
 //! (a lease) and the fence of every stream that used it, each with its own timeline, whatever

@@ -257,34 +257,34 @@ impl Ledger {
         id
     }
 
-    /// Says that memory of `tier` on `device` is paid from `authority`. Tiers that alias the
+    /// Says that memory of `tier` on `place` is paid from `authority`. Tiers that alias the
     /// same bytes (unified memory) are bound to one authority.
     pub fn bind_tier(
         &mut self,
-        device: Place,
+        place: Place,
         tier: MemoryTier,
         authority: AuthorityId,
     ) -> Result<(), LedgerError> {
         self.authority(authority)?;
-        match self.tiers.get(&(device, tier)) {
+        match self.tiers.get(&(place, tier)) {
             Some(existing) if *existing != authority => Err(LedgerError::TierAlreadyBound {
-                device,
+                place,
                 tier,
                 authority: *existing,
             }),
             _ => {
-                self.tiers.insert((device, tier), authority);
+                self.tiers.insert((place, tier), authority);
                 Ok(())
             }
         }
     }
 
-    /// The authority that pays for `tier` on `device`.
-    pub fn authority_for(&self, device: Place, tier: MemoryTier) -> Option<AuthorityId> {
-        self.tiers.get(&(device, tier)).copied()
+    /// The authority that pays for `tier` on `place`.
+    pub fn authority_for(&self, place: Place, tier: MemoryTier) -> Option<AuthorityId> {
+        self.tiers.get(&(place, tier)).copied()
     }
 
-    /// The (device, tier) pairs `authority` pays for.
+    /// The (place, tier) pairs `authority` pays for.
     pub fn tiers_of(&self, authority: AuthorityId) -> Vec<(Place, MemoryTier)> {
         self.tiers
             .iter()

@@ -43,7 +43,7 @@ impl Release for Shared {
     }
 }
 
-/// A raw view of a buffer for device kernels: an address and a length on one device. Host
+/// A raw view of a buffer for device kernels: an address and a length in one place. Host
 /// kernels read through [`CpuStream::submit_reading`](crate::provider::CpuStream::submit_reading)
 /// instead, which hands them slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,8 +52,8 @@ pub struct BufferView {
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
-    /// The device the bytes are on.
-    pub device: Place,
+    /// Where the bytes are.
+    pub place: Place,
 }
 
 impl Buffer {
@@ -94,7 +94,7 @@ impl Buffer {
         BufferView {
             addr: a.addr(),
             len: a.bytes(),
-            device: a.place(),
+            place: a.place(),
         }
     }
 

@@ -1,6 +1,6 @@
 //! Execution providers: a device context (a memory mechanism) and its streams, each with its
 //! own deferred-free actor, supervised by the provider actor. One generic actor and handle,
-//! [`Provider`], serves every kind; a [`ProviderKind`] says what differs: the mechanism and
+//! [`ProviderOf`], serves every kind; a [`ProviderKind`] says what differs: the mechanism and
 //! how a stream starts. The CPU kind is here ([`CpuProvider`]); the CUDA kind is in
 //! [`CudaProvider`](crate::provider::CudaProvider).
 
@@ -55,14 +55,14 @@ pub struct WrongContext {
 pub trait ProviderKind: Send + Sync + Sized + 'static {
     /// What starting one takes.
     type Config: Send + 'static;
-    /// The memory mechanism of its device.
+    /// Its memory mechanism.
     type Mechanism: MemoryMechanism + Send + Sync + 'static;
     /// One of its streams.
     type Stream: ProviderStream;
     /// Its name, for logs.
     const NAME: &'static str;
 
-    /// Opens the device's mechanism (before any actor starts, so the error is typed).
+    /// Opens its mechanism (before any actor starts, so the error is typed).
     fn open(config: Self::Config) -> Result<OpenedMechanism<Self>, MemoryError>;
 
     /// Starts stream `id`, whose completions go to `deferred`.
@@ -73,7 +73,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
     ) -> Result<Self::Stream, MemoryError>;
 }
 
-/// An opened device, ready for its provider actor.
+/// An opened mechanism, with its context and streams to start, ready for its provider actor.
 pub struct OpenedMechanism<K: ProviderKind> {
     /// The mechanism.
     pub mechanism: K::Mechanism,
@@ -283,8 +283,8 @@ impl<K: ProviderKind> std::fmt::Debug for ProviderOf<K> {
 }
 
 impl<K: ProviderKind> ProviderOf<K> {
-    /// Opens the device and starts the provider with its streams and their deferred-free
-    /// actors. A device that cannot be opened (no CUDA driver, say) is a typed
+    /// Opens the mechanism and starts the provider with its streams and their deferred-free
+    /// actors. A mechanism that cannot be opened (no CUDA driver, say) is a typed
     /// `ProviderError::Memory` and nothing starts.
     pub async fn spawn(config: K::Config) -> Result<Self, ProviderError> {
         let opened = K::open(config)?;

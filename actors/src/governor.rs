@@ -8,10 +8,10 @@
 //!
 //! A request that fits is granted at once. One that does not waits, by priority then
 //! arrival, until its deadline, while the Governor asks the authority's holders, one at a
-//! time, for the shortfall through [`PressureTicket`](crate::holder::PressureTicket)s; each holder chooses its own victims
-//! and may free nothing. Releases let waiters in. Replies carry owning handles: a [`Grant`]
-//! that is dropped returns itself, a [`Lease`] that is dropped releases what it still holds,
-//! and a reply whose caller is gone is rolled back on the spot.
+//! time, for the shortfall through [`PressureTicket`](crate::holder::PressureTicket)s; each
+//! holder chooses its own victims and may free nothing. Releases let waiters in. Replies carry
+//! owning handles: a [`Grant`] that is dropped returns itself, a [`Lease`] that is dropped
+//! releases what it still holds, and a reply whose caller is gone is rolled back on the spot.
 //!
 //! The module is two sides over one protocol, its imports running one way, server → client →
 //! protocol:

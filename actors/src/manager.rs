@@ -182,9 +182,9 @@ impl MemoryManager {
         self.inner.topology.authorities()
     }
 
-    /// The Governor paying for `tier` on `device`.
-    pub fn governor(&self, device: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
-        self.inner.topology.governor(device, tier)
+    /// The Governor paying for `tier` on `place`.
+    pub fn governor(&self, place: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
+        self.inner.topology.governor(place, tier)
     }
 
     /// The host execution provider.
@@ -197,20 +197,20 @@ impl MemoryManager {
         self.inner.cuda.as_ref()
     }
 
-    fn provider(&self, device: Place) -> Result<&Provider, ManagerError> {
+    fn provider(&self, place: Place) -> Result<&Provider, ManagerError> {
         self.inner
             .providers
             .iter()
-            .find(|p| p.place() == device)
-            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))
+            .find(|p| p.place() == place)
+            .ok_or(ManagerError::UnknownPlace(place, self.place_list()))
     }
 
-    /// What `device`'s mechanism can do, asked of the mechanism now.
-    pub fn capabilities(&self, device: Place) -> Result<Capabilities, ManagerError> {
-        Ok(Capabilities::of(self.provider(device)?.mechanism()))
+    /// What `place`'s mechanism can do, asked of the mechanism now.
+    pub fn capabilities(&self, place: Place) -> Result<Capabilities, ManagerError> {
+        Ok(Capabilities::of(self.provider(place)?.mechanism()))
     }
 
-    fn device_list(&self) -> &'static str {
+    fn place_list(&self) -> &'static str {
         if self.inner.providers.len() > 1 {
             " and one CUDA device"
         } else {
@@ -218,17 +218,17 @@ impl MemoryManager {
         }
     }
 
-    /// A binding for `tier` on `device`.
-    pub fn binding(&self, device: Place, tier: MemoryTier) -> Result<MemoryBinding, ManagerError> {
+    /// A binding for `tier` on `place`.
+    pub fn binding(&self, place: Place, tier: MemoryTier) -> Result<MemoryBinding, ManagerError> {
         let governor = self
-            .governor(device, tier)
-            .ok_or(ManagerError::UnknownDevice(device, self.device_list()))?
+            .governor(place, tier)
+            .ok_or(ManagerError::UnknownPlace(place, self.place_list()))?
             .clone();
         Ok(MemoryBinding {
-            device,
+            place,
             tier,
             governor,
-            provider: self.provider(device)?.clone(),
+            provider: self.provider(place)?.clone(),
             admitting: Arc::clone(&self.inner.admitting),
         })
     }
@@ -241,26 +241,26 @@ impl MemoryManager {
         }
     }
 
-    /// Where a holder on `device` lives: the Governor of the device's authority, its
+    /// Where a holder on `place` lives: the Governor of that place's authority, its
     /// provider, and the host tier's Governor where that is another authority (somewhere a
     /// copy out frees device memory).
     fn holder_home(
         &self,
-        device: Place,
+        place: Place,
     ) -> Result<(GovernorHandle, Provider, Option<GovernorHandle>), ManagerError> {
         self.admit()?;
-        let unknown = || ManagerError::UnknownDevice(device, self.device_list());
-        let (tier, provider): (_, Provider) = if device == Place::HOST {
+        let unknown = || ManagerError::UnknownPlace(place, self.place_list());
+        let (tier, provider): (_, Provider) = if place == Place::HOST {
             (MemoryTier::Host, self.inner.host.clone().into())
         } else {
             match &self.inner.cuda {
-                Some(cuda) if cuda.mechanism().place() == device => {
+                Some(cuda) if cuda.mechanism().place() == place => {
                     (MemoryTier::Device, cuda.clone().into())
                 }
                 _ => return Err(unknown()),
             }
         };
-        let governor = self.governor(device, tier).ok_or_else(unknown)?.clone();
+        let governor = self.governor(place, tier).ok_or_else(unknown)?.clone();
         let host = self
             .governor(Place::HOST, MemoryTier::Host)
             .expect("the host authority always exists");
@@ -273,17 +273,17 @@ impl MemoryManager {
         self.kv_store_on(Place::HOST, config).await
     }
 
-    /// Starts a KV store whose memory lives on `device` (the host, or the CUDA device the
-    /// manager was built with), charged to that device's authority and supervised by the
+    /// Starts a KV store whose memory lives on `place` (the host, or the CUDA device the
+    /// manager was built with), charged to that place's authority and supervised by the
     /// manager. On a GPU whose memory is an authority of its own, `SwapSpace::Auto` swaps to
     /// the host tier (charged to the host authority); where the device's memory is the host's
     /// (unified), to disk, as on the host.
     pub async fn kv_store_on(
         &self,
-        device: Place,
+        place: Place,
         mut config: KvStoreConfig,
     ) -> Result<KvStoreHandle, ManagerError> {
-        let (governor, provider, host_tier) = self.holder_home(device)?;
+        let (governor, provider, host_tier) = self.holder_home(place)?;
         if let (SwapSpace::Auto, Some(host)) = (&config.swap, host_tier) {
             config.swap = SwapSpace::Host(host);
         }
@@ -310,17 +310,17 @@ impl MemoryManager {
         self.residency_on(Place::HOST, config).await
     }
 
-    /// Starts model residency whose weights live on `device`, charged to that device's
+    /// Starts model residency whose weights live on `place`, charged to that place's
     /// authority. On a GPU whose memory is an authority of its own, offloaded layers go to
     /// the host tier (charged to the host authority); on the host, or where the device's
     /// memory is the host's, they go to an unlinked file on disk (a host copy would free
     /// nothing).
     pub async fn residency_on(
         &self,
-        device: Place,
+        place: Place,
         config: ResidencyConfig,
     ) -> Result<ResidencyHandle, ManagerError> {
-        let (governor, provider, host) = self.holder_home(device)?;
+        let (governor, provider, host) = self.holder_home(place)?;
         let args = ResidencyArgs {
             config,
             device: governor,

@@ -10,11 +10,12 @@
 //!
 //! A process's Governor governs its own holders as before, within a capacity that is exactly
 //! the credit the node approved to that process. When its waiters need more, it asks its
-//! [`Upstream`](crate::governor::Upstream), the link, which asks the node in chunks. The node approves
-//! from what is free; otherwise it sends tickets to processes, least important first: a process
-//! gives back unused capacity at once, then lowers its capacity so its own Governor asks its
-//! holders, and gives back as they free. Local capacity is raised only after the node approved
-//! and lowered before bytes are given back, so the processes' approvals never exceed the node's.
+//! [`Upstream`](crate::governor::Upstream), the link, which asks the node in chunks. The node
+//! approves from what is free; otherwise it sends tickets to processes, least important first:
+//! a process gives back unused capacity at once, then lowers its capacity so its own Governor
+//! asks its holders, and gives back as they free. Local capacity is raised only after the node
+//! approved and lowered before bytes are given back, so the processes' approvals never exceed
+//! the node's.
 //!
 //! A process whose session drops keeps its credit and grows no further (it cannot ask); its
 //! credit returns only once the process is confirmed gone (a pidfd, same host: the kernel and

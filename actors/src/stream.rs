@@ -314,9 +314,9 @@ impl CpuStream {
     ) -> Result<Fence, StreamError> {
         if let Some(b) = reads
             .iter()
-            .find(|b| b.view().device.kind != PlaceKind::Host)
+            .find(|b| b.view().place.kind != PlaceKind::Host)
         {
-            return Err(StreamError::NotHost(b.view().device));
+            return Err(StreamError::NotHost(b.view().place));
         }
         let shares: Vec<_> = reads.iter().map(|b| b.share()).collect();
         let uses: Vec<&dyn RecordUse> = reads.iter().map(|b| *b as &dyn RecordUse).collect();

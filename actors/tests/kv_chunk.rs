@@ -42,7 +42,7 @@ fn rows(seq: u64, from: usize, n: usize, layer: usize, which: u64) -> Vec<f32> {
 
 /// Runs every layer of a step whose `i`-th sequence is `seqs[i]` (the data's seed): writes
 /// its new rows in one call and attends them causally. Returns per sequence, per layer, the
-/// output rows (flat), then finishes the step.
+/// output rows (flat), then completes the step (`StepEnd::Submitted`).
 async fn chunk_step(step: KvStep, seeds: &[u64]) -> Vec<Vec<Vec<f32>>> {
     let (positions, counts) = (step.positions().to_vec(), step.counts().to_vec());
     let mut outs = vec![Vec::new(); seeds.len()];

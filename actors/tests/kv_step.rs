@@ -38,7 +38,8 @@ async fn own_step(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<Vec<f32>> {
     run_step(step, seq, pos).await
 }
 
-/// The server's kernels of one prepared step of `seq` at `pos`, then the step finished.
+/// The server's kernels of one prepared step of `seq` at `pos`, then the step completed
+/// (`StepEnd::Submitted`).
 async fn run_step(step: KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
     let mut outs = Vec::new();
     for layer in 0..SHAPE.layers {
@@ -84,7 +85,7 @@ async fn views_point_at_the_memory_the_kernel_reads() {
         assert_eq!(v.k.dtype, KvDtype::F32);
         assert_eq!(v.k.token_stride, SHAPE.token_bytes());
         assert_eq!(v.k.head_stride, 16 * 4);
-        assert_eq!(v.k.device, Place::HOST);
+        assert_eq!(v.k.place, Place::HOST);
         assert_ne!(v.k.addr, v.v.addr);
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -435,8 +436,9 @@ async fn a_step_ending_while_its_stream_shuts_down_waits_for_what_was_queued() {
 }
 
 /// Found in review: a step whose kernels ran on another stream had no way to make the store
-/// wait for them. `complete_after` takes that stream's fence with its timeline; the memory
-/// comes back (and the token counts) only after it, also when the caller gives up waiting.
+/// wait for them. `complete(StepEnd::After(..))` takes that stream's fence with its timeline;
+/// the memory comes back (and the token counts) only after it, also when the caller gives up
+/// waiting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_completed_after_another_streams_fence_waits_for_it() {
     let (_g, p, kv) = store(SHAPE, 1 << 30).await;

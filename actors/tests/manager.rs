@@ -168,12 +168,12 @@ async fn bad_configuration_is_refused_with_a_clear_error() {
         .binding(Place::cuda(3), MemoryTier::Device)
         .unwrap_err();
     assert!(
-        matches!(unknown, ManagerError::UnknownDevice(..)),
+        matches!(unknown, ManagerError::UnknownPlace(..)),
         "{unknown}"
     );
     assert!(matches!(
         memory.capabilities(Place::cuda(3)),
-        Err(ManagerError::UnknownDevice(..))
+        Err(ManagerError::UnknownPlace(..))
     ));
     let in_use = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = in_use.local_addr().unwrap();

@@ -72,9 +72,9 @@ pub(crate) trait AllocationOrigin: Send + Sync {
     fn record_drop_error(&self, error: MemoryError);
 }
 
-/// An owning handle to ordinary device memory.
+/// An owning handle to ordinary (non-virtual) memory.
 ///
-/// It remembers the mechanism, device, context and charge that created it, and keeps the
+/// It remembers the mechanism, place, context and charge that created it, and keeps the
 /// creator alive. It is released only through its creator: by
 /// [`Allocator::free`](super::Allocator::free) on that creator (any other
 /// mechanism refuses it and hands it back), or when dropped.
@@ -117,7 +117,7 @@ impl Allocation {
         }
     }
 
-    /// The start address (a host pointer or a device address, by device).
+    /// The start address (a host pointer or a device address, by place).
     pub fn addr(&self) -> u64 {
         self.addr
     }
@@ -137,7 +137,7 @@ impl Allocation {
         self.role
     }
 
-    /// The device the bytes live on.
+    /// Where the bytes live.
     pub fn place(&self) -> Place {
         self.device
     }
@@ -190,7 +190,7 @@ impl fmt::Debug for Allocation {
             .field("bytes", &self.bytes)
             .field("footprint", &self.footprint)
             .field("role", &self.role)
-            .field("device", &self.device)
+            .field("place", &self.device)
             .field("context", &self.context)
             .field("mechanism", &self.mechanism)
             .field("charge", &self.charge)

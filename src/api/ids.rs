@@ -1,9 +1,9 @@
-//! Identities: devices, tiers, roles, mechanisms, contexts and charges.
+//! Identities: places, tiers, roles, mechanisms, contexts and charges.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// What kind of device a memory pool lives on.
+/// What kind of place a memory pool lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PlaceKind {
     /// Host RAM, reached through the CPU's page tables.
@@ -12,12 +12,12 @@ pub enum PlaceKind {
     Cuda,
 }
 
-/// One device: its kind and its ordinal among devices of that kind.
+/// One place memory lives: its kind and its ordinal among places of that kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Place {
-    /// The kind of device.
+    /// The kind of place.
     pub kind: PlaceKind,
-    /// Its index among devices of the same kind (0 for the host).
+    /// Its index among places of the same kind (0 for the host).
     pub ordinal: u32,
 }
 

@@ -175,7 +175,7 @@ impl VirtualAllocation {
         self.role
     }
 
-    /// The device the range lives on.
+    /// Where the range lives.
     pub fn place(&self) -> Place {
         self.device
     }
@@ -245,7 +245,7 @@ impl fmt::Debug for VirtualAllocation {
             .field("len", &self.len())
             .field("committed", &self.granules.committed_bytes())
             .field("shared", &self.granules.shared_bytes())
-            .field("device", &self.device)
+            .field("place", &self.device)
             .field("mechanism", &self.mechanism)
             .finish()
     }

@@ -41,11 +41,11 @@ impl KvElement for half::f16 {
 
 /// Where one layer's K (or V) of one sequence lies, as a kernel reads it: `tokens` rows from
 /// `addr`, position-major (row `t` at `addr + t * token_stride`), each row `kv_heads` heads of
-/// `head_dim` elements (head `h` at `h * head_stride` into the row). The address is on
-/// `device` (a host address, or a CUDA device pointer), contiguous for every token.
+/// `head_dim` elements (head `h` at `h * head_stride` into the row). The address is in
+/// `place` (a host address, or a CUDA device pointer), contiguous for every token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvView {
-    /// The first element's address on `device`.
+    /// The first element's address in `place`.
     pub addr: u64,
     /// Rows readable from `addr`: the tokens held, and the one a step writes.
     pub tokens: usize,
@@ -56,7 +56,7 @@ pub struct KvView {
     /// Bytes from one KV head to the next within a row.
     pub head_stride: u64,
     /// Where the memory is.
-    pub device: Place,
+    pub place: Place,
 }
 
 impl KvView {

@@ -403,9 +403,9 @@ impl KvSequence {
         Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.shape.token_bytes())?)
     }
 
-    /// Copies buffer `buffer`'s first `tokens` rows into `dst` (exactly that many bytes), on
-    /// any device: what a swap copies out of device memory. Order it after the kernels that
-    /// wrote them.
+    /// Copies buffer `buffer`'s first `tokens` rows into `dst` (exactly that many bytes),
+    /// wherever it lives (a device-to-host copy on a GPU): what a swap copies out of device
+    /// memory. Order it after the kernels that wrote them.
     pub fn read_buffer(&self, buffer: usize, tokens: usize, dst: &mut [u8]) -> Result<(), KvError> {
         if buffer >= self.buffers.len() {
             return Err(KvError::NoSuchLayer(buffer / 2));
@@ -423,8 +423,8 @@ impl KvSequence {
         Ok(self.buffers[buffer].read_into(0, dst)?)
     }
 
-    /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back), on
-    /// any device; the rows must be mapped and writable.
+    /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back),
+    /// wherever it lives (a host-to-device copy on a GPU); the rows must be mapped and writable.
     pub fn write_buffer_bytes(&mut self, buffer: usize, bytes: &[u8]) -> Result<(), KvError> {
         let tb = self.shape.token_bytes();
         if buffer >= self.buffers.len() {
@@ -452,7 +452,7 @@ impl KvSequence {
             dtype: self.shape.dtype,
             token_stride: self.shape.token_bytes(),
             head_stride: self.shape.head_dim as u64 * self.shape.dtype.bytes(),
-            device: b.allocation().place(),
+            place: b.allocation().place(),
         };
         Ok(LayerViews {
             k: view(&self.buffers[2 * layer]),

@@ -2,10 +2,10 @@
 //! and which sequences pressure may take. The store's actor asks and applies; the memory
 //! itself lives beside this table.
 //!
-//! A sequence is identified by the caller's id, but each opening is an *incarnation* (a
-//! [`Incarnation`]) that is never reused: work that outlives a close (a grant still on its way for
-//! a prepare or a restore) names its incarnation and finds nothing when the id was closed,
-//! even if it was opened again meanwhile.
+//! A sequence is identified by the caller's id, but each opening is an [`Incarnation`], never
+//! reused: work that outlives a close (a grant still on its way for a prepare or a restore)
+//! names its incarnation and finds nothing when the id was closed, even if it was opened again
+//! meanwhile.
 
 use std::collections::{HashMap, HashSet};
 
@@ -75,7 +75,7 @@ pub enum TableError {
 /// One sequence's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqRecord {
-    /// This incarnation.
+    /// The incarnation now open (the writer of its prefix blocks).
     pub writer: Incarnation,
     /// How much it matters (higher is more important).
     pub priority: u32,

@@ -148,10 +148,10 @@ pub enum LedgerError {
         asked: u64,
     },
     /// The tier is already paid for by another authority.
-    #[error("{tier:?} on {device} is already bound to {authority}")]
+    #[error("{tier:?} on {place} is already bound to {authority}")]
     TierAlreadyBound {
-        /// The device.
-        device: Place,
+        /// The place.
+        place: Place,
         /// The tier.
         tier: MemoryTier,
         /// The authority it is bound to.

@@ -163,15 +163,15 @@ impl VirtualBuffer {
         range_bytes_mut(&mut self.allocation, range)
     }
 
-    /// Copies bytes `offset..offset + dst.len()` (within its length) into `dst`, on any
-    /// device (a device-to-host copy on a GPU); returns once they are there.
+    /// Copies bytes `offset..offset + dst.len()` (within its length) into `dst`, wherever it
+    /// lives (a device-to-host copy on a GPU); returns once they are there.
     pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
         self.check_within(&copy_span(offset, dst.len())?)?;
         self.backing.read_range(&self.allocation, offset, dst)
     }
 
-    /// Copies `src` to bytes `offset..offset + src.len()` (within its length, writable), on
-    /// any device; returns once it is there.
+    /// Copies `src` to bytes `offset..offset + src.len()` (within its length, writable),
+    /// wherever it lives (a host-to-device copy on a GPU); returns once it is there.
     pub fn write_from(&mut self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
         self.check_within(&copy_span(offset, src.len())?)?;
         self.backing.write_range(&mut self.allocation, offset, src)

@@ -4,8 +4,8 @@
 //! While a step is out its sequences' memory (and what pays for it) is *in the step*, not in
 //! the store: no victim choice, close or restore can touch it. Kernels submitted through
 //! [`KvStep::submit`] share it, so it cannot be freed before the last of them ran. When the
-//! step ends ([`KvStep::complete`], [`KvStep::finish`], or dropped) the store records a fence
-//! of its own on the step's stream after everything submitted, and takes the memory back once
+//! step ends ([`KvStep::complete`], [`KvStep::abandon`] or a drop) the store records a fence of
+//! its own on the step's stream after everything submitted, and takes the memory back once
 //! that fence completes; a sequence closed meanwhile is freed then.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

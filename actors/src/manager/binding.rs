@@ -13,7 +13,7 @@ use crate::buffer::Buffer;
 use crate::governor::GovernorHandle;
 use crate::provider_choice::Provider;
 
-/// What a device's mechanism can do, as negotiated.
+/// What a place's mechanism can do, as negotiated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
     /// Address/backing separation (growth by mapping).
@@ -35,10 +35,10 @@ impl Capabilities {
     }
 }
 
-/// Ties a device, its mechanism, its provider context and its authority together.
+/// Ties a place, its mechanism, its provider context and its authority together.
 #[derive(Debug, Clone)]
 pub struct MemoryBinding {
-    pub(super) device: Place,
+    pub(super) place: Place,
     pub(super) tier: MemoryTier,
     pub(super) governor: GovernorHandle,
     pub(super) provider: Provider,
@@ -46,12 +46,12 @@ pub struct MemoryBinding {
 }
 
 impl MemoryBinding {
-    /// The device it allocates on.
+    /// Where it allocates.
     pub fn place(&self) -> Place {
-        self.device
+        self.place
     }
 
-    /// The tier it pays for on that device.
+    /// The tier it pays for there.
     pub fn tier(&self) -> MemoryTier {
         self.tier
     }

@@ -22,9 +22,9 @@ pub enum ManagerError {
         /// Why it was refused.
         why: String,
     },
-    /// A device this build or machine does not have.
-    #[error("unknown device {0}: this manager has host{1}")]
-    UnknownDevice(Place, &'static str),
+    /// A place this build or machine does not have.
+    #[error("unknown place {0}: this manager has host{1}")]
+    UnknownPlace(Place, &'static str),
     /// The metrics endpoint could not be started (address in use, not local, ...).
     #[error("cannot serve metrics on {addr}: {why}")]
     Metrics {
@@ -48,7 +48,7 @@ pub enum ManagerError {
     /// After shutdown some authority still has bytes on its books.
     #[error("books not at zero after shutdown: {0}")]
     BooksNotZero(ShutdownReport),
-    /// The topology refused: a (device, tier) paid for by two authorities.
+    /// The topology refused: a (place, tier) paid for by two authorities.
     #[error("the memory topology is inconsistent: {0}")]
     Topology(#[from] procmem::ledger::LedgerError),
     /// An actor of the manager's own (a Governor, its supervisor, the holders' supervisor)

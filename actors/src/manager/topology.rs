@@ -1,4 +1,4 @@
-//! Which authority pays for which (device, tier): the ledger's own tier bindings
+//! Which authority pays for which (place, tier): the ledger's own tier bindings
 //! ([`Ledger::bind_tier`], [`Ledger::authority_for`]) over one topology ledger of every
 //! authority. Each Governor keeps the books of one authority, split off it
 //! ([`Ledger::books_for`]), so an authority has one identity everywhere.
@@ -17,7 +17,7 @@ pub struct Authority {
     pub name: String,
     /// Its Governor.
     pub governor: GovernorHandle,
-    /// The (device, tier) pairs it pays for.
+    /// The (place, tier) pairs it pays for.
     pub tiers: Vec<(Place, MemoryTier)>,
 }
 
@@ -39,23 +39,23 @@ impl Topology {
         capacity: u64,
         tiers: &[(Place, MemoryTier)],
     ) -> Result<AuthorityId, LedgerError> {
-        if let Some((device, tier)) = tiers
+        if let Some((place, tier)) = tiers
             .iter()
-            .find(|(d, t)| self.books.authority_for(*d, *t).is_some())
+            .find(|(p, t)| self.books.authority_for(*p, *t).is_some())
         {
             let authority = self
                 .books
-                .authority_for(*device, *tier)
+                .authority_for(*place, *tier)
                 .expect("found bound");
             return Err(LedgerError::TierAlreadyBound {
-                device: *device,
+                place: *place,
                 tier: *tier,
                 authority,
             });
         }
         let id = self.books.add_authority(name, capacity);
-        for (device, tier) in tiers {
-            self.books.bind_tier(*device, *tier, id)?;
+        for (place, tier) in tiers {
+            self.books.bind_tier(*place, *tier, id)?;
         }
         Ok(id)
     }
@@ -82,9 +82,9 @@ impl Topology {
         &self.authorities
     }
 
-    /// The Governor paying for `tier` on `device`.
-    pub(crate) fn governor(&self, device: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
-        let id = self.books.authority_for(device, tier)?;
+    /// The Governor paying for `tier` on `place`.
+    pub(crate) fn governor(&self, place: Place, tier: MemoryTier) -> Option<&GovernorHandle> {
+        let id = self.books.authority_for(place, tier)?;
         let at = *self.index.get(&id)?;
         Some(&self.authorities[at].governor)
     }
