@@ -1,8 +1,12 @@
 //! KV cache policy and memory, without actors: geometry, the GQA decode operator, one
 //! sequence's virtually contiguous K/V buffers with two-phase growth, the prefix cache's
-//! rules, and victim choice.
+//! rules, victim choice, and the prefix cache's disk tier with the frequency filter in front
+//! of it.
 
+pub mod admission;
 pub mod causal;
+#[cfg(target_os = "linux")]
+pub mod disk_tier;
 pub mod elem;
 pub mod gqa;
 pub mod prefix;

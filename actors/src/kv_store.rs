@@ -37,6 +37,7 @@ mod state;
 mod step;
 mod steps;
 mod swap;
+mod tier;
 mod transactions;
 
 use crate::provider_choice::Provider;
@@ -49,6 +50,7 @@ pub use step::{KvStep, StepEnd, StepKv};
 pub(crate) use swap::default_disk_dir;
 use swap::Space;
 pub use swap::{SwapKind, SwapSpace};
+pub use tier::PrefixDisk;
 use transactions::Transactions;
 
 pub use procmem::kv::{PreemptMode, SeqId};
@@ -78,6 +80,10 @@ pub struct KvStoreConfig {
     /// room only if there is some now (it never asks other holders to give way), and a chunk
     /// of slack is held one step earlier.
     pub map_ahead: bool,
+    /// Where prompt blocks evicted under pressure go instead of being dropped, and where a
+    /// store started later finds them (`None`: they are dropped). Host memory only: a store
+    /// on a GPU refuses it.
+    pub prefix_disk: Option<PrefixDisk>,
 }
 
 impl KvStoreConfig {
@@ -94,6 +100,7 @@ impl KvStoreConfig {
             wait: Duration::from_secs(5),
             swap: SwapSpace::Auto,
             map_ahead: false,
+            prefix_disk: None,
         }
     }
 
@@ -136,6 +143,13 @@ impl KvStoreConfig {
     #[must_use]
     pub fn map_ahead(mut self, map_ahead: bool) -> Self {
         self.map_ahead = map_ahead;
+        self
+    }
+
+    /// Keeps evicted prompt blocks on disk (see [`PrefixDisk`]).
+    #[must_use]
+    pub fn prefix_disk(mut self, disk: PrefixDisk) -> Self {
+        self.prefix_disk = Some(disk);
         self
     }
 }
@@ -194,6 +208,13 @@ pub enum KvStoreError {
     /// nothing.
     #[error("the swap space is the KV's own authority; swapping there frees nothing")]
     SwapAliased,
+    /// The prefix cache's disk tier could not be opened (its directory is another store's,
+    /// or cannot be written).
+    #[error(transparent)]
+    DiskTier(#[from] procmem::kv::disk_tier::DiskTierError),
+    /// The prefix cache's disk tier is for KV in host memory.
+    #[error("a prefix disk tier is for a store in host memory")]
+    DiskTierOnDevice,
     /// The store's actor could not be started (it panicked while starting).
     #[error("the KV store could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
@@ -259,6 +280,20 @@ pub struct KvStoreStats {
     pub prefix_hit_tokens: u64,
     /// Shared prompt blocks evicted from the prefix cache, so far.
     pub prefix_blocks_evicted: u64,
+    /// Prompt blocks the disk tier holds now.
+    pub prefix_disk_blocks: usize,
+    /// Bytes of those blocks.
+    pub prefix_disk_bytes: u64,
+    /// Prompt tokens whose K/V came back from the disk tier at `open`, so far (counted in
+    /// `prefix_hit_tokens` too).
+    pub prefix_disk_hit_tokens: u64,
+    /// Evicted blocks copied to the disk tier, so far.
+    pub prefix_disk_writes: u64,
+    /// Evicted blocks the frequency filter kept off the disk (dropped), so far.
+    pub prefix_disk_refused: u64,
+    /// Copies to or from the disk tier that failed, so far (the block was dropped, or the
+    /// prompt computed).
+    pub prefix_disk_failures: u64,
     /// Pressure tickets answered so far.
     pub tickets: u64,
     /// Bytes freed in answer to those tickets, so far.
@@ -403,6 +438,8 @@ pub(crate) struct KvStoreState {
     /// Every open sequence: its phase, memory, charge and the prompt blocks it maps.
     sequences: Sequences,
     prefixes: PrefixCache<Arc<SharedPrefix>>,
+    /// The disk tier evicted prompt blocks go to, if configured.
+    tier: Option<tier::PrefixTier>,
     /// What is in flight, waiting for grants.
     transactions: Transactions,
     clock: u64,
@@ -470,10 +507,11 @@ impl Actor for KvStore {
                     Some(myself.get_derived()),
                 )
                 .await?;
-            Ok::<_, KvStoreError>((device, holder, swap))
+            let tier = open_tier(&config, &device, governor.name())?;
+            Ok::<_, KvStoreError>((device, holder, swap, tier))
         };
-        let (device, holder, swap) = start.await?;
-        let metrics = metrics::KvMetrics::new(&config.name, governor.name());
+        let (device, holder, swap, tier) = start.await?;
+        let metrics = metrics::KvMetrics::new(&config.name, governor.name(), tier.is_some());
         Ok(KvStoreState {
             stream: device.stream.clone(),
             device,
@@ -483,6 +521,7 @@ impl Actor for KvStore {
             tally: Tally::default(),
             sequences: Sequences::default(),
             prefixes: PrefixCache::default(),
+            tier,
             transactions: Transactions::default(),
             clock: 0,
             stats: KvStoreStats::default(),
@@ -490,6 +529,16 @@ impl Actor for KvStore {
             metrics,
             config,
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _: ActorRef<KvStoreMsg>,
+        state: &mut KvStoreState,
+    ) -> Result<(), ActorProcessingErr> {
+        // The disk tier's directory is free for another store once this one has stopped.
+        state.tier = None;
+        Ok(())
     }
 
     async fn handle(
@@ -543,6 +592,31 @@ impl Actor for KvStore {
         state.changed(&myself).await;
         Ok(())
     }
+}
+
+/// Opens the store's disk tier, if it has one, and says what it found there.
+fn open_tier(
+    config: &KvStoreConfig,
+    device: &KvDevice,
+    authority: &str,
+) -> Result<Option<tier::PrefixTier>, KvStoreError> {
+    let Some(disk) = &config.prefix_disk else {
+        return Ok(None);
+    };
+    if !device.is_host() {
+        return Err(KvStoreError::DiskTierOnDevice);
+    }
+    let shape = config.shape;
+    let g = device.granularity();
+    let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+    let labels = [config.name.as_str(), authority];
+    let (tier, report) =
+        tier::PrefixTier::open(disk, &shape, shape.block_tokens(g), block_bytes, labels)?;
+    for (file, why) in &report.skipped {
+        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
+    }
+    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, "prefix disk tier opened");
+    Ok(Some(tier))
 }
 
 impl Drop for KvStoreState {

@@ -118,7 +118,7 @@ pub use procmem;
 pub mod kv {
     pub use crate::kv_store::{
         AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream,
-        Opened, PreemptMode, Restored, SeqId, StepEnd, StepKv, SwapKind, SwapSpace,
+        Opened, PreemptMode, PrefixDisk, Restored, SeqId, StepEnd, StepKv, SwapKind, SwapSpace,
     };
 }
 

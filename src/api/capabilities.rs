@@ -24,7 +24,7 @@ pub enum CommitModel {
 pub trait Allocator: Send + Sync {
     /// The mechanism this allocator belongs to.
     fn mechanism(&self) -> MechanismId;
-    /// The device it allocates on.
+    /// Where it allocates.
     fn place(&self) -> Place;
     /// The provider context its allocations belong to.
     fn context(&self) -> ContextId;
@@ -102,7 +102,7 @@ pub(crate) fn copy_range(
 pub trait VirtualBacking: Send + Sync {
     /// The mechanism this backing belongs to.
     fn mechanism(&self) -> MechanismId;
-    /// The device it maps on.
+    /// Where it maps.
     fn place(&self) -> Place;
     /// Minimum mapping unit in bytes, as the OS or driver reports it.
     fn granularity(&self) -> u64;
@@ -178,16 +178,32 @@ pub trait SharedMapping: Send + Sync {
     fn block_resident_bytes(&self, block: &PhysicalBlock) -> Result<u64, MemoryError>;
     /// Bytes privately copied on write inside `allocation` (not part of any block).
     fn private_copy_bytes(&self, allocation: &VirtualAllocation) -> Result<u64, MemoryError>;
+    /// Copies `block`'s bytes into `dst` (exactly the block's length), wherever it is mapped
+    /// or if it is mapped nowhere: what a tier below needs to keep an evicted block.
+    fn read_block(&self, _block: &PhysicalBlock, _dst: &mut [u8]) -> Result<(), MemoryError> {
+        Err(MemoryError::Unsupported {
+            capability: "block copy",
+            reason: "this mechanism copies blocks only through a mapping",
+        })
+    }
+    /// Fills `block` with `src` (exactly the block's length): a block brought back from a tier
+    /// below. No mapping of the block may be in use by a kernel meanwhile.
+    fn write_block(&self, _block: &PhysicalBlock, _src: &[u8]) -> Result<(), MemoryError> {
+        Err(MemoryError::Unsupported {
+            capability: "block copy",
+            reason: "this mechanism copies blocks only through a mapping",
+        })
+    }
 }
 
-/// A mechanism: one device's allocator plus whatever optional capabilities it really has.
+/// A mechanism: one place's allocator plus whatever optional capabilities it really has.
 ///
 /// The queries borrow from the mechanism itself, so they always answer for its current state,
 /// never for a snapshot taken earlier.
 pub trait MemoryMechanism: Send + Sync {
     /// Its identity; every handle it creates carries it.
     fn id(&self) -> MechanismId;
-    /// The device it manages.
+    /// Where its memory lives.
     fn place(&self) -> Place;
     /// Ordinary allocation (required).
     fn allocator(&self) -> &dyn Allocator;

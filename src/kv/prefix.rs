@@ -192,6 +192,13 @@ impl<B: Clone> PrefixCache<B> {
         self.entries.remove(&key).and_then(|e| e.block)
     }
 
+    /// The parent key and tokens of the block under `key` (what a tier below keys it by).
+    pub fn prompt_of(&self, key: u64) -> Option<(u64, &[u32])> {
+        self.entries
+            .get(&key)
+            .map(|e| (e.parent, e.tokens.as_slice()))
+    }
+
     /// The state of the block under `key`.
     pub fn state(&self, key: u64) -> Option<BlockState> {
         self.entries.get(&key).map(|e| e.state)

@@ -122,6 +122,61 @@ pub const KV_PREFIX_BLOCKS_EVICTED_TOTAL: Metric = metric(
     STORE,
     "Shared prompt blocks evicted from the prefix cache.",
 );
+/// Prompt blocks the prefix cache's disk tier holds now.
+pub const KV_PREFIX_DISK_BLOCKS: Metric = metric(
+    "procmem_kv_prefix_disk_blocks",
+    Kind::Gauge,
+    Unit::Count,
+    STORE,
+    "Prompt blocks the prefix cache's disk tier holds now.",
+);
+/// Bytes of prompt blocks the prefix cache's disk tier holds now.
+pub const KV_PREFIX_DISK_BYTES: Metric = metric(
+    "procmem_kv_prefix_disk_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    STORE,
+    "Bytes of prompt blocks the prefix cache's disk tier holds now.",
+);
+/// Prompt tokens whose K/V came back from the disk tier when sequences opened.
+pub const KV_PREFIX_DISK_HIT_TOKENS_TOTAL: Metric = metric(
+    "procmem_kv_prefix_disk_hit_tokens_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Prompt tokens whose K/V came back from the disk tier when sequences opened.",
+);
+/// Evicted prompt blocks copied to the disk tier.
+pub const KV_PREFIX_DISK_WRITES_TOTAL: Metric = metric(
+    "procmem_kv_prefix_disk_writes_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Evicted prompt blocks copied to the disk tier.",
+);
+/// Evicted prompt blocks the disk tier's frequency filter kept out (dropped instead).
+pub const KV_PREFIX_DISK_REFUSED_TOTAL: Metric = metric(
+    "procmem_kv_prefix_disk_refused_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Evicted prompt blocks the disk tier's frequency filter kept out (dropped instead).",
+);
+/// Disk tier copies that failed (the block was dropped, or recomputed).
+pub const KV_PREFIX_DISK_FAILURES_TOTAL: Metric = metric(
+    "procmem_kv_prefix_disk_failures_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Disk tier copies that failed (the block was dropped, or recomputed).",
+);
+/// Latency of one prompt block's copy to or from the disk tier, by direction (out or in).
+pub const KV_PREFIX_DISK_SECONDS: Metric = latency(
+    "procmem_kv_prefix_disk_seconds",
+    STORE_DIRECTION,
+    "Latency of one prompt block's copy to or from the disk tier, by direction (out or in).",
+    MILLISECONDS,
+);
 /// Sequences preempted under pressure, by mode (swap or recompute).
 pub const KV_PREEMPTIONS_TOTAL: Metric = metric(
     "procmem_kv_preemptions_total",
@@ -263,6 +318,13 @@ pub(super) const HOLDERS: &[Metric] = &[
     KV_PREFIX_QUERY_TOKENS_TOTAL,
     KV_PREFIX_HIT_TOKENS_TOTAL,
     KV_PREFIX_BLOCKS_EVICTED_TOTAL,
+    KV_PREFIX_DISK_BLOCKS,
+    KV_PREFIX_DISK_BYTES,
+    KV_PREFIX_DISK_HIT_TOKENS_TOTAL,
+    KV_PREFIX_DISK_WRITES_TOTAL,
+    KV_PREFIX_DISK_REFUSED_TOTAL,
+    KV_PREFIX_DISK_FAILURES_TOTAL,
+    KV_PREFIX_DISK_SECONDS,
     KV_PREEMPTIONS_TOTAL,
     KV_SWAP_OUTS_TOTAL,
     KV_SWAP_OUT_BYTES_TOTAL,

@@ -331,4 +331,54 @@ impl SharedMapping for HostBacking {
         let start = reservation.range.addr();
         smaps::sum_field(start..start + reservation.range.len(), "Anonymous")
     }
+
+    fn read_block(&self, block: &PhysicalBlock, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let inner = self.block(block)?;
+        exact_len(inner.len, dst.len())?;
+        let mut done = 0;
+        while done < dst.len() {
+            let n = rustix::io::pread(
+                self.pool.fd(),
+                &mut dst[done..],
+                inner.file_offset + done as u64,
+            )
+            .map_err(|e| MemoryError::os("pread", e))?;
+            if n == 0 {
+                return Err(MemoryError::os(
+                    "pread",
+                    std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                ));
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_block(&self, block: &PhysicalBlock, src: &[u8]) -> Result<(), MemoryError> {
+        let inner = self.block(block)?;
+        exact_len(inner.len, src.len())?;
+        let mut done = 0;
+        while done < src.len() {
+            let n = rustix::io::pwrite(
+                self.pool.fd(),
+                &src[done..],
+                inner.file_offset + done as u64,
+            )
+            .map_err(|e| MemoryError::os("pwrite", e))?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// A block copy moves exactly the block's bytes.
+fn exact_len(block: u64, buffer: usize) -> Result<(), MemoryError> {
+    if block == buffer as u64 {
+        Ok(())
+    } else {
+        Err(MemoryError::OutOfReservation {
+            range: 0..buffer as u64,
+            reserved: block,
+        })
+    }
 }

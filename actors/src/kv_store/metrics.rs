@@ -7,6 +7,8 @@ use ::metrics::{Counter, Gauge, Histogram};
 use procmem::metrics::{
     KV_AUTHORITY_USAGE_RATIO, KV_GROWTH_MAP_SECONDS, KV_LEASED_BYTES, KV_OS_RESIDENT_BYTES,
     KV_PREEMPTED_SEQUENCES, KV_PREEMPTIONS_TOTAL, KV_PREFIX_BLOCKS_EVICTED_TOTAL,
+    KV_PREFIX_DISK_BLOCKS, KV_PREFIX_DISK_BYTES, KV_PREFIX_DISK_FAILURES_TOTAL,
+    KV_PREFIX_DISK_HIT_TOKENS_TOTAL, KV_PREFIX_DISK_REFUSED_TOTAL, KV_PREFIX_DISK_WRITES_TOTAL,
     KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL, KV_REPLAYED_TOKENS_TOTAL,
     KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL,
     KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
@@ -29,6 +31,8 @@ pub(super) struct KvMetrics {
     prefix_queries: Counter,
     prefix_hits: Counter,
     evicted: Counter,
+    /// The disk tier's figures, where the store has one.
+    disk: Option<DiskSeries>,
     preempted_swap: Counter,
     preempted_recompute: Counter,
     swap_outs: Counter,
@@ -52,8 +56,41 @@ pub(super) struct KvMetrics {
     memory: Option<(u64, u64)>,
 }
 
+/// The disk tier's series.
+struct DiskSeries {
+    blocks: Gauge,
+    bytes: Gauge,
+    hits: Counter,
+    writes: Counter,
+    refused: Counter,
+    failures: Counter,
+}
+
+impl DiskSeries {
+    fn new(l: &[&str]) -> Self {
+        DiskSeries {
+            blocks: KV_PREFIX_DISK_BLOCKS.gauge(l),
+            bytes: KV_PREFIX_DISK_BYTES.gauge(l),
+            hits: KV_PREFIX_DISK_HIT_TOKENS_TOTAL.counter(l),
+            writes: KV_PREFIX_DISK_WRITES_TOTAL.counter(l),
+            refused: KV_PREFIX_DISK_REFUSED_TOTAL.counter(l),
+            failures: KV_PREFIX_DISK_FAILURES_TOTAL.counter(l),
+        }
+    }
+
+    fn publish(&self, s: &KvStoreStats) {
+        self.blocks.set(s.prefix_disk_blocks as f64);
+        self.bytes.set(s.prefix_disk_bytes as f64);
+        self.hits.absolute(s.prefix_disk_hit_tokens);
+        self.writes.absolute(s.prefix_disk_writes);
+        self.refused.absolute(s.prefix_disk_refused);
+        self.failures.absolute(s.prefix_disk_failures);
+    }
+}
+
 impl KvMetrics {
-    pub(super) fn new(store: &str, authority: &str) -> Self {
+    /// The series of store `store` on `authority`; `disk`: it has a disk tier.
+    pub(super) fn new(store: &str, authority: &str, disk: bool) -> Self {
         let l = [store, authority];
         KvMetrics {
             sequences: KV_SEQUENCES.gauge(&l),
@@ -66,6 +103,7 @@ impl KvMetrics {
             prefix_queries: KV_PREFIX_QUERY_TOKENS_TOTAL.counter(&l),
             prefix_hits: KV_PREFIX_HIT_TOKENS_TOTAL.counter(&l),
             evicted: KV_PREFIX_BLOCKS_EVICTED_TOTAL.counter(&l),
+            disk: disk.then(|| DiskSeries::new(&l)),
             preempted_swap: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "swap"]),
             preempted_recompute: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "recompute"]),
             swap_outs: KV_SWAP_OUTS_TOTAL.counter(&l),
@@ -103,6 +141,9 @@ impl KvMetrics {
         self.prefix_queries.absolute(s.prefix_query_tokens);
         self.prefix_hits.absolute(s.prefix_hit_tokens);
         self.evicted.absolute(s.prefix_blocks_evicted);
+        if let Some(disk) = &self.disk {
+            disk.publish(s);
+        }
         self.preempted_swap.absolute(s.preempted_by_swap);
         self.preempted_recompute.absolute(s.preempted_by_recompute);
         self.swap_outs.absolute(s.swap_outs);

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use procmem::fence::Fence;
-use procmem::kv::{choose_victims, Phase, PreemptMode, PrefixCandidate, SequenceCandidate, Victim};
+use procmem::kv::{
+    choose_victims, BlockState, Phase, PreemptMode, PrefixCandidate, SequenceCandidate, Victim,
+};
 use ractor::ActorRef;
 use tracing::Instrument;
 
@@ -247,10 +249,9 @@ impl KvStoreState {
                     if procmem::fault::hit("kv.evict").is_err() {
                         continue;
                     }
-                    if let Some(block) = self.prefixes.remove(key) {
-                        got.freed += block.bytes;
-                        self.stats.prefix_blocks_evicted += 1;
-                    }
+                    let (now, later) = self.evict_prefix(key);
+                    got.freed += now;
+                    got.pending += later;
                 }
                 Victim::Sequence(id) => {
                     let taken = self.preempt(id).await;
@@ -280,10 +281,34 @@ impl KvStoreState {
             if got.total() >= wanted {
                 break;
             }
-            if let Some(block) = self.prefixes.remove(key) {
-                got.freed += block.bytes;
-                self.stats.prefix_blocks_evicted += 1;
-            }
+            let (now, later) = self.evict_prefix(key);
+            got.freed += now;
+            got.pending += later;
+        }
+    }
+
+    /// Takes prompt block `key` out of the cache. A whole block nobody maps goes to the disk
+    /// tier first where the filter lets it in: copied by a kernel on the stream, which then
+    /// lets the memory go. Returns the bytes freed now and those freed after that copy.
+    fn evict_prefix(&mut self, key: u64) -> (u64, u64) {
+        let whole = self.prefixes.state(key) == Some(BlockState::Complete);
+        let prompt = self.prefixes.prompt_of(key).map(|(p, t)| (p, t.to_vec()));
+        let Some(block) = self.prefixes.remove(key) else {
+            return (0, 0);
+        };
+        self.stats.prefix_blocks_evicted += 1;
+        let bytes = block.bytes;
+        let (Some(tier), Some(prompt), true) = (self.tier.as_mut(), prompt, whole) else {
+            return (bytes, 0);
+        };
+        if block.sharers() > 0 || !tier.admit(key, bytes) {
+            return (bytes, 0);
+        }
+        let copy = tier.copy_out(key, prompt, block, Arc::clone(&self.device.shared));
+        match self.stream.submit_host(copy) {
+            Ok(_) => (0, bytes),
+            // A closed stream ran nothing: the block (and its charge) went with the kernel.
+            Err(_) => (bytes, 0),
         }
     }
 

@@ -218,6 +218,9 @@ impl KvStoreState {
         stats.exclusive_bytes = held.exclusive_bytes;
         stats.prefix_entries = self.prefixes.blocks().count();
         stats.prefix_bytes = self.prefixes.blocks().map(|(_, b, _, _)| b.bytes).sum();
+        if let Some(tier) = &self.tier {
+            tier.fill(&mut stats);
+        }
         stats.leased_bytes = self.tally.bytes();
         stats.os_resident_bytes = self.device.resident_bytes();
         stats.swap = self.swap.kind();

@@ -63,10 +63,16 @@ impl KvStoreState {
             .into_iter()
             .map(|(key, block)| (key, Mapped::new(block)))
             .collect();
+        // The blocks claimed that the disk tier holds are filled from there, not computed.
+        let mut from_disk = self.ask_tier(&hits, &new_keys);
         // The position rule (see `Opened`): a prompt's last token is always computed, so a
         // prompt whose every block is cached shares all but its last block.
-        if !prompt.is_empty() && hits.len() * bt >= prompt.len() {
-            hits.pop();
+        if !prompt.is_empty() && (hits.len() + from_disk) * bt >= prompt.len() {
+            if from_disk > 0 {
+                from_disk -= 1;
+            } else {
+                hits.pop();
+            }
         }
         let pending = Pending::Open {
             seq,
@@ -75,6 +81,7 @@ impl KvStoreState {
             entry: Box::new(entry),
             hits,
             new_keys,
+            from_disk,
             bytes,
             reply,
         };
@@ -98,6 +105,7 @@ impl KvStoreState {
             mut entry,
             hits,
             new_keys,
+            from_disk,
             bytes,
             reply,
         } = pending
@@ -115,11 +123,13 @@ impl KvStoreState {
                 }
             }
         }
-        let hit_count = hits.len();
-        let shared = self
-            .make_blocks(new_keys.len(), charge)
-            .and_then(|fresh| self.attach_prefixes(&mut entry, hits, fresh));
-        let (used, fresh) = match shared {
+        let shared = self.make_blocks(new_keys.len(), charge).and_then(|fresh| {
+            let loaded = self.load_from_disk(&new_keys[..from_disk], &fresh);
+            let cached = hits.len() + loaded;
+            self.attach_prefixes(&mut entry, hits, fresh, cached)
+                .map(|(used, fresh)| (used, fresh, loaded))
+        });
+        let (used, fresh, loaded) = match shared {
             Ok(shared) => shared,
             Err(e) => {
                 self.forget_open(seq, writer);
@@ -128,13 +138,21 @@ impl KvStoreState {
             }
         };
         let bt = self.config.shape.block_tokens(self.device.granularity());
+        let hit_count = used.len() - fresh.len();
         let mut filling = Vec::with_capacity(fresh.len());
         for (i, (key, prefix)) in new_keys.iter().zip(fresh).enumerate() {
-            // Claimed at open by this writer, and only it fills a claim.
-            if self.prefixes.fill(*key, writer, prefix).is_ok() {
+            // Claimed at open by this writer, and only it fills a claim; a block loaded from
+            // disk is whole already.
+            if self.prefixes.fill(*key, writer, prefix).is_err() {
+                continue;
+            }
+            if i < loaded {
+                self.prefixes.complete(*key, writer);
+            } else {
                 filling.push((*key, (hit_count + i + 1) * bt));
             }
         }
+        let hit_count = hit_count + loaded;
         entry.prefixes = used;
         if !self
             .sequences
@@ -149,6 +167,38 @@ impl KvStoreState {
         }
         self.sequences.entries.insert(seq, *entry);
         self.answer_open(myself, seq, writer, hit_count * bt, reply);
+    }
+
+    /// Counts the prompt's blocks with the disk tier's filter, and says how many of the
+    /// claimed blocks, from the first, it holds (none without a tier).
+    fn ask_tier(&mut self, hits: &[(u64, Mapped)], claimed: &[u64]) -> usize {
+        let Some(tier) = self.tier.as_mut() else {
+            return 0;
+        };
+        for key in hits.iter().map(|(k, _)| *k).chain(claimed.iter().copied()) {
+            tier.record(key);
+        }
+        tier.leading_on_disk(claimed)
+    }
+
+    /// Fills the first fresh blocks from the disk tier, one per key, stopping at the first
+    /// that is not whole there. Returns how many were filled.
+    fn load_from_disk(&mut self, keys: &[u64], fresh: &[Arc<SharedPrefix>]) -> usize {
+        let Some(tier) = self.tier.as_mut() else {
+            return 0;
+        };
+        let mapping: &dyn SharedMapping = self.device.shared.as_ref();
+        let mut loaded = 0;
+        for (key, block) in keys.iter().zip(fresh) {
+            let Some((parent, tokens)) = self.prefixes.prompt_of(*key) else {
+                break;
+            };
+            if !tier.copy_in(*key, (parent, tokens), block, mapping) {
+                break;
+            }
+            loaded += 1;
+        }
+        loaded
     }
 
     /// Makes `count` new shared prompt blocks, each paid for by its part of `charge` (the
@@ -183,6 +233,7 @@ impl KvStoreState {
         entry: &mut SeqEntry,
         hits: Vec<(u64, Mapped)>,
         fresh: Vec<Arc<SharedPrefix>>,
+        cached: usize,
     ) -> Result<(Vec<Mapped>, Vec<Arc<SharedPrefix>>), KvStoreError> {
         let bt = self.config.shape.block_tokens(self.device.granularity());
         let hit_count = hits.len();
@@ -199,7 +250,7 @@ impl KvStoreState {
                 unreachable!("a sequence being opened has its memory")
             };
             let mapping: &dyn SharedMapping = self.device.shared.as_ref();
-            memory.attach_prefix(mapping, &blocks, &access, hit_count * bt)?;
+            memory.attach_prefix(mapping, &blocks, &access, cached * bt)?;
         }
         Ok((used, fresh))
     }

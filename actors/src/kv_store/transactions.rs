@@ -26,6 +26,8 @@ pub(super) enum Pending {
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
         hits: Vec<(u64, Mapped)>,
         new_keys: Vec<u64>,
+        /// How many of `new_keys`, from the first, the disk tier holds: filled from there.
+        from_disk: usize,
         bytes: u64,
         reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
     },

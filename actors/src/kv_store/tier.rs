@@ -1,0 +1,232 @@
+//! The prefix cache's tier below the store's memory: a prompt block evicted under pressure is
+//! copied to disk (when the frequency filter lets it in) instead of dropped, and a later open
+//! of a prompt that starts the same way maps it back instead of computing it again. The disk
+//! tier persists: a store started later with the same model and directory finds its blocks.
+//!
+//! The copy out is a kernel on the store's stream, like a swap: it runs after the work queued
+//! before it, reads the block, writes it to disk, and only then lets the block's memory (and
+//! what paid for it) go. The copy in runs when the open's grant has come, before the open is
+//! answered: the blocks are whole before any step can read them. A block that fails its
+//! checks, or a disk that fails, makes a miss (the prompt is computed), never wrong K/V.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ::metrics::Histogram;
+use procmem::kv::admission::{Admission, AdmissionFilter};
+use procmem::kv::disk_tier::{DiskTier, DiskTierConfig, DiskTierError, OpenReport};
+use procmem::kv::{chain_hash, KvShape};
+use procmem::metrics::KV_PREFIX_DISK_SECONDS;
+use procmem::SharedMapping;
+
+use super::prefix::SharedPrefix;
+use super::KvStoreStats;
+
+/// Where a store keeps the prompt blocks it evicts, for itself and for the stores started
+/// after it: [`PrefixDisk::new`], then the setters. One directory serves one running store
+/// (its `LOCK` refuses a second: [`KvStoreError::DiskTier`](super::KvStoreError::DiskTier)).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PrefixDisk {
+    /// The directory (created if missing).
+    pub dir: PathBuf,
+    /// The model's identity, given by the caller (a hash of its weights file, say). Blocks are
+    /// kept under it and the store's shape together: another model's blocks never match.
+    pub model: u64,
+    /// The most bytes of blocks kept on disk.
+    pub capacity: u64,
+    /// How many times a block must have been asked for before it may enter (2: a prompt seen
+    /// once never churns the disk).
+    pub min_hits: u8,
+}
+
+impl PrefixDisk {
+    /// Blocks of `model` kept in `dir`, at most `capacity` bytes, each let in once asked for
+    /// twice.
+    pub fn new(dir: impl Into<PathBuf>, model: u64, capacity: u64) -> Self {
+        PrefixDisk {
+            dir: dir.into(),
+            model,
+            capacity,
+            min_hits: 2,
+        }
+    }
+
+    /// Sets how many asks let a block in (1 lets every evicted block in).
+    #[must_use]
+    pub fn min_hits(mut self, min_hits: u8) -> Self {
+        self.min_hits = min_hits;
+        self
+    }
+}
+
+/// What the copies on the stream did, counted where they ran.
+#[derive(Debug, Default)]
+struct Outcomes {
+    writes: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// The disk tier of one store, with its admission filter.
+pub(super) struct PrefixTier {
+    disk: Arc<Mutex<DiskTier>>,
+    filter: AdmissionFilter,
+    outcomes: Arc<Outcomes>,
+    hit_tokens: u64,
+    copy_out: Histogram,
+    copy_in: Histogram,
+}
+
+impl PrefixTier {
+    /// Opens the tier for a store of `shape` whose prompt blocks hold `block_tokens` tokens
+    /// and `block_bytes` bytes.
+    pub(super) fn open(
+        config: &PrefixDisk,
+        shape: &KvShape,
+        block_tokens: usize,
+        block_bytes: u64,
+        labels: [&str; 2],
+    ) -> Result<(PrefixTier, OpenReport), DiskTierError> {
+        let model = model_identity(config.model, shape, block_tokens);
+        let disk = DiskTierConfig::new(&config.dir, model, config.capacity);
+        let (disk, report) = DiskTier::open(disk)?;
+        let blocks = (config.capacity / block_bytes.max(1)).min(1 << 20) as usize;
+        let [store, authority] = labels;
+        let tier = PrefixTier {
+            disk: Arc::new(Mutex::new(disk)),
+            // Sized for several times the blocks the disk holds: the candidates outnumber them.
+            filter: AdmissionFilter::new(blocks.saturating_mul(4), config.min_hits),
+            outcomes: Arc::default(),
+            hit_tokens: 0,
+            copy_out: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "out"]),
+            copy_in: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "in"]),
+        };
+        Ok((tier, report))
+    }
+
+    fn disk(&self) -> MutexGuard<'_, DiskTier> {
+        self.disk.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A prompt block was asked for (found or not): the filter counts it.
+    pub(super) fn record(&mut self, key: u64) {
+        self.filter.record(key);
+    }
+
+    /// How many of `keys`, from the first, the disk holds.
+    pub(super) fn leading_on_disk(&self, keys: &[u64]) -> usize {
+        let disk = self.disk();
+        keys.iter().take_while(|k| disk.contains(**k)).count()
+    }
+
+    /// Whether an evicted block `key` of `bytes` may go to disk: asked for often enough, and
+    /// more often than the block it would push out there.
+    pub(super) fn admit(&mut self, key: u64, bytes: u64) -> bool {
+        let victim = self.disk().victims_for(bytes).first().copied();
+        self.filter.admit(key, victim) == Admission::Admit
+    }
+
+    /// The kernel that copies an evicted block to disk and then lets its memory go.
+    pub(super) fn copy_out(
+        &self,
+        key: u64,
+        prompt: (u64, Vec<u32>),
+        block: Arc<SharedPrefix>,
+        mapping: Arc<dyn SharedMapping>,
+    ) -> impl FnOnce() + Send + 'static {
+        let (disk, outcomes, latency) = (
+            Arc::clone(&self.disk),
+            Arc::clone(&self.outcomes),
+            self.copy_out.clone(),
+        );
+        move || {
+            let start = std::time::Instant::now();
+            let kept = read_block(&block, mapping.as_ref()).and_then(|payload| {
+                let mut disk = disk.lock().unwrap_or_else(|p| p.into_inner());
+                disk.put(key, prompt.0, &prompt.1, &payload).ok()
+            });
+            match kept {
+                Some(_) => {
+                    outcomes.writes.fetch_add(1, Ordering::Relaxed);
+                    latency.record(start.elapsed().as_secs_f64());
+                }
+                None => {
+                    outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            // The memory goes now, after the copy: its charge follows it.
+            drop(block);
+        }
+    }
+
+    /// Fills `block` (fresh, mapped by nobody yet) with block `key` from disk. False if the
+    /// disk has no whole copy of it (the caller computes the block instead).
+    pub(super) fn copy_in(
+        &mut self,
+        key: u64,
+        prompt: (u64, &[u32]),
+        block: &SharedPrefix,
+        mapping: &dyn SharedMapping,
+    ) -> bool {
+        let start = std::time::Instant::now();
+        let payload = self.disk().get(key, prompt.0, prompt.1).ok().flatten();
+        let loaded = payload.is_some_and(|p| write_block(block, mapping, &p));
+        if loaded {
+            self.hit_tokens += prompt.1.len() as u64;
+            self.copy_in.record(start.elapsed().as_secs_f64());
+        } else {
+            self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        loaded
+    }
+
+    /// Its figures, into the store's.
+    pub(super) fn fill(&self, stats: &mut KvStoreStats) {
+        let disk = self.disk();
+        stats.prefix_disk_blocks = disk.len();
+        stats.prefix_disk_bytes = disk.bytes();
+        stats.prefix_disk_hit_tokens = self.hit_tokens;
+        stats.prefix_disk_writes = self.outcomes.writes.load(Ordering::Relaxed);
+        stats.prefix_disk_failures = self.outcomes.failures.load(Ordering::Relaxed);
+        stats.prefix_disk_refused = self.filter.refused();
+    }
+}
+
+/// The identity blocks are kept under: the caller's model id, the store's geometry and its
+/// block size (a block of another shape is never the same K/V).
+fn model_identity(model: u64, shape: &KvShape, block_tokens: usize) -> u64 {
+    let geometry = [
+        shape.layers,
+        shape.q_heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.dtype.bytes() as usize,
+        block_tokens,
+    ]
+    .map(|x| x as u32);
+    chain_hash(model, &geometry)
+}
+
+/// A block's bytes, buffer after buffer (`None` if the mechanism cannot read it).
+fn read_block(block: &SharedPrefix, mapping: &dyn SharedMapping) -> Option<Vec<u8>> {
+    let mut payload = vec![0u8; usize::try_from(block.bytes).ok()?];
+    let per = payload.len() / block.blocks.len().max(1);
+    for (b, dst) in block.blocks.iter().zip(payload.chunks_mut(per.max(1))) {
+        mapping.read_block(b, dst).ok()?;
+    }
+    Some(payload)
+}
+
+/// Writes `payload` (as [`read_block`] laid it out) into `block`.
+fn write_block(block: &SharedPrefix, mapping: &dyn SharedMapping, payload: &[u8]) -> bool {
+    if payload.len() as u64 != block.bytes || block.blocks.is_empty() {
+        return false;
+    }
+    let per = payload.len() / block.blocks.len();
+    block
+        .blocks
+        .iter()
+        .zip(payload.chunks(per.max(1)))
+        .all(|(b, src)| mapping.write_block(b, src).is_ok())
+}

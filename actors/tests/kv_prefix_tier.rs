@@ -1,0 +1,225 @@
+//! The prefix cache's disk tier through the store: a prompt block evicted under pressure goes
+//! to disk (once asked for twice) and comes back on the next open of that prompt with the very
+//! same K/V; a store started again over the same directory finds it; another model never
+//! does; a one-off prompt never reaches the disk; a second store on the directory is refused;
+//! a disk that fails drops the block and the books stay right.
+
+use std::time::Duration;
+
+use procmem_actors::procmem::kv::disk_tier::DiskTierError;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::{
+    governor::GovernorHandle,
+    kv::{
+        KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixDisk, StepEnd,
+    },
+    provider::CpuProvider,
+};
+
+mod common;
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    q_heads: 4,
+    kv_heads: 2,
+    head_dim: 16,
+    max_tokens: 512,
+    dtype: KvDtype::F32,
+};
+const PAGE: u64 = 4096;
+const CAPACITY: u64 = 1 << 20;
+
+/// Fault points and the disk are shared by the tests here: they take turns.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn bt() -> usize {
+    SHAPE.block_tokens(PAGE)
+}
+
+/// Three whole blocks and five tokens more.
+fn prompt(salt: u32) -> Vec<u32> {
+    (0..(3 * bt() + 5) as u32).map(|t| t * 3 + salt).collect()
+}
+
+fn config(dir: &std::path::Path, model: u64) -> KvStoreConfig {
+    common::kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(500))
+        .prefix_disk(PrefixDisk::new(dir, model, 256 * 1024))
+}
+
+/// Opens `seq` with `prompt`, computes what is not cached and one token more; returns what
+/// was cached and the last token's attention output, every layer.
+async fn run(kv: &KvStoreHandle, seq: u64, prompt: &[u32]) -> (usize, Vec<Vec<f32>>) {
+    let opened = kv.open(seq, prompt.to_vec(), 0).await.unwrap();
+    let mut last = Vec::new();
+    for pos in opened.cached_tokens..=prompt.len() {
+        let step = kv.prepare(vec![seq]).await.unwrap();
+        last.clear();
+        for layer in 0..SHAPE.layers {
+            // The K/V of a prompt position depends on the position alone (as a model's
+            // would on the token), so every sequence of one prompt writes the same rows.
+            let mut item = common::kv_item(&SHAPE, 1, pos, layer);
+            item.seq = seq;
+            last.push(step.attend(layer, vec![item]).await.unwrap().remove(0));
+        }
+        step.complete(StepEnd::Submitted).await.unwrap();
+    }
+    kv.close(seq);
+    (opened.cached_tokens, last)
+}
+
+/// Pressure from a more important holder that needs the whole budget: the store lets its
+/// cached blocks go. Returns once the holder has its room (then gives it back).
+async fn squeeze(g: &GovernorHandle) {
+    let grant = common::another_holder_asks(g.clone(), CAPACITY, Duration::from_secs(5))
+        .await
+        .expect("the store gave way");
+    drop(grant);
+}
+
+/// Waits (up to 10 s) for the store's figures to satisfy `ok`.
+async fn until(kv: &KvStoreHandle, ok: impl Fn(&KvStoreStats) -> bool) -> KvStoreStats {
+    let start = std::time::Instant::now();
+    loop {
+        let s = kv.stats().await.unwrap();
+        if ok(&s) {
+            return s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn store(g: &GovernorHandle, p: &CpuProvider, config: KvStoreConfig) -> KvStoreHandle {
+    KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap()
+        .0
+}
+
+async fn stop(kv: KvStoreHandle) {
+    kv.actor().stop_and_wait(None, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_restart() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let prompt = prompt(0);
+    let (cached, _) = run(&kv, 1, &prompt).await;
+    assert_eq!(cached, 0);
+    // The second ask: shared from memory, and now frequent enough for the disk.
+    let (cached, from_memory) = run(&kv, 2, &prompt).await;
+    assert_eq!(cached, 3 * bt());
+    squeeze(&g).await;
+    let s = until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    assert_eq!(
+        (s.prefix_disk_writes, s.prefix_disk_failures),
+        (3, 0),
+        "{s:?}"
+    );
+    // Back from disk: the same cached length and bit for bit the same attention.
+    let (cached, from_disk) = run(&kv, 3, &prompt).await;
+    assert_eq!(cached, 3 * bt());
+    assert_eq!(from_disk, from_memory);
+    let s = common::settled(&g, &kv).await;
+    assert_eq!(s.prefix_disk_hit_tokens, 3 * bt() as u64);
+    // A store started again over the directory finds the blocks.
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_entries == 0).await;
+    stop(kv).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    assert_eq!(kv.stats().await.unwrap().prefix_disk_blocks, 3);
+    let (cached, after_restart) = run(&kv, 4, &prompt).await;
+    assert_eq!(cached, 3 * bt());
+    assert_eq!(after_restart, from_memory);
+    stop(kv).await;
+    // Another model's store over the same directory finds nothing of it.
+    let other = store(&g, &p, config(dir.path(), 2)).await;
+    let (cached, _) = run(&other, 5, &prompt).await;
+    assert_eq!(cached, 0);
+    stop(other).await;
+    // Every store stopped: their memory goes back after its fences.
+    let start = std::time::Instant::now();
+    while g.snapshot().await.unwrap().books.leased != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the books never went to zero"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_off_prompt_never_reaches_the_disk() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    run(&kv, 1, &prompt(7)).await;
+    squeeze(&g).await;
+    let s = until(&kv, |s| s.prefix_entries == 0).await;
+    assert_eq!(s.prefix_disk_blocks, 0, "{s:?}");
+    assert_eq!(s.prefix_disk_refused, 3, "{s:?}");
+    common::settled(&g, &kv).await;
+    until(&kv, |s| s.leased_bytes == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_store_on_one_directory_is_refused() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let first = store(&g, &p, config(dir.path(), 1)).await;
+    let mut second = config(dir.path(), 1);
+    second.name = "kv2".into();
+    let refused = KvStoreHandle::spawn(second, g.clone(), p.clone()).await;
+    assert!(
+        matches!(
+            refused,
+            Err(KvStoreError::DiskTier(DiskTierError::Locked(_)))
+        ),
+        "{:?}",
+        refused.map(|_| ())
+    );
+    stop(first).await;
+}
+
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_that_fails_drops_the_block_and_the_books_stay_right() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let prompt = prompt(3);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    // The first block's copy out fails: it is dropped; the other two reach the disk.
+    procmem_actors::procmem::fault::arm("disk_tier.write", 0);
+    squeeze(&g).await;
+    let s = until(&kv, |s| {
+        s.prefix_entries == 0 && s.prefix_disk_writes + s.prefix_disk_failures == 3
+    })
+    .await;
+    assert!(!procmem_actors::procmem::fault::disarm(), "the fault fired");
+    assert_eq!(
+        (s.prefix_disk_failures, s.prefix_disk_blocks),
+        (1, 2),
+        "{s:?}"
+    );
+    // The prompt still decodes the same: the lost block is computed again.
+    let (cached, again) = run(&kv, 3, &prompt).await;
+    assert!(
+        cached < 3 * bt(),
+        "the chain breaks at the lost block: {cached}"
+    );
+    assert_eq!(again, from_memory);
+    // What the store holds is its cache alone, and the Governor and the OS agree.
+    common::settled(&g, &kv).await;
+    until(&kv, |s| {
+        s.leased_bytes == s.prefix_bytes && s.sequences == 0
+    })
+    .await;
+}
