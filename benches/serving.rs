@@ -20,6 +20,11 @@
 //! finished, output tokens/s, time to first token and inter-token latency p50/p99, prompt
 //! tokens from cache, preemptions, peak RSS, peak KV bytes, requests held at once.
 //!
+//! The prefix cache's disk tier: three more rows of the multi-turn workload at `0.25x` and
+//! concurrency `PROCMEM_BENCH_TIERS` (8; 0 for none): tiers off, on over an empty directory,
+//! and on again over the directory that row filled (a restart); `prefix_tiers` in the report
+//! has their time to first token side by side.
+//!
 //! `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`, `PROCMEM_BENCH_CONCURRENCY`
 //! (comma-separated), `PROCMEM_BENCH_LONG` (prompts of the `long` rows, 0 for none) and
 //! `PROCMEM_BENCH_LLAMA=0` change the run. Without the model (fetched on first use) or the
@@ -128,6 +133,13 @@ fn child(spec: &str) -> ExitCode {
             grace: Duration::from_secs(10),
             body_limit: 1 << 20,
         }),
+        prefix_disk: std::env::var_os("PROCMEM_SERVING_PREFIX_DISK").map(|dir| {
+            common::real_model::PrefixDiskArgs {
+                dir: dir.into(),
+                capacity: 1 << 30,
+                min_hits: 2,
+            }
+        }),
     };
     let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let served = rt.block_on(common::real_model::serve(run, |budget| async move {
@@ -161,6 +173,8 @@ struct Driven {
     peaks: servers::Peaks,
     rss: u64,
     preemptions: f64,
+    /// Prompt tokens the prefix disk tier served.
+    disk_hit_tokens: f64,
     log: String,
 }
 
@@ -192,6 +206,10 @@ async fn drive(
         .metric("procmem_kv_preemptions_total")
         .await
         .unwrap_or(0.0);
+    let disk_hit_tokens = server
+        .metric("procmem_kv_prefix_disk_hit_tokens_total")
+        .await
+        .unwrap_or(0.0);
     let stopped = server.stop().await?;
     let (rss, log) = (stopped.rss, stopped.log);
     Ok(Driven {
@@ -200,6 +218,7 @@ async fn drive(
         peaks,
         rss,
         preemptions,
+        disk_hit_tokens,
         log,
     })
 }
@@ -211,12 +230,13 @@ async fn procmem_row(
     fraction: f64,
     concurrency: usize,
     rate: Option<f64>,
+    prefix_disk: Option<&std::path::Path>,
 ) -> Result<(Value, Answers), String> {
     let context = context_for(w, workload);
     // A budget under one sequence of the context serves nothing: at low concurrency a
     // fraction is raised to one sequence (`fraction_used`).
     let used = fraction.max(1.0 / concurrency.max(1) as f64);
-    let server = Server::procmem(used, concurrency, context).await?;
+    let server = Server::procmem(used, concurrency, context, prefix_disk).await?;
     let d = drive(server, w, workload, concurrency, rate).await?;
     let budget = logged(&d.log, "budget ").unwrap_or(0);
     let weights = logged(&d.log, "weights ").unwrap_or(0);
@@ -233,6 +253,8 @@ async fn procmem_row(
             "context": context,
             "kv_dtype": "f16",
             "preemptions": d.preemptions,
+            "prefix_disk": prefix_disk.is_some(),
+            "prompt_tokens_from_disk": d.disk_hit_tokens,
             "peak_rss_bytes": d.rss,
             "peak_kv_bytes": d.peaks.kv_bytes,
             "kv_budget_bytes": budget.saturating_sub(weights),
@@ -242,6 +264,46 @@ async fn procmem_row(
         }),
     );
     Ok((row, d.answers))
+}
+
+/// The multi-turn workload at 0.25x with the prefix cache's disk tier off, on over an empty
+/// directory (a cold start), and on again over the directory that row filled (a restart).
+async fn tier_rows(w: &Workload, concurrency: usize) -> Result<(Vec<Value>, Value), String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tmp/serving-prefix-disk");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut rows: Vec<Value> = Vec::new();
+    let mut answers = Vec::new();
+    let runs = [
+        ("off", None),
+        ("on", Some(dir.as_path())),
+        ("on_after_restart", Some(dir.as_path())),
+    ];
+    for (tiers, disk) in runs {
+        let (mut row, a) = procmem_row(w, "multi", 0.25, concurrency, None, disk).await?;
+        row["tiers"] = json!(tiers);
+        print_row(&row);
+        rows.push(row);
+        answers.push(a);
+    }
+    // Greedy answers do not depend on where a prompt's K/V came from: any that differ
+    // from the row without tiers would be K/V brought back wrong.
+    let differ = [
+        differing(&answers[0], &answers[1]),
+        differing(&answers[0], &answers[2]),
+    ];
+    let f = |i: usize, k: &str| rows[i][k].as_f64().unwrap_or(f64::NAN);
+    let summary = json!({
+        "concurrency": concurrency,
+        "ttft_p50_ms": [f(0, "ttft_p50_ms"), f(1, "ttft_p50_ms"), f(2, "ttft_p50_ms")],
+        "ttft_p99_ms": [f(0, "ttft_p99_ms"), f(1, "ttft_p99_ms"), f(2, "ttft_p99_ms")],
+        "prompt_tokens_from_cache": [f(0, "prompt_tokens_from_cache"), f(1, "prompt_tokens_from_cache"), f(2, "prompt_tokens_from_cache")],
+        "prompt_tokens_from_disk": [f(0, "prompt_tokens_from_disk"), f(1, "prompt_tokens_from_disk"), f(2, "prompt_tokens_from_disk")],
+        "ttft_p50_off_over_on": f(0, "ttft_p50_ms") / f(1, "ttft_p50_ms"),
+        "ttft_p50_cold_over_restart": f(1, "ttft_p50_ms") / f(2, "ttft_p50_ms"),
+        "answers_differing_from_off": differ,
+    });
+    Ok((rows, summary))
 }
 
 /// llama.cpp's server as the bench runs it.
@@ -334,6 +396,12 @@ fn print_row(r: &Value) {
         r["peak_kv_bytes"].as_f64().unwrap_or(0.0) as u64 >> 20,
         r["held_at_once"],
     );
+    if let Some(tiers) = r["tiers"].as_str() {
+        println!(
+            "          prefix disk tier {tiers}: prompt tokens from disk {}",
+            r["prompt_tokens_from_disk"]
+        );
+    }
 }
 
 fn main() -> ExitCode {
@@ -394,7 +462,7 @@ async fn run() -> Result<(), String> {
     let mut by_key = std::collections::HashMap::new();
     for fraction in [1.0, 0.25] {
         for &c in &concurrency {
-            let (row, answers) = procmem_row(&w, "multi", fraction, c, None).await?;
+            let (row, answers) = procmem_row(&w, "multi", fraction, c, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert(
@@ -404,17 +472,31 @@ async fn run() -> Result<(), String> {
         }
     }
     if let Some(rate) = rate {
-        let (row, _) = procmem_row(&w, "multi", 1.0, top, Some(rate)).await?;
+        let (row, _) = procmem_row(&w, "multi", 1.0, top, Some(rate), None).await?;
         print_row(&row);
         rows.push(row);
     }
     if !w.long.is_empty() {
         for &c in &long_concurrency {
-            let (row, answers) = procmem_row(&w, "long", 1.0, c, None).await?;
+            let (row, answers) = procmem_row(&w, "long", 1.0, c, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert((Kind::Procmem.name(), "long", "1".into(), c), answers);
         }
+    }
+    // The prefix cache's disk tier (off, on, on after a restart) at 0.25x.
+    let tiers_at: usize = std::env::var("PROCMEM_BENCH_TIERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let mut tiers_json = json!(null);
+    if tiers_at == 0 {
+        println!("prefix tiers: PROCMEM_BENCH_TIERS=0: skipped");
+    } else {
+        let (tier_rows, summary) = tier_rows(&w, tiers_at).await?;
+        println!("prefix tiers: {summary}");
+        rows.extend(tier_rows);
+        tiers_json = summary;
     }
     // llama.cpp: the KV bytes of procmem's 0.25x row at the highest concurrency, as slots.
     let quarter_kv = rows
@@ -513,6 +595,7 @@ async fn run() -> Result<(), String> {
         "rows": rows,
         "checks": checks,
         "ratios": ratios,
+        "prefix_tiers": tiers_json,
     });
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;

@@ -9,6 +9,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -144,6 +145,16 @@ struct Args {
     /// Request bodies over this many bytes are answered 413 when listening.
     #[arg(long, default_value = "1MiB")]
     body_limit: String,
+    /// With `--model`: keep prompt blocks evicted under pressure in this directory instead
+    /// of dropping them, and find them there after a restart (one server per directory).
+    #[arg(long)]
+    prefix_disk: Option<PathBuf>,
+    /// Bytes the prefix disk tier keeps at most.
+    #[arg(long, default_value = "1GiB")]
+    prefix_disk_bytes: String,
+    /// Times a prompt block must have been asked for before it may go to disk.
+    #[arg(long, default_value_t = 2)]
+    prefix_disk_min_hits: u8,
 }
 
 /// Requests one run may serve.
@@ -333,6 +344,14 @@ async fn serve(args: Args) -> Result<(), String> {
             },
             context,
             listen,
+            prefix_disk: match &args.prefix_disk {
+                Some(dir) => Some(common::real_model::PrefixDiskArgs {
+                    dir: dir.clone(),
+                    capacity: parse_bytes(&args.prefix_disk_bytes)?,
+                    min_hits: args.prefix_disk_min_hits,
+                }),
+                None => None,
+            },
         };
         let args = &args;
         return common::real_model::serve(run, |budget| async move {

@@ -604,6 +604,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             "preempt s/r",
             "prefix hit",
             "layers d/o",
+            "disk tier",
         ]
         .map(|h| Cell::from(h).style(Style::new().add_modifier(Modifier::BOLD))),
     );
@@ -649,6 +650,14 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             (Some(d), host, disk) => format!("{d}/{}", host.unwrap_or(0.0) + disk.unwrap_or(0.0)),
             _ => "-".into(),
         };
+        // The prefix cache's disk tier: blocks and bytes held, where the store has one.
+        let disk = match (
+            get("procmem_kv_prefix_disk_blocks", &kv),
+            get("procmem_kv_prefix_disk_bytes", &kv),
+        ) {
+            (Some(n), Some(b)) => format!("{n} {}", bytes(b)),
+            _ => "-".into(),
+        };
         Row::new(vec![
             holder.clone(),
             authority.clone(),
@@ -660,6 +669,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             preempt,
             hit,
             layers,
+            disk,
         ])
     });
     let widths = [
@@ -673,6 +683,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
         Constraint::Length(11),
         Constraint::Length(10),
         Constraint::Length(10),
+        Constraint::Length(14),
     ];
     frame.render_widget(
         Table::new(rows, widths)

@@ -223,3 +223,29 @@ async fn a_disk_that_fails_drops_the_block_and_the_books_stay_right() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_altered_on_disk_is_computed_again_never_used() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let prompt = prompt(5);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    // Every block file altered in its K/V bytes (its size and name unchanged).
+    for file in std::fs::read_dir(dir.path().join("blocks")).unwrap() {
+        let path = file.unwrap().path();
+        let mut raw = std::fs::read(&path).unwrap();
+        let mid = raw.len() / 2;
+        raw[mid] ^= 0x40;
+        std::fs::write(&path, raw).unwrap();
+    }
+    let (cached, again) = run(&kv, 3, &prompt).await;
+    assert_eq!(cached, 0, "no altered block is used");
+    assert_eq!(again, from_memory, "the prompt is computed again, the same");
+    let s = until(&kv, |s| s.prefix_disk_failures == 1).await;
+    assert_eq!(s.prefix_disk_hit_tokens, 0, "{s:?}");
+}

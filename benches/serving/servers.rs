@@ -93,10 +93,15 @@ impl Server {
         fraction: f64,
         concurrency: usize,
         context: usize,
+        prefix_disk: Option<&std::path::Path>,
     ) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let spec = format!("{fraction},{concurrency},{context}");
-        let mut child = dies_with_parent(&mut Command::new(exe))
+        let mut command = Command::new(exe);
+        if let Some(dir) = prefix_disk {
+            command.env("PROCMEM_SERVING_PREFIX_DISK", dir);
+        }
+        let mut child = dies_with_parent(&mut command)
             .env("PROCMEM_SERVING_CHILD", spec)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

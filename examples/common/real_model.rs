@@ -8,7 +8,7 @@ use procmem_actors::node::NodeLink;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::{
-    kv::{KvStoreConfig, PreemptMode},
+    kv::{KvStoreConfig, PreemptMode, PrefixDisk},
     AuthorityBooks, MemoryManager,
 };
 use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
@@ -35,6 +35,26 @@ pub struct RealRun {
     pub context: usize,
     /// Serve the OpenAI-compatible API here instead of the built-in prompts.
     pub listen: Option<super::listen::Listen>,
+    /// Keep prompt blocks evicted under pressure on disk here, and find them after a restart.
+    pub prefix_disk: Option<PrefixDiskArgs>,
+}
+
+/// The prefix cache's disk tier as the main job is given it.
+#[derive(Debug, Clone)]
+pub struct PrefixDiskArgs {
+    /// The directory.
+    pub dir: std::path::PathBuf,
+    /// Bytes kept at most.
+    pub capacity: u64,
+    /// Asks a block needs before it may enter.
+    pub min_hits: u8,
+}
+
+/// The model's identity for the disk tier: its file's length and CRC-32 (a restart over
+/// another GGUF never maps this one's blocks).
+fn model_identity(path: &std::path::Path) -> Result<u64, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((bytes.len() as u64) << 32 | u64::from(crc32fast::hash(&bytes)))
 }
 
 const SYSTEM: &str = "You are a helpful assistant who answers briefly and accurately.";
@@ -148,9 +168,13 @@ where
         ));
     }
     let (memory, link) = manager(budget).await?;
-    let config = KvStoreConfig::new("kv", shape)
+    let mut config = KvStoreConfig::new("kv", shape)
         .chunk_granules(CHUNK_GRANULES)
         .preempt(run.preempt);
+    if let Some(d) = &run.prefix_disk {
+        let disk = PrefixDisk::new(&d.dir, model_identity(&path)?, d.capacity);
+        config = config.prefix_disk(disk.min_hits(d.min_hits));
+    }
     let engine = Engine::start(&memory, loaded, config, codec.eos)
         .await
         .map_err(|e| e.to_string())?;

@@ -123,6 +123,9 @@ impl PrefixTier {
     /// Whether an evicted block `key` of `bytes` may go to disk: asked for often enough, and
     /// more often than the block it would push out there.
     pub(super) fn admit(&mut self, key: u64, bytes: u64) -> bool {
+        if self.disk().contains(key) {
+            return false; // kept there already (it came from there): nothing to copy
+        }
         let victim = self.disk().victims_for(bytes).first().copied();
         self.filter.admit(key, victim) == Admission::Admit
     }
@@ -170,15 +173,26 @@ impl PrefixTier {
         mapping: &dyn SharedMapping,
     ) -> bool {
         let start = std::time::Instant::now();
-        let payload = self.disk().get(key, prompt.0, prompt.1).ok().flatten();
-        let loaded = payload.is_some_and(|p| write_block(block, mapping, &p));
-        if loaded {
-            self.hit_tokens += prompt.1.len() as u64;
-            self.copy_in.record(start.elapsed().as_secs_f64());
-        } else {
-            self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
+        // A block gone since the open looked (pushed out by a copy out) is a plain miss; one
+        // that fails its checks, or a disk or copy that fails, counts as a failure.
+        let held = self.disk().contains(key);
+        let loaded = match self.disk().get(key, prompt.0, prompt.1) {
+            Ok(Some(payload)) => Some(write_block(block, mapping, &payload)),
+            Ok(None) if !held => None,
+            Ok(None) | Err(_) => Some(false),
+        };
+        match loaded {
+            Some(true) => {
+                self.hit_tokens += prompt.1.len() as u64;
+                self.copy_in.record(start.elapsed().as_secs_f64());
+                true
+            }
+            Some(false) => {
+                self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+            None => false,
         }
-        loaded
     }
 
     /// Its figures, into the store's.
