@@ -282,10 +282,15 @@ fn memtop_shows_what_the_endpoint_and_the_summary_say() {
             "procmem_residency_layers{{holder=\"weights\",authority=\"host\",placement=\"{p}\"}}"
         ))
     };
+    // Its layers, then the disk tier's column (a holder with none shows "-").
+    let [.., placed, disk] = weights.as_slice() else {
+        panic!("the weights row: {weights:?}");
+    };
     assert_eq!(
-        *weights.last().unwrap(),
+        *placed,
         format!("{}/{}", layers("device"), layers("host") + layers("disk"))
     );
+    assert_eq!(*disk, "-");
 
     // The endpoint is the main job's summary.
     let authority = Some("authority host");
