@@ -507,7 +507,7 @@ impl Actor for KvStore {
                     Some(myself.get_derived()),
                 )
                 .await?;
-            let tier = open_tier(&config, &device, governor.name())?;
+            let tier = open_tier_when_free(&config, &device, governor.name()).await?;
             Ok::<_, KvStoreError>((device, holder, swap, tier))
         };
         let (device, holder, swap, tier) = start.await?;
@@ -591,6 +591,29 @@ impl Actor for KvStore {
         }
         state.changed(&myself).await;
         Ok(())
+    }
+}
+
+/// Opens the store's disk tier, waiting up to 2 s for its directory's lock: a store restarted
+/// after a crash finds the lock still held until the old state (and the copies out it had
+/// queued on the stream) are gone, which takes moments. Another running store on the
+/// directory keeps it, and this one fails then.
+async fn open_tier_when_free(
+    config: &KvStoreConfig,
+    device: &KvDevice,
+    authority: &str,
+) -> Result<Option<tier::PrefixTier>, KvStoreError> {
+    use procmem::kv::disk_tier::DiskTierError;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match open_tier(config, device, authority) {
+            Err(KvStoreError::DiskTier(DiskTierError::Locked(_)))
+                if tokio::time::Instant::now() < give_up =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            opened => return opened,
+        }
     }
 }
 

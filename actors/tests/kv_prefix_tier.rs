@@ -249,3 +249,29 @@ async fn a_block_altered_on_disk_is_computed_again_never_used() {
     let s = until(&kv, |s| s.prefix_disk_failures == 1).await;
     assert_eq!(s.prefix_disk_hit_tokens, 0, "{s:?}");
 }
+
+/// A store that crashes is started again at once over its directory, as a supervisor does:
+/// the lock the crashed one held goes with its state, and the new store finds the blocks.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_restarted_after_a_crash_finds_its_directory_and_its_blocks() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let (kv, join) = KvStoreHandle::spawn(config(dir.path(), 1), g.clone(), p.clone())
+        .await
+        .unwrap();
+    let prompt = prompt(9);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    // Started again at once: the crashed store may still hold the lock for a moment.
+    kv.crash();
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    join.await.unwrap();
+    let (cached, again) = run(&kv, 3, &prompt).await;
+    assert_eq!(cached, 3 * bt());
+    assert_eq!(again, from_memory);
+    stop(kv).await;
+}
