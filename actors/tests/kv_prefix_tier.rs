@@ -96,6 +96,20 @@ async fn store(g: &GovernorHandle, p: &CpuProvider, config: KvStoreConfig) -> Kv
         .0
 }
 
+/// A fresh directory, a host Governor of `CAPACITY` with a CPU provider, and a store of model 1
+/// keeping its evicted prompt blocks in that directory.
+async fn fixture() -> (
+    tempfile::TempDir,
+    GovernorHandle,
+    CpuProvider,
+    KvStoreHandle,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    (dir, g, p, kv)
+}
+
 async fn stop(kv: KvStoreHandle) {
     kv.actor().stop_and_wait(None, None).await.unwrap();
 }
@@ -103,9 +117,7 @@ async fn stop(kv: KvStoreHandle) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_restart() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (g, p) = common::system(CAPACITY, 1).await;
-    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let (dir, g, p, kv) = fixture().await;
     let prompt = prompt(0);
     let (cached, _) = run(&kv, 1, &prompt).await;
     assert_eq!(cached, 0);
@@ -154,9 +166,7 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_off_prompt_never_reaches_the_disk() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (g, p) = common::system(CAPACITY, 1).await;
-    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let (_dir, g, _p, kv) = fixture().await;
     run(&kv, 1, &prompt(7)).await;
     squeeze(&g).await;
     let s = until(&kv, |s| s.prefix_entries == 0).await;
@@ -190,9 +200,7 @@ async fn a_second_store_on_one_directory_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_that_fails_drops_the_block_and_the_books_stay_right() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (g, p) = common::system(CAPACITY, 1).await;
-    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let (_dir, g, _p, kv) = fixture().await;
     let prompt = prompt(3);
     run(&kv, 1, &prompt).await;
     let (_, from_memory) = run(&kv, 2, &prompt).await;
@@ -227,9 +235,7 @@ async fn a_disk_that_fails_drops_the_block_and_the_books_stay_right() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_altered_on_disk_is_computed_again_never_used() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let (g, p) = common::system(CAPACITY, 1).await;
-    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    let (dir, g, _p, kv) = fixture().await;
     let prompt = prompt(5);
     run(&kv, 1, &prompt).await;
     let (_, from_memory) = run(&kv, 2, &prompt).await;
