@@ -4,8 +4,10 @@
 //! tier persists: a store started later with the same model and directory finds its blocks.
 //!
 //! The copy out is a kernel on the store's stream, like a swap: it runs after the work queued
-//! before it, reads the block, writes it to disk, and only then lets the block's memory (and
-//! what paid for it) go. The copy in runs when the open's grant has come, before the open is
+//! before it, reads the block, and only then lets the block's memory (and what paid for it)
+//! go; a writer thread puts the bytes on disk, so no file call or `fsync` waits between the
+//! decode kernels unless more than a few blocks wait for it (their bytes are outside every
+//! ledger, so the queue is short: a copy out that finds it full waits). The copy in runs when the open's grant has come, before the open is
 //! answered: the blocks are whole before any step can read them. A block that fails its
 //! checks, or a disk that fails, makes a miss (the prompt is computed), never wrong K/V.
 
@@ -68,13 +70,28 @@ struct Outcomes {
     failures: AtomicU64,
 }
 
+/// Blocks read out of memory and waiting for the writer thread at most: the bytes they hold
+/// are outside every ledger, so the queue is short, and a copy out that finds it full waits
+/// (the stream with it) rather than drop the block or hold more.
+const WRITE_QUEUE: usize = 8;
+
+/// One block read out of memory, for the writer thread to put on disk.
+struct Write {
+    key: u64,
+    prompt: (u64, Vec<u32>),
+    payload: Vec<u8>,
+    start: std::time::Instant,
+}
+
 /// The disk tier of one store, with its admission filter.
 pub(super) struct PrefixTier {
     disk: Arc<Mutex<DiskTier>>,
     filter: AdmissionFilter,
     outcomes: Arc<Outcomes>,
     hit_tokens: u64,
-    copy_out: Histogram,
+    /// To the writer thread, which puts blocks on disk off the store's stream (its files and
+    /// `fsync`s never wait between decode kernels). It ends when this sender goes.
+    writes: std::sync::mpsc::SyncSender<Write>,
     copy_in: Histogram,
 }
 
@@ -93,13 +110,17 @@ impl PrefixTier {
         let (disk, report) = DiskTier::open(disk)?;
         let blocks = (config.capacity / block_bytes.max(1)).min(1 << 20) as usize;
         let [store, authority] = labels;
+        let disk = Arc::new(Mutex::new(disk));
+        let outcomes: Arc<Outcomes> = Arc::default();
+        let latency = KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "out"]);
+        let writes = spawn_writer(Arc::clone(&disk), Arc::clone(&outcomes), latency)?;
         let tier = PrefixTier {
-            disk: Arc::new(Mutex::new(disk)),
+            disk,
             // Sized for several times the blocks the disk holds: the candidates outnumber them.
             filter: AdmissionFilter::new(blocks.saturating_mul(4), config.min_hits),
-            outcomes: Arc::default(),
+            outcomes,
             hit_tokens: 0,
-            copy_out: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "out"]),
+            writes,
             copy_in: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "in"]),
         };
         Ok((tier, report))
@@ -130,7 +151,8 @@ impl PrefixTier {
         self.filter.admit(key, victim) == Admission::Admit
     }
 
-    /// The kernel that copies an evicted block to disk and then lets its memory go.
+    /// The kernel that reads an evicted block out of memory, lets the memory go, and hands the
+    /// bytes to the writer thread (waiting while its short queue is full).
     pub(super) fn copy_out(
         &self,
         key: u64,
@@ -138,28 +160,24 @@ impl PrefixTier {
         block: Arc<SharedPrefix>,
         mapping: Arc<dyn SharedMapping>,
     ) -> impl FnOnce() + Send + 'static {
-        let (disk, outcomes, latency) = (
-            Arc::clone(&self.disk),
-            Arc::clone(&self.outcomes),
-            self.copy_out.clone(),
-        );
+        let (writes, outcomes) = (self.writes.clone(), Arc::clone(&self.outcomes));
         move || {
             let start = std::time::Instant::now();
-            let kept = read_block(&block, mapping.as_ref()).and_then(|payload| {
-                let mut disk = disk.lock().unwrap_or_else(|p| p.into_inner());
-                disk.put(key, prompt.0, &prompt.1, &payload).ok()
-            });
-            match kept {
-                Some(_) => {
-                    outcomes.writes.fetch_add(1, Ordering::Relaxed);
-                    latency.record(start.elapsed().as_secs_f64());
-                }
-                None => {
-                    outcomes.failures.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            // The memory goes now, after the copy: its charge follows it.
+            let payload = read_block(&block, mapping.as_ref());
+            // The memory goes now, once read: its charge follows it.
             drop(block);
+            let queued = payload.is_some_and(|payload| {
+                let write = Write {
+                    key,
+                    prompt,
+                    payload,
+                    start,
+                };
+                writes.send(write).is_ok()
+            });
+            if !queued {
+                outcomes.failures.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -205,6 +223,38 @@ impl PrefixTier {
         stats.prefix_disk_failures = self.outcomes.failures.load(Ordering::Relaxed);
         stats.prefix_disk_refused = self.filter.refused();
     }
+}
+
+/// Starts the thread that puts blocks on disk, in the order they were read.
+fn spawn_writer(
+    disk: Arc<Mutex<DiskTier>>,
+    outcomes: Arc<Outcomes>,
+    latency: Histogram,
+) -> Result<std::sync::mpsc::SyncSender<Write>, DiskTierError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Write>(WRITE_QUEUE);
+    std::thread::Builder::new()
+        .name("procmem-prefix-disk".into())
+        .spawn(move || {
+            for w in rx {
+                let put = disk.lock().unwrap_or_else(|p| p.into_inner()).put(
+                    w.key,
+                    w.prompt.0,
+                    &w.prompt.1,
+                    &w.payload,
+                );
+                if put.is_ok() {
+                    outcomes.writes.fetch_add(1, Ordering::Relaxed);
+                    latency.record(w.start.elapsed().as_secs_f64());
+                } else {
+                    outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+        .map_err(|source| DiskTierError::Io {
+            what: "start the writer thread",
+            source,
+        })?;
+    Ok(tx)
 }
 
 /// The identity blocks are kept under: the caller's model id, the store's geometry and its
