@@ -40,18 +40,24 @@ fn is_test_file(path: &Path) -> bool {
     path.file_stem().is_some_and(|s| s == "tests")
 }
 
+/// Every source file of the three crates, test files aside.
+fn library_files() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for krate in CRATES {
+        rust_files(&root.join(krate), &mut files);
+    }
+    files.retain(|f| !is_test_file(f));
+    files
+}
+
 #[test]
 fn no_source_file_is_over_700_lines_outside_tests() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut long = Vec::new();
-    for krate in CRATES {
-        let mut files = Vec::new();
-        rust_files(&root.join(krate), &mut files);
-        for file in files.iter().filter(|f| !is_test_file(f)) {
-            let n = code(file).len();
-            if n > MAX_LINES {
-                long.push(format!("{} ({n} lines)", file.display()));
-            }
+    for file in library_files() {
+        let n = code(&file).len();
+        if n > MAX_LINES {
+            long.push(format!("{} ({n} lines)", file.display()));
         }
     }
     assert!(long.is_empty(), "over {MAX_LINES} lines: {long:?}");
@@ -342,16 +348,11 @@ fn fn_name(trimmed: &str) -> Option<String> {
 
 #[test]
 fn no_library_function_is_over_80_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut long = Vec::new();
-    for krate in CRATES {
-        let mut files = Vec::new();
-        rust_files(&root.join(krate), &mut files);
-        for file in files.iter().filter(|f| !is_test_file(f)) {
-            for (name, line, n) in functions(&code(file)) {
-                if n > MAX_FN_LINES {
-                    long.push(format!("{}:{line} {name} ({n} lines)", file.display()));
-                }
+    for file in library_files() {
+        for (name, line, n) in functions(&code(&file)) {
+            if n > MAX_FN_LINES {
+                long.push(format!("{}:{line} {name} ({n} lines)", file.display()));
             }
         }
     }

@@ -53,8 +53,19 @@ pub struct PrefixDiskArgs {
 /// The model's identity for the disk tier: its file's length and CRC-32 (a restart over
 /// another GGUF never maps this one's blocks).
 fn model_identity(path: &std::path::Path) -> Result<u64, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok((bytes.len() as u64) << 32 | u64::from(crc32fast::hash(&bytes)))
+    use std::io::Read;
+    let fail = |e: std::io::Error| format!("{}: {e}", path.display());
+    // Streamed: the weights are read once more at start-up, never held twice.
+    let mut file = std::fs::File::open(path).map_err(fail)?;
+    let (mut crc, mut len, mut buf) = (crc32fast::Hasher::new(), 0u64, vec![0u8; 1 << 20]);
+    loop {
+        let n = file.read(&mut buf).map_err(fail)?;
+        if n == 0 {
+            return Ok(len << 32 | u64::from(crc.finalize()));
+        }
+        crc.update(&buf[..n]);
+        len += n as u64;
+    }
 }
 
 const SYSTEM: &str = "You are a helpful assistant who answers briefly and accurately.";

@@ -239,14 +239,17 @@ impl DiskTier {
         let path = block_path(&self.dir, self.model, key);
         let checked = fs::read(&path)
             .map_err(|e| e.to_string())
-            .and_then(|raw| decode_block(&raw, self.model).map(|b| (b, raw.len())));
+            .and_then(|raw| decode_block(&raw, self.model).map(|b| (b, raw)));
         match checked {
-            Ok((block, _)) if block.key == key && block.crc == entry.crc => {
+            Ok((block, mut raw)) if block.key == key && block.crc == entry.crc => {
                 self.clock += 1;
                 if let Some(e) = self.entries.get_mut(&key) {
                     e.last_use = self.clock;
                 }
-                Ok(Some(block.payload))
+                // The payload in place: the file's bytes less its header and CRC.
+                raw.truncate(block.payload.end);
+                raw.drain(..block.payload.start);
+                Ok(Some(raw))
             }
             _ => {
                 self.forget(key);
@@ -279,7 +282,7 @@ impl DiskTier {
             }
         }
         let raw = encode_block(self.model, key, parent, tokens, payload);
-        let crc = crc32fast::hash(&raw[..raw.len() - 4]);
+        let crc = u32::from_le_bytes(raw[raw.len() - 4..].try_into().expect("4 bytes"));
         let path = block_path(&self.dir, self.model, key);
         write_atomically(&path, &raw, false)?;
         let victims = self.victims_for(bytes);
@@ -389,6 +392,23 @@ fn reconcile(
     entries: &mut HashMap<u64, Entry>,
     report: &mut OpenReport,
 ) -> Result<(), DiskTierError> {
+    // An index write that never finished (this model's own; the lock says no one else's is
+    // under way).
+    let index = index_path(dir, model);
+    let index_tmp = format!(
+        "{}.tmp",
+        index.file_name().and_then(|n| n.to_str()).unwrap_or("")
+    );
+    for item in fs::read_dir(dir).map_err(io("list the directory"))? {
+        let path = item.map_err(io("list the directory"))?.path();
+        if path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&index_tmp))
+        {
+            let _ = fs::remove_file(&path);
+        }
+    }
     let prefix = format!("{model:016x}-");
     let mut on_disk = HashMap::new();
     for item in fs::read_dir(dir.join("blocks")).map_err(io("list the blocks"))? {
@@ -452,7 +472,8 @@ struct Block {
     key: u64,
     parent: u64,
     tokens: Vec<u32>,
-    payload: Vec<u8>,
+    /// Where the payload lies in the file's bytes.
+    payload: std::ops::Range<usize>,
     crc: u32,
 }
 
@@ -563,11 +584,12 @@ fn decode_block(raw: &[u8], model: u64) -> Result<Block, String> {
     if len != c.0.len() as u64 {
         return Err(format!("claims {len} payload bytes, holds {}", c.0.len()));
     }
+    let start = body.len() - c.0.len();
     Ok(Block {
         key,
         parent,
         tokens,
-        payload: c.0.to_vec(),
+        payload: start..body.len(),
         crc,
     })
 }

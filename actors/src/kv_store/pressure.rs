@@ -291,14 +291,17 @@ impl KvStoreState {
     /// tier first where the filter lets it in: copied by a kernel on the stream, which then
     /// lets the memory go. Returns the bytes freed now and those freed after that copy.
     fn evict_prefix(&mut self, key: u64) -> (u64, u64) {
-        let whole = self.prefixes.state(key) == Some(BlockState::Complete);
-        let prompt = self.prefixes.prompt_of(key).map(|(p, t)| (p, t.to_vec()));
+        // What a tier below keys the block by, where there is a tier and the block is whole.
+        let keep = self.tier.is_some() && self.prefixes.state(key) == Some(BlockState::Complete);
+        let prompt = keep
+            .then(|| self.prefixes.prompt_of(key).map(|(p, t)| (p, t.to_vec())))
+            .flatten();
         let Some(block) = self.prefixes.remove(key) else {
             return (0, 0);
         };
         self.stats.prefix_blocks_evicted += 1;
         let bytes = block.bytes;
-        let (Some(tier), Some(prompt), true) = (self.tier.as_mut(), prompt, whole) else {
+        let (Some(tier), Some(prompt)) = (self.tier.as_mut(), prompt) else {
             return (bytes, 0);
         };
         if block.sharers() > 0 || !tier.admit(key, bytes) {

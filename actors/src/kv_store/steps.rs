@@ -123,10 +123,10 @@ impl KvStoreState {
                 }
             }
         }
+        let hit_count = hits.len();
         let shared = self.make_blocks(new_keys.len(), charge).and_then(|fresh| {
             let loaded = self.load_from_disk(&new_keys[..from_disk], &fresh);
-            let cached = hits.len() + loaded;
-            self.attach_prefixes(&mut entry, hits, fresh, cached)
+            self.attach_prefixes(&mut entry, hits, fresh, hit_count + loaded)
                 .map(|(used, fresh)| (used, fresh, loaded))
         });
         let (used, fresh, loaded) = match shared {
@@ -138,7 +138,6 @@ impl KvStoreState {
             }
         };
         let bt = self.config.shape.block_tokens(self.device.granularity());
-        let hit_count = used.len() - fresh.len();
         let mut filling = Vec::with_capacity(fresh.len());
         for (i, (key, prefix)) in new_keys.iter().zip(fresh).enumerate() {
             // Claimed at open by this writer, and only it fills a claim; a block loaded from
@@ -152,7 +151,7 @@ impl KvStoreState {
                 filling.push((*key, (hit_count + i + 1) * bt));
             }
         }
-        let hit_count = hit_count + loaded;
+        let cached = hit_count + loaded;
         entry.prefixes = used;
         if !self
             .sequences
@@ -166,7 +165,7 @@ impl KvStoreState {
             return;
         }
         self.sequences.entries.insert(seq, *entry);
-        self.answer_open(myself, seq, writer, hit_count * bt, reply);
+        self.answer_open(myself, seq, writer, cached * bt, reply);
     }
 
     /// Counts the prompt's blocks with the disk tier's filter, and says how many of the

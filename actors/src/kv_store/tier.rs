@@ -7,9 +7,10 @@
 //! before it, reads the block, and only then lets the block's memory (and what paid for it)
 //! go; a writer thread puts the bytes on disk, so no file call or `fsync` waits between the
 //! decode kernels unless more than a few blocks wait for it (their bytes are outside every
-//! ledger, so the queue is short: a copy out that finds it full waits). The copy in runs when the open's grant has come, before the open is
-//! answered: the blocks are whole before any step can read them. A block that fails its
-//! checks, or a disk that fails, makes a miss (the prompt is computed), never wrong K/V.
+//! ledger, so the queue is short: a copy out that finds it full waits). The copy in runs when
+//! the open's grant has come, before the open is answered: the blocks are whole before any
+//! step can read them. A block that fails its checks, or a disk that fails, makes a miss (the
+//! prompt is computed), never wrong K/V.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -144,10 +145,19 @@ impl PrefixTier {
     /// Whether an evicted block `key` of `bytes` may go to disk: asked for often enough, and
     /// more often than the block it would push out there.
     pub(super) fn admit(&mut self, key: u64, bytes: u64) -> bool {
-        if self.disk().contains(key) {
-            return false; // kept there already (it came from there): nothing to copy
-        }
-        let victim = self.disk().victims_for(bytes).first().copied();
+        let victim = {
+            let disk = self.disk();
+            if disk.contains(key) {
+                return false; // kept there already (it came from there): nothing to copy
+            }
+            // The block it would push out, where there is no room: the least recently used.
+            let room = disk.capacity().saturating_sub(disk.bytes());
+            if room < bytes {
+                disk.lru()
+            } else {
+                None
+            }
+        };
         self.filter.admit(key, victim) == Admission::Admit
     }
 
@@ -193,11 +203,15 @@ impl PrefixTier {
         let start = std::time::Instant::now();
         // A block gone since the open looked (pushed out by a copy out) is a plain miss; one
         // that fails its checks, or a disk or copy that fails, counts as a failure.
-        let held = self.disk().contains(key);
-        let loaded = match self.disk().get(key, prompt.0, prompt.1) {
-            Ok(Some(payload)) => Some(write_block(block, mapping, &payload)),
-            Ok(None) if !held => None,
-            Ok(None) | Err(_) => Some(false),
+        let got = {
+            let mut disk = self.disk();
+            let held = disk.contains(key);
+            (held, disk.get(key, prompt.0, prompt.1))
+        };
+        let loaded = match got {
+            (_, Ok(Some(payload))) => Some(write_block(block, mapping, &payload)),
+            (false, Ok(None)) => None,
+            (true, Ok(None)) | (_, Err(_)) => Some(false),
         };
         match loaded {
             Some(true) => {

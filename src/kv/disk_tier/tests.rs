@@ -126,10 +126,12 @@ fn torn_blocks_temporary_files_and_a_torn_index_are_skipped_at_open() {
         .join("blocks")
         .join("0000000000000007-0000000000000009.kv.tmp42");
     fs::write(&tmp, b"half a block").unwrap();
+    let index_tmp = dir.path().join("INDEX-0000000000000007.tmp42");
+    fs::write(&index_tmp, b"half an index").unwrap();
     let (mut t, report) = tier(dir.path(), 7, 1 << 20);
     assert_eq!(report.blocks, 2);
     assert_eq!(report.skipped.len(), 2, "{:?}", report.skipped); // from the index, then as a file
-    assert!(!tmp.exists());
+    assert!(!tmp.exists() && !index_tmp.exists());
     assert_eq!(t.get(1, 0, &[1]).unwrap(), None);
     drop(t);
     // The index torn: the blocks are adopted from their own (checked) files.
