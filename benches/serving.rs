@@ -142,7 +142,7 @@ fn child(spec: &str) -> ExitCode {
         }),
     };
     let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    let served = rt.block_on(common::real_model::serve(run, |budget| async move {
+    let served = rt.block_on(common::real_model::serve(run, |budget, _| async move {
         let memory = MemoryManager::builder()
             .host_budget(budget)
             .keep_metrics(true)

@@ -7,7 +7,10 @@
 //! It joins the cluster's watch group with the cookie; each node Governor publishes its
 //! summary there twice a second: per authority the capacity, the credit approved and what is
 //! free, the machine's memory pressure, and per model the processes serving it and the
-//! prefix-cache entries they hold.
+//! prompt blocks they hold (a digest of their keys, in memory and on disk).
+//!
+//! `--route 1,2,3,...` (a prompt's token ids) prints, per node and model, how many tokens at
+//! the prompt's start its processes may hold cached: where a router would send it.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -28,6 +31,9 @@ struct Args {
     /// Print this many refreshes, then exit (0: until killed).
     #[arg(long, default_value_t = 0)]
     count: u64,
+    /// A prompt's token ids, comma-separated: print each node's cached start of it.
+    #[arg(long, value_delimiter = ',')]
+    route: Vec<u32>,
 }
 
 fn main() -> ExitCode {
@@ -62,8 +68,29 @@ fn main() -> ExitCode {
                         age.as_millis()
                     );
                 }
-                for (model, processes, cached) in &s.models {
-                    println!("{:<24}   model {model}: {processes} processes, {cached} cached prefixes", s.node);
+                for m in &s.models {
+                    let digests: Vec<String> = m
+                        .prefixes
+                        .iter()
+                        .filter_map(|p| p.digest())
+                        .map(|d| format!("{}-token blocks, {:.1}% set", d.block_tokens(), d.fill() * 100.0))
+                        .collect();
+                    println!(
+                        "{:<24}   model {}: {} processes, {} cached blocks ({})",
+                        s.node,
+                        m.model,
+                        m.processes,
+                        m.cached_blocks,
+                        digests.join("; ")
+                    );
+                    if !args.route.is_empty() {
+                        println!(
+                            "{:<24}   route: {} of the prompt's {} tokens may be cached here",
+                            s.node,
+                            m.cached_tokens(&args.route),
+                            args.route.len()
+                        );
+                    }
                 }
             }
             printed += 1;

@@ -23,7 +23,7 @@ use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::Place;
 use procmem_actors::{
-    kv::{KvStoreConfig, PreemptMode, SwapKind},
+    kv::{KvStoreConfig, KvStoreHandle, PreemptMode, SwapKind},
     residency::ResidencyConfig,
     AuthorityBooks, MemoryManager,
 };
@@ -236,6 +236,7 @@ async fn join_node(
     addr: SocketAddr,
     memory: &MemoryManager,
     cuda: bool,
+    (model, kv): (String, common::real_model::KvSlot),
 ) -> Result<NodeLink, String> {
     let (device, tier, authority) = if cuda {
         (
@@ -257,6 +258,15 @@ async fn join_node(
     let mut config = LinkConfig::new(addr, args.node_cookie.clone(), "inference_server");
     config.priority = args.node_priority;
     config.authority = authority.into();
+    // The model and the prompt blocks its store holds, for routers.
+    config.model = if model.is_empty() {
+        "model".into()
+    } else {
+        model
+    };
+    config.prefixes = Some(std::sync::Arc::new(move || {
+        kv.get().map(KvStoreHandle::prefix_digest)
+    }));
     let link = NodeLink::join(config, governor)
         .await
         .map_err(|e| format!("cannot join the node at {addr}: {e}"))?;
@@ -354,13 +364,14 @@ async fn serve(args: Args) -> Result<(), String> {
             },
         };
         let args = &args;
-        return common::real_model::serve(run, |budget| async move {
+        let name = common::real_model::model_name(model);
+        return common::real_model::serve(run, |budget, kv| async move {
             let builder = MemoryManager::builder()
                 .host_budget(budget)
                 .keep_metrics(args.listen.is_some());
             let memory = manager(args, builder).await?;
             let node = match args.node {
-                Some(addr) => Some(join_node(args, addr, &memory, false).await?),
+                Some(addr) => Some(join_node(args, addr, &memory, false, (name, kv)).await?),
                 None => None,
             };
             if let Some(addr) = args.metrics_addr {
@@ -429,8 +440,15 @@ async fn serve(args: Args) -> Result<(), String> {
         MemoryManager::builder().host_budget(budget)
     };
     let memory = manager(&args, builder).await?;
+    let kv_slot = common::real_model::KvSlot::default();
     let node = match args.node {
-        Some(addr) => Some(join_node(&args, addr, &memory, cuda).await?),
+        Some(addr) => {
+            let model = (
+                format!("synthetic-{:?}", args.model_size).to_lowercase(),
+                kv_slot.clone(),
+            );
+            Some(join_node(&args, addr, &memory, cuda, model).await?)
+        }
         None => None,
     };
     println!(
@@ -475,6 +493,7 @@ async fn serve(args: Args) -> Result<(), String> {
         )
         .await
         .map_err(|e| e.to_string())?;
+    let _ = kv_slot.set(kv.clone());
 
     let shared: Vec<u32> = (0..args.prompt_len as u32)
         .map(|i| (i * 7 + args.seed as u32) % model.vocab)

@@ -1,10 +1,11 @@
 //! KV cache policy and memory, without actors: geometry, the GQA decode operator, one
 //! sequence's virtually contiguous K/V buffers with two-phase growth, the prefix cache's
-//! rules, victim choice, and the prefix cache's disk tier with the frequency filter in front
-//! of it.
+//! rules, victim choice, the prefix cache's disk tier with the frequency filter in front
+//! of it, and the digest of held prefixes a node publishes to routers.
 
 pub mod admission;
 pub mod causal;
+pub mod digest;
 #[cfg(target_os = "linux")]
 pub mod disk_tier;
 pub mod elem;
@@ -17,6 +18,7 @@ pub mod table;
 pub mod victims;
 
 pub use causal::gqa_causal;
+pub use digest::{prompt_keys, PrefixDigest};
 pub use elem::{KvElement, KvView, LayerViews};
 pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, TableError};
+use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, PrefixDigest, TableError};
 use procmem::ledger::{HolderId, Priority};
 use procmem::MemoryError;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -446,6 +446,8 @@ pub(crate) struct KvStoreState {
     stats: KvStoreStats,
     swap_outcomes: Arc<swap::SwapOutcomes>,
     metrics: metrics::KvMetrics,
+    /// The blocks it holds (memory and disk), for routers: rebuilt as the metrics publish.
+    digest: tokio::sync::watch::Sender<Arc<PrefixDigest>>,
 }
 
 /// The KV store actor.
@@ -460,6 +462,8 @@ pub(crate) struct KvStoreArgs {
     pub governor: GovernorHandle,
     /// The execution provider whose mechanism backs it and whose stream its steps run on.
     pub provider: Provider,
+    /// Where it publishes the digest of the blocks it holds.
+    pub digest: tokio::sync::watch::Sender<Arc<PrefixDigest>>,
 }
 
 impl Actor for KvStore {
@@ -476,6 +480,7 @@ impl Actor for KvStore {
             config,
             governor,
             provider,
+            digest,
         } = args;
         // Every startup failure is a `KvStoreError`, so `spawn` returns it as it is.
         let start = async {
@@ -511,6 +516,8 @@ impl Actor for KvStore {
             Ok::<_, KvStoreError>((device, holder, swap, tier))
         };
         let (device, holder, swap, tier) = start.await?;
+        let block_tokens = config.shape.block_tokens(device.granularity());
+        digest.send_replace(Arc::new(PrefixDigest::new(block_tokens)));
         let metrics = metrics::KvMetrics::new(&config.name, governor.name(), tier.is_some());
         Ok(KvStoreState {
             stream: device.stream.clone(),
@@ -527,6 +534,7 @@ impl Actor for KvStore {
             stats: KvStoreStats::default(),
             swap_outcomes: Arc::default(),
             metrics,
+            digest,
             config,
         })
     }

@@ -34,7 +34,7 @@ pub mod wire;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-pub use link::{LinkConfig, LinkError, NodeLink};
+pub use link::{LinkConfig, LinkError, NodeLink, PrefixSource};
 pub use peer::socket_path;
 pub use server::{NodeConfig, NodeGovernor, NodeHandle};
 pub use watch::ClusterWatch;

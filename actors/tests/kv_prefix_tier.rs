@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use procmem_actors::procmem::kv::disk_tier::DiskTierError;
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::{prompt_keys, KvDtype, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{
@@ -89,6 +89,25 @@ async fn until(kv: &KvStoreHandle, ok: impl Fn(&KvStoreStats) -> bool) -> KvStor
     }
 }
 
+/// Waits (up to 10 s) for the store's digest to hold every whole block of `prompt`, and
+/// checks it holds none of a prompt nobody sent.
+async fn digest_holds(kv: &KvStoreHandle, prompt: &[u32]) {
+    let keys = prompt_keys(prompt, bt());
+    let start = std::time::Instant::now();
+    loop {
+        // A message to the store: it publishes its digest with its metrics.
+        let _ = kv.stats().await.unwrap();
+        let digest = kv.prefix_digest();
+        if digest.leading(&keys) == keys.len() {
+            assert_eq!(digest.block_tokens(), bt());
+            assert_eq!(digest.leading(&prompt_keys(&self::prompt(99), bt())), 0);
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{digest:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn store(g: &GovernorHandle, p: &CpuProvider, config: KvStoreConfig) -> KvStoreHandle {
     KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await
@@ -131,6 +150,8 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
         (3, 0),
         "{s:?}"
     );
+    // What the store tells its node for routers holds the blocks on disk too.
+    digest_holds(&kv, &prompt).await;
     // Back from disk: the same cached length and bit for bit the same attention.
     let (cached, from_disk) = run(&kv, 3, &prompt).await;
     assert_eq!(cached, 3 * bt());
@@ -143,6 +164,7 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
     stop(kv).await;
     let kv = store(&g, &p, config(dir.path(), 1)).await;
     assert_eq!(kv.stats().await.unwrap().prefix_disk_blocks, 3);
+    digest_holds(&kv, &prompt).await;
     let (cached, after_restart) = run(&kv, 4, &prompt).await;
     assert_eq!(cached, 3 * bt());
     assert_eq!(after_restart, from_memory);

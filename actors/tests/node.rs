@@ -15,9 +15,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use procmem_actors::kv::{KvStoreHandle, PreemptMode};
-use procmem_actors::node::wire::{NodeNotice, NodeRequest, WireError};
+use procmem_actors::node::wire::{HeldPrefixes, NodeNotice, NodeRequest, WireError, MAX_PAYLOAD};
 use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{prompt_keys, KvShape, PrefixDigest};
 
 const ROLE: &str = "PROCMEM_NODE_ROLE";
 const COOKIE: &str = "procmem-test-cookie";
@@ -146,10 +146,11 @@ async fn run_server() {
     let provider = p.clone();
     link.os_bytes = Some(std::sync::Arc::new(move || common::os_bytes(&provider)));
     link.model = "smol".into();
-    let cached = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let reported = std::sync::Arc::clone(&cached);
-    link.cached_prefixes = Some(std::sync::Arc::new(move || {
-        reported.load(std::sync::atomic::Ordering::Relaxed)
+    // The store starts after the join (its memory comes through it): until then, nothing.
+    let store = std::sync::Arc::new(std::sync::OnceLock::<KvStoreHandle>::new());
+    let reported = std::sync::Arc::clone(&store);
+    link.prefixes = Some(std::sync::Arc::new(move || {
+        reported.get().map(KvStoreHandle::prefix_digest)
     }));
     let node = NodeLink::join(link, g.clone()).await.unwrap();
     let (kv, _) = KvStoreHandle::spawn(
@@ -159,19 +160,14 @@ async fn run_server() {
     )
     .await
     .unwrap();
+    let _ = store.set(kv.clone());
     say(format!("JOINED {}", node.token()));
     let watch = {
-        let (g, p, kv) = (g.clone(), p.clone(), kv.clone());
+        let (g, p) = (g.clone(), p.clone());
         tokio::spawn(async move {
             loop {
                 if let Ok(s) = g.snapshot().await {
                     say(format!("CAP {} {}", s.books.capacity, common::os_bytes(&p)));
-                }
-                if let Ok(stats) = kv.stats().await {
-                    cached.store(
-                        stats.prefix_entries as u64,
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -292,6 +288,19 @@ async fn run_hostile() {
         ticket: 0,
     };
     let valid = enc(&give(1));
+    let report = |block_tokens, bits| NodeNotice::Report {
+        token: 12345,
+        key: 0,
+        authority: "host".into(),
+        approved: 0,
+        os_bytes: 0,
+        model: "smol".into(),
+        prefixes: Some(HeldPrefixes {
+            block_tokens,
+            blocks: u64::MAX,
+            bits,
+        }),
+    };
     let frames: Vec<(&str, Raw)> = vec![
         ("garbage_cast", Raw("cast".into(), vec![0xff; 40], false)),
         ("garbage_call", Raw("call".into(), vec![0xfe; 40], true)),
@@ -309,7 +318,19 @@ async fn run_hostile() {
         ),
         (
             "over_payload_limit",
-            Raw("cast".into(), vec![0; 8192], false),
+            Raw("cast".into(), vec![0; MAX_PAYLOAD + 1], false),
+        ),
+        (
+            "report_with_a_torn_digest",
+            Raw("cast".into(), enc(&report(16, vec![0xff; 100])), false),
+        ),
+        (
+            "report_with_a_digest_of_block_size_zero",
+            Raw(
+                "cast".into(),
+                enc(&report(0, vec![0xff; PrefixDigest::BYTES])),
+                false,
+            ),
         ),
         ("empty", Raw("cast".into(), vec![], false)),
         (
@@ -428,7 +449,7 @@ async fn run_hostile() {
                     approved: 0,
                     os_bytes: 0,
                     model: "spoof".into(),
-                    cached_prefixes: 0,
+                    prefixes: None,
                 }),
                 false,
             ),
@@ -487,10 +508,20 @@ async fn run_watch() {
         .unwrap();
     loop {
         for (s, _) in watch.latest() {
+            // Per model: processes, blocks held, and a router's reading of two prompts: one
+            // the server cached, one nobody sent (`name:n:blocks:whole:hit:miss`).
             let models: Vec<String> = s
                 .models
                 .iter()
-                .map(|(m, n, c)| format!("{m}:{n}:{c}"))
+                .map(|m| {
+                    let bt = m.prefixes.first().map_or(0, |p| p.block_tokens as usize);
+                    let whole = prompt_keys(&prompt(1), bt).len() * bt;
+                    let (hit, miss) = (m.cached_tokens(&prompt(1)), m.cached_tokens(&prompt(999)));
+                    format!(
+                        "{}:{}:{}:{whole}:{hit}:{miss}",
+                        m.model, m.processes, m.cached_blocks
+                    )
+                })
                 .collect();
             say(format!(
                 "SUMMARY {} {} {} {}",
@@ -995,12 +1026,22 @@ fn a_watcher_sees_every_node_and_the_prefixes_each_model_caches() {
         let line = watch.wait("SUMMARY", Duration::from_secs(20), |_| {});
         let f: Vec<&str> = line.split(' ').collect();
         match f[1] {
-            // Node one: the server's model, with the prefixes it cached (3 prompts).
-            "node-one"
-                if f.get(4)
-                    .is_some_and(|m| m.starts_with("smol:1:") && !m.ends_with(":0")) =>
-            {
-                one = Some(line.clone())
+            // Node one: the server's model, with the prefixes it cached (3 prompts): a router
+            // finds every whole block of a prompt it sent, and none of one nobody sent.
+            "node-one" if f.get(4).is_some_and(|m| m.starts_with("smol:1:")) => {
+                let m: Vec<usize> = f[4]
+                    .split(':')
+                    .skip(2)
+                    .map(|x| x.parse().unwrap())
+                    .collect();
+                let [blocks, whole, hit, miss] = m[..] else {
+                    panic!("{line}")
+                };
+                if blocks > 0 && hit == whole {
+                    assert!(whole > 0, "{line}");
+                    assert_eq!(miss, 0, "{line}");
+                    one = Some(line.clone())
+                }
             }
             "node-two" => two = Some(line.clone()),
             _ => {}

@@ -13,6 +13,19 @@ use procmem_actors::{
 };
 use procmem_model::{fetch_smollm2, Engine, Request, Smol, TextCodec};
 
+/// The KV store the node link reports the prompt blocks of, set once the store exists.
+pub type KvSlot = std::sync::Arc<std::sync::OnceLock<procmem_actors::kv::KvStoreHandle>>;
+
+/// The name the node publishes the model under for routers: its file's name without `.gguf`.
+pub fn model_name(model: &str) -> String {
+    let name = std::path::Path::new(model)
+        .file_name()
+        .map_or(model.into(), |n| n.to_string_lossy().into_owned());
+    let name = name.strip_suffix(".gguf").unwrap_or(&name);
+    // A name the node accepts: printable, at most 128 bytes.
+    name.chars().filter(|c| !c.is_control()).take(64).collect()
+}
+
 /// What the run is asked to do.
 pub struct RealRun {
     /// `smollm2` or a GGUF path.
@@ -122,7 +135,7 @@ fn fraction_of(weights: u64, peak_kv: u64, f: f64) -> Result<u64, String> {
 /// node once the memory is freed.
 pub async fn serve<F, Fut>(run: RealRun, manager: F) -> Result<(), String>
 where
-    F: FnOnce(u64) -> Fut,
+    F: FnOnce(u64, KvSlot) -> Fut,
     Fut: Future<Output = Result<(MemoryManager, Option<NodeLink>), String>>,
 {
     let path = path(&run.model)?;
@@ -178,7 +191,8 @@ where
             "the model needs {weights} bytes of weights plus {per_seq} for one sequence: more than the budget of {budget} bytes"
         ));
     }
-    let (memory, link) = manager(budget).await?;
+    let slot = KvSlot::default();
+    let (memory, link) = manager(budget, std::sync::Arc::clone(&slot)).await?;
     let mut config = KvStoreConfig::new("kv", shape)
         .chunk_granules(CHUNK_GRANULES)
         .preempt(run.preempt);
@@ -189,6 +203,7 @@ where
     let engine = Engine::start(&memory, loaded, config, codec.eos)
         .await
         .map_err(|e| e.to_string())?;
+    let _ = slot.set(engine.kv.clone());
     if let Some(l) = &run.listen {
         let stats = super::listen::serve_http(engine, codec, &memory, l).await?;
         let report = memory.shutdown().await.map_err(|e| e.to_string())?;

@@ -188,6 +188,11 @@ impl DiskTier {
         self.entries.is_empty()
     }
 
+    /// The keys of the blocks the index names (not yet checked: [`DiskTier::get`] checks).
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.entries.keys().copied()
+    }
+
     /// Whether the index names block `key` (not yet checked: [`DiskTier::get`] checks).
     pub fn contains(&self, key: u64) -> bool {
         self.entries.contains_key(&key)

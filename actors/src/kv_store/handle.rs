@@ -1,6 +1,9 @@
 //! The handle a server holds: open, prepare, restore and close sequences, and read the
 //! store's figures. Every call is a message to the store's actor.
 
+use std::sync::Arc;
+
+use procmem::kv::PrefixDigest;
 use ractor::RpcReplyPort;
 
 use super::{
@@ -15,6 +18,7 @@ use procmem::ledger::Priority;
 #[derive(Debug, Clone)]
 pub struct KvStoreHandle {
     holder: HolderRef<KvStoreMsg>,
+    digest: tokio::sync::watch::Receiver<Arc<PrefixDigest>>,
 }
 
 impl KvStoreHandle {
@@ -45,14 +49,21 @@ impl KvStoreHandle {
         provider: Provider,
         supervisor: Option<ractor::ActorCell>,
     ) -> Result<(Self, tokio::task::JoinHandle<()>), KvStoreError> {
+        // The store puts an empty digest of its block size in as it starts.
+        let (digest, digests) = tokio::sync::watch::channel(Arc::new(PrefixDigest::new(1)));
         let args = KvStoreArgs {
             config,
             governor,
             provider,
+            digest,
         };
         let (holder, join) =
             HolderRef::spawn(KvStore, args, supervisor, KvStoreError::Start).await?;
-        Ok((KvStoreHandle { holder }, join))
+        let handle = KvStoreHandle {
+            holder,
+            digest: digests,
+        };
+        Ok((handle, join))
     }
 
     /// The store's actor, to supervise, stop or kill it (it takes no message from outside).
@@ -130,6 +141,14 @@ impl KvStoreHandle {
     /// Closes a sequence.
     pub fn close(&self, seq: SeqId) {
         self.holder.cast(KvStoreMsg::Close { seq });
+    }
+
+    /// The keys of the whole prompt blocks the store holds, in memory and on its disk tier, as
+    /// last published (at most [`EVERY`](super::metrics::EVERY) old while the store is busy):
+    /// what a process reports to its node for routers
+    /// ([`LinkConfig::prefixes`](crate::node::LinkConfig)). No message to the store.
+    pub fn prefix_digest(&self) -> Arc<PrefixDigest> {
+        Arc::clone(&self.digest.borrow())
     }
 
     /// What the store holds now and what it did so far (see [`KvStoreStats`]).

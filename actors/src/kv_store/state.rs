@@ -3,9 +3,10 @@
 //! the counters.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use procmem::fence::TimelineFence;
-use procmem::kv::{Incarnation, KvError, KvSequence, PreemptMode};
+use procmem::kv::{BlockState, Incarnation, KvError, KvSequence, PreemptMode, PrefixDigest};
 use procmem::ledger::Priority;
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
@@ -196,14 +197,30 @@ impl KvStoreState {
         }
     }
 
-    /// Publishes the metrics now; true if the store's memory moved since the last time.
+    /// Publishes the metrics and the digest now; true if the store's memory moved since the
+    /// last time.
     pub(super) async fn publish(&mut self) -> bool {
+        self.digest.send_replace(Arc::new(self.prefix_digest()));
         let stats = self.stats();
         let capacity = match self.governor.snapshot().await {
             Ok(s) => s.books.capacity,
             Err(_) => 0,
         };
         self.metrics.publish(&stats, capacity)
+    }
+
+    /// The keys of the whole prompt blocks it holds, in memory and on disk.
+    fn prefix_digest(&self) -> PrefixDigest {
+        let g = self.device.granularity();
+        let mut digest = PrefixDigest::new(self.config.shape.block_tokens(g));
+        let complete = self.prefixes.states();
+        for (key, _) in complete.filter(|(_, s)| *s == BlockState::Complete) {
+            digest.insert(key);
+        }
+        if let Some(tier) = &self.tier {
+            tier.digest_into(&mut digest);
+        }
+        digest
     }
 
     pub(super) fn stats(&self) -> KvStoreStats {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ::metrics::Histogram;
 use procmem::kv::admission::{Admission, AdmissionFilter};
 use procmem::kv::disk_tier::{DiskTier, DiskTierConfig, DiskTierError, OpenReport};
-use procmem::kv::{chain_hash, KvShape};
+use procmem::kv::{chain_hash, KvShape, PrefixDigest};
 use procmem::metrics::KV_PREFIX_DISK_SECONDS;
 use procmem::SharedMapping;
 
@@ -224,6 +224,13 @@ impl PrefixTier {
                 false
             }
             None => false,
+        }
+    }
+
+    /// Puts the keys of the blocks on disk in `digest`.
+    pub(super) fn digest_into(&self, digest: &mut PrefixDigest) {
+        for key in self.disk().keys() {
+            digest.insert(key);
         }
     }
 

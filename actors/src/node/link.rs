@@ -6,12 +6,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use procmem::kv::PrefixDigest;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::wire::{self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest};
 use super::{link_group, NODE_GROUP, TICK};
 use crate::governor::GovernorHandle;
+
+/// What a process calls for the prompt blocks it holds (see [`LinkConfig::prefixes`]).
+pub type PrefixSource = Arc<dyn Fn() -> Option<Arc<PrefixDigest>> + Send + Sync>;
 
 /// How a process joins its node Governor.
 #[derive(Clone)]
@@ -35,8 +39,10 @@ pub struct LinkConfig {
     pub os_bytes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
     /// The model this process serves (reported to the node, published to routers).
     pub model: String,
-    /// Prefix-cache entries it holds now, where it can tell.
-    pub cached_prefixes: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    /// The prompt blocks it holds now, where it can tell (a KV store's
+    /// [`prefix_digest`](crate::kv::KvStoreHandle::prefix_digest); `None` while it has no
+    /// store): reported to the node, which merges them per model for routers.
+    pub prefixes: Option<PrefixSource>,
     /// The node's Unix socket, tried first for a node on loopback: over it the node learns
     /// this process's pid from the kernel (over TCP it can only watch the session).
     pub unix: Option<std::path::PathBuf>,
@@ -67,7 +73,7 @@ impl LinkConfig {
             wait: Duration::from_secs(2),
             os_bytes: None,
             model: "model".into(),
-            cached_prefixes: None,
+            prefixes: None,
             unix: node
                 .ip()
                 .is_loopback()
@@ -458,7 +464,8 @@ impl LinkState {
             self.last_report = Instant::now();
             if let Some(node) = &self.node {
                 let os_bytes = self.config.os_bytes.as_ref().map_or(approved, |f| f());
-                let cached_prefixes = self.config.cached_prefixes.as_ref().map_or(0, |f| f());
+                let digest = self.config.prefixes.as_ref().and_then(|f| f());
+                let prefixes = digest.map(|d| (&*d).into());
                 let _ = node.cast(NodeMsg::Cast(Ok(NodeNotice::Report {
                     token: self.token,
                     key: self.key(),
@@ -466,7 +473,7 @@ impl LinkState {
                     approved,
                     os_bytes,
                     model: self.config.model.clone(),
-                    cached_prefixes,
+                    prefixes,
                 })));
             }
         }

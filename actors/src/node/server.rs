@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use procmem::kv::PrefixDigest;
 use procmem::ledger::admission::{self, Admission, AdmissionLimits, Ask, Refusal};
 use procmem::ledger::{AuthorityId, HolderId, LeaseId, Ledger, Priority, WaitQueue};
 use procmem::metrics as m;
@@ -18,7 +19,8 @@ use tokio::time::Instant;
 
 use super::peer::{self, PeerPids};
 use super::wire::{
-    encode_reply, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus, WireError,
+    encode_reply, HeldPrefixes, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
+    WireError,
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
 
@@ -163,7 +165,8 @@ struct Member {
     approved: u64,
     os_bytes: u64,
     model: String,
-    cached_prefixes: u64,
+    /// The prompt blocks it last reported holding (checked when it came).
+    prefixes: Option<PrefixDigest>,
 }
 
 struct Process {
@@ -442,7 +445,7 @@ impl NodeState {
                     approved: 0,
                     os_bytes: 0,
                     model: String::new(),
-                    cached_prefixes: 0,
+                    prefixes: None,
                 },
             );
         }
@@ -581,7 +584,7 @@ impl NodeState {
                 approved,
                 os_bytes,
                 model,
-                cached_prefixes,
+                prefixes,
                 ..
             } => {
                 let member = self.authorities.get(&authority).and_then(|aid| {
@@ -594,7 +597,8 @@ impl NodeState {
                         m.approved = approved;
                         m.os_bytes = os_bytes;
                         m.model = model;
-                        m.cached_prefixes = cached_prefixes;
+                        // Validated with the frame: a digest that does not check is refused.
+                        m.prefixes = prefixes.as_ref().and_then(HeldPrefixes::digest);
                     }
                     None => self.rejected(&WireError::Invalid("report from a stranger")),
                 }

@@ -8,12 +8,17 @@
 //! the books. ractor's own `BytesConvertable` decoders index slices and may panic on a short
 //! payload, so none of them is used here.
 
+use procmem::kv::{prompt_keys, PrefixDigest};
 use ractor::message::{BoxedDowncastErr, SerializedMessage};
 use ractor::RpcReplyPort;
 use serde::{Deserialize, Serialize};
 
-/// The largest payload either side accepts (the cluster's frames are capped as well).
-pub const MAX_PAYLOAD: usize = 4096;
+/// The largest payload either side accepts (the cluster's frames are capped as well): room
+/// for a summary with [`MAX_DIGESTS`] prefix digests.
+pub const MAX_PAYLOAD: usize = 32 * 1024;
+/// The most prefix digests a node's summary carries (one per model and block size; models
+/// past these are summarised without one).
+pub const MAX_DIGESTS: usize = 12;
 /// The longest name a process or an authority may have.
 pub const MAX_NAME: usize = 128;
 
@@ -89,8 +94,8 @@ pub enum NodeNotice {
         os_bytes: u64,
         /// The model it serves.
         model: String,
-        /// Prefix-cache entries it holds (what a router places requests by).
-        cached_prefixes: u64,
+        /// The prompt blocks it holds (what a router places requests by), where it can tell.
+        prefixes: Option<HeldPrefixes>,
     },
     /// The process leaves: its memory is freed, its credit goes back.
     Leave {
@@ -169,6 +174,67 @@ pub struct ProcessStatus {
     pub connected: bool,
 }
 
+/// The prompt blocks a process (or a node's processes of one model) holds, as a frame carries
+/// a [`PrefixDigest`]: checked by [`HeldPrefixes::digest`] before use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldPrefixes {
+    /// The block size the keys were cut with.
+    pub block_tokens: u32,
+    /// How many blocks were put in.
+    pub blocks: u64,
+    /// The filter ([`PrefixDigest::BYTES`] long).
+    pub bits: Vec<u8>,
+}
+
+impl HeldPrefixes {
+    /// The digest, or `None` if the frame's fields do not make one.
+    pub fn digest(&self) -> Option<PrefixDigest> {
+        PrefixDigest::from_parts(self.block_tokens, self.bits.clone(), self.blocks)
+    }
+}
+
+impl From<&PrefixDigest> for HeldPrefixes {
+    fn from(d: &PrefixDigest) -> Self {
+        HeldPrefixes {
+            block_tokens: d.block_tokens() as u32,
+            blocks: d.blocks(),
+            bits: d.bits().to_vec(),
+        }
+    }
+}
+
+/// One model's processes on a node, for a router.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSummary {
+    /// The model's name.
+    pub model: String,
+    /// Processes serving it.
+    pub processes: u64,
+    /// Prompt blocks they hold, in memory and on disk.
+    pub cached_blocks: u64,
+    /// Which blocks: one digest per block size its processes cut prompts with, merged over
+    /// the processes (none past [`MAX_DIGESTS`] in the summary).
+    pub prefixes: Vec<HeldPrefixes>,
+}
+
+impl ModelSummary {
+    /// How many tokens at the start of `prompt` this node's processes may hold cached: the
+    /// longest leading run of the prompt's block keys any of the digests holds. A router
+    /// sends the request where this is longest. It errs one way only: a run held is always
+    /// counted, and, rarely, a block not held is counted as well.
+    pub fn cached_tokens(&self, prompt: &[u32]) -> usize {
+        self.prefixes
+            .iter()
+            .filter_map(HeldPrefixes::digest)
+            .map(|d| {
+                let bt = d.block_tokens();
+                d.leading(&prompt_keys(prompt, bt)) * bt
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// What a node Governor publishes to the cluster's watchers (a router, `cluster_status`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeSummary {
@@ -178,8 +244,8 @@ pub struct NodeSummary {
     pub authorities: Vec<(String, u64, u64, u64)>,
     /// The machine's memory pressure (PSI `some avg10`, percent), where the kernel reports it.
     pub pressure: Option<f64>,
-    /// Per model: name, processes serving it, prefix-cache entries they hold.
-    pub models: Vec<(String, u64, u64)>,
+    /// Per model: its processes and the prompt blocks they hold.
+    pub models: Vec<ModelSummary>,
     /// Requests waiting for room.
     pub waiting: u64,
 }
@@ -345,6 +411,9 @@ impl NodeNotice {
             NodeNotice::Report {
                 authority, model, ..
             } if !name_ok(authority) || !name_ok(model) => Err(WireError::Invalid("bad name")),
+            NodeNotice::Report {
+                prefixes: Some(p), ..
+            } if p.digest().is_none() => Err(WireError::Invalid("bad prefix digest")),
             _ => Ok(()),
         }
     }
@@ -499,6 +568,60 @@ mod tests {
         let mut huge_name = vec![0u8]; // Join
         huge_name.extend([1, 1, 0xff, 0xff, 0xff, 0xff, 0x0f]);
         assert!(decode::<NodeRequest>(&huge_name).is_err());
+    }
+
+    #[test]
+    fn a_report_with_a_digest_that_does_not_check_is_invalid() {
+        let report = |block_tokens, len| NodeNotice::Report {
+            token: 1,
+            key: 1,
+            authority: "host".into(),
+            approved: 0,
+            os_bytes: 0,
+            model: "m".into(),
+            prefixes: Some(HeldPrefixes {
+                block_tokens,
+                blocks: u64::MAX,
+                bits: vec![0xff; len],
+            }),
+        };
+        assert!(report(16, PrefixDigest::BYTES).validate().is_ok());
+        assert!(report(16, PrefixDigest::BYTES + 1).validate().is_err());
+        assert!(report(16, 0).validate().is_err());
+        assert!(report(0, PrefixDigest::BYTES).validate().is_err());
+        assert!(report(u32::MAX, PrefixDigest::BYTES).validate().is_err());
+        // A whole report with a digest fits a payload, and comes back equal.
+        let bytes = postcard::to_stdvec(&report(16, PrefixDigest::BYTES)).unwrap();
+        assert!(bytes.len() < MAX_PAYLOAD);
+        assert_eq!(
+            decode::<NodeNotice>(&bytes).unwrap(),
+            report(16, PrefixDigest::BYTES)
+        );
+    }
+
+    #[test]
+    fn a_summary_with_every_digest_it_may_carry_fits_a_payload() {
+        let digest = HeldPrefixes {
+            block_tokens: 16,
+            blocks: u64::MAX,
+            bits: vec![0xff; PrefixDigest::BYTES],
+        };
+        let model = |i: usize| ModelSummary {
+            model: format!("{i:0>width$}", width = MAX_NAME),
+            processes: u64::MAX,
+            cached_blocks: u64::MAX,
+            prefixes: vec![digest.clone()],
+        };
+        let summary = NodeSummary {
+            node: "n".repeat(MAX_NAME),
+            authorities: vec![("a".repeat(MAX_NAME), u64::MAX, u64::MAX, u64::MAX); 4],
+            pressure: Some(100.0),
+            models: (0..MAX_DIGESTS).map(model).collect(),
+            waiting: u64::MAX,
+        };
+        let bytes = postcard::to_stdvec(&summary).unwrap();
+        assert!(bytes.len() <= MAX_PAYLOAD, "{} bytes", bytes.len());
+        assert_eq!(decode::<NodeSummary>(&bytes).unwrap(), summary);
     }
 
     #[test]

@@ -3,12 +3,15 @@
 
 use std::collections::BTreeMap;
 
+use procmem::kv::PrefixDigest;
 use procmem::ledger::LeaseId;
 use procmem::metrics as m;
 use ractor::ActorRef;
 
 use super::NodeState;
-use crate::node::wire::{NodeStatus, NodeSummary, ProcessStatus, WatchMsg};
+use crate::node::wire::{
+    HeldPrefixes, ModelSummary, NodeStatus, NodeSummary, ProcessStatus, WatchMsg, MAX_DIGESTS,
+};
 
 impl NodeState {
     pub(super) fn snapshot(&self) -> NodeStatus {
@@ -77,14 +80,7 @@ impl NodeState {
         if watchers.is_empty() {
             return;
         }
-        let mut models: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-        for p in self.processes.values() {
-            for m in p.members.values().filter(|m| !m.model.is_empty()) {
-                let e = models.entry(m.model.clone()).or_default();
-                e.0 += 1;
-                e.1 = e.1.saturating_add(m.cached_prefixes);
-            }
-        }
+        let models = self.model_summaries();
         let summary = NodeSummary {
             node: self.config.name.clone(),
             authorities: self
@@ -100,7 +96,7 @@ impl NodeState {
                 .ok()
                 .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
                 .map(|p| p.some_avg10),
-            models: models.into_iter().map(|(m, (n, c))| (m, n, c)).collect(),
+            models,
             waiting: self.waiters.values().map(|q| q.len() as u64).sum(),
         };
         for w in watchers {
@@ -119,5 +115,39 @@ impl NodeState {
                     .map(|(n, _)| n.as_str())
             })
             .unwrap_or("")
+    }
+
+    /// Per model: its processes, the blocks they hold, and their digests merged by block
+    /// size (at most [`MAX_DIGESTS`] digests in all, for the frame's size).
+    fn model_summaries(&self) -> Vec<ModelSummary> {
+        let mut models: BTreeMap<&str, (ModelSummary, Vec<PrefixDigest>)> = BTreeMap::new();
+        let members = self.processes.values().flat_map(|p| p.members.values());
+        for m in members.filter(|m| !m.model.is_empty()) {
+            let (summary, digests) = models.entry(&m.model).or_insert_with(|| {
+                let summary = ModelSummary {
+                    model: m.model.clone(),
+                    processes: 0,
+                    cached_blocks: 0,
+                    prefixes: Vec::new(),
+                };
+                (summary, Vec::new())
+            });
+            summary.processes += 1;
+            let Some(d) = &m.prefixes else { continue };
+            summary.cached_blocks = summary.cached_blocks.saturating_add(d.blocks());
+            if !digests.iter_mut().any(|merged| merged.merge(d)) {
+                digests.push(d.clone());
+            }
+        }
+        let mut room = MAX_DIGESTS;
+        models
+            .into_values()
+            .map(|(mut summary, digests)| {
+                let kept = digests.len().min(room);
+                room -= kept;
+                summary.prefixes = digests[..kept].iter().map(HeldPrefixes::from).collect();
+                summary
+            })
+            .collect()
     }
 }
