@@ -23,6 +23,7 @@ use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
 
 mod answer;
+mod copy_in;
 pub use answer::{Opened, Restored};
 mod device;
 mod handle;
@@ -568,7 +569,12 @@ impl Actor for KvStore {
                 priority,
                 reply,
             } => state.open(&myself, seq, prompt, priority, reply).await,
-            KvStoreMsg::Prepare { seqs, reply } => state.prepare(&myself, seqs, reply),
+            KvStoreMsg::Prepare { seqs, reply } => {
+                // A sequence's first step waits for its copy in from disk.
+                if let Some((seqs, reply)) = state.copy_ins_first(&myself, (seqs, reply)) {
+                    state.prepare(&myself, seqs, reply)
+                }
+            }
             KvStoreMsg::Abandon { seq, writer } => state.abandon(seq, writer),
             KvStoreMsg::CallOff(call) => state.call_off(call),
             KvStoreMsg::StepEnded {

@@ -11,7 +11,8 @@ use procmem_actors::procmem::kv::{prompt_keys, KvDtype, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{
-        KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixDisk, StepEnd,
+        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixDisk,
+        Restored, StepEnd,
     },
     provider::CpuProvider,
 };
@@ -47,24 +48,45 @@ fn config(dir: &std::path::Path, model: u64) -> KvStoreConfig {
 }
 
 /// Opens `seq` with `prompt`, computes what is not cached and one token more; returns what
-/// was cached and the last token's attention output, every layer.
+/// was cached and the last token's attention output, every layer. A copy in from disk that
+/// falls short makes the first step fail with `Preempted`: the sequence is restored empty
+/// and computed from its start, as a scheduler does (what was cached is then 0).
 async fn run(kv: &KvStoreHandle, seq: u64, prompt: &[u32]) -> (usize, Vec<Vec<f32>>) {
     let opened = kv.open(seq, prompt.to_vec(), 0).await.unwrap();
     let mut last = Vec::new();
-    for pos in opened.cached_tokens..=prompt.len() {
-        let step = kv.prepare(vec![seq]).await.unwrap();
-        last.clear();
-        for layer in 0..SHAPE.layers {
-            // The K/V of a prompt position depends on the position alone (as a model's
-            // would on the token), so every sequence of one prompt writes the same rows.
-            let mut item = common::kv_item(&SHAPE, 1, pos, layer);
-            item.seq = seq;
-            last.push(step.attend(layer, vec![item]).await.unwrap().remove(0));
-        }
-        step.complete(StepEnd::Submitted).await.unwrap();
+    let mut from = opened.cached_tokens;
+    let mut pos = from;
+    while pos <= prompt.len() {
+        let step = match kv.prepare(vec![seq]).await {
+            Ok(step) => step,
+            Err(KvStoreError::Preempted(s, PreemptMode::Recompute)) if s == seq && pos == from => {
+                let restored = kv.restore(seq).await.unwrap();
+                assert_eq!(restored, Restored::Recompute { tokens: from });
+                (from, pos) = (0, 0);
+                continue;
+            }
+            Err(e) => panic!("step of {seq} at {pos}: {e}"),
+        };
+        last = attend_at(step, seq, pos).await;
+        pos += 1;
     }
     kv.close(seq);
-    (opened.cached_tokens, last)
+    (from, last)
+}
+
+/// Writes position `pos` of `seq` in `step`, attends over every row up to it and completes
+/// the step: the attention output, every layer.
+async fn attend_at(step: KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
+    let mut last = Vec::new();
+    for layer in 0..SHAPE.layers {
+        // The K/V of a prompt position depends on the position alone (as a model's would on
+        // the token), so every sequence of one prompt writes the same rows.
+        let mut item = common::kv_item(&SHAPE, 1, pos, layer);
+        item.seq = seq;
+        last.push(step.attend(layer, vec![item]).await.unwrap().remove(0));
+    }
+    step.complete(StepEnd::Submitted).await.unwrap();
+    last
 }
 
 /// Pressure from a more important holder that needs the whole budget: the store lets its
@@ -185,6 +207,58 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
     }
 }
 
+/// The copy in is a kernel on the store's stream: the open is answered while it waits there,
+/// the store answers other calls meanwhile, and the sequence's first step is lent only once
+/// the copy is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, g, p, kv) = fixture().await;
+    let prompt = prompt(7);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    // The stream is held by a kernel of the test's until the gate opens: everything queued
+    // after it (the copy in among them) waits.
+    let (open_gate, gate) = std::sync::mpsc::channel::<()>();
+    p.stream(0)
+        .unwrap()
+        .submit(&[], move || {
+            let _ = gate.recv();
+        })
+        .unwrap();
+    let opened = tokio::time::timeout(Duration::from_secs(5), kv.open(3, prompt.clone(), 0))
+        .await
+        .expect("the open is answered while its copy in waits on the stream")
+        .unwrap();
+    assert_eq!(opened.cached_tokens, 3 * bt());
+    kv.stats().await.expect("the store answers meanwhile");
+    let first = tokio::spawn({
+        let kv = kv.clone();
+        async move { kv.prepare(vec![3]).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!first.is_finished(), "the first step waits for the copy in");
+    open_gate.send(()).unwrap();
+    let step = tokio::time::timeout(Duration::from_secs(5), first)
+        .await
+        .expect("lent once the copy is done")
+        .unwrap()
+        .unwrap();
+    let mut last = attend_at(step, 3, 3 * bt()).await;
+    for pos in 3 * bt() + 1..=prompt.len() {
+        last = attend_at(kv.prepare(vec![3]).await.unwrap(), 3, pos).await;
+    }
+    assert_eq!(
+        last, from_memory,
+        "the same attention over the blocks from disk"
+    );
+    kv.close(3);
+    let s = until(&kv, |s| s.prefix_disk_hit_tokens >= 3 * bt() as u64).await;
+    assert_eq!(s.prefix_disk_failures, 0, "{s:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_off_prompt_never_reaches_the_disk() {
     let _serial = SERIAL.lock().await;
@@ -271,11 +345,17 @@ async fn a_block_altered_on_disk_is_computed_again_never_used() {
         raw[mid] ^= 0x40;
         std::fs::write(&path, raw).unwrap();
     }
+    // The open counts the blocks as cached; the copy in finds the first altered, and the
+    // sequence's first step fails with `Preempted`: it is computed from its start.
     let (cached, again) = run(&kv, 3, &prompt).await;
     assert_eq!(cached, 0, "no altered block is used");
     assert_eq!(again, from_memory, "the prompt is computed again, the same");
     let s = until(&kv, |s| s.prefix_disk_failures == 1).await;
     assert_eq!(s.prefix_disk_hit_tokens, 0, "{s:?}");
+    assert_eq!(s.preempted_by_recompute, 1, "{s:?}");
+    // The altered block left the disk: the next open of the prompt promises nothing from it.
+    let s = common::settled(&g, &kv).await;
+    assert_eq!(s.prefix_disk_blocks, 2, "{s:?}");
 }
 
 /// A store that crashes is started again at once over its directory, as a supervisor does:

@@ -308,6 +308,23 @@ impl SequenceTable {
         Some(r.writer)
     }
 
+    /// `seq` (idle) lost its K/V for a reason other than pressure (a copy in from a slower
+    /// tier that fell short): it is preempted to be recomputed, whatever the admission order,
+    /// and the prefix blocks it was writing will never be finished by it. Returns its
+    /// incarnation, or `None` if it is not idle.
+    pub fn lose(&mut self, seq: SeqId, tokens: usize) -> Option<Incarnation> {
+        let r = self.seqs.get_mut(&seq)?;
+        if r.phase != Phase::Idle {
+            return None;
+        }
+        r.phase = Phase::Preempted {
+            mode: PreemptMode::Recompute,
+            tokens,
+        };
+        r.filling.clear();
+        Some(r.writer)
+    }
+
     /// Starts restoring `seq`: its incarnation, how it was preempted and the tokens it held.
     /// A sequence that is not preempted needs no restore (`Ok(None)`).
     pub fn begin_restore(

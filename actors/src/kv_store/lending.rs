@@ -294,6 +294,7 @@ impl KvStoreState {
                 last_fence: marker,
                 away: None,
                 ahead,
+                copy_in: None,
             });
             return;
         };

@@ -346,8 +346,17 @@ impl KvStoreState {
         if self.sequences.memory(id).is_none() {
             return Taken::default();
         }
+        // A sequence whose copy in from disk is not settled may hold blocks that never came:
+        // it is recomputed, never swapped.
+        let copying = self
+            .sequences
+            .entries
+            .get(&id)
+            .is_some_and(|e| e.copy_in.is_some());
         let saved = match self.config.preempt {
-            PreemptMode::Swap if tokens > 0 && idle => self.reserve_copy(id, tokens).await,
+            PreemptMode::Swap if tokens > 0 && idle && !copying => {
+                self.reserve_copy(id, tokens).await
+            }
             _ => None,
         };
         let mut mode = match (self.config.preempt, &saved) {
@@ -391,7 +400,7 @@ impl KvStoreState {
     /// Takes a preempted sequence's memory away: copied out into `saved` first if there is
     /// one, then freed. Returns the bytes freed now and those freed after the stream's work;
     /// `mode` becomes `Recompute` if nothing was kept.
-    fn let_go(
+    pub(super) fn let_go(
         &mut self,
         id: SeqId,
         saved: Option<Saved>,
@@ -400,6 +409,8 @@ impl KvStoreState {
     ) -> (u64, u64) {
         let entry = self.sequences.entries.get_mut(&id).expect("checked above");
         let memory = entry.memory.take().expect("checked above");
+        // A copy in not yet settled is the recompute's to redo (its blocks leave the cache).
+        entry.copy_in = None;
         // Growth mapped ahead is part of this memory, and goes with it.
         entry.ahead = None;
         let prefixes = std::mem::take(&mut entry.prefixes);

@@ -11,6 +11,7 @@ use procmem::MemoryError;
 
 use super::prefix::Mapped;
 use super::swap::Saved;
+use super::tier::CopyIn;
 use super::SeqId;
 use crate::charge::Charge;
 use crate::deferred_free::DeferredRelease;
@@ -47,6 +48,8 @@ pub(super) struct SeqEntry {
     pub(super) away: Option<(usize, u64)>,
     /// Growth mapped ahead (and paid for by `charge`), published at the next prepare.
     pub(super) ahead: Option<PendingGrowth>,
+    /// Its prompt blocks coming from the disk tier, until its first step.
+    pub(super) copy_in: Option<CopyIn>,
 }
 
 impl SeqEntry {
@@ -60,6 +63,7 @@ impl SeqEntry {
             last_fence: None,
             away: None,
             ahead: None,
+            copy_in: None,
         }
     }
 

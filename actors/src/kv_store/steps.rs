@@ -14,6 +14,7 @@ use super::metrics;
 use super::prefix::{Mapped, SharedPrefix};
 use super::sequences::SeqEntry;
 use super::step::KvStep;
+use super::tier::Incoming;
 use super::transactions::{batch_of, Pending};
 use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
@@ -124,12 +125,12 @@ impl KvStoreState {
             }
         }
         let hit_count = hits.len();
-        let shared = self.make_blocks(new_keys.len(), charge).and_then(|fresh| {
-            let loaded = self.load_from_disk(&new_keys[..from_disk], &fresh);
-            self.attach_prefixes(&mut entry, hits, fresh, hit_count + loaded)
-                .map(|(used, fresh)| (used, fresh, loaded))
-        });
-        let (used, fresh, loaded) = match shared {
+        // The blocks the disk holds count as cached: they are mapped read-only, and filled by
+        // the copy in queued below, before any step of the sequence.
+        let shared = self
+            .make_blocks(new_keys.len(), charge)
+            .and_then(|fresh| self.attach_prefixes(&mut entry, hits, fresh, hit_count + from_disk));
+        let (used, fresh) = match shared {
             Ok(shared) => shared,
             Err(e) => {
                 self.forget_open(seq, writer);
@@ -138,20 +139,9 @@ impl KvStoreState {
             }
         };
         let bt = self.config.shape.block_tokens(self.device.granularity());
-        let mut filling = Vec::with_capacity(fresh.len());
-        for (i, (key, prefix)) in new_keys.iter().zip(fresh).enumerate() {
-            // Claimed at open by this writer, and only it fills a claim; a block loaded from
-            // disk is whole already.
-            if self.prefixes.fill(*key, writer, prefix).is_err() {
-                continue;
-            }
-            if i < loaded {
-                self.prefixes.complete(*key, writer);
-            } else {
-                filling.push((*key, (hit_count + i + 1) * bt));
-            }
-        }
-        let cached = hit_count + loaded;
+        let (filling, incoming) =
+            self.fill_claims(writer, &new_keys, fresh, (hit_count, from_disk));
+        let cached = hit_count + from_disk;
         entry.prefixes = used;
         if !self
             .sequences
@@ -165,7 +155,41 @@ impl KvStoreState {
             return;
         }
         self.sequences.entries.insert(seq, *entry);
+        self.start_copy_in(seq, (writer, from_disk), incoming);
         self.answer_open(myself, seq, writer, cached * bt, reply);
+    }
+
+    /// Puts the fresh blocks in the cache under the keys `writer` claimed: the first
+    /// `from_disk` come from the disk (returned for the copy in, complete once it is seen to
+    /// have filled them: `copy_in.rs`), the rest the sequence writes (returned with the token
+    /// count, past the `hits` blocks found, that completes each).
+    #[allow(clippy::type_complexity)]
+    fn fill_claims(
+        &mut self,
+        writer: Incarnation,
+        keys: &[u64],
+        fresh: Vec<Arc<SharedPrefix>>,
+        (hits, from_disk): (usize, usize),
+    ) -> (Vec<(u64, usize)>, Vec<Incoming>) {
+        let bt = self.config.shape.block_tokens(self.device.granularity());
+        let mut filling = Vec::with_capacity(fresh.len());
+        let mut incoming = Vec::with_capacity(from_disk);
+        for (i, (key, prefix)) in keys.iter().zip(fresh).enumerate() {
+            // Claimed at open by this writer, and only it fills a claim.
+            if self
+                .prefixes
+                .fill(*key, writer, Arc::clone(&prefix))
+                .is_err()
+            {
+                continue;
+            }
+            let prompt = self.prefixes.prompt_of(*key);
+            match prompt.filter(|_| i < from_disk && incoming.len() == i) {
+                Some((parent, tokens)) => incoming.push((*key, (parent, tokens.to_vec()), prefix)),
+                None => filling.push((*key, (hits + i + 1) * bt)),
+            }
+        }
+        (filling, incoming)
     }
 
     /// Counts the prompt's blocks with the disk tier's filter, and says how many of the
@@ -178,26 +202,6 @@ impl KvStoreState {
             tier.record(key);
         }
         tier.leading_on_disk(claimed)
-    }
-
-    /// Fills the first fresh blocks from the disk tier, one per key, stopping at the first
-    /// that is not whole there. Returns how many were filled.
-    fn load_from_disk(&mut self, keys: &[u64], fresh: &[Arc<SharedPrefix>]) -> usize {
-        let Some(tier) = self.tier.as_mut() else {
-            return 0;
-        };
-        let mapping: &dyn SharedMapping = self.device.shared.as_ref();
-        let mut loaded = 0;
-        for (key, block) in keys.iter().zip(fresh) {
-            let Some((parent, tokens)) = self.prefixes.prompt_of(*key) else {
-                break;
-            };
-            if !tier.copy_in(*key, (parent, tokens), block, mapping) {
-                break;
-            }
-            loaded += 1;
-        }
-        loaded
     }
 
     /// Makes `count` new shared prompt blocks, each paid for by its part of `charge` (the

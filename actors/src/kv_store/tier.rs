@@ -7,19 +7,22 @@
 //! before it, reads the block, and only then lets the block's memory (and what paid for it)
 //! go; a writer thread puts the bytes on disk, so no file call or `fsync` waits between the
 //! decode kernels unless more than a few blocks wait for it (their bytes are outside every
-//! ledger, so the queue is short: a copy out that finds it full waits). The copy in runs when
-//! the open's grant has come, before the open is answered: the blocks are whole before any
-//! step can read them. A block that fails its checks, or a disk that fails, makes a miss (the
-//! prompt is computed), never wrong K/V.
+//! ledger, so the queue is short: a copy out that finds it full waits). The copy in is a
+//! kernel on the stream as well, queued once the open's grant has come and before the open is
+//! answered: the store goes on with other messages and the server with its own work while it
+//! runs, and the sequence's first step waits for its fence. A block that fails its checks, or
+//! a disk that fails, is never used: the sequence is recomputed from its tokens (see
+//! `copy_in.rs`), never run over wrong K/V.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ::metrics::Histogram;
+use procmem::fence::Fence;
 use procmem::kv::admission::{Admission, AdmissionFilter};
 use procmem::kv::disk_tier::{DiskTier, DiskTierConfig, DiskTierError, OpenReport};
-use procmem::kv::{chain_hash, KvShape, PrefixDigest};
+use procmem::kv::{chain_hash, Incarnation, KvShape, PrefixDigest};
 use procmem::metrics::KV_PREFIX_DISK_SECONDS;
 use procmem::SharedMapping;
 
@@ -69,7 +72,34 @@ impl PrefixDisk {
 struct Outcomes {
     writes: AtomicU64,
     failures: AtomicU64,
+    /// Prompt tokens whose blocks were filled from disk.
+    hit_tokens: AtomicU64,
 }
+
+/// A copy in from disk, queued on the store's stream at an open: the blocks it fills, in
+/// order, and how many of them (from the first) it filled once its fence has completed.
+pub(super) struct CopyIn {
+    /// After the kernel (`None`: the stream took no more work, and nothing was filled).
+    pub(super) fence: Option<Fence>,
+    /// The sequence's incarnation, which claimed the blocks.
+    pub(super) writer: Incarnation,
+    /// The blocks' keys.
+    pub(super) keys: Vec<u64>,
+    /// The blocks the open counted as cached (the copy falls short below them).
+    pub(super) promised: usize,
+    filled: Arc<AtomicUsize>,
+}
+
+impl CopyIn {
+    /// How many blocks, from the first, the kernel filled (final once its fence completed).
+    pub(super) fn filled(&self) -> usize {
+        self.filled.load(Ordering::Acquire)
+    }
+}
+
+/// One block for a copy in: its key, parent and tokens (checked against the disk's), and the
+/// fresh memory it goes to.
+pub(super) type Incoming = (u64, (u64, Vec<u32>), Arc<SharedPrefix>);
 
 /// Blocks read out of memory and waiting for the writer thread at most: the bytes they hold
 /// are outside every ledger, so the queue is short, and a copy out that finds it full waits
@@ -89,7 +119,6 @@ pub(super) struct PrefixTier {
     disk: Arc<Mutex<DiskTier>>,
     filter: AdmissionFilter,
     outcomes: Arc<Outcomes>,
-    hit_tokens: u64,
     /// To the writer thread, which puts blocks on disk off the store's stream (its files and
     /// `fsync`s never wait between decode kernels). It ends when this sender goes.
     writes: std::sync::mpsc::SyncSender<Write>,
@@ -120,7 +149,6 @@ impl PrefixTier {
             // Sized for several times the blocks the disk holds: the candidates outnumber them.
             filter: AdmissionFilter::new(blocks.saturating_mul(4), config.min_hits),
             outcomes,
-            hit_tokens: 0,
             writes,
             copy_in: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "in"]),
         };
@@ -191,40 +219,52 @@ impl PrefixTier {
         }
     }
 
-    /// Fills `block` (fresh, mapped by nobody yet) with block `key` from disk. False if the
-    /// disk has no whole copy of it (the caller computes the block instead).
+    /// The kernel that fills `blocks` (fresh, written by nothing else) from disk, in order,
+    /// stopping at the first the disk has no whole copy of; with what it fills, counted.
+    /// Queued on the store's stream at an open, so every step after it sees the blocks whole.
     pub(super) fn copy_in(
-        &mut self,
-        key: u64,
-        prompt: (u64, &[u32]),
-        block: &SharedPrefix,
-        mapping: &dyn SharedMapping,
-    ) -> bool {
-        let start = std::time::Instant::now();
-        // A block gone since the open looked (pushed out by a copy out) is a plain miss; one
-        // that fails its checks, or a disk or copy that fails, counts as a failure.
-        let got = {
-            let mut disk = self.disk();
-            let held = disk.contains(key);
-            (held, disk.get(key, prompt.0, prompt.1))
+        &self,
+        seq: (Incarnation, Vec<Incoming>),
+        mapping: Arc<dyn SharedMapping>,
+    ) -> (impl FnOnce() + Send + 'static, CopyIn) {
+        let (writer, blocks) = seq;
+        let filled: Arc<AtomicUsize> = Arc::default();
+        let copy = CopyIn {
+            fence: None,
+            writer,
+            keys: blocks.iter().map(|(key, ..)| *key).collect(),
+            promised: blocks.len(),
+            filled: Arc::clone(&filled),
         };
-        let loaded = match got {
-            (_, Ok(Some(payload))) => Some(write_block(block, mapping, &payload)),
-            (false, Ok(None)) => None,
-            (true, Ok(None)) | (_, Err(_)) => Some(false),
+        let (disk, outcomes) = (Arc::clone(&self.disk), Arc::clone(&self.outcomes));
+        let latency = self.copy_in.clone();
+        let kernel = move || {
+            for (key, (parent, tokens), block) in blocks {
+                let start = std::time::Instant::now();
+                // A block gone since the open looked (pushed out by a copy out) is a plain
+                // miss; one that fails its checks, or a disk or copy that fails, a failure.
+                let got = {
+                    let mut disk = disk.lock().unwrap_or_else(|p| p.into_inner());
+                    let held = disk.contains(key);
+                    (held, disk.get(key, parent, &tokens))
+                };
+                let whole = match got {
+                    (_, Ok(Some(payload))) => write_block(&block, mapping.as_ref(), &payload),
+                    (false, Ok(None)) => break,
+                    (true, Ok(None)) | (_, Err(_)) => false,
+                };
+                if !whole {
+                    outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                outcomes
+                    .hit_tokens
+                    .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+                latency.record(start.elapsed().as_secs_f64());
+                filled.fetch_add(1, Ordering::Release);
+            }
         };
-        match loaded {
-            Some(true) => {
-                self.hit_tokens += prompt.1.len() as u64;
-                self.copy_in.record(start.elapsed().as_secs_f64());
-                true
-            }
-            Some(false) => {
-                self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
-                false
-            }
-            None => false,
-        }
+        (kernel, copy)
     }
 
     /// Puts the keys of the blocks on disk in `digest`.
@@ -239,7 +279,7 @@ impl PrefixTier {
         let disk = self.disk();
         stats.prefix_disk_blocks = disk.len();
         stats.prefix_disk_bytes = disk.bytes();
-        stats.prefix_disk_hit_tokens = self.hit_tokens;
+        stats.prefix_disk_hit_tokens = self.outcomes.hit_tokens.load(Ordering::Relaxed);
         stats.prefix_disk_writes = self.outcomes.writes.load(Ordering::Relaxed);
         stats.prefix_disk_failures = self.outcomes.failures.load(Ordering::Relaxed);
         stats.prefix_disk_refused = self.filter.refused();

@@ -1,0 +1,119 @@
+//! Prompt blocks coming back from the disk tier: the copy in is a kernel on the store's
+//! stream, queued as the open is answered (`tier::PrefixTier::copy_in`). The open counts the
+//! blocks as cached at once; the sequence's first step waits for the copy's fence (its
+//! prepare is sent again once the fence completes), and only then do the blocks join the cache
+//! as whole for other sequences. A copy that fell short (a block gone, altered or unreadable)
+//! leaves the sequence without K/V it was promised: it is preempted to be recomputed from its
+//! tokens, and the step fails with `Preempted`, as it would under pressure.
+
+use std::sync::Arc;
+
+use procmem::kv::PreemptMode;
+use ractor::{ActorRef, RpcReplyPort};
+
+use super::tier::Incoming;
+use super::{KvStep, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
+use procmem::kv::Incarnation;
+
+/// A prepare, as the store's mailbox carries it.
+type Prepare = (
+    Vec<(SeqId, usize)>,
+    RpcReplyPort<Result<KvStep, KvStoreError>>,
+);
+
+impl KvStoreState {
+    /// Queues the copy in of `blocks` for `seq` (its incarnation `writer`, promised
+    /// `promised` blocks from disk) on the stream, and keeps it with the sequence until its
+    /// first step. Fewer blocks than promised (none could be claimed) make a copy that falls
+    /// short.
+    pub(super) fn start_copy_in(
+        &mut self,
+        seq: SeqId,
+        (writer, promised): (Incarnation, usize),
+        blocks: Vec<Incoming>,
+    ) {
+        let Some(tier) = self.tier.as_ref().filter(|_| promised > 0) else {
+            return;
+        };
+        let mapping = Arc::clone(&self.device.shared);
+        let (kernel, mut copy) = tier.copy_in((writer, blocks), mapping);
+        copy.promised = promised;
+        // A stream that takes no more work ran nothing: the copy filled nothing.
+        copy.fence = match copy.keys.is_empty() {
+            true => None,
+            false => self.stream.submit_host(kernel).ok(),
+        };
+        if let Some(entry) = self.sequences.entries.get_mut(&seq) {
+            entry.last_fence = copy.fence.or(entry.last_fence);
+            entry.copy_in = Some(copy);
+        }
+    }
+
+    /// Before a step: a sequence whose copy in is still on the stream makes the prepare wait
+    /// for it (sent again once the copy's fence completes); one whose copy fell short is
+    /// preempted to be recomputed, and the step fails with `Preempted`. Returns the prepare
+    /// to go on with, if any.
+    pub(super) fn copy_ins_first(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        (seqs, reply): Prepare,
+    ) -> Option<Prepare> {
+        let timeline = self.stream.timeline();
+        let running = seqs
+            .iter()
+            .filter_map(|(s, _)| self.sequences.entries.get(s)?.copy_in.as_ref()?.fence)
+            .find(|f| timeline.completed() < f.value);
+        if let Some(fence) = running {
+            let me = myself.clone();
+            timeline.on_complete(
+                fence.value,
+                Box::new(move |_| {
+                    let _ = me.cast(KvStoreMsg::Prepare { seqs, reply });
+                }),
+            );
+            return None;
+        }
+        for &(seq, _) in &seqs {
+            if !self.settle_copy_in(seq) {
+                self.recompute(seq);
+                let _ = reply.send(Err(KvStoreError::Preempted(seq, PreemptMode::Recompute)));
+                return None;
+            }
+        }
+        Some((seqs, reply))
+    }
+
+    /// The copy in of `seq` is done: the blocks it filled join the cache as whole. False if
+    /// it fell short (the sequence keeps it until it is recomputed).
+    fn settle_copy_in(&mut self, seq: SeqId) -> bool {
+        let Some(entry) = self.sequences.entries.get_mut(&seq) else {
+            return true;
+        };
+        let Some(copy) = entry.copy_in.as_ref() else {
+            return true;
+        };
+        let filled = copy.filled();
+        for key in &copy.keys[..filled.min(copy.keys.len())] {
+            self.prefixes.complete(*key, copy.writer);
+        }
+        if filled < copy.promised {
+            return false;
+        }
+        entry.copy_in = None;
+        true
+    }
+
+    /// `seq` lacks K/V it was promised: preempted to be recomputed from its tokens, whatever
+    /// the admission order. Its memory goes after the stream's queued work; the blocks it
+    /// claimed and did not get leave the cache.
+    fn recompute(&mut self, seq: SeqId) {
+        let tokens = self.sequences.memory(seq).map_or(0, |m| m.tokens());
+        let Some(writer) = self.sequences.table.lose(seq, tokens) else {
+            return;
+        };
+        let mut mode = PreemptMode::Recompute;
+        self.let_go(seq, None, false, &mut mode);
+        self.prefixes.abandon(writer);
+        self.stats.preempted_by_recompute += 1;
+    }
+}
