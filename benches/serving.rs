@@ -175,6 +175,8 @@ struct Driven {
     preemptions: f64,
     /// Prompt tokens the prefix disk tier served.
     disk_hit_tokens: f64,
+    /// Blocks the disk tier failed to write or to bring back.
+    disk_failures: f64,
     log: String,
 }
 
@@ -210,6 +212,10 @@ async fn drive(
         .metric("procmem_kv_prefix_disk_hit_tokens_total")
         .await
         .unwrap_or(0.0);
+    let disk_failures = server
+        .metric("procmem_kv_prefix_disk_failures_total")
+        .await
+        .unwrap_or(0.0);
     let stopped = server.stop().await?;
     let (rss, log) = (stopped.rss, stopped.log);
     Ok(Driven {
@@ -219,6 +225,7 @@ async fn drive(
         rss,
         preemptions,
         disk_hit_tokens,
+        disk_failures,
         log,
     })
 }
@@ -255,6 +262,7 @@ async fn procmem_row(
             "preemptions": d.preemptions,
             "prefix_disk": prefix_disk.is_some(),
             "prompt_tokens_from_disk": d.disk_hit_tokens,
+            "prefix_disk_failures": d.disk_failures,
             "peak_rss_bytes": d.rss,
             "peak_kv_bytes": d.peaks.kv_bytes,
             "kv_budget_bytes": budget.saturating_sub(weights),
@@ -398,8 +406,8 @@ fn print_row(r: &Value) {
     );
     if let Some(tiers) = r["tiers"].as_str() {
         println!(
-            "          prefix disk tier {tiers}: prompt tokens from disk {}",
-            r["prompt_tokens_from_disk"]
+            "          prefix disk tier {tiers}: prompt tokens from disk {}, failures {}",
+            r["prompt_tokens_from_disk"], r["prefix_disk_failures"]
         );
     }
 }

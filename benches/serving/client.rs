@@ -177,14 +177,14 @@ pub async fn get(addr: SocketAddr, path: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// A Prometheus text exposition's value of `name` (the first sample; labels ignored).
+/// A Prometheus text exposition's value of `name`, summed over its series (labels ignored).
 pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .find(|l| {
+        .filter(|l| {
             l.strip_prefix(name)
                 .is_some_and(|rest| rest.starts_with([' ', '{']))
         })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .reduce(|a, b| a + b)
 }

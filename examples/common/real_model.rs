@@ -290,6 +290,19 @@ where
             .to_string(),
     );
     row("prefix-cache hit tokens", kv.prefix_hit_tokens.to_string());
+    row(
+        "store preempted: swap / recompute",
+        format!("{} / {}", kv.preempted_by_swap, kv.preempted_by_recompute),
+    );
+    if run.prefix_disk.is_some() {
+        row(
+            "disk tier: blocks / in tokens / failed",
+            format!(
+                "{} / {} / {}",
+                kv.prefix_disk_blocks, kv.prefix_disk_hit_tokens, kv.prefix_disk_failures
+            ),
+        );
+    }
     for AuthorityBooks {
         name,
         snapshot: s,

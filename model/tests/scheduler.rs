@@ -376,3 +376,116 @@ async fn a_step_that_faults_fails_its_requests_with_one_error_and_the_rest_go_on
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
+
+/// Tokens and figures of a stream that must finish at its length.
+async fn finish(mut g: Generation) -> (Vec<u32>, scheduler::Figures) {
+    let mut tokens = Vec::new();
+    while let Some(e) = g.next().await {
+        match e {
+            Event::Token { token, .. } => tokens.push(token),
+            Event::Finished { reason, figures } => {
+                assert_eq!(reason, FinishReason::Length);
+                return (tokens, figures);
+            }
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+    panic!("the stream ended without an end");
+}
+
+/// Prompts of other seeds, one at a time: under the tight budget their blocks push the oldest
+/// cached blocks out of memory, to the disk tier.
+async fn flood(handle: &SchedulerHandle, seeds: std::ops::Range<u32>) {
+    for seed in seeds {
+        finish(handle.submit(request(200, seed, 20)).unwrap()).await;
+    }
+}
+
+/// Waits (up to 10 s) for block `key`'s file in the disk tier's directory.
+async fn on_disk(dir: &std::path::Path, key: u64) -> std::path::PathBuf {
+    let suffix = format!("-{key:016x}.kv");
+    let start = std::time::Instant::now();
+    loop {
+        let found = std::fs::read_dir(dir.join("blocks"))
+            .ok()
+            .and_then(|files| {
+                files
+                    .filter_map(Result::ok)
+                    .map(|f| f.path())
+                    .find(|p| p.to_string_lossy().ends_with(&suffix))
+            });
+        if let Some(path) = found {
+            return path;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "block {key:x} never reached disk"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A prompt whose block was pushed out to disk comes back from there with the same answer;
+/// pushed out again and altered on disk, the copy in falls short, the store fails the
+/// request's first step with `Preempted`, and the scheduler recomputes it: the same answer
+/// again, and the books at zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_back_from_disk_and_one_whose_copy_fails_answer_the_same() {
+    use procmem_actors::kv::PrefixDisk;
+    use procmem_actors::procmem::kv::prompt_keys;
+    let dir = tempfile::tempdir().unwrap();
+    let per_seq = 2 * SHAPE.layers as u64 * 4096 * 2;
+    let memory = MemoryManager::builder()
+        .host_budget(3 * per_seq)
+        .build()
+        .await
+        .unwrap();
+    let kv = memory
+        .kv_store(
+            KvStoreConfig::new("kv", SHAPE)
+                .wait(Duration::from_millis(500))
+                .prefix_disk(PrefixDisk::new(dir.path(), 1, 1 << 20).min_hits(1)),
+        )
+        .await
+        .unwrap();
+    let model = Arc::new(Toy { kv: kv.clone() });
+    let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(2);
+    let (handle, task) = SchedulerHandle::spawn(model, config);
+    let first = request(200, 1, 20);
+    let block = SHAPE.block_tokens(4096);
+    let key = prompt_keys(&first.prompt, block)[0];
+    let (answer, figures) = finish(handle.submit(first.clone()).unwrap()).await;
+    assert_eq!(figures.cached_tokens, 0);
+    flood(&handle, 2..8).await;
+    on_disk(dir.path(), key).await;
+    let (again, figures) = finish(handle.submit(first.clone()).unwrap()).await;
+    assert_eq!(again, answer, "from disk, the same answer");
+    assert_eq!(figures.cached_tokens, block, "its block came from disk");
+    // Out of memory again (six blocks of other prompts do not fit with it: the disk has its
+    // file already, so nothing is copied), then altered there.
+    flood(&handle, 8..14).await;
+    let path = on_disk(dir.path(), key).await;
+    let mut raw = std::fs::read(&path).unwrap();
+    let mid = raw.len() / 2;
+    raw[mid] ^= 0x40;
+    std::fs::write(&path, raw).unwrap();
+    let (recomputed, figures) = finish(handle.submit(first).unwrap()).await;
+    assert_eq!(recomputed, answer, "recomputed, the same answer");
+    let s = kv.stats().await.unwrap();
+    eprintln!(
+        "scheduler_copy_in: cached {} of the prompt's tokens at open, {} preemptions; store: \
+         {} disk failures, {} recompute preemptions, {} tokens from disk",
+        figures.cached_tokens,
+        figures.preemptions,
+        s.prefix_disk_failures,
+        s.preempted_by_recompute,
+        s.prefix_disk_hit_tokens
+    );
+    assert_eq!(s.prefix_disk_failures, 1, "{s:?}");
+    assert!(figures.preemptions >= 1, "{figures:?}");
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(kv);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report:?}");
+}
