@@ -197,6 +197,24 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
     assert_eq!(cached, 0);
     stop(other).await;
     // Every store stopped: their memory goes back after its fences.
+    books_at_zero(&g).await;
+}
+
+/// Holds the store's stream with a kernel of the test's until the returned gate opens (a send,
+/// or a drop): everything queued after it waits.
+fn hold_stream(p: &CpuProvider) -> std::sync::mpsc::Sender<()> {
+    let (open_gate, gate) = std::sync::mpsc::channel::<()>();
+    p.stream(0)
+        .unwrap()
+        .submit(&[], move || {
+            let _ = gate.recv();
+        })
+        .unwrap();
+    open_gate
+}
+
+/// The store's books at zero once every store on `g` stopped (memory goes after its fences).
+async fn books_at_zero(g: &GovernorHandle) {
     let start = std::time::Instant::now();
     while g.snapshot().await.unwrap().books.leased != 0 {
         assert!(
@@ -205,6 +223,99 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// A sequence closed while its copy in waits on the stream, and its id opened again at once
+/// with the same prompt: the new incarnation gets a copy of its own and the same K/V; the old
+/// one's memory goes after its kernel, and the books come back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_and_reopen_while_the_copy_in_waits_gets_the_same_kv() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, g, p, kv) = fixture().await;
+    let prompt = prompt(11);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let open_gate = hold_stream(&p);
+    let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, 3 * bt());
+    kv.close(3);
+    let again = kv.open(3, prompt.clone(), 0).await.unwrap();
+    assert_eq!(
+        again.cached_tokens,
+        3 * bt(),
+        "claimed again, from disk again"
+    );
+    drop(open_gate);
+    let mut last = Vec::new();
+    for pos in 3 * bt()..=prompt.len() {
+        last = attend_at(kv.prepare(vec![3]).await.unwrap(), 3, pos).await;
+    }
+    assert_eq!(last, from_memory);
+    kv.close(3);
+    let s = until(&kv, |s| s.sequences == 0).await;
+    assert_eq!(s.prefix_disk_failures, 0, "{s:?}");
+    stop(kv).await;
+    books_at_zero(&g).await;
+}
+
+/// Pressure on a sequence whose copy in waits on the stream: the store waits for the copy (the
+/// sequence's last kernel), then preempts it by recompute, never by swap (a copy not settled
+/// may have fallen short). Its step fails with `Preempted(_, Recompute)`, and the sequence
+/// computed again from its start gets the same K/V.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pressure_on_a_sequence_whose_copy_in_waits_recomputes_it() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, g, p, kv) = fixture().await;
+    let prompt = prompt(13);
+    run(&kv, 1, &prompt).await;
+    let (_, from_memory) = run(&kv, 2, &prompt).await;
+    squeeze(&g).await;
+    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let open_gate = hold_stream(&p);
+    let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, 3 * bt());
+    // The whole budget asked for. The sequence's last kernel is the copy, still behind the
+    // gate: the store puts the ticket off until it has run, then preempts the sequence, whose
+    // copy it has not settled yet.
+    let pressure = tokio::spawn({
+        let g = g.clone();
+        async move { squeeze(&g).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        kv.stats().await.unwrap().preempted,
+        0,
+        "not before its copy ran"
+    );
+    drop(open_gate);
+    pressure.await.unwrap();
+    let s = kv.stats().await.unwrap();
+    assert_eq!(
+        (s.preempted_by_swap, s.preempted_by_recompute),
+        (0, 1),
+        "{s:?}"
+    );
+    // Its first step meets the preemption: restored empty, computed from the start.
+    let err = kv.prepare(vec![3]).await.err();
+    assert!(
+        matches!(
+            err,
+            Some(KvStoreError::Preempted(3, PreemptMode::Recompute))
+        ),
+        "{err:?}"
+    );
+    let restored = kv.restore(3).await.unwrap();
+    assert_eq!(restored, Restored::Recompute { tokens: 3 * bt() });
+    let mut last = Vec::new();
+    for pos in 0..=prompt.len() {
+        last = attend_at(kv.prepare(vec![3]).await.unwrap(), 3, pos).await;
+    }
+    assert_eq!(last, from_memory);
+    kv.close(3);
+    stop(kv).await;
+    books_at_zero(&g).await;
 }
 
 /// The copy in is a kernel on the store's stream: the open is answered while it waits there,
@@ -219,15 +330,7 @@ async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
     let (_, from_memory) = run(&kv, 2, &prompt).await;
     squeeze(&g).await;
     until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
-    // The stream is held by a kernel of the test's until the gate opens: everything queued
-    // after it (the copy in among them) waits.
-    let (open_gate, gate) = std::sync::mpsc::channel::<()>();
-    p.stream(0)
-        .unwrap()
-        .submit(&[], move || {
-            let _ = gate.recv();
-        })
-        .unwrap();
+    let open_gate = hold_stream(&p);
     let opened = tokio::time::timeout(Duration::from_secs(5), kv.open(3, prompt.clone(), 0))
         .await
         .expect("the open is answered while its copy in waits on the stream")
