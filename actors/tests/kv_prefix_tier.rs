@@ -200,6 +200,17 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
     books_at_zero(&g).await;
 }
 
+/// Runs `prompt` twice (the second ask shares its blocks and lets them into the disk tier),
+/// then pushes its blocks out of memory: only the disk holds them. Returns the attention of
+/// its last position over the blocks in memory.
+async fn to_disk(g: &GovernorHandle, kv: &KvStoreHandle, prompt: &[u32]) -> Vec<Vec<f32>> {
+    run(kv, 1, prompt).await;
+    let (_, from_memory) = run(kv, 2, prompt).await;
+    squeeze(g).await;
+    until(kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    from_memory
+}
+
 /// Holds the store's stream with a kernel of the test's until the returned gate opens (a send,
 /// or a drop): everything queued after it waits.
 fn hold_stream(p: &CpuProvider) -> std::sync::mpsc::Sender<()> {
@@ -233,10 +244,7 @@ async fn a_close_and_reopen_while_the_copy_in_waits_gets_the_same_kv() {
     let _serial = SERIAL.lock().await;
     let (_dir, g, p, kv) = fixture().await;
     let prompt = prompt(11);
-    run(&kv, 1, &prompt).await;
-    let (_, from_memory) = run(&kv, 2, &prompt).await;
-    squeeze(&g).await;
-    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let from_memory = to_disk(&g, &kv, &prompt).await;
     let open_gate = hold_stream(&p);
     let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
@@ -269,10 +277,7 @@ async fn pressure_on_a_sequence_whose_copy_in_waits_recomputes_it() {
     let _serial = SERIAL.lock().await;
     let (_dir, g, p, kv) = fixture().await;
     let prompt = prompt(13);
-    run(&kv, 1, &prompt).await;
-    let (_, from_memory) = run(&kv, 2, &prompt).await;
-    squeeze(&g).await;
-    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let from_memory = to_disk(&g, &kv, &prompt).await;
     let open_gate = hold_stream(&p);
     let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
@@ -326,10 +331,7 @@ async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
     let _serial = SERIAL.lock().await;
     let (_dir, g, p, kv) = fixture().await;
     let prompt = prompt(7);
-    run(&kv, 1, &prompt).await;
-    let (_, from_memory) = run(&kv, 2, &prompt).await;
-    squeeze(&g).await;
-    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let from_memory = to_disk(&g, &kv, &prompt).await;
     let open_gate = hold_stream(&p);
     let opened = tokio::time::timeout(Duration::from_secs(5), kv.open(3, prompt.clone(), 0))
         .await
@@ -436,10 +438,7 @@ async fn a_block_altered_on_disk_is_computed_again_never_used() {
     let _serial = SERIAL.lock().await;
     let (dir, g, _p, kv) = fixture().await;
     let prompt = prompt(5);
-    run(&kv, 1, &prompt).await;
-    let (_, from_memory) = run(&kv, 2, &prompt).await;
-    squeeze(&g).await;
-    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let from_memory = to_disk(&g, &kv, &prompt).await;
     // Every block file altered in its K/V bytes (its size and name unchanged).
     for file in std::fs::read_dir(dir.path().join("blocks")).unwrap() {
         let path = file.unwrap().path();
@@ -473,10 +472,7 @@ async fn a_store_restarted_after_a_crash_finds_its_directory_and_its_blocks() {
         .await
         .unwrap();
     let prompt = prompt(9);
-    run(&kv, 1, &prompt).await;
-    let (_, from_memory) = run(&kv, 2, &prompt).await;
-    squeeze(&g).await;
-    until(&kv, |s| s.prefix_disk_blocks == 3 && s.prefix_entries == 0).await;
+    let from_memory = to_disk(&g, &kv, &prompt).await;
     // Started again at once: the crashed store may still hold the lock for a moment.
     kv.crash();
     let kv = store(&g, &p, config(dir.path(), 1)).await;
