@@ -400,6 +400,8 @@ pub(crate) enum KvStoreMsg {
     Abandon { seq: SeqId, writer: Incarnation },
     /// A caller left before its answer: the call waiting for room is called off.
     CallOff(answer::Left),
+    /// A copy in from the disk tier ran (internal).
+    CopySettled { seq: SeqId, writer: Incarnation },
     /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
         /// Answered with the counters.
@@ -545,8 +547,13 @@ impl Actor for KvStore {
         _: ActorRef<KvStoreMsg>,
         state: &mut KvStoreState,
     ) -> Result<(), ActorProcessingErr> {
-        // The disk tier's directory is free for another store once this one has stopped.
+        // The disk tier's directory is free for another store once this one has stopped,
+        // and a stopped store holds nothing a router should send it.
         state.tier = None;
+        let block_tokens = state.digest.borrow().block_tokens();
+        state
+            .digest
+            .send_replace(Arc::new(PrefixDigest::new(block_tokens)));
         Ok(())
     }
 
@@ -594,6 +601,7 @@ impl Actor for KvStore {
             } => state.step_returned(&myself, step, memory, marker, advance, foreign, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq } => state.close(seq),
+            KvStoreMsg::CopySettled { seq, writer } => state.copy_settled(seq, writer),
             KvStoreMsg::Stats { reply } => state.send_stats(reply),
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),

@@ -211,6 +211,18 @@ async fn to_disk(g: &GovernorHandle, kv: &KvStoreHandle, prompt: &[u32]) -> Vec<
     from_memory
 }
 
+/// Alters every block file in the tier's directory in its K/V bytes (its size and name
+/// unchanged).
+fn alter_every_block(dir: &std::path::Path) {
+    for file in std::fs::read_dir(dir.join("blocks")).unwrap() {
+        let path = file.unwrap().path();
+        let mut raw = std::fs::read(&path).unwrap();
+        let mid = raw.len() / 2;
+        raw[mid] ^= 0x40;
+        std::fs::write(&path, raw).unwrap();
+    }
+}
+
 /// Holds the store's stream with a kernel of the test's until the returned gate opens (a send,
 /// or a drop): everything queued after it waits.
 fn hold_stream(p: &CpuProvider) -> std::sync::mpsc::Sender<()> {
@@ -256,6 +268,20 @@ async fn a_close_and_reopen_while_the_copy_in_waits_gets_the_same_kv() {
         "claimed again, from disk again"
     );
     drop(open_gate);
+    // Once the copy has run, another sequence shares its blocks, before seq 3 takes a step.
+    let start = std::time::Instant::now();
+    loop {
+        let shared = kv.open(5, prompt.clone(), 0).await.unwrap().cached_tokens;
+        kv.close(5);
+        if shared == 3 * bt() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "never shared: {shared}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let mut last = Vec::new();
     for pos in 3 * bt()..=prompt.len() {
         last = attend_at(kv.prepare(vec![3]).await.unwrap(), 3, pos).await;
@@ -268,22 +294,24 @@ async fn a_close_and_reopen_while_the_copy_in_waits_gets_the_same_kv() {
     books_at_zero(&g).await;
 }
 
-/// Pressure on a sequence whose copy in waits on the stream: the store waits for the copy (the
-/// sequence's last kernel), then preempts it by recompute, never by swap (a copy not settled
-/// may have fallen short). Its step fails with `Preempted(_, Recompute)`, and the sequence
-/// computed again from its start gets the same K/V.
+/// Pressure on a sequence whose copy in waits on the stream and then falls short (its blocks
+/// altered on disk): the store waits for the copy (the sequence's last kernel), then preempts
+/// the sequence by recompute, never by swap (its K/V never came). Its step fails with
+/// `Preempted(_, Recompute)`, and the sequence computed again from its start gets the same
+/// K/V.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pressure_on_a_sequence_whose_copy_in_waits_recomputes_it() {
+async fn pressure_on_a_sequence_whose_copy_in_falls_short_recomputes_it() {
     let _serial = SERIAL.lock().await;
-    let (_dir, g, p, kv) = fixture().await;
+    let (dir, g, p, kv) = fixture().await;
     let prompt = prompt(13);
     let from_memory = to_disk(&g, &kv, &prompt).await;
+    alter_every_block(dir.path());
     let open_gate = hold_stream(&p);
     let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
     // The whole budget asked for. The sequence's last kernel is the copy, still behind the
     // gate: the store puts the ticket off until it has run, then preempts the sequence, whose
-    // copy it has not settled yet.
+    // copy fell short.
     let pressure = tokio::spawn({
         let g = g.clone();
         async move { squeeze(&g).await }
@@ -339,6 +367,17 @@ async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
         .unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
     kv.stats().await.expect("the store answers meanwhile");
+    // A step the store refuses anyway is refused at once, not put behind the copy.
+    let refused = |r: Result<KvStep, KvStoreError>| r.err().map(|e| e.to_string());
+    let quick = Duration::from_secs(2);
+    let zero = tokio::time::timeout(quick, kv.prepare_tokens(vec![(3, 0)])).await;
+    assert!(
+        matches!(zero, Ok(Err(KvStoreError::NoTokens(3)))),
+        "{:?}",
+        zero.map(refused)
+    );
+    let twice = tokio::time::timeout(quick, kv.prepare(vec![3, 3])).await;
+    assert!(matches!(twice, Ok(Err(_))), "{:?}", twice.map(refused));
     let first = tokio::spawn({
         let kv = kv.clone();
         async move { kv.prepare(vec![3]).await }
@@ -439,14 +478,7 @@ async fn a_block_altered_on_disk_is_computed_again_never_used() {
     let (dir, g, _p, kv) = fixture().await;
     let prompt = prompt(5);
     let from_memory = to_disk(&g, &kv, &prompt).await;
-    // Every block file altered in its K/V bytes (its size and name unchanged).
-    for file in std::fs::read_dir(dir.path().join("blocks")).unwrap() {
-        let path = file.unwrap().path();
-        let mut raw = std::fs::read(&path).unwrap();
-        let mid = raw.len() / 2;
-        raw[mid] ^= 0x40;
-        std::fs::write(&path, raw).unwrap();
-    }
+    alter_every_block(dir.path());
     // The open counts the blocks as cached; the copy in finds the first altered, and the
     // sequence's first step fails with `Preempted`: it is computed from its start.
     let (cached, again) = run(&kv, 3, &prompt).await;

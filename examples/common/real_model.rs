@@ -22,8 +22,15 @@ pub fn model_name(model: &str) -> String {
         .file_name()
         .map_or(model.into(), |n| n.to_string_lossy().into_owned());
     let name = name.strip_suffix(".gguf").unwrap_or(&name);
-    // A name the node accepts: printable, at most 128 bytes.
-    name.chars().filter(|c| !c.is_control()).take(64).collect()
+    // A name the node accepts: printable, at most 128 bytes (cut at a character's edge).
+    let mut out = String::new();
+    for c in name.chars().filter(|c| !c.is_control()) {
+        if out.len() + c.len_utf8() > 128 {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// What the run is asked to do.

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use procmem::kv::PreemptMode;
+use procmem::kv::{first_duplicate, Phase, PreemptMode};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::tier::Incoming;
@@ -28,6 +28,7 @@ impl KvStoreState {
     /// short.
     pub(super) fn start_copy_in(
         &mut self,
+        myself: &ActorRef<KvStoreMsg>,
         seq: SeqId,
         (writer, promised): (Incarnation, usize),
         blocks: Vec<Incoming>,
@@ -43,9 +44,34 @@ impl KvStoreState {
             true => None,
             false => self.stream.submit_host(kernel).ok(),
         };
+        if let Some(fence) = copy.fence {
+            // Settled as soon as it ran, so other sequences share the blocks from then on
+            // (not only from the sequence's first step).
+            let me = myself.clone();
+            self.stream.timeline().on_complete(
+                fence.value,
+                Box::new(move |_| {
+                    let _ = me.cast(KvStoreMsg::CopySettled { seq, writer });
+                }),
+            );
+        }
         if let Some(entry) = self.sequences.entries.get_mut(&seq) {
             entry.last_fence = copy.fence.or(entry.last_fence);
             entry.copy_in = Some(copy);
+        }
+    }
+
+    /// A copy in ran: the blocks it filled become complete in the cache, if the sequence is
+    /// still that incarnation (one that fell short is recomputed at its first step).
+    pub(super) fn copy_settled(&mut self, seq: SeqId, writer: Incarnation) {
+        let ours = self
+            .sequences
+            .entries
+            .get(&seq)
+            .and_then(|e| e.copy_in.as_ref())
+            .is_some_and(|c| c.writer == writer);
+        if ours {
+            self.settle_copy_in(seq);
         }
     }
 
@@ -58,6 +84,19 @@ impl KvStoreState {
         myself: &ActorRef<KvStoreMsg>,
         (seqs, reply): Prepare,
     ) -> Option<Prepare> {
+        // A step the store refuses anyway (no tokens, a sequence twice, one not idle) is
+        // refused as it is, changing nothing: only idle sequences' copies are looked at.
+        let ids: Vec<SeqId> = seqs.iter().map(|(s, _)| *s).collect();
+        if seqs.iter().any(|(_, n)| *n == 0) || first_duplicate(&ids).is_some() {
+            return Some((seqs, reply));
+        }
+        let idle = |s: &SeqId| {
+            let table = &self.sequences.table;
+            table.get(*s).is_some_and(|r| r.phase == Phase::Idle)
+        };
+        if !ids.iter().all(idle) {
+            return Some((seqs, reply));
+        }
         let timeline = self.stream.timeline();
         let running = seqs
             .iter()
@@ -89,7 +128,7 @@ impl KvStoreState {
         let Some(entry) = self.sequences.entries.get_mut(&seq) else {
             return true;
         };
-        let Some(copy) = entry.copy_in.as_ref() else {
+        let Some(copy) = entry.copy_in.as_mut() else {
             return true;
         };
         let filled = copy.filled();
@@ -97,6 +136,14 @@ impl KvStoreState {
             self.prefixes.complete(*key, copy.writer);
         }
         if filled < copy.promised {
+            // The open counted every promised block as a hit; those that never came are not.
+            if !copy.short_counted {
+                copy.short_counted = true;
+                let bt = self.config.shape.block_tokens(self.device.granularity());
+                let missing = ((copy.promised - filled) * bt) as u64;
+                let hits = &mut self.stats.prefix_hit_tokens;
+                *hits = hits.saturating_sub(missing);
+            }
             return false;
         }
         entry.copy_in = None;

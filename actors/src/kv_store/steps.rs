@@ -125,8 +125,9 @@ impl KvStoreState {
             }
         }
         let hit_count = hits.len();
-        // The blocks the disk holds count as cached: they are mapped read-only, and filled by
-        // the copy in queued below, before any step of the sequence.
+        // The blocks the disk holds count as cached: they are made and mapped as the blocks
+        // the sequence claims to write are, and filled by the copy in queued below, before
+        // any step of the sequence.
         let shared = self
             .make_blocks(new_keys.len(), charge)
             .and_then(|fresh| self.attach_prefixes(&mut entry, hits, fresh, hit_count + from_disk));
@@ -155,7 +156,7 @@ impl KvStoreState {
             return;
         }
         self.sequences.entries.insert(seq, *entry);
-        self.start_copy_in(seq, (writer, from_disk), incoming);
+        self.start_copy_in(myself, seq, (writer, from_disk), incoming);
         self.answer_open(myself, seq, writer, cached * bt, reply);
     }
 

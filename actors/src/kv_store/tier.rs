@@ -87,6 +87,8 @@ pub(super) struct CopyIn {
     pub(super) keys: Vec<u64>,
     /// The blocks the open counted as cached (the copy falls short below them).
     pub(super) promised: usize,
+    /// Whether a shortfall was taken off the store's hit count already.
+    pub(super) short_counted: bool,
     filled: Arc<AtomicUsize>,
 }
 
@@ -164,6 +166,11 @@ impl PrefixTier {
         self.filter.record(key);
     }
 
+    /// Whether the disk holds block `key`.
+    pub(super) fn holds(&self, key: u64) -> bool {
+        self.disk().contains(key)
+    }
+
     /// How many of `keys`, from the first, the disk holds.
     pub(super) fn leading_on_disk(&self, keys: &[u64]) -> usize {
         let disk = self.disk();
@@ -234,6 +241,7 @@ impl PrefixTier {
             writer,
             keys: blocks.iter().map(|(key, ..)| *key).collect(),
             promised: blocks.len(),
+            short_counted: false,
             filled: Arc::clone(&filled),
         };
         let (disk, outcomes) = (Arc::clone(&self.disk), Arc::clone(&self.outcomes));

@@ -250,6 +250,27 @@ pub struct NodeSummary {
     pub waiting: u64,
 }
 
+impl NodeSummary {
+    /// Makes it fit a payload: the digests go first (from the last model on), then the
+    /// models (from the last), then the authorities. A node whose summary did not fit would
+    /// vanish from every watcher's view.
+    pub fn fit(&mut self) {
+        let size = |s: &NodeSummary| postcard::to_stdvec(s).map_or(usize::MAX, |b| b.len());
+        while size(self) > MAX_PAYLOAD {
+            if let Some(m) = self
+                .models
+                .iter_mut()
+                .rev()
+                .find(|m| !m.prefixes.is_empty())
+            {
+                m.prefixes.clear();
+            } else if self.models.pop().is_none() && self.authorities.pop().is_none() {
+                return;
+            }
+        }
+    }
+}
+
 /// A watcher's mailbox: node summaries, checked.
 #[derive(Debug)]
 pub enum WatchMsg {
@@ -621,6 +642,34 @@ mod tests {
         };
         let bytes = postcard::to_stdvec(&summary).unwrap();
         assert!(bytes.len() <= MAX_PAYLOAD, "{} bytes", bytes.len());
+        assert_eq!(decode::<NodeSummary>(&bytes).unwrap(), summary);
+    }
+
+    #[test]
+    fn a_summary_of_too_many_models_is_cut_to_fit() {
+        let model = |i: usize| ModelSummary {
+            model: format!("{i:0>width$}", width = MAX_NAME),
+            processes: 1,
+            cached_blocks: 1,
+            prefixes: vec![HeldPrefixes {
+                block_tokens: 16,
+                blocks: 1,
+                bits: vec![0xff; PrefixDigest::BYTES],
+            }],
+        };
+        let mut summary = NodeSummary {
+            node: "n".into(),
+            authorities: vec![("host".into(), 1, 1, 1)],
+            pressure: None,
+            models: (0..500).map(model).collect(),
+            waiting: 0,
+        };
+        summary.fit();
+        let bytes = postcard::to_stdvec(&summary).unwrap();
+        assert!(bytes.len() <= MAX_PAYLOAD, "{} bytes", bytes.len());
+        assert_eq!(summary.authorities.len(), 1, "models go before authorities");
+        assert!(!summary.models.is_empty());
+        assert!(summary.models.iter().all(|m| m.prefixes.is_empty()));
         assert_eq!(decode::<NodeSummary>(&bytes).unwrap(), summary);
     }
 

@@ -81,7 +81,7 @@ impl NodeState {
             return;
         }
         let models = self.model_summaries();
-        let summary = NodeSummary {
+        let mut summary = NodeSummary {
             node: self.config.name.clone(),
             authorities: self
                 .authorities
@@ -99,6 +99,7 @@ impl NodeState {
             models,
             waiting: self.waiters.values().map(|q| q.len() as u64).sum(),
         };
+        summary.fit();
         for w in watchers {
             let w: ActorRef<WatchMsg> = ActorRef::from(w);
             let _ = w.cast(WatchMsg::Summary(Ok(summary.clone())));
