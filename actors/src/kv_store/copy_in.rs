@@ -1,8 +1,9 @@
 //! Prompt blocks coming back from the disk tier: the copy in is a kernel on the store's
 //! stream, queued as the open is answered (`tier::PrefixTier::copy_in`). The open counts the
 //! blocks as cached at once; the sequence's first step waits for the copy's fence (its
-//! prepare is sent again once the fence completes), and only then do the blocks join the cache
-//! as whole for other sequences. A copy that fell short (a block gone, altered or unreadable)
+//! prepare is sent again once the fence completes), and the fence's completion also tells the
+//! store, which then lets the blocks the copy filled join the cache as whole for other
+//! sequences. A copy that fell short (a block gone, altered or unreadable)
 //! leaves the sequence without K/V it was promised: it is preempted to be recomputed from its
 //! tokens, and the step fails with `Preempted`, as it would under pressure.
 
@@ -37,8 +38,7 @@ impl KvStoreState {
             return;
         };
         let mapping = Arc::clone(&self.device.shared);
-        let (kernel, mut copy) = tier.copy_in((writer, blocks), mapping);
-        copy.promised = promised;
+        let (kernel, mut copy) = tier.copy_in((writer, promised), blocks, mapping);
         // A stream that takes no more work ran nothing: the copy filled nothing.
         copy.fence = match copy.keys.is_empty() {
             true => None,

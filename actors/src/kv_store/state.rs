@@ -213,14 +213,13 @@ impl KvStoreState {
     fn prefix_digest(&self) -> PrefixDigest {
         let g = self.device.granularity();
         let mut digest = PrefixDigest::new(self.config.shape.block_tokens(g));
-        // A block both in memory and on disk (it came back from there) counts once.
-        let on_disk = |key: u64| self.tier.as_ref().is_some_and(|t| t.holds(key));
         let complete = self.prefixes.states();
-        for (key, _) in complete.filter(|(k, s)| *s == BlockState::Complete && !on_disk(*k)) {
-            digest.insert(key);
-        }
-        if let Some(tier) = &self.tier {
-            tier.digest_into(&mut digest);
+        let in_memory = complete
+            .filter(|(_, s)| *s == BlockState::Complete)
+            .map(|(k, _)| k);
+        match &self.tier {
+            Some(tier) => tier.digest_into(&mut digest, in_memory),
+            None => in_memory.for_each(|key| digest.insert(key)),
         }
         digest
     }

@@ -166,11 +166,6 @@ impl PrefixTier {
         self.filter.record(key);
     }
 
-    /// Whether the disk holds block `key`.
-    pub(super) fn holds(&self, key: u64) -> bool {
-        self.disk().contains(key)
-    }
-
     /// How many of `keys`, from the first, the disk holds.
     pub(super) fn leading_on_disk(&self, keys: &[u64]) -> usize {
         let disk = self.disk();
@@ -231,16 +226,16 @@ impl PrefixTier {
     /// Queued on the store's stream at an open, so every step after it sees the blocks whole.
     pub(super) fn copy_in(
         &self,
-        seq: (Incarnation, Vec<Incoming>),
+        (writer, promised): (Incarnation, usize),
+        blocks: Vec<Incoming>,
         mapping: Arc<dyn SharedMapping>,
     ) -> (impl FnOnce() + Send + 'static, CopyIn) {
-        let (writer, blocks) = seq;
         let filled: Arc<AtomicUsize> = Arc::default();
         let copy = CopyIn {
             fence: None,
             writer,
             keys: blocks.iter().map(|(key, ..)| *key).collect(),
-            promised: blocks.len(),
+            promised,
             short_counted: false,
             filled: Arc::clone(&filled),
         };
@@ -275,9 +270,16 @@ impl PrefixTier {
         (kernel, copy)
     }
 
-    /// Puts the keys of the blocks on disk in `digest`.
-    pub(super) fn digest_into(&self, digest: &mut PrefixDigest) {
-        for key in self.disk().keys() {
+    /// Puts the keys of the blocks on disk in `digest`, with those of `in_memory` (the
+    /// store's whole blocks in memory): a block back from disk is in both and counts once.
+    /// One lock for the lot.
+    pub(super) fn digest_into(
+        &self,
+        digest: &mut PrefixDigest,
+        in_memory: impl Iterator<Item = u64>,
+    ) {
+        let disk = self.disk();
+        for key in in_memory.filter(|k| !disk.contains(*k)).chain(disk.keys()) {
             digest.insert(key);
         }
     }
