@@ -47,12 +47,17 @@ impl PrefixDigest {
     /// A digest read from a frame: `None` unless `bits` is exactly [`Self::BYTES`] long and
     /// `block_tokens` is in 1..=[`Self::MAX_BLOCK_TOKENS`].
     pub fn from_parts(block_tokens: u32, bits: Vec<u8>, blocks: u64) -> Option<Self> {
-        let ok = bits.len() == Self::BYTES && (1..=Self::MAX_BLOCK_TOKENS).contains(&block_tokens);
-        ok.then_some(PrefixDigest {
+        Self::parts_fit(block_tokens, bits.len()).then_some(PrefixDigest {
             block_tokens,
             bits,
             blocks,
         })
+    }
+
+    /// Whether a frame's block size and filter length make a digest (what
+    /// [`Self::from_parts`] checks, without the filter's bytes).
+    pub fn parts_fit(block_tokens: u32, bits_len: usize) -> bool {
+        bits_len == Self::BYTES && (1..=Self::MAX_BLOCK_TOKENS).contains(&block_tokens)
     }
 
     /// The block size its keys were cut with.

@@ -598,7 +598,7 @@ impl NodeState {
                         m.os_bytes = os_bytes;
                         m.model = model;
                         // Validated with the frame: a digest that does not check is refused.
-                        m.prefixes = prefixes.as_ref().and_then(HeldPrefixes::digest);
+                        m.prefixes = prefixes.and_then(HeldPrefixes::into_digest);
                     }
                     None => self.rejected(&WireError::Invalid("report from a stranger")),
                 }

@@ -189,7 +189,17 @@ pub struct HeldPrefixes {
 impl HeldPrefixes {
     /// The digest, or `None` if the frame's fields do not make one.
     pub fn digest(&self) -> Option<PrefixDigest> {
-        PrefixDigest::from_parts(self.block_tokens, self.bits.clone(), self.blocks)
+        self.clone().into_digest()
+    }
+
+    /// The same, taking the frame's bytes.
+    pub fn into_digest(self) -> Option<PrefixDigest> {
+        PrefixDigest::from_parts(self.block_tokens, self.bits, self.blocks)
+    }
+
+    /// Whether its fields make a digest.
+    fn fits(&self) -> bool {
+        PrefixDigest::parts_fit(self.block_tokens, self.bits.len())
     }
 }
 
@@ -434,7 +444,7 @@ impl NodeNotice {
             } if !name_ok(authority) || !name_ok(model) => Err(WireError::Invalid("bad name")),
             NodeNotice::Report {
                 prefixes: Some(p), ..
-            } if p.digest().is_none() => Err(WireError::Invalid("bad prefix digest")),
+            } if !p.fits() => Err(WireError::Invalid("bad prefix digest")),
             _ => Ok(()),
         }
     }
