@@ -47,13 +47,7 @@ impl KvStoreState {
         if let Some(fence) = copy.fence {
             // Settled as soon as it ran, so other sequences share the blocks from then on
             // (not only from the sequence's first step).
-            let me = myself.clone();
-            self.stream.timeline().on_complete(
-                fence.value,
-                Box::new(move |_| {
-                    let _ = me.cast(KvStoreMsg::CopySettled { seq, writer });
-                }),
-            );
+            self.send_after(myself, fence, KvStoreMsg::CopySettled { seq, writer });
         }
         if let Some(entry) = self.sequences.entries.get_mut(&seq) {
             entry.last_fence = copy.fence.or(entry.last_fence);
@@ -103,13 +97,7 @@ impl KvStoreState {
             .filter_map(|(s, _)| self.sequences.entries.get(s)?.copy_in.as_ref()?.fence)
             .find(|f| timeline.completed() < f.value);
         if let Some(fence) = running {
-            let me = myself.clone();
-            timeline.on_complete(
-                fence.value,
-                Box::new(move |_| {
-                    let _ = me.cast(KvStoreMsg::Prepare { seqs, reply });
-                }),
-            );
+            self.send_after(myself, fence, KvStoreMsg::Prepare { seqs, reply });
             return None;
         }
         for &(seq, _) in &seqs {

@@ -207,22 +207,17 @@ impl KvStoreState {
         foreign: Option<StreamId>,
         reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
     ) {
-        let me = myself.clone();
-        self.stream.timeline().on_complete(
-            marker.value,
-            Box::new(move |_| {
-                // A store gone by now drops the message: the memory's last share then frees
-                // it after the stream's queued work.
-                let _ = me.cast(KvStoreMsg::StepReturned {
-                    step,
-                    memory,
-                    marker: Some(marker),
-                    advance,
-                    foreign,
-                    reply,
-                });
-            }),
-        );
+        // A store gone by then drops the message: the memory's last share then frees it after
+        // the stream's queued work.
+        let returned = KvStoreMsg::StepReturned {
+            step,
+            memory,
+            marker: Some(marker),
+            advance,
+            foreign,
+            reply,
+        };
+        self.send_after(myself, marker, returned);
     }
 
     /// The store's fence after a step completed: each sequence takes its memory back (and

@@ -163,16 +163,11 @@ impl KvStoreState {
         ticket: PressureTicket,
         rechecks: u32,
     ) {
-        let me = myself.clone();
-        self.stream.timeline().on_complete(
-            fence.value,
-            Box::new(move |_| {
-                let _ = me.cast(KvStoreMsg::RecheckTicket {
-                    ticket,
-                    rechecks: rechecks + 1,
-                });
-            }),
-        );
+        let recheck = KvStoreMsg::RecheckTicket {
+            ticket,
+            rechecks: rechecks + 1,
+        };
+        self.send_after(myself, fence, recheck);
     }
 
     async fn answer_in(

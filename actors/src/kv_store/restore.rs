@@ -29,13 +29,7 @@ impl KvStoreState {
             .filter(|f| self.stream.timeline().completed() < f.value);
         if let Some(fence) = copying {
             // Its copy out is still on the stream: the restore starts once it is done.
-            let me = myself.clone();
-            self.stream.timeline().on_complete(
-                fence.value,
-                Box::new(move |_| {
-                    let _ = me.cast(KvStoreMsg::Restore { seq, reply });
-                }),
-            );
+            self.send_after(myself, fence, KvStoreMsg::Restore { seq, reply });
             return;
         }
         let (writer, mode, tokens) = match self.sequences.table.begin_restore(seq) {

@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use procmem::fence::TimelineFence;
+use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{BlockState, Incarnation, KvError, KvSequence, PreemptMode, PrefixDigest};
 use procmem::ledger::Priority;
 use procmem::MemoryRole;
@@ -182,6 +182,18 @@ impl KvStoreState {
         if self.publish().await {
             self.publish_soon(myself);
         }
+    }
+
+    /// Sends `msg` to the store once `fence` of its stream has completed (at once if it has).
+    /// A store gone by then drops the message.
+    pub(super) fn send_after(&self, myself: &ActorRef<KvStoreMsg>, fence: Fence, msg: KvStoreMsg) {
+        let me = myself.clone();
+        self.stream.timeline().on_complete(
+            fence.value,
+            Box::new(move |_| {
+                let _ = me.cast(msg);
+            }),
+        );
     }
 
     /// Answers a `Stats` message.
