@@ -23,7 +23,7 @@ use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::Place;
 use procmem_actors::{
-    kv::{KvStoreConfig, KvStoreHandle, PreemptMode, SwapKind},
+    kv::{KvStoreConfig, KvStoreHandle, PreemptMode, PrefixHost, SwapKind},
     residency::ResidencyConfig,
     AuthorityBooks, MemoryManager,
 };
@@ -155,6 +155,10 @@ struct Args {
     /// Times a prompt block must have been asked for before it may go to disk.
     #[arg(long, default_value_t = 2)]
     prefix_disk_min_hits: u8,
+    /// With `--device cuda`: keep prompt blocks evicted from the device in this much
+    /// page-locked host memory (charged to the host budget) instead of dropping them.
+    #[arg(long)]
+    prefix_host_bytes: Option<String>,
 }
 
 /// Requests one run may serve.
@@ -382,6 +386,11 @@ async fn serve(args: Args) -> Result<(), String> {
         .await;
     }
     let cuda = matches!(args.device, Device::Cuda);
+    let prefix_host = match &args.prefix_host_bytes {
+        Some(_) if !cuda => return Err("--prefix-host-bytes is for --device cuda".into()),
+        Some(b) => Some(parse_bytes(b)?),
+        None => None,
+    };
     if cuda && !procmem_actors::procmem::cuda::driver_present() {
         return Err(
             "--device cuda: no CUDA driver on this machine (libcuda cannot be loaded)".into(),
@@ -434,7 +443,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let builder = if cuda {
         // The host authority pays for the weights and for KV swapped out of the device.
         MemoryManager::builder()
-            .host_budget(weights_bytes + peak_kv + per_seq)
+            .host_budget(weights_bytes + peak_kv + per_seq + prefix_host.unwrap_or(0))
             .cuda_device(0, budget)
     } else {
         MemoryManager::builder().host_budget(budget)
@@ -480,17 +489,19 @@ async fn serve(args: Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
     }
     let kv_device = if cuda { Place::cuda(0) } else { Place::HOST };
+    let config = KvStoreConfig::new("kv", model.shape)
+        .preempt(match args.preempt {
+            Preempt::Swap => PreemptMode::Swap,
+            Preempt::Recompute => PreemptMode::Recompute,
+        })
+        .wait(Duration::from_millis(250))
+        .map_ahead(true);
+    let config = match prefix_host {
+        Some(bytes) => config.prefix_host(PrefixHost::new(bytes)),
+        None => config,
+    };
     let kv = memory
-        .kv_store_on(
-            kv_device,
-            KvStoreConfig::new("kv", model.shape)
-                .preempt(match args.preempt {
-                    Preempt::Swap => PreemptMode::Swap,
-                    Preempt::Recompute => PreemptMode::Recompute,
-                })
-                .wait(Duration::from_millis(250))
-                .map_ahead(true),
-        )
+        .kv_store_on(kv_device, config)
         .await
         .map_err(|e| e.to_string())?;
     let _ = kv_slot.set(kv.clone());
@@ -594,7 +605,7 @@ async fn serve(args: Args) -> Result<(), String> {
     drop(synthetic);
     let kv_stats = kv.stats().await.map_err(|e| e.to_string())?;
     let w_stats = weights.stats().await.map_err(|e| e.to_string())?;
-    let books = memory.books().await;
+    let books = settled_books(&memory).await;
     println!();
     println!("summary");
     let row = |k: &str, v: String| println!("  {k:<34} {v:>14}");
@@ -622,6 +633,13 @@ async fn serve(args: Args) -> Result<(), String> {
         (
             "prompt tokens from shared blocks",
             kv_stats.prefix_hit_tokens.to_string(),
+        ),
+        (
+            "host tier: blocks out / in tokens",
+            format!(
+                "{} / {}",
+                kv_stats.prefix_host_writes, kv_stats.prefix_host_hit_tokens
+            ),
         ),
         ("swap space", swap.to_string()),
         ("peak bytes swapped out", c.peak_swapped.to_string()),
@@ -702,6 +720,23 @@ async fn serve(args: Args) -> Result<(), String> {
         if report.is_zero() { "zero" } else { "NOT ZERO" }.to_string(),
     );
     Ok(())
+}
+
+/// The books once the frees of the last sequences closed have landed: memory a device is done
+/// with is unmapped first and refunded after (a message to the Governor), so for a moment the
+/// ledger is above what the OS holds. Waits up to 2 s for the two to agree.
+async fn settled_books(memory: &MemoryManager) -> Vec<AuthorityBooks> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let books = memory.books().await;
+        let agree = books
+            .iter()
+            .all(|b| b.os_bytes.is_none_or(|os| os == b.snapshot.books.leased));
+        if agree || Instant::now() > deadline {
+            return books;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A line a second while the synthetic model runs: throughput, requests, the KV's books.

@@ -6,6 +6,7 @@ mod allocator;
 mod backing;
 mod driver;
 mod kernels;
+mod pinned;
 mod stream;
 
 use std::sync::Arc;
@@ -14,6 +15,7 @@ pub use allocator::CudaAllocator;
 pub use backing::CudaVmmBacking;
 pub use driver::{driver_present, AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
 pub use kernels::{DecodeKernels, DecodeLaunch, CUDA_MAX_HEAD_DIM, CUDA_SPLIT_TOKENS, DECODE_PTX};
+pub use pinned::{BlockView, InFlightCopy, PinnedHost};
 pub use stream::{CudaEvent, CudaStream, HostGate};
 
 use crate::api::{

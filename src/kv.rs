@@ -10,6 +10,7 @@ pub mod digest;
 pub mod disk_tier;
 pub mod elem;
 pub mod gqa;
+pub mod host_tier;
 pub mod prefix;
 #[cfg(target_os = "linux")]
 pub mod sequence;

@@ -23,11 +23,14 @@ use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
 
 mod answer;
+mod below;
 mod copy_in;
 pub use answer::{Opened, Restored};
 mod device;
 mod handle;
+mod host_tier;
 pub use handle::KvStoreHandle;
+pub use host_tier::PrefixHost;
 mod lending;
 mod metrics;
 mod prefix;
@@ -42,6 +45,7 @@ mod tier;
 mod transactions;
 
 use crate::provider_choice::Provider;
+use below::Below;
 use device::KvDevice;
 pub use device::KvStream;
 use prefix::SharedPrefix;
@@ -85,6 +89,10 @@ pub struct KvStoreConfig {
     /// store started later finds them (`None`: they are dropped). Host memory only: a store
     /// on a GPU refuses it.
     pub prefix_disk: Option<PrefixDisk>,
+    /// Where prompt blocks evicted under pressure go on a GPU: page-locked host memory
+    /// charged to the swap space's Governor ([`SwapSpace::Host`]). A store on the host
+    /// refuses it (use a disk tier there).
+    pub prefix_host: Option<PrefixHost>,
 }
 
 impl KvStoreConfig {
@@ -102,6 +110,7 @@ impl KvStoreConfig {
             swap: SwapSpace::Auto,
             map_ahead: false,
             prefix_disk: None,
+            prefix_host: None,
         }
     }
 
@@ -151,6 +160,13 @@ impl KvStoreConfig {
     #[must_use]
     pub fn prefix_disk(mut self, disk: PrefixDisk) -> Self {
         self.prefix_disk = Some(disk);
+        self
+    }
+
+    /// Keeps evicted prompt blocks in host memory, for a store on a GPU (see [`PrefixHost`]).
+    #[must_use]
+    pub fn prefix_host(mut self, host: PrefixHost) -> Self {
+        self.prefix_host = Some(host);
         self
     }
 }
@@ -213,9 +229,18 @@ pub enum KvStoreError {
     /// or cannot be written).
     #[error(transparent)]
     DiskTier(#[from] procmem::kv::disk_tier::DiskTierError),
-    /// The prefix cache's disk tier is for KV in host memory.
+    /// The prefix cache's disk tier is for KV in host memory (and a store has one tier
+    /// below at most).
     #[error("a prefix disk tier is for a store in host memory")]
     DiskTierOnDevice,
+    /// The prefix cache's host tier is for KV on a GPU: a copy of host memory in host
+    /// memory frees nothing.
+    #[error("a prefix host tier is for a store on a GPU; on the host, use a disk tier")]
+    PrefixHostOnHost,
+    /// The prefix cache's host tier is charged to the swap space's Governor, and the store
+    /// swaps elsewhere.
+    #[error("a prefix host tier needs a host-tier Governor (SwapSpace::Host)")]
+    PrefixHostWithoutHostTier,
     /// The store's actor could not be started (it panicked while starting).
     #[error("the KV store could not start: {0}")]
     Start(#[source] ractor::SpawnErr),
@@ -295,6 +320,21 @@ pub struct KvStoreStats {
     /// Copies to or from the disk tier that failed, so far (the block was dropped, or the
     /// prompt computed).
     pub prefix_disk_failures: u64,
+    /// Prompt blocks the host tier (under KV on a GPU) holds now.
+    pub prefix_host_blocks: usize,
+    /// Their bytes.
+    pub prefix_host_bytes: u64,
+    /// The host tier's bytes, charged in full from the store's start.
+    pub prefix_host_capacity: u64,
+    /// Prompt tokens whose blocks were copied back from the host tier (counted in
+    /// `prefix_hit_tokens` too).
+    pub prefix_host_hit_tokens: u64,
+    /// Evicted prompt blocks copied to the host tier.
+    pub prefix_host_writes: u64,
+    /// Evicted prompt blocks the host tier's filter kept out (dropped instead).
+    pub prefix_host_refused: u64,
+    /// Host tier copies that could not be queued (the block was dropped, or recomputed).
+    pub prefix_host_failures: u64,
     /// Pressure tickets answered so far.
     pub tickets: u64,
     /// Bytes freed in answer to those tickets, so far.
@@ -441,8 +481,8 @@ pub(crate) struct KvStoreState {
     /// Every open sequence: its phase, memory, charge and the prompt blocks it maps.
     sequences: Sequences,
     prefixes: PrefixCache<Arc<SharedPrefix>>,
-    /// The disk tier evicted prompt blocks go to, if configured.
-    tier: Option<tier::PrefixTier>,
+    /// The tier below evicted prompt blocks go to, if configured.
+    tier: Option<Below>,
     /// What is in flight, waiting for grants.
     transactions: Transactions,
     clock: u64,
@@ -515,13 +555,17 @@ impl Actor for KvStore {
                     Some(myself.get_derived()),
                 )
                 .await?;
-            let tier = open_tier_when_free(&config, &device, governor.name()).await?;
+            let tier = Below::open(&config, &device, &swap, governor.name()).await?;
             Ok::<_, KvStoreError>((device, holder, swap, tier))
         };
         let (device, holder, swap, tier) = start.await?;
         let block_tokens = config.shape.block_tokens(device.granularity());
         digest.send_replace(Arc::new(PrefixDigest::new(block_tokens)));
-        let metrics = metrics::KvMetrics::new(&config.name, governor.name(), tier.is_some());
+        let metrics = metrics::KvMetrics::new(
+            &config.name,
+            governor.name(),
+            tier.as_ref().map(Below::is_disk),
+        );
         Ok(KvStoreState {
             stream: device.stream.clone(),
             device,
@@ -614,54 +658,6 @@ impl Actor for KvStore {
         state.changed(&myself).await;
         Ok(())
     }
-}
-
-/// Opens the store's disk tier, waiting up to 2 s for its directory's lock: a store restarted
-/// after a crash finds the lock still held until the old state (and the copies out it had
-/// queued on the stream) are gone, which takes moments. Another running store on the
-/// directory keeps it, and this one fails then.
-async fn open_tier_when_free(
-    config: &KvStoreConfig,
-    device: &KvDevice,
-    authority: &str,
-) -> Result<Option<tier::PrefixTier>, KvStoreError> {
-    use procmem::kv::disk_tier::DiskTierError;
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(2);
-    loop {
-        match open_tier(config, device, authority) {
-            Err(KvStoreError::DiskTier(DiskTierError::Locked(_)))
-                if tokio::time::Instant::now() < give_up =>
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            opened => return opened,
-        }
-    }
-}
-
-/// Opens the store's disk tier, if it has one, and says what it found there.
-fn open_tier(
-    config: &KvStoreConfig,
-    device: &KvDevice,
-    authority: &str,
-) -> Result<Option<tier::PrefixTier>, KvStoreError> {
-    let Some(disk) = &config.prefix_disk else {
-        return Ok(None);
-    };
-    if !device.is_host() {
-        return Err(KvStoreError::DiskTierOnDevice);
-    }
-    let shape = config.shape;
-    let g = device.granularity();
-    let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
-    let labels = [config.name.as_str(), authority];
-    let (tier, report) =
-        tier::PrefixTier::open(disk, &shape, shape.block_tokens(g), block_bytes, labels)?;
-    for (file, why) in &report.skipped {
-        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
-    }
-    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, "prefix disk tier opened");
-    Ok(Some(tier))
 }
 
 impl Drop for KvStoreState {

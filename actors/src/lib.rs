@@ -118,7 +118,8 @@ pub use procmem;
 pub mod kv {
     pub use crate::kv_store::{
         AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream,
-        Opened, PreemptMode, PrefixDisk, Restored, SeqId, StepEnd, StepKv, SwapKind, SwapSpace,
+        Opened, PreemptMode, PrefixDisk, PrefixHost, Restored, SeqId, StepEnd, StepKv, SwapKind,
+        SwapSpace,
     };
 }
 

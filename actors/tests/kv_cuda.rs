@@ -15,8 +15,8 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
     kv::{
-        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind,
-        SwapSpace,
+        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixHost,
+        Restored, SwapKind, SwapSpace,
     },
     provider::{CudaProvider, CudaProviderConfig},
 };
@@ -318,4 +318,113 @@ async fn cuda_residency_offloads_to_the_host_tier_and_reloads_the_same_bytes() {
     drop(res);
     let report = memory.shutdown().await.unwrap();
     assert!(report.is_zero(), "{report:?}");
+}
+
+/// Waits until the store's figures satisfy `done`, at most 10 s.
+async fn until(kv: &KvStoreHandle, what: &str, done: impl Fn(&KvStoreStats) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = kv.stats().await.unwrap();
+        if done(&stats) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} never happened: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The prefix cache's host tier under KV on the GPU: a whole prompt block evicted under
+/// pressure is copied to page-locked host memory (charged to the host tier's Governor from
+/// the start) instead of dropped, and the next open of the prompt copies it back: the rows
+/// read back from the device are the ones first written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_prefix_blocks_go_to_the_host_tier_and_come_back_with_the_same_bytes() {
+    if !have_gpu("cuda_prefix_blocks_go_to_the_host_tier_and_come_back_with_the_same_bytes") {
+        return;
+    }
+    let p = CudaProvider::spawn(CudaProviderConfig::default())
+        .await
+        .unwrap();
+    let device = p.mechanism().device().clone();
+    let g_bytes = device.granularity().unwrap();
+    let per_block = SHAPE.buffers() as u64 * g_bytes;
+    let capacity = 2 * per_block + g_bytes;
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("cuda:0", capacity))
+        .await
+        .unwrap();
+    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    let config = KvStoreConfig::new("kv", SHAPE)
+        .wait(Duration::from_secs(10))
+        .swap(SwapSpace::Host(host.clone()))
+        .prefix_host(PrefixHost::new(2 * per_block));
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        host.snapshot().await.unwrap().books.leased,
+        2 * per_block,
+        "the tier is charged in full from the start"
+    );
+    let server = Server {
+        kernels: DecodeKernels::load(device.clone()).unwrap(),
+        staging: device.alloc(SHAPE.token_bytes()).unwrap(),
+        device: device.clone(),
+    };
+    let block = SHAPE.block_tokens(g_bytes);
+    let prompt: Vec<u32> = (0..block as u32 + 4).map(|t| t * 5 + 1).collect();
+    kv.open(1, prompt.clone(), 0).await.unwrap();
+    for _ in 0..prompt.len() {
+        let step = kv.prepare(vec![1]).await.unwrap();
+        server.step(step).await;
+    }
+    kv.close(1);
+    until(&kv, "the prompt block cached alone", |s| {
+        s.prefix_entries == 1 && s.sequences == 0
+    })
+    .await;
+
+    // Pressure: a more important holder wants the whole device; the block goes down.
+    let grant = another_holder_asks(g.clone(), capacity, Duration::from_secs(10))
+        .await
+        .expect("the store made room");
+    until(&kv, "the block copied to the host tier", |s| {
+        s.prefix_host_blocks == 1 && s.prefix_entries == 0 && s.prefix_host_writes == 1
+    })
+    .await;
+    drop(grant);
+
+    // The same prompt again: its first block comes back from the host tier.
+    let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, block);
+    for _ in block..prompt.len() {
+        let step = kv.prepare(vec![3]).await.unwrap();
+        server.step(step).await;
+    }
+    let step = kv.prepare(vec![3]).await.unwrap();
+    server.check_rows(&step, 0);
+    drop(step);
+    let stats = kv.stats().await.unwrap();
+    assert_eq!(stats.prefix_host_hit_tokens, block as u64, "{stats:?}");
+    assert_eq!(stats.prefix_host_failures, 0, "{stats:?}");
+    kv.close(3);
+    // Stopped, the store frees everything after its fences, the tier's host memory with it:
+    // both books go back to zero.
+    kv.actor().stop_and_wait(None, None).await.unwrap();
+    for (books, name) in [(&g, "device"), (&host, "host")] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while books.snapshot().await.unwrap().books.leased != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the {name} books stay above zero"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    // SAFETY: allocated above; nothing uses it any more.
+    unsafe { device.free(server.staging).unwrap() };
 }

@@ -12,7 +12,7 @@ use procmem_actors::{
     governor::GovernorHandle,
     kv::{
         KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixDisk,
-        Restored, StepEnd,
+        PrefixHost, Restored, StepEnd,
     },
     provider::CpuProvider,
 };
@@ -513,4 +513,20 @@ async fn a_store_restarted_after_a_crash_finds_its_directory_and_its_blocks() {
     assert_eq!(cached, 3 * bt());
     assert_eq!(again, from_memory);
     stop(kv).await;
+}
+
+/// A host tier is for KV on a GPU (a copy of host memory in host memory frees nothing): a
+/// store in host memory refuses it at start, and holds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_in_host_memory_refuses_a_host_tier() {
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let config = common::kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(500))
+        .prefix_host(PrefixHost::new(1 << 20));
+    let refused = KvStoreHandle::spawn(config, g.clone(), p.clone()).await;
+    assert!(
+        matches!(refused, Err(KvStoreError::PrefixHostOnHost)),
+        "{:?}",
+        refused.err()
+    );
+    assert_eq!(g.snapshot().await.unwrap().books.leased, 0);
 }

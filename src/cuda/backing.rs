@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use super::driver::{AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
+use super::pinned::BlockView;
 use crate::api::capabilities::copy_span;
 use crate::api::{
     CommitResult, DecommitResult, GranuleMap, GranuleState, MapAccess, MechanismId, MemoryError,
@@ -100,8 +101,8 @@ impl Drop for CudaReservation {
     }
 }
 
-struct CudaBlock {
-    handle: PhysicalHandle,
+pub(super) struct CudaBlock {
+    pub(super) handle: PhysicalHandle,
 }
 
 /// CUDA VMM backing of one device.
@@ -153,6 +154,19 @@ impl CudaVmmBacking {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .cap = cap;
+    }
+
+    /// `blocks` (made by this backing) mapped one after another at a device address of
+    /// their own, read-write: the source or destination of one copy for them all, wherever
+    /// else they are mapped, or if they are mapped nowhere.
+    pub fn view(&self, blocks: &[PhysicalBlock]) -> Result<BlockView, MemoryError> {
+        if let Some(b) = blocks.iter().find(|b| b.mechanism() != self.id) {
+            return Err(MemoryError::ForeignHandle {
+                owner: b.mechanism(),
+                this: self.id,
+            });
+        }
+        BlockView::new(&self.pool.device, blocks)
     }
 
     /// Physical bytes held in the pool, unmapped.

@@ -177,6 +177,54 @@ pub const KV_PREFIX_DISK_SECONDS: Metric = latency(
     "Latency of one prompt block's copy to or from the disk tier, by direction (out or in).",
     MILLISECONDS,
 );
+/// Prompt blocks the prefix cache's host tier (under KV on a GPU) holds now.
+pub const KV_PREFIX_HOST_BLOCKS: Metric = metric(
+    "procmem_kv_prefix_host_blocks",
+    Kind::Gauge,
+    Unit::Count,
+    STORE,
+    "Prompt blocks the prefix cache's host tier (under KV on a GPU) holds now.",
+);
+/// Bytes of prompt blocks the prefix cache's host tier holds now.
+pub const KV_PREFIX_HOST_BYTES: Metric = metric(
+    "procmem_kv_prefix_host_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    STORE,
+    "Bytes of prompt blocks the prefix cache's host tier holds now.",
+);
+/// Prompt tokens whose K/V came back from the host tier when sequences opened.
+pub const KV_PREFIX_HOST_HIT_TOKENS_TOTAL: Metric = metric(
+    "procmem_kv_prefix_host_hit_tokens_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Prompt tokens whose K/V came back from the host tier when sequences opened.",
+);
+/// Evicted prompt blocks copied to the host tier.
+pub const KV_PREFIX_HOST_WRITES_TOTAL: Metric = metric(
+    "procmem_kv_prefix_host_writes_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Evicted prompt blocks copied to the host tier.",
+);
+/// Evicted prompt blocks the host tier's filter kept out (dropped instead).
+pub const KV_PREFIX_HOST_REFUSED_TOTAL: Metric = metric(
+    "procmem_kv_prefix_host_refused_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Evicted prompt blocks the host tier's filter kept out (dropped instead).",
+);
+/// Host tier copies that could not be queued (the block was dropped, or recomputed).
+pub const KV_PREFIX_HOST_FAILURES_TOTAL: Metric = metric(
+    "procmem_kv_prefix_host_failures_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Host tier copies that could not be queued (the block was dropped, or recomputed).",
+);
 /// Sequences preempted under pressure, by mode (swap or recompute).
 pub const KV_PREEMPTIONS_TOTAL: Metric = metric(
     "procmem_kv_preemptions_total",
@@ -325,6 +373,12 @@ pub(super) const HOLDERS: &[Metric] = &[
     KV_PREFIX_DISK_REFUSED_TOTAL,
     KV_PREFIX_DISK_FAILURES_TOTAL,
     KV_PREFIX_DISK_SECONDS,
+    KV_PREFIX_HOST_BLOCKS,
+    KV_PREFIX_HOST_BYTES,
+    KV_PREFIX_HOST_HIT_TOKENS_TOTAL,
+    KV_PREFIX_HOST_WRITES_TOTAL,
+    KV_PREFIX_HOST_REFUSED_TOTAL,
+    KV_PREFIX_HOST_FAILURES_TOTAL,
     KV_PREEMPTIONS_TOTAL,
     KV_SWAP_OUTS_TOTAL,
     KV_SWAP_OUT_BYTES_TOTAL,

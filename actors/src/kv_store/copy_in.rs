@@ -1,13 +1,11 @@
-//! Prompt blocks coming back from the disk tier: the copy in is a kernel on the store's
-//! stream, queued as the open is answered (`tier::PrefixTier::copy_in`). The open counts the
+//! Prompt blocks coming back from the tier below (disk, or host memory under a GPU): the copy
+//! in is queued on the store's stream, queued as the open is answered (`below::Below::copy_in`). The open counts the
 //! blocks as cached at once; the sequence's first step waits for the copy's fence (its
 //! prepare is sent again once the fence completes), and the fence's completion also tells the
 //! store, which then lets the blocks the copy filled join the cache as whole for other
 //! sequences. A copy that fell short (a block gone, altered or unreadable)
 //! leaves the sequence without K/V it was promised: it is preempted to be recomputed from its
 //! tokens, and the step fails with `Preempted`, as it would under pressure.
-
-use std::sync::Arc;
 
 use procmem::kv::{first_duplicate, Phase, PreemptMode};
 use ractor::{ActorRef, RpcReplyPort};
@@ -34,16 +32,10 @@ impl KvStoreState {
         (writer, promised): (Incarnation, usize),
         blocks: Vec<Incoming>,
     ) {
-        let Some(tier) = self.tier.as_ref().filter(|_| promised > 0) else {
+        let Some(tier) = self.tier.as_mut().filter(|_| promised > 0) else {
             return;
         };
-        let mapping = Arc::clone(&self.device.shared);
-        let (kernel, mut copy) = tier.copy_in((writer, promised), blocks, mapping);
-        // A stream that takes no more work ran nothing: the copy filled nothing.
-        copy.fence = match copy.keys.is_empty() {
-            true => None,
-            false => self.stream.submit_host(kernel).ok(),
-        };
+        let copy = tier.copy_in(&self.device, (writer, promised), blocks);
         if let Some(fence) = copy.fence {
             // Settled as soon as it ran, so other sequences share the blocks from then on
             // (not only from the sequence's first step).

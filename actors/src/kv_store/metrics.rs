@@ -9,7 +9,9 @@ use procmem::metrics::{
     KV_PREEMPTED_SEQUENCES, KV_PREEMPTIONS_TOTAL, KV_PREFIX_BLOCKS_EVICTED_TOTAL,
     KV_PREFIX_DISK_BLOCKS, KV_PREFIX_DISK_BYTES, KV_PREFIX_DISK_FAILURES_TOTAL,
     KV_PREFIX_DISK_HIT_TOKENS_TOTAL, KV_PREFIX_DISK_REFUSED_TOTAL, KV_PREFIX_DISK_WRITES_TOTAL,
-    KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL, KV_REPLAYED_TOKENS_TOTAL,
+    KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_BLOCKS, KV_PREFIX_HOST_BYTES,
+    KV_PREFIX_HOST_FAILURES_TOTAL, KV_PREFIX_HOST_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_REFUSED_TOTAL,
+    KV_PREFIX_HOST_WRITES_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL, KV_REPLAYED_TOKENS_TOTAL,
     KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL,
     KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
 };
@@ -31,8 +33,8 @@ pub(super) struct KvMetrics {
     prefix_queries: Counter,
     prefix_hits: Counter,
     evicted: Counter,
-    /// The disk tier's figures, where the store has one.
-    disk: Option<DiskSeries>,
+    /// The tier below's figures, where the store has one.
+    below: Option<BelowSeries>,
     preempted_swap: Counter,
     preempted_recompute: Counter,
     swap_outs: Counter,
@@ -54,6 +56,44 @@ pub(super) struct KvMetrics {
     pub(super) armed: bool,
     /// The leased and OS bytes last published.
     memory: Option<(u64, u64)>,
+}
+
+/// The tier below's series: a disk tier's or a host tier's.
+enum BelowSeries {
+    Disk(DiskSeries),
+    Host(HostSeries),
+}
+
+/// The host tier's series.
+struct HostSeries {
+    blocks: Gauge,
+    bytes: Gauge,
+    hits: Counter,
+    writes: Counter,
+    refused: Counter,
+    failures: Counter,
+}
+
+impl HostSeries {
+    fn new(l: &[&str]) -> Self {
+        HostSeries {
+            blocks: KV_PREFIX_HOST_BLOCKS.gauge(l),
+            bytes: KV_PREFIX_HOST_BYTES.gauge(l),
+            hits: KV_PREFIX_HOST_HIT_TOKENS_TOTAL.counter(l),
+            writes: KV_PREFIX_HOST_WRITES_TOTAL.counter(l),
+            refused: KV_PREFIX_HOST_REFUSED_TOTAL.counter(l),
+            failures: KV_PREFIX_HOST_FAILURES_TOTAL.counter(l),
+        }
+    }
+
+    fn publish(&self, s: &KvStoreStats) {
+        self.blocks.set(s.prefix_host_blocks as f64);
+        self.bytes.set(s.prefix_host_bytes as f64);
+        self.hits.absolute(s.prefix_host_hit_tokens);
+        self.writes.absolute(s.prefix_host_writes);
+        self.refused.absolute(s.prefix_host_refused);
+        self.failures.absolute(s.prefix_host_failures);
+    }
 }
 
 /// The disk tier's series.
@@ -89,8 +129,9 @@ impl DiskSeries {
 }
 
 impl KvMetrics {
-    /// The series of store `store` on `authority`; `disk`: it has a disk tier.
-    pub(super) fn new(store: &str, authority: &str, disk: bool) -> Self {
+    /// The series of store `store` on `authority`; `below`: whether it has a tier below, and
+    /// whether that is a disk tier (else a host tier).
+    pub(super) fn new(store: &str, authority: &str, below: Option<bool>) -> Self {
         let l = [store, authority];
         KvMetrics {
             sequences: KV_SEQUENCES.gauge(&l),
@@ -103,7 +144,10 @@ impl KvMetrics {
             prefix_queries: KV_PREFIX_QUERY_TOKENS_TOTAL.counter(&l),
             prefix_hits: KV_PREFIX_HIT_TOKENS_TOTAL.counter(&l),
             evicted: KV_PREFIX_BLOCKS_EVICTED_TOTAL.counter(&l),
-            disk: disk.then(|| DiskSeries::new(&l)),
+            below: below.map(|disk| match disk {
+                true => BelowSeries::Disk(DiskSeries::new(&l)),
+                false => BelowSeries::Host(HostSeries::new(&l)),
+            }),
             preempted_swap: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "swap"]),
             preempted_recompute: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "recompute"]),
             swap_outs: KV_SWAP_OUTS_TOTAL.counter(&l),
@@ -141,8 +185,10 @@ impl KvMetrics {
         self.prefix_queries.absolute(s.prefix_query_tokens);
         self.prefix_hits.absolute(s.prefix_hit_tokens);
         self.evicted.absolute(s.prefix_blocks_evicted);
-        if let Some(disk) = &self.disk {
-            disk.publish(s);
+        match &self.below {
+            Some(BelowSeries::Disk(disk)) => disk.publish(s),
+            Some(BelowSeries::Host(host)) => host.publish(s),
+            None => {}
         }
         self.preempted_swap.absolute(s.preempted_by_swap);
         self.preempted_recompute.absolute(s.preempted_by_recompute);

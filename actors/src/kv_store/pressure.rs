@@ -282,9 +282,9 @@ impl KvStoreState {
         }
     }
 
-    /// Takes prompt block `key` out of the cache. A whole block nobody maps goes to the disk
-    /// tier first where the filter lets it in: copied by a kernel on the stream, which then
-    /// lets the memory go. Returns the bytes freed now and those freed after that copy.
+    /// Takes prompt block `key` out of the cache. A whole block nobody maps goes to the tier
+    /// below first where the filter lets it in: copied on the stream, and the memory goes
+    /// after the copy. Returns the bytes freed now and those freed after that copy.
     fn evict_prefix(&mut self, key: u64) -> (u64, u64) {
         // What a tier below keys the block by, where there is a tier and the block is whole.
         let keep = self.tier.is_some() && self.prefixes.state(key) == Some(BlockState::Complete);
@@ -299,15 +299,10 @@ impl KvStoreState {
         let (Some(tier), Some(prompt)) = (self.tier.as_mut(), prompt) else {
             return (bytes, 0);
         };
-        if block.sharers() > 0 || !tier.admit(key, bytes) {
+        if block.sharers() > 0 {
             return (bytes, 0);
         }
-        let copy = tier.copy_out(key, prompt, block, Arc::clone(&self.device.shared));
-        match self.stream.submit_host(copy) {
-            Ok(_) => (0, bytes),
-            // A closed stream ran nothing: the block (and its charge) went with the kernel.
-            Err(_) => (bytes, 0),
-        }
+        tier.evict(&self.device, key, prompt, block)
     }
 
     /// Preempts a sequence that has no kernel in flight: its KV is copied out to the swap

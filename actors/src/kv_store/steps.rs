@@ -202,7 +202,7 @@ impl KvStoreState {
         for key in hits.iter().map(|(k, _)| *k).chain(claimed.iter().copied()) {
             tier.record(key);
         }
-        tier.leading_on_disk(claimed)
+        tier.leading(claimed)
     }
 
     /// Makes `count` new shared prompt blocks, each paid for by its part of `charge` (the

@@ -93,6 +93,25 @@ pub(super) struct CopyIn {
 }
 
 impl CopyIn {
+    /// A copy in queued (or not: `fence` `None`) elsewhere than on a CPU stream, which
+    /// fills `filled` blocks from the first (final once its fence completes).
+    pub(super) fn new(
+        writer: Incarnation,
+        promised: usize,
+        keys: Vec<u64>,
+        fence: Option<Fence>,
+        filled: Arc<AtomicUsize>,
+    ) -> Self {
+        CopyIn {
+            fence,
+            writer,
+            keys,
+            promised,
+            short_counted: false,
+            filled,
+        }
+    }
+
     /// How many blocks, from the first, the kernel filled (final once its fence completed).
     pub(super) fn filled(&self) -> usize {
         self.filled.load(Ordering::Acquire)
@@ -117,7 +136,7 @@ struct Write {
 }
 
 /// The disk tier of one store, with its admission filter.
-pub(super) struct PrefixTier {
+pub(crate) struct PrefixTier {
     disk: Arc<Mutex<DiskTier>>,
     filter: AdmissionFilter,
     outcomes: Arc<Outcomes>,

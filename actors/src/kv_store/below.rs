@@ -1,0 +1,177 @@
+//! The tier below a store's memory, where evicted prompt blocks go instead of vanishing: a
+//! disk tier under KV in host memory (`tier.rs`), a host tier under KV on a GPU
+//! (`host_tier.rs`). The store asks this one type; each kind copies on the store's stream
+//! its own way.
+
+use std::sync::Arc;
+
+use procmem::kv::{Incarnation, PrefixDigest};
+use tokio::time::Duration;
+
+use super::device::KvDevice;
+use super::host_tier::HostPrefixTier;
+use super::prefix::SharedPrefix;
+use super::swap::Space;
+use super::tier::{CopyIn, Incoming, PrefixTier};
+use super::{KvStoreConfig, KvStoreError, KvStoreStats};
+
+/// The tier below a store.
+pub(super) enum Below {
+    Disk(PrefixTier),
+    Host(HostPrefixTier),
+}
+
+impl Below {
+    /// Opens the store's tier below, if it has one: a disk tier (waiting up to 2 s for its
+    /// directory's lock: a store restarted after a crash finds it held until the old state
+    /// and the copies it had queued are gone; another running store keeps it, and this one
+    /// fails then), or a host tier (charged in full now).
+    pub(super) async fn open(
+        config: &KvStoreConfig,
+        device: &KvDevice,
+        swap: &Space,
+        authority: &str,
+    ) -> Result<Option<Below>, KvStoreError> {
+        use procmem::kv::disk_tier::DiskTierError;
+        let shape = config.shape;
+        let g = device.granularity();
+        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        if let Some(host) = &config.prefix_host {
+            if config.prefix_disk.is_some() {
+                return Err(KvStoreError::DiskTierOnDevice);
+            }
+            let named = (config.name.as_str(), block_bytes);
+            let tier = HostPrefixTier::open(host, device, swap, named).await?;
+            return Ok(Some(Below::Host(tier)));
+        }
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            match open_disk(config, device, authority, block_bytes) {
+                Err(KvStoreError::DiskTier(DiskTierError::Locked(_)))
+                    if tokio::time::Instant::now() < give_up =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                opened => return opened.map(|t| t.map(Below::Disk)),
+            }
+        }
+    }
+
+    /// Whether it is a disk tier (whose series the store publishes).
+    pub(super) fn is_disk(&self) -> bool {
+        matches!(self, Below::Disk(_))
+    }
+
+    /// A prompt block was asked for (found or not): the filter counts it.
+    pub(super) fn record(&mut self, key: u64) {
+        match self {
+            Below::Disk(t) => t.record(key),
+            Below::Host(t) => t.record(key),
+        }
+    }
+
+    /// How many of `keys`, from the first, the tier holds.
+    pub(super) fn leading(&self, keys: &[u64]) -> usize {
+        match self {
+            Below::Disk(t) => t.leading_on_disk(keys),
+            Below::Host(t) => t.leading(keys),
+        }
+    }
+
+    /// Takes evicted block `key` (whole, mapped by nobody) down where the filter lets it in.
+    /// Returns the bytes freed now and those freed after the copy's fence.
+    pub(super) fn evict(
+        &mut self,
+        device: &KvDevice,
+        key: u64,
+        prompt: (u64, Vec<u32>),
+        block: Arc<SharedPrefix>,
+    ) -> (u64, u64) {
+        let bytes = block.bytes;
+        match self {
+            Below::Disk(t) => {
+                if !t.admit(key, bytes) {
+                    return (bytes, 0);
+                }
+                let copy = t.copy_out(key, prompt, block, Arc::clone(&device.shared));
+                match device.stream.submit_host(copy) {
+                    Ok(_) => (0, bytes),
+                    // A closed stream ran nothing: the block (and its charge) went with it.
+                    Err(_) => (bytes, 0),
+                }
+            }
+            Below::Host(t) => match t.admit(key, bytes) && t.copy_out(key, prompt, block) {
+                true => (0, bytes),
+                false => (bytes, 0),
+            },
+        }
+    }
+
+    /// Queues the copy in of `blocks` (fresh, claimed by incarnation `writer`, `promised`
+    /// of them counted as cached): its fence is `None` where nothing could be queued (the
+    /// copy falls short).
+    pub(super) fn copy_in(
+        &mut self,
+        device: &KvDevice,
+        (writer, promised): (Incarnation, usize),
+        blocks: Vec<Incoming>,
+    ) -> CopyIn {
+        match self {
+            Below::Disk(t) => {
+                let mapping = Arc::clone(&device.shared);
+                let (kernel, mut copy) = t.copy_in((writer, promised), blocks, mapping);
+                // A stream that takes no more work ran nothing: the copy filled nothing.
+                copy.fence = match copy.keys.is_empty() {
+                    true => None,
+                    false => device.stream.submit_host(kernel).ok(),
+                };
+                copy
+            }
+            Below::Host(t) => t.copy_in((writer, promised), blocks),
+        }
+    }
+
+    /// Puts the keys it holds in `digest`, with those of `in_memory`: one counted once.
+    pub(super) fn digest_into(
+        &self,
+        digest: &mut PrefixDigest,
+        in_memory: impl Iterator<Item = u64>,
+    ) {
+        match self {
+            Below::Disk(t) => t.digest_into(digest, in_memory),
+            Below::Host(t) => t.digest_into(digest, in_memory),
+        }
+    }
+
+    /// Its figures, into the store's.
+    pub(super) fn fill(&self, stats: &mut KvStoreStats) {
+        match self {
+            Below::Disk(t) => t.fill(stats),
+            Below::Host(t) => t.fill(stats),
+        }
+    }
+}
+
+/// Opens the store's disk tier, if it has one, and says what it found there.
+fn open_disk(
+    config: &KvStoreConfig,
+    device: &KvDevice,
+    authority: &str,
+    block_bytes: u64,
+) -> Result<Option<PrefixTier>, KvStoreError> {
+    let Some(disk) = &config.prefix_disk else {
+        return Ok(None);
+    };
+    if !device.is_host() {
+        return Err(KvStoreError::DiskTierOnDevice);
+    }
+    let shape = config.shape;
+    let labels = [config.name.as_str(), authority];
+    let bt = shape.block_tokens(device.granularity());
+    let (tier, report) = PrefixTier::open(disk, &shape, bt, block_bytes, labels)?;
+    for (file, why) in &report.skipped {
+        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
+    }
+    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, "prefix disk tier opened");
+    Ok(Some(tier))
+}
