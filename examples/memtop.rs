@@ -604,7 +604,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             "preempt s/r",
             "prefix hit",
             "layers d/o",
-            "disk tier",
+            "tier below",
         ]
         .map(|h| Cell::from(h).style(Style::new().add_modifier(Modifier::BOLD))),
     );
@@ -650,14 +650,16 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             (Some(d), host, disk) => format!("{d}/{}", host.unwrap_or(0.0) + disk.unwrap_or(0.0)),
             _ => "-".into(),
         };
-        // The prefix cache's disk tier: blocks and bytes held, where the store has one.
-        let disk = match (
-            get("procmem_kv_prefix_disk_blocks", &kv),
-            get("procmem_kv_prefix_disk_bytes", &kv),
-        ) {
-            (Some(n), Some(b)) => format!("{n} {}", bytes(b)),
-            _ => "-".into(),
+        // The prefix cache's tier below (disk under host memory, host memory under a GPU):
+        // blocks and bytes held, where the store has one.
+        let tier = |kind: &str| {
+            let blocks = get(&format!("procmem_kv_prefix_{kind}_blocks"), &kv)?;
+            let held = get(&format!("procmem_kv_prefix_{kind}_bytes"), &kv)?;
+            Some(format!("{kind} {blocks} {}", bytes(held)))
         };
+        let disk = tier("disk")
+            .or_else(|| tier("host"))
+            .unwrap_or_else(|| "-".into());
         Row::new(vec![
             holder.clone(),
             authority.clone(),
@@ -683,7 +685,7 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
         Constraint::Length(11),
         Constraint::Length(10),
         Constraint::Length(10),
-        Constraint::Length(14),
+        Constraint::Length(18),
     ];
     frame.render_widget(
         Table::new(rows, widths)

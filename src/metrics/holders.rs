@@ -225,6 +225,14 @@ pub const KV_PREFIX_HOST_FAILURES_TOTAL: Metric = metric(
     STORE,
     "Host tier copies that could not be queued (the block was dropped, or recomputed).",
 );
+/// Latency of one prompt block's copy to or from the host tier, by direction (out or in):
+/// from its queuing on the store's stream to its fence.
+pub const KV_PREFIX_HOST_SECONDS: Metric = latency(
+    "procmem_kv_prefix_host_seconds",
+    STORE_DIRECTION,
+    "Latency of one prompt block's copy to or from the host tier, by direction (out or in), from its queuing to its fence.",
+    MILLISECONDS,
+);
 /// Sequences preempted under pressure, by mode (swap or recompute).
 pub const KV_PREEMPTIONS_TOTAL: Metric = metric(
     "procmem_kv_preemptions_total",
@@ -379,6 +387,7 @@ pub(super) const HOLDERS: &[Metric] = &[
     KV_PREFIX_HOST_WRITES_TOTAL,
     KV_PREFIX_HOST_REFUSED_TOTAL,
     KV_PREFIX_HOST_FAILURES_TOTAL,
+    KV_PREFIX_HOST_SECONDS,
     KV_PREEMPTIONS_TOTAL,
     KV_SWAP_OUTS_TOTAL,
     KV_SWAP_OUT_BYTES_TOTAL,

@@ -40,8 +40,8 @@ impl Below {
             if config.prefix_disk.is_some() {
                 return Err(KvStoreError::DiskTierOnDevice);
             }
-            let named = (config.name.as_str(), block_bytes);
-            let tier = HostPrefixTier::open(host, device, swap, named).await?;
+            let labels = [config.name.as_str(), authority];
+            let tier = HostPrefixTier::open(host, device, swap, labels, block_bytes).await?;
             return Ok(Some(Below::Host(tier)));
         }
         let give_up = tokio::time::Instant::now() + Duration::from_secs(2);

@@ -15,11 +15,13 @@
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
+use ::metrics::Histogram;
 use procmem::cuda::{BlockView, CudaVmmBacking, PinnedHost};
 use procmem::fence::Timeline;
 use procmem::kv::admission::{Admission, AdmissionFilter};
 use procmem::kv::host_tier::HostTierIndex;
 use procmem::kv::{Incarnation, PrefixDigest};
+use procmem::metrics::KV_PREFIX_HOST_SECONDS;
 use procmem::MemoryRole;
 
 use super::device::KvDevice;
@@ -80,6 +82,8 @@ pub(super) struct HostPrefixTier {
     writes: u64,
     failures: u64,
     hit_tokens: u64,
+    /// Queuing to fence, by direction.
+    latency: [Histogram; 2],
 }
 
 impl HostPrefixTier {
@@ -90,7 +94,8 @@ impl HostPrefixTier {
         config: &PrefixHost,
         device: &KvDevice,
         swap: &Space,
-        (name, block_bytes): (&str, u64),
+        [name, authority]: [&str; 2],
+        block_bytes: u64,
     ) -> Result<HostPrefixTier, KvStoreError> {
         let Provider::Cuda(provider) = &device.provider else {
             return Err(KvStoreError::PrefixHostOnHost);
@@ -138,6 +143,7 @@ impl HostPrefixTier {
             writes: 0,
             failures: 0,
             hit_tokens: 0,
+            latency: ["out", "in"].map(|d| KV_PREFIX_HOST_SECONDS.histogram(&[name, authority, d])),
         })
     }
 
@@ -177,6 +183,7 @@ impl HostPrefixTier {
             return false;
         };
         let at = slot * self.slot_bytes as usize;
+        let (start, latency) = (std::time::Instant::now(), self.latency[0].clone());
         let mut copy = None;
         let queued = self.stream.submit(&[], |s| {
             copy = Some(self.arena.memory.fill_from(s, at, view)?);
@@ -187,8 +194,13 @@ impl HostPrefixTier {
                 self.writes += 1;
                 // The copy first, then the block's memory (and its charge), then the arena.
                 let held = (copy, block, Arc::clone(&self.arena));
-                self.timeline
-                    .on_complete(fence.value, Box::new(move |_| drop(held)));
+                self.timeline.on_complete(
+                    fence.value,
+                    Box::new(move |_| {
+                        latency.record(start.elapsed().as_secs_f64());
+                        drop(held);
+                    }),
+                );
                 true
             }
             (queued, _) => {
@@ -227,6 +239,7 @@ impl HostPrefixTier {
             tokens += t.len() as u64;
         }
         let slot_bytes = self.slot_bytes as usize;
+        let (start, latency) = (std::time::Instant::now(), self.latency[1].clone());
         let mut held = Vec::with_capacity(copies.len());
         let queued = (!copies.is_empty()).then(|| {
             self.stream.submit(&[], |s| {
@@ -241,8 +254,13 @@ impl HostPrefixTier {
                 self.hit_tokens += tokens;
                 let filled = held.len();
                 let held = (held, Arc::clone(&self.arena));
-                self.timeline
-                    .on_complete(fence.value, Box::new(move |_| drop(held)));
+                self.timeline.on_complete(
+                    fence.value,
+                    Box::new(move |_| {
+                        latency.record(start.elapsed().as_secs_f64());
+                        drop(held);
+                    }),
+                );
                 (Some(fence), filled)
             }
             Some(Err(e)) => {
