@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::driver::{AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
+use super::driver::{AddressRange, CudaAccess, CudaBlock, CudaDevice, PhysicalHandle};
 use super::pinned::BlockView;
 use crate::api::capabilities::copy_span;
 use crate::api::{
@@ -99,10 +99,6 @@ impl Drop for CudaReservation {
             let _ = unsafe { device.unmap(self.range.ptr() + offset, size) };
         }
     }
-}
-
-pub(super) struct CudaBlock {
-    pub(super) handle: PhysicalHandle,
 }
 
 /// CUDA VMM backing of one device.

@@ -384,6 +384,11 @@ impl Drop for AddressRange {
     }
 }
 
+/// What a CUDA backing's [`PhysicalBlock`](crate::api::PhysicalBlock) holds: its handle.
+pub(super) struct CudaBlock {
+    pub(super) handle: PhysicalHandle,
+}
+
 /// A physical allocation; released on drop (the driver keeps it alive while still mapped).
 #[derive(Debug)]
 pub struct PhysicalHandle {

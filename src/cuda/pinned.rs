@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::backing::CudaBlock;
-use super::driver::{check, AddressRange, CudaAccess, CudaDevice};
+use super::driver::{check, AddressRange, CudaAccess, CudaBlock, CudaDevice};
 use super::stream::{CudaEvent, CudaStream};
 use crate::api::{MemoryError, PhysicalBlock};
 
