@@ -8,7 +8,8 @@
 //   gqa_split_{f32,f16}: grid (splits, kv_heads), block 32 * group threads. Each warp is one
 //     query head of the KV head's group; the group's warps read the same K/V rows (one read
 //     from memory, the rest from cache). Each warp keeps an online softmax over its split
-//     (running max, running sum, weighted values) and writes it as a partial:
+//     (running max, running sum, weighted values), TILE tokens at a time, and writes it as a
+//     partial:
 //     partials[(split * q_heads + h) * (head_dim + 2) + {0: max, 1: sum, 2..: values}].
 //   gqa_merge: grid q_heads, block up to head_dim threads: merges the splits in order.
 //   kv_write_{f32,f16}: writes one token's row (`n` elements, from f32) at `dst`.
@@ -16,6 +17,7 @@
 typedef unsigned short half_bits;
 
 #define MAX_PER_LANE 8  // head_dim <= 256
+#define TILE 8          // tokens a warp works on at once
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 __device__ __forceinline__ float load_elem(const float* p) { return *p; }
@@ -59,26 +61,56 @@ __device__ __forceinline__ void split_partial(
     float l = 0.0f;
     const unsigned first = split * split_tokens;
     const unsigned last = min(first + split_tokens, tokens);
-    for (unsigned t = first; t < last; ++t) {
-        const T* kr = k + t * stride + g * head_dim;
-        float s = 0.0f;
+    // TILE tokens at a time: their K rows are loaded together, their dot products reduced
+    // together, and their V rows loaded together, so each warp has TILE rows in flight
+    // instead of one (one token at a time left the kernel waiting on memory latency).
+    for (unsigned t0 = first; t0 < last; t0 += TILE) {
+        float s[TILE];
 #pragma unroll
-        for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
-            const unsigned d = lane + 32 * i;
-            if (d < head_dim) s = fmaf(qr[i], load_elem(kr + d), s);
+        for (unsigned j = 0; j < TILE; ++j) {
+            s[j] = 0.0f;
+            if (t0 + j < last) {
+                const T* kr = k + (t0 + j) * stride + g * head_dim;
+#pragma unroll
+                for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
+                    const unsigned d = lane + 32 * i;
+                    if (d < head_dim) s[j] = fmaf(qr[i], load_elem(kr + d), s[j]);
+                }
+            }
         }
 #pragma unroll
-        for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-        s *= scale;
-        const float m_new = fmaxf(m, s);
+        for (int off = 16; off > 0; off /= 2) {
+#pragma unroll
+            for (unsigned j = 0; j < TILE; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
+        }
+        float m_new = m;
+#pragma unroll
+        for (unsigned j = 0; j < TILE; ++j) {
+            s[j] *= scale;
+            if (t0 + j < last) m_new = fmaxf(m_new, s[j]);
+        }
         const float correction = __expf(m - m_new);
-        const float p = __expf(s - m_new);
-        l = l * correction + p;
-        const T* vr = v + t * stride + g * head_dim;
+        float p[TILE];
+        float p_sum = 0.0f;
+#pragma unroll
+        for (unsigned j = 0; j < TILE; ++j) {
+            p[j] = t0 + j < last ? __expf(s[j] - m_new) : 0.0f;
+            p_sum += p[j];
+        }
+        l = l * correction + p_sum;
 #pragma unroll
         for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
             const unsigned d = lane + 32 * i;
-            if (d < head_dim) acc[i] = fmaf(p, load_elem(vr + d), acc[i] * correction);
+            if (d < head_dim) {
+                float a = acc[i] * correction;
+#pragma unroll
+                for (unsigned j = 0; j < TILE; ++j) {
+                    if (t0 + j < last) {
+                        a = fmaf(p[j], load_elem(v + (t0 + j) * stride + g * head_dim + d), a);
+                    }
+                }
+                acc[i] = a;
+            }
         }
         m = m_new;
     }
