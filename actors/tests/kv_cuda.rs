@@ -117,19 +117,29 @@ impl Server {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
-    if !have_gpu("cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact") {
-        return;
-    }
+/// A KV store on the GPU as the tests here use it: its device Governor holds `blocks` whole
+/// blocks (a granule of every buffer each) and a granule more, it swaps to a host Governor of
+/// 1 GiB, and it has a prefix host tier of `host_tier` blocks, if any; with the server's side.
+struct OnGpu {
+    _provider: CudaProvider,
+    device: Arc<CudaDevice>,
+    g_bytes: u64,
+    per_block: u64,
+    capacity: u64,
+    g: GovernorHandle,
+    host: GovernorHandle,
+    kv: KvStoreHandle,
+    server: Server,
+}
+
+async fn on_gpu(blocks: u64, host_tier: Option<u64>) -> OnGpu {
     let p = CudaProvider::spawn(CudaProviderConfig::default())
         .await
         .unwrap();
     let device = p.mechanism().device().clone();
     let g_bytes = device.granularity().unwrap();
-    let per_seq_chunk = SHAPE.buffers() as u64 * g_bytes;
-    // The shared block, two sequences' own chunks, and a little room.
-    let capacity = 3 * per_seq_chunk + g_bytes;
+    let per_block = SHAPE.buffers() as u64 * g_bytes;
+    let capacity = blocks * per_block + g_bytes;
     let (g, _) = GovernorHandle::spawn(GovernorConfig::new("cuda:0", capacity))
         .await
         .unwrap();
@@ -139,6 +149,10 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
     let config = KvStoreConfig::new("kv", SHAPE)
         .wait(Duration::from_secs(10))
         .swap(SwapSpace::Host(host.clone()));
+    let config = match host_tier {
+        Some(n) => config.prefix_host(PrefixHost::new(n * per_block)),
+        None => config,
+    };
     let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await
         .unwrap();
@@ -147,6 +161,36 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
         staging: device.alloc(SHAPE.token_bytes()).unwrap(),
         device: device.clone(),
     };
+    OnGpu {
+        _provider: p,
+        device,
+        g_bytes,
+        per_block,
+        capacity,
+        g,
+        host,
+        kv,
+        server,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
+    if !have_gpu("cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact") {
+        return;
+    }
+    // The shared block, two sequences' own chunks, and a little room.
+    let OnGpu {
+        _provider,
+        device,
+        g_bytes,
+        per_block: per_seq_chunk,
+        capacity,
+        g,
+        host,
+        kv,
+        server,
+    } = on_gpu(3, None).await;
     let block = SHAPE.block_tokens(g_bytes);
     let prompt: Vec<u32> = (0..block as u32 + 4).collect();
 
@@ -345,36 +389,22 @@ async fn cuda_prefix_blocks_go_to_the_host_tier_and_come_back_with_the_same_byte
     if !have_gpu("cuda_prefix_blocks_go_to_the_host_tier_and_come_back_with_the_same_bytes") {
         return;
     }
-    let p = CudaProvider::spawn(CudaProviderConfig::default())
-        .await
-        .unwrap();
-    let device = p.mechanism().device().clone();
-    let g_bytes = device.granularity().unwrap();
-    let per_block = SHAPE.buffers() as u64 * g_bytes;
-    let capacity = 2 * per_block + g_bytes;
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("cuda:0", capacity))
-        .await
-        .unwrap();
-    let (host, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
-        .await
-        .unwrap();
-    let config = KvStoreConfig::new("kv", SHAPE)
-        .wait(Duration::from_secs(10))
-        .swap(SwapSpace::Host(host.clone()))
-        .prefix_host(PrefixHost::new(2 * per_block));
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
-        .await
-        .unwrap();
+    let OnGpu {
+        _provider,
+        device,
+        g_bytes,
+        per_block,
+        capacity,
+        g,
+        host,
+        kv,
+        server,
+    } = on_gpu(2, Some(2)).await;
     assert_eq!(
         host.snapshot().await.unwrap().books.leased,
         2 * per_block,
         "the tier is charged in full from the start"
     );
-    let server = Server {
-        kernels: DecodeKernels::load(device.clone()).unwrap(),
-        staging: device.alloc(SHAPE.token_bytes()).unwrap(),
-        device: device.clone(),
-    };
     let block = SHAPE.block_tokens(g_bytes);
     let prompt: Vec<u32> = (0..block as u32 + 4).map(|t| t * 5 + 1).collect();
     kv.open(1, prompt.clone(), 0).await.unwrap();

@@ -520,9 +520,18 @@ async fn a_store_restarted_after_a_crash_finds_its_directory_and_its_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_in_host_memory_refuses_a_host_tier() {
     let (g, p) = common::system(CAPACITY, 1).await;
-    let config = common::kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(500))
+    let host_tier = common::kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(500))
         .prefix_host(PrefixHost::new(1 << 20));
-    let refused = KvStoreHandle::spawn(config, g.clone(), p.clone()).await;
+    let refused = KvStoreHandle::spawn(host_tier, g.clone(), p.clone()).await;
+    assert!(
+        matches!(refused, Err(KvStoreError::PrefixHostOnHost)),
+        "{:?}",
+        refused.err()
+    );
+    // With a disk tier as well: the host tier is still what is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let both = config(dir.path(), 1).prefix_host(PrefixHost::new(1 << 20));
+    let refused = KvStoreHandle::spawn(both, g.clone(), p.clone()).await;
     assert!(
         matches!(refused, Err(KvStoreError::PrefixHostOnHost)),
         "{:?}",

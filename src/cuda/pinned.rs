@@ -77,14 +77,7 @@ impl PinnedHost {
         at: usize,
         view: BlockView,
     ) -> Result<InFlightCopy, MemoryError> {
-        let len = usize::try_from(view.len()).map_err(|_| MemoryError::SizeOverflow {
-            what: "a block view's length",
-        })?;
-        self.span(at, len)?;
-        // SAFETY: the view maps its blocks readable, and it and this memory are held by the
-        // returned copy until its event completes; the span is inside this memory (checked).
-        unsafe { stream.copy_to_host_async(self, at, view.ptr(), len)? };
-        InFlightCopy::after(stream, view, Arc::clone(self))
+        self.copy(stream, at, view, true)
     }
 
     /// Queues, on `stream`, a copy of this memory from byte `at` into every block `view`
@@ -95,12 +88,28 @@ impl PinnedHost {
         at: usize,
         view: BlockView,
     ) -> Result<InFlightCopy, MemoryError> {
+        self.copy(stream, at, view, false)
+    }
+
+    fn copy(
+        self: &Arc<Self>,
+        stream: &CudaStream,
+        at: usize,
+        view: BlockView,
+        to_host: bool,
+    ) -> Result<InFlightCopy, MemoryError> {
         let len = usize::try_from(view.len()).map_err(|_| MemoryError::SizeOverflow {
             what: "a block view's length",
         })?;
-        self.span(at, len)?;
-        // SAFETY: as in `fill_from`; the view maps its blocks writable.
-        unsafe { stream.copy_to_device_async(view.ptr(), self, at, len)? };
+        // SAFETY: the view maps its blocks read-write, and it and this memory are held by
+        // the returned copy until its event completes; each call checks that the span lies
+        // inside this memory.
+        unsafe {
+            match to_host {
+                true => stream.copy_to_host_async(self, at, view.ptr(), len)?,
+                false => stream.copy_to_device_async(view.ptr(), self, at, len)?,
+            }
+        };
         InFlightCopy::after(stream, view, Arc::clone(self))
     }
 }

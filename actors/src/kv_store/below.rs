@@ -37,8 +37,12 @@ impl Below {
         let g = device.granularity();
         let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
         if let Some(host) = &config.prefix_host {
+            // One tier below at most: the one of the other kind is refused.
             if config.prefix_disk.is_some() {
-                return Err(KvStoreError::DiskTierOnDevice);
+                return Err(match device.is_host() {
+                    true => KvStoreError::PrefixHostOnHost,
+                    false => KvStoreError::DiskTierOnDevice,
+                });
             }
             let labels = [config.name.as_str(), authority];
             let tier = HostPrefixTier::open(host, device, swap, labels, block_bytes).await?;

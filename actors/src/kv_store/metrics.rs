@@ -58,73 +58,71 @@ pub(super) struct KvMetrics {
     memory: Option<(u64, u64)>,
 }
 
-/// The tier below's series: a disk tier's or a host tier's.
-enum BelowSeries {
-    Disk(DiskSeries),
-    Host(HostSeries),
-}
-
-/// The host tier's series.
-struct HostSeries {
+/// The tier below's series: a disk tier's or a host tier's (the same figures, named for it).
+struct BelowSeries {
+    disk: bool,
     blocks: Gauge,
     bytes: Gauge,
-    hits: Counter,
-    writes: Counter,
-    refused: Counter,
-    failures: Counter,
+    /// Hit tokens, writes, refused, failures.
+    counts: [Counter; 4],
 }
 
-impl HostSeries {
-    fn new(l: &[&str]) -> Self {
-        HostSeries {
-            blocks: KV_PREFIX_HOST_BLOCKS.gauge(l),
-            bytes: KV_PREFIX_HOST_BYTES.gauge(l),
-            hits: KV_PREFIX_HOST_HIT_TOKENS_TOTAL.counter(l),
-            writes: KV_PREFIX_HOST_WRITES_TOTAL.counter(l),
-            refused: KV_PREFIX_HOST_REFUSED_TOTAL.counter(l),
-            failures: KV_PREFIX_HOST_FAILURES_TOTAL.counter(l),
+impl BelowSeries {
+    fn new(l: &[&str], disk: bool) -> Self {
+        let [blocks, bytes, hits, writes, refused, failures] = match disk {
+            true => [
+                KV_PREFIX_DISK_BLOCKS,
+                KV_PREFIX_DISK_BYTES,
+                KV_PREFIX_DISK_HIT_TOKENS_TOTAL,
+                KV_PREFIX_DISK_WRITES_TOTAL,
+                KV_PREFIX_DISK_REFUSED_TOTAL,
+                KV_PREFIX_DISK_FAILURES_TOTAL,
+            ],
+            false => [
+                KV_PREFIX_HOST_BLOCKS,
+                KV_PREFIX_HOST_BYTES,
+                KV_PREFIX_HOST_HIT_TOKENS_TOTAL,
+                KV_PREFIX_HOST_WRITES_TOTAL,
+                KV_PREFIX_HOST_REFUSED_TOTAL,
+                KV_PREFIX_HOST_FAILURES_TOTAL,
+            ],
+        };
+        BelowSeries {
+            disk,
+            blocks: blocks.gauge(l),
+            bytes: bytes.gauge(l),
+            counts: [hits, writes, refused, failures].map(|m| m.counter(l)),
         }
     }
 
     fn publish(&self, s: &KvStoreStats) {
-        self.blocks.set(s.prefix_host_blocks as f64);
-        self.bytes.set(s.prefix_host_bytes as f64);
-        self.hits.absolute(s.prefix_host_hit_tokens);
-        self.writes.absolute(s.prefix_host_writes);
-        self.refused.absolute(s.prefix_host_refused);
-        self.failures.absolute(s.prefix_host_failures);
-    }
-}
-
-/// The disk tier's series.
-struct DiskSeries {
-    blocks: Gauge,
-    bytes: Gauge,
-    hits: Counter,
-    writes: Counter,
-    refused: Counter,
-    failures: Counter,
-}
-
-impl DiskSeries {
-    fn new(l: &[&str]) -> Self {
-        DiskSeries {
-            blocks: KV_PREFIX_DISK_BLOCKS.gauge(l),
-            bytes: KV_PREFIX_DISK_BYTES.gauge(l),
-            hits: KV_PREFIX_DISK_HIT_TOKENS_TOTAL.counter(l),
-            writes: KV_PREFIX_DISK_WRITES_TOTAL.counter(l),
-            refused: KV_PREFIX_DISK_REFUSED_TOTAL.counter(l),
-            failures: KV_PREFIX_DISK_FAILURES_TOTAL.counter(l),
+        let (blocks, bytes, counts) = match self.disk {
+            true => (
+                s.prefix_disk_blocks,
+                s.prefix_disk_bytes,
+                [
+                    s.prefix_disk_hit_tokens,
+                    s.prefix_disk_writes,
+                    s.prefix_disk_refused,
+                    s.prefix_disk_failures,
+                ],
+            ),
+            false => (
+                s.prefix_host_blocks,
+                s.prefix_host_bytes,
+                [
+                    s.prefix_host_hit_tokens,
+                    s.prefix_host_writes,
+                    s.prefix_host_refused,
+                    s.prefix_host_failures,
+                ],
+            ),
+        };
+        self.blocks.set(blocks as f64);
+        self.bytes.set(bytes as f64);
+        for (counter, n) in self.counts.iter().zip(counts) {
+            counter.absolute(n);
         }
-    }
-
-    fn publish(&self, s: &KvStoreStats) {
-        self.blocks.set(s.prefix_disk_blocks as f64);
-        self.bytes.set(s.prefix_disk_bytes as f64);
-        self.hits.absolute(s.prefix_disk_hit_tokens);
-        self.writes.absolute(s.prefix_disk_writes);
-        self.refused.absolute(s.prefix_disk_refused);
-        self.failures.absolute(s.prefix_disk_failures);
     }
 }
 
@@ -144,10 +142,7 @@ impl KvMetrics {
             prefix_queries: KV_PREFIX_QUERY_TOKENS_TOTAL.counter(&l),
             prefix_hits: KV_PREFIX_HIT_TOKENS_TOTAL.counter(&l),
             evicted: KV_PREFIX_BLOCKS_EVICTED_TOTAL.counter(&l),
-            below: below.map(|disk| match disk {
-                true => BelowSeries::Disk(DiskSeries::new(&l)),
-                false => BelowSeries::Host(HostSeries::new(&l)),
-            }),
+            below: below.map(|disk| BelowSeries::new(&l, disk)),
             preempted_swap: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "swap"]),
             preempted_recompute: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "recompute"]),
             swap_outs: KV_SWAP_OUTS_TOTAL.counter(&l),
@@ -185,10 +180,8 @@ impl KvMetrics {
         self.prefix_queries.absolute(s.prefix_query_tokens);
         self.prefix_hits.absolute(s.prefix_hit_tokens);
         self.evicted.absolute(s.prefix_blocks_evicted);
-        match &self.below {
-            Some(BelowSeries::Disk(disk)) => disk.publish(s),
-            Some(BelowSeries::Host(host)) => host.publish(s),
-            None => {}
+        if let Some(below) = &self.below {
+            below.publish(s);
         }
         self.preempted_swap.absolute(s.preempted_by_swap);
         self.preempted_recompute.absolute(s.preempted_by_recompute);
