@@ -539,3 +539,62 @@ async fn a_store_in_host_memory_refuses_a_host_tier() {
     );
     assert_eq!(g.snapshot().await.unwrap().books.leased, 0);
 }
+
+/// Idle sequences whose memory is mostly shared prompt blocks (the one that wrote them and
+/// one that maps them), under pressure that needs the whole budget: the store gives way
+/// within the ask's deadline (their swap copies run, then the blocks they alone held go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sequences_of_shared_blocks_give_way_to_pressure() {
+    let _serial = SERIAL.lock().await;
+    let (g, p) = common::system(CAPACITY, 1).await;
+    let config = common::kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(500));
+    let kv = store(&g, &p, config).await;
+    let prompt: Vec<u32> = (0..(3 * bt()) as u32).collect();
+    for seq in [1, 2] {
+        let from = kv.open(seq, prompt.clone(), 0).await.unwrap().cached_tokens;
+        for pos in from..prompt.len() {
+            let step = kv.prepare(vec![seq]).await.unwrap();
+            attend_at(step, seq, pos).await;
+        }
+    }
+    let started = std::time::Instant::now();
+    let grant = common::another_holder_asks(g.clone(), CAPACITY, Duration::from_secs(5)).await;
+    assert!(
+        grant.is_ok(),
+        "no room after {:?}: {:?}",
+        started.elapsed(),
+        kv.stats().await
+    );
+    eprintln!("idle shared sequences gave way in {:?}", started.elapsed());
+}
+
+/// A sequence whose blocks came back from disk and settled, idle before its first step,
+/// under pressure that needs the whole budget: the store gives way within the ask's deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_filled_from_disk_gives_way_to_pressure_before_its_first_step() {
+    let _serial = SERIAL.lock().await;
+    let (_dir, g, _p, kv) = fixture().await;
+    let prompt = prompt(13);
+    to_disk(&g, &kv, &prompt).await;
+    assert_eq!(
+        kv.open(3, prompt.clone(), 0).await.unwrap().cached_tokens,
+        3 * bt()
+    );
+    // The copy has run (its blocks counted as filled from disk), and settled meanwhile.
+    until(&kv, |s| s.prefix_disk_hit_tokens >= 3 * bt() as u64).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Its memory is the three blocks, mapped by it alone: taking it by swap must let them
+    // go too (they stayed cached, and the ask got nothing in 5 s, before 2026-12-04).
+    let started = std::time::Instant::now();
+    let grant = common::another_holder_asks(g.clone(), CAPACITY, Duration::from_secs(5)).await;
+    assert!(
+        grant.is_ok(),
+        "no room after {:?}: {:?}",
+        started.elapsed(),
+        kv.stats().await
+    );
+    eprintln!(
+        "a sequence filled from disk gave way in {:?}",
+        started.elapsed()
+    );
+}

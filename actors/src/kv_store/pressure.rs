@@ -11,6 +11,7 @@ use procmem::kv::{
 use ractor::ActorRef;
 use tracing::Instrument;
 
+use super::prefix::SharedPrefix;
 use super::sequences::{SeqEntry, SeqMemory};
 use super::swap::Saved;
 use super::{KvStoreMsg, KvStoreState, SeqId, TICKET_RECHECKS};
@@ -286,6 +287,40 @@ impl KvStoreState {
     /// below first where the filter lets it in: copied on the stream, and the memory goes
     /// after the copy. Returns the bytes freed now and those freed after that copy.
     fn evict_prefix(&mut self, key: u64) -> (u64, u64) {
+        self.evict_prefix_held(key, 0)
+    }
+
+    /// The keys of the cached blocks `id` alone maps (it is their one sharer).
+    fn sole_blocks(&self, id: SeqId) -> Vec<u64> {
+        let Some(entry) = self.sequences.entries.get(&id) else {
+            return Vec::new();
+        };
+        let sole: Vec<&SharedPrefix> = entry
+            .prefixes
+            .iter()
+            .filter(|p| p.sharers() == 1)
+            .map(|p| &**p)
+            .collect();
+        self.prefixes
+            .blocks()
+            .filter(|(_, b, _, _)| sole.iter().any(|s| std::ptr::eq(*s, &***b)))
+            .map(|(key, ..)| key)
+            .collect()
+    }
+
+    /// [`evict_prefix`](Self::evict_prefix) for a block that `held` shares still map until
+    /// the stream's queued work has run (a preempted sequence's, held by its copy out): it
+    /// goes to the tier below as an unreferenced block would, and all its bytes are freed
+    /// only after that work (the second figure).
+    fn evict_prefix_held(&mut self, key: u64, held: usize) -> (u64, u64) {
+        let (now, later) = self.evict_prefix_in(key, held);
+        match held {
+            0 => (now, later),
+            _ => (0, now + later),
+        }
+    }
+
+    fn evict_prefix_in(&mut self, key: u64, held: usize) -> (u64, u64) {
         // What a tier below keys the block by, where there is a tier and the block is whole.
         let keep = self.tier.is_some() && self.prefixes.state(key) == Some(BlockState::Complete);
         let prompt = keep
@@ -299,7 +334,7 @@ impl KvStoreState {
         let (Some(tier), Some(prompt)) = (self.tier.as_mut(), prompt) else {
             return (bytes, 0);
         };
-        if block.sharers() > 0 {
+        if block.sharers() > held {
             return (bytes, 0);
         }
         tier.evict(&self.device, key, prompt, block)
@@ -362,7 +397,14 @@ impl KvStoreState {
             return Taken::default();
         };
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
-        let (freed, pending) = self.let_go(id, saved, idle, &mut mode);
+        let sole = self.sole_blocks(id);
+        let (freed, mut pending) = self.let_go(id, saved, idle, &mut mode);
+        // The cached blocks only it mapped were counted as what taking it frees: they go
+        // too, once nothing maps them (after its copy out, where its share of them went).
+        for key in sole {
+            let (now, later) = self.evict_prefix_held(key, 1);
+            pending += now + later;
+        }
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
         match mode {
