@@ -3,6 +3,7 @@
 //! the calling thread waiting (from pageable memory the driver would make it wait); a view
 //! maps physical blocks made elsewhere at one device address, so one copy moves them all.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -119,8 +120,8 @@ impl PinnedHost {
 #[derive(Debug)]
 pub struct InFlightCopy {
     event: CudaEvent,
-    _view: BlockView,
-    _host: Arc<PinnedHost>,
+    /// The view and the memory: released only once the event is seen complete.
+    held: ManuallyDrop<(BlockView, Arc<PinnedHost>)>,
 }
 
 impl InFlightCopy {
@@ -132,13 +133,15 @@ impl InFlightCopy {
         match stream.record() {
             Ok(event) => Ok(InFlightCopy {
                 event,
-                _view: view,
-                _host: host,
+                held: ManuallyDrop::new((view, host)),
             }),
             Err(e) => {
-                // No event to wait on: the stream's queued work is waited for instead, so the
-                // view and the memory outlive the copy.
-                let _ = stream.synchronize();
+                // No event to wait on: the stream's queued work is waited for instead. Where
+                // that fails too, the view and the memory are kept (leaked), never released
+                // while the copy may still run.
+                if stream.synchronize().is_err() {
+                    std::mem::forget((view, host));
+                }
                 Err(e)
             }
         }
@@ -147,8 +150,12 @@ impl InFlightCopy {
 
 impl Drop for InFlightCopy {
     fn drop(&mut self) {
-        // The view and the memory (fields, dropped after this) outlive the copy.
-        let _ = self.event.synchronize();
+        // A copy not seen to finish (a failed device) keeps what it uses: leaked rather than
+        // unmapped or freed under it.
+        if self.event.synchronize().is_ok() {
+            // SAFETY: taken once, here, and `held` is not used after.
+            drop(unsafe { ManuallyDrop::take(&mut self.held) });
+        }
     }
 }
 

@@ -290,8 +290,8 @@ impl KvStoreState {
         self.evict_prefix_held(key, 0)
     }
 
-    /// The keys of the cached blocks `id` alone maps (it is their one sharer).
-    fn sole_blocks(&self, id: SeqId) -> Vec<u64> {
+    /// The cached blocks `id` alone maps (it is their one sharer), with their keys.
+    fn sole_blocks(&self, id: SeqId) -> Vec<(u64, Arc<SharedPrefix>)> {
         let Some(entry) = self.sequences.entries.get(&id) else {
             return Vec::new();
         };
@@ -304,7 +304,7 @@ impl KvStoreState {
         self.prefixes
             .blocks()
             .filter(|(_, b, _, _)| sole.iter().any(|s| std::ptr::eq(*s, &***b)))
-            .map(|(key, ..)| key)
+            .map(|(key, b, ..)| (key, Arc::clone(b)))
             .collect()
     }
 
@@ -399,11 +399,15 @@ impl KvStoreState {
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let sole = self.sole_blocks(id);
         let (freed, mut pending) = self.let_go(id, saved, idle, &mut mode);
-        // The cached blocks only it mapped were counted as what taking it frees: they go
-        // too, once nothing maps them (after its copy out, where its share of them went).
-        for key in sole {
-            let (now, later) = self.evict_prefix_held(key, 1);
-            pending += now + later;
+        // The cached blocks only it mapped were counted as what taking it frees. Where its
+        // shares went with its memory at once, they are unreferenced now, and `evict_loose`
+        // takes them if the ticket still needs them. Where its copy out holds them until it
+        // runs, nothing would look at them again: they go now, freed after that copy.
+        for (key, block) in sole {
+            if block.sharers() > 0 {
+                let (now, later) = self.evict_prefix_held(key, 1);
+                pending += now + later;
+            }
         }
         // The blocks it had not finished writing leave the cache with it.
         self.prefixes.abandon(writer);
