@@ -3,7 +3,7 @@
 //! (the least recently used). It holds no bytes itself: the copies into and out of the slots
 //! run on the store's stream, whose order keeps a slot's reuse after the copies that read it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// One block held: its slot, what a hit must match, and when it was last used.
 #[derive(Debug)]
@@ -14,12 +14,15 @@ struct Entry {
     used: u64,
 }
 
-/// Which block is in which slot of a host tier of `slots` slots.
+/// Which block is in which slot of a host tier of `slots` slots; the least recently used is
+/// found without a scan.
 #[derive(Debug)]
 pub struct HostTierIndex {
     slots: usize,
     free: Vec<usize>,
     entries: HashMap<u64, Entry>,
+    /// Every key held, by when it was last used: the first is the least recently used.
+    by_use: BTreeMap<u64, u64>,
     clock: u64,
 }
 
@@ -30,6 +33,7 @@ impl HostTierIndex {
             slots,
             free: (0..slots).rev().collect(),
             entries: HashMap::new(),
+            by_use: BTreeMap::new(),
             clock: 0,
         }
     }
@@ -65,10 +69,7 @@ impl HostTierIndex {
         if !self.free.is_empty() {
             return None;
         }
-        self.entries
-            .iter()
-            .min_by_key(|(_, e)| e.used)
-            .map(|(k, _)| *k)
+        self.by_use.first_key_value().map(|(_, key)| *key)
     }
 
     /// Takes a slot for block `key` (whose parent and tokens a hit must match): a free one,
@@ -85,13 +86,18 @@ impl HostTierIndex {
         }
         let pushed = self.victim();
         let slot = match pushed {
-            Some(old) => self.entries.remove(&old).expect("the victim is held").slot,
+            Some(old) => {
+                let e = self.entries.remove(&old).expect("the victim is held");
+                self.by_use.remove(&e.used);
+                e.slot
+            }
             None => self
                 .free
                 .pop()
                 .expect("a free slot, as no victim was needed"),
         };
         self.clock += 1;
+        self.by_use.insert(self.clock, key);
         let entry = Entry {
             slot,
             parent,
@@ -111,7 +117,9 @@ impl HostTierIndex {
         if e.parent != parent || e.tokens != tokens {
             return None;
         }
+        self.by_use.remove(&e.used);
         e.used = self.clock;
+        self.by_use.insert(e.used, key);
         Some(e.slot)
     }
 
@@ -119,6 +127,7 @@ impl HostTierIndex {
     pub fn remove(&mut self, key: u64) -> bool {
         match self.entries.remove(&key) {
             Some(e) => {
+                self.by_use.remove(&e.used);
                 self.free.push(e.slot);
                 true
             }

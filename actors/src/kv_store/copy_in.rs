@@ -1,5 +1,6 @@
 //! Prompt blocks coming back from the tier below (disk, or host memory under a GPU): the copy
-//! in is queued on the store's stream, queued as the open is answered (`below::Below::copy_in`). The open counts the
+//! in is queued on the store's stream as the open is answered (`below::Below::copy_in`). The
+//! open counts the
 //! blocks as cached at once; the sequence's first step waits for the copy's fence (its
 //! prepare is sent again once the fence completes), and the fence's completion also tells the
 //! store, which then lets the blocks the copy filled join the cache as whole for other

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use ::metrics::Histogram;
 use procmem::cuda::{BlockView, CudaVmmBacking, PinnedHost};
-use procmem::fence::Timeline;
+use procmem::fence::{Fence, Timeline};
 use procmem::kv::admission::{Admission, AdmissionFilter};
 use procmem::kv::host_tier::HostTierIndex;
 use procmem::kv::{Incarnation, PrefixDigest};
@@ -62,6 +62,10 @@ impl PrefixHost {
     }
 }
 
+/// The copies' directions, as indices of [`HostPrefixTier::latency`].
+const OUT: usize = 0;
+const IN: usize = 1;
+
 /// The page-locked slots and what pays for them: the memory goes first, then the lease.
 /// Each copy through it is held with a reference to it, and dropped before that reference:
 /// the lease goes only once no copy holds the memory.
@@ -82,7 +86,7 @@ pub(super) struct HostPrefixTier {
     writes: u64,
     failures: u64,
     hit_tokens: u64,
-    /// Queuing to fence, by direction.
+    /// Queuing to fence, by direction ([`OUT`], [`IN`]).
     latency: [Histogram; 2],
 }
 
@@ -183,7 +187,7 @@ impl HostPrefixTier {
             return false;
         };
         let at = slot * self.slot_bytes as usize;
-        let (start, latency) = (std::time::Instant::now(), self.latency[0].clone());
+        let start = std::time::Instant::now();
         let mut copy = None;
         let queued = self.stream.submit(&[], |s| {
             copy = Some(self.arena.memory.fill_from(s, at, view)?);
@@ -193,14 +197,7 @@ impl HostPrefixTier {
             (Ok(fence), Some(copy)) => {
                 self.writes += 1;
                 // The copy first, then the block's memory (and its charge), then the arena.
-                let held = (copy, block, Arc::clone(&self.arena));
-                self.timeline.on_complete(
-                    fence.value,
-                    Box::new(move |_| {
-                        latency.record(start.elapsed().as_secs_f64());
-                        drop(held);
-                    }),
-                );
+                self.release_after(fence, OUT, start, (copy, block));
                 true
             }
             (queued, _) => {
@@ -239,7 +236,7 @@ impl HostPrefixTier {
             tokens += t.len() as u64;
         }
         let slot_bytes = self.slot_bytes as usize;
-        let (start, latency) = (std::time::Instant::now(), self.latency[1].clone());
+        let start = std::time::Instant::now();
         let mut held = Vec::with_capacity(copies.len());
         let queued = (!copies.is_empty()).then(|| {
             self.stream.submit(&[], |s| {
@@ -253,14 +250,7 @@ impl HostPrefixTier {
             Some(Ok(fence)) => {
                 self.hit_tokens += tokens;
                 let filled = held.len();
-                let held = (held, Arc::clone(&self.arena));
-                self.timeline.on_complete(
-                    fence.value,
-                    Box::new(move |_| {
-                        latency.record(start.elapsed().as_secs_f64());
-                        drop(held);
-                    }),
-                );
+                self.release_after(fence, IN, start, held);
                 (Some(fence), filled)
             }
             Some(Err(e)) => {
@@ -278,6 +268,27 @@ impl HostPrefixTier {
             fence,
             Arc::new(AtomicUsize::new(filled)),
         )
+    }
+
+    /// Once `fence` completes: records the copies' latency from `start` (direction `OUT` or
+    /// `IN`), then drops `held` (what they used), then a reference to the arena, so the arena
+    /// and its lease go only after every copy through it.
+    fn release_after(
+        &self,
+        fence: Fence,
+        direction: usize,
+        start: std::time::Instant,
+        held: impl Send + 'static,
+    ) {
+        let latency = self.latency[direction].clone();
+        let held = (held, Arc::clone(&self.arena));
+        self.timeline.on_complete(
+            fence.value,
+            Box::new(move |_| {
+                latency.record(start.elapsed().as_secs_f64());
+                drop(held);
+            }),
+        );
     }
 
     /// Puts the keys of the blocks it holds in `digest`, with those of `in_memory`.

@@ -310,17 +310,9 @@ impl KvStoreState {
 
     /// [`evict_prefix`](Self::evict_prefix) for a block that `held` shares still map until
     /// the stream's queued work has run (a preempted sequence's, held by its copy out): it
-    /// goes to the tier below as an unreferenced block would, and all its bytes are freed
-    /// only after that work (the second figure).
+    /// goes to the tier below as an unreferenced block would. With `held` above 0, none of
+    /// its bytes are freed before that work, whatever the two figures say.
     fn evict_prefix_held(&mut self, key: u64, held: usize) -> (u64, u64) {
-        let (now, later) = self.evict_prefix_in(key, held);
-        match held {
-            0 => (now, later),
-            _ => (0, now + later),
-        }
-    }
-
-    fn evict_prefix_in(&mut self, key: u64, held: usize) -> (u64, u64) {
         // What a tier below keys the block by, where there is a tier and the block is whole.
         let keep = self.tier.is_some() && self.prefixes.state(key) == Some(BlockState::Complete);
         let prompt = keep
@@ -405,6 +397,7 @@ impl KvStoreState {
         // runs, nothing would look at them again: they go now, freed after that copy.
         for (key, block) in sole {
             if block.sharers() > 0 {
+                // All of it after the copy out, which still maps it.
                 let (now, later) = self.evict_prefix_held(key, 1);
                 pending += now + later;
             }

@@ -93,8 +93,9 @@ pub(super) struct CopyIn {
 }
 
 impl CopyIn {
-    /// A copy in queued (or not: `fence` `None`) elsewhere than on a CPU stream, which
-    /// fills `filled` blocks from the first (final once its fence completes).
+    /// A copy in of the blocks `keys`, claimed by `writer`, `promised` of them counted as
+    /// cached; it fills `filled` from the first (final once `fence` completes; `None`: not
+    /// queued, or not yet).
     pub(super) fn new(
         writer: Incarnation,
         promised: usize,
@@ -136,7 +137,7 @@ struct Write {
 }
 
 /// The disk tier of one store, with its admission filter.
-pub(crate) struct PrefixTier {
+pub(super) struct PrefixTier {
     disk: Arc<Mutex<DiskTier>>,
     filter: AdmissionFilter,
     outcomes: Arc<Outcomes>,
@@ -250,14 +251,8 @@ impl PrefixTier {
         mapping: Arc<dyn SharedMapping>,
     ) -> (impl FnOnce() + Send + 'static, CopyIn) {
         let filled: Arc<AtomicUsize> = Arc::default();
-        let copy = CopyIn {
-            fence: None,
-            writer,
-            keys: blocks.iter().map(|(key, ..)| *key).collect(),
-            promised,
-            short_counted: false,
-            filled: Arc::clone(&filled),
-        };
+        let keys = blocks.iter().map(|(key, ..)| *key).collect();
+        let copy = CopyIn::new(writer, promised, keys, None, Arc::clone(&filled));
         let (disk, outcomes) = (Arc::clone(&self.disk), Arc::clone(&self.outcomes));
         let latency = self.copy_in.clone();
         let kernel = move || {
