@@ -29,6 +29,7 @@ pub use answer::{Opened, Restored};
 mod device;
 mod handle;
 mod host_tier;
+mod keep;
 pub use handle::KvStoreHandle;
 pub use host_tier::PrefixHost;
 mod lending;
@@ -306,6 +307,9 @@ pub struct KvStoreStats {
     pub prefix_hit_tokens: u64,
     /// Shared prompt blocks evicted from the prefix cache, so far.
     pub prefix_blocks_evicted: u64,
+    /// Whole blocks of closed sequences (prompt and answer) left to the prefix cache by
+    /// [`KvStoreHandle::close_keeping`], so far.
+    pub prefix_blocks_kept: u64,
     /// Prompt blocks the disk tier holds now.
     pub prefix_disk_blocks: usize,
     /// Bytes of those blocks.
@@ -435,6 +439,8 @@ pub(crate) enum KvStoreMsg {
     Close {
         /// The sequence.
         seq: SeqId,
+        /// Its token ids, to keep its whole blocks in the prefix cache (empty: keep none).
+        tokens: Vec<u32>,
     },
     /// An open's answer was dropped unread: closes that incarnation, if it is still open.
     Abandon { seq: SeqId, writer: Incarnation },
@@ -442,6 +448,8 @@ pub(crate) enum KvStoreMsg {
     CallOff(answer::Left),
     /// A copy in from the disk tier ran (internal).
     CopySettled { seq: SeqId, writer: Incarnation },
+    /// A closed sequence's blocks were copied into the cache (internal).
+    Kept(keep::Keeping),
     /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
         /// Answered with the counters.
@@ -644,7 +652,9 @@ impl Actor for KvStore {
                 reply,
             } => state.step_returned(&myself, step, memory, marker, advance, foreign, reply),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
-            KvStoreMsg::Close { seq } => state.close(seq),
+            KvStoreMsg::Close { seq, tokens } if tokens.is_empty() => state.close(seq),
+            KvStoreMsg::Close { seq, tokens } => state.close_keeping(&myself, seq, tokens),
+            KvStoreMsg::Kept(keeping) => state.kept(keeping),
             KvStoreMsg::CopySettled { seq, writer } => state.copy_settled(seq, writer),
             KvStoreMsg::Stats { reply } => state.send_stats(reply),
             #[cfg(feature = "fault-injection")]

@@ -1,6 +1,7 @@
 //! Steps of many tokens: a prompt's chunk written and attended in one step, row for row the
 //! same as one token per step; counts a careless server sends; prompt blocks shared while the
-//! first request still prefills; a sequence preempted mid-prefill coming back.
+//! first request still prefills; a sequence preempted mid-prefill coming back; a closed
+//! sequence's answer blocks left to the next turn.
 
 mod common;
 
@@ -286,4 +287,111 @@ async fn a_sequence_preempted_mid_prefill_comes_back_where_it_was() {
     assert_eq!(step.positions(), [120]);
     chunk_step(step, &[1]).await;
     assert_eq!(settled(&g, &kv).await.tokens, 300);
+}
+
+/// Prefills `prompt` into `seq` (rows of seed `seq`) in one chunk, then `decoded` tokens one
+/// per step, as a server generating an answer would.
+async fn prefill_and_decode(kv: &KvStoreHandle, seq: u64, prompt: &[u32], decoded: usize) {
+    let cached = kv
+        .open(seq, prompt.to_vec(), 0)
+        .await
+        .unwrap()
+        .cached_tokens;
+    let step = prepare(kv, vec![(seq, prompt.len() - cached)])
+        .await
+        .unwrap();
+    chunk_step(step, &[seq]).await;
+    for _ in 0..decoded {
+        let step = prepare(kv, vec![(seq, 1)]).await.unwrap();
+        chunk_step(step, &[seq]).await;
+    }
+}
+
+/// Waits until `kept` blocks were left to the cache at close, and the books agree.
+async fn kept(g: &GovernorHandle, kv: &KvStoreHandle, kept: u64) -> u64 {
+    let start = std::time::Instant::now();
+    loop {
+        let s = settled(g, kv).await;
+        if s.prefix_blocks_kept >= kept || start.elapsed() > Duration::from_secs(5) {
+            return s.prefix_blocks_kept;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_sequence_leaves_its_answer_blocks_to_the_next_turn() {
+    let (g, kv) = store(1 << 30).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    // A prompt of two blocks and a bit; an answer that ends a little past block four.
+    let prompt: Vec<u32> = (0..(2 * bt + 3) as u32).collect();
+    let answer: Vec<u32> = (1000..1000 + (2 * bt + 5) as u32).collect();
+    // Every answer token but the last is written (the last is sampled, never fed).
+    prefill_and_decode(&kv, 1, &prompt, answer.len() - 1).await;
+    let known: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    kv.close_keeping(1, known.clone());
+    // Blocks 2 and 3 (prompt tail and answer) join the two prompt blocks already cached.
+    assert_eq!(kept(&g, &kv, 2).await, 2);
+    // The next turn: the conversation so far and a new message.
+    let next: Vec<u32> = known.iter().chain(&[7, 8, 9]).copied().collect();
+    let opened = kv.open(2, next, 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, 4 * bt);
+    for layer in 0..SHAPE.layers {
+        assert_eq!(
+            held_keys(&kv, 2, layer, 4 * bt).await,
+            rows(1, 0, 4 * bt, layer, 1),
+            "layer {layer}: the kept rows are the first turn's"
+        );
+    }
+    kv.close(2);
+    let s = settled(&g, &kv).await;
+    assert_eq!((s.sequences, s.prefix_entries), (0, 4), "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn careless_closes_keep_nothing_wrong_and_the_books_stay_right() {
+    let (g, kv) = store(1 << 30).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    let prompt: Vec<u32> = (0..(bt + 1) as u32).collect();
+    // Tokens that do not start with the blocks the sequence maps: nothing is kept.
+    prefill_and_decode(&kv, 1, &prompt, 2 * bt).await;
+    let other: Vec<u32> = (50_000..50_000 + 4 * bt as u32).collect();
+    kv.close_keeping(1, other.clone());
+    assert_eq!(kept(&g, &kv, 1).await, 0);
+    assert_eq!(kv.open(9, other, 0).await.unwrap().cached_tokens, 0);
+    kv.close(9);
+    // Far more tokens than rows: only the whole blocks of its rows are kept.
+    prefill_and_decode(&kv, 2, &prompt, bt).await;
+    let long: Vec<u32> = prompt.iter().copied().chain(0..100_000).collect();
+    kv.close_keeping(2, long.clone());
+    assert_eq!(
+        kept(&g, &kv, 1).await,
+        1,
+        "rows 0..{}: two whole blocks",
+        2 * bt + 1
+    );
+    // A prompt longer than the shape holds is refused whole.
+    assert!(matches!(
+        kv.open(3, long.clone(), 0).await,
+        Err(KvStoreError::Kv(KvError::Full(512)))
+    ));
+    let fits = long[..3 * bt].to_vec();
+    assert_eq!(kv.open(3, fits, 0).await.unwrap().cached_tokens, 2 * bt);
+    // In a step: closed plainly (its memory goes once the step ends), nothing kept.
+    let step = prepare(&kv, vec![(3, 1)]).await.unwrap();
+    kv.close_keeping(3, (0..1000).collect());
+    let _ = step.complete(StepEnd::Submitted).await;
+    // Unknown, twice, and with no tokens: nothing happens.
+    kv.close_keeping(3, prompt.clone());
+    kv.close_keeping(77, prompt.clone());
+    prefill_and_decode(&kv, 4, &prompt, bt).await;
+    kv.close_keeping(4, Vec::new());
+    assert_eq!(kept(&g, &kv, 2).await, 1);
+    // The same id opened again while its keep is on the stream: a new sequence.
+    prefill_and_decode(&kv, 5, &prompt, 3 * bt).await;
+    kv.close_keeping(5, prompt.iter().copied().chain(0..5000).collect());
+    prefill_and_decode(&kv, 5, &prompt, 1).await;
+    kv.close(5);
+    let s = settled(&g, &kv).await;
+    assert_eq!(s.sequences, 0, "{s:?}");
 }

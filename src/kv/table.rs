@@ -142,6 +142,14 @@ impl SequenceTable {
         Ok(writer)
     }
 
+    /// A fresh incarnation for a writer that is no open sequence (blocks a closed sequence
+    /// leaves to the cache): never one a sequence has or will have.
+    pub fn new_writer(&mut self) -> Incarnation {
+        let writer = self.next_writer.max(1);
+        self.next_writer = writer + 1;
+        writer
+    }
+
     /// Ends opening `seq` as `writer`: with `Some(filling)` it is open and idle, writing those
     /// prefix blocks; with `None` (its open failed, or its caller left) it is forgotten.
     /// `false` if that open was not on its way (closed meanwhile).

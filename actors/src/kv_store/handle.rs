@@ -140,7 +140,22 @@ impl KvStoreHandle {
 
     /// Closes a sequence.
     pub fn close(&self, seq: SeqId) {
-        self.holder.cast(KvStoreMsg::Close { seq });
+        self.holder.cast(KvStoreMsg::Close {
+            seq,
+            tokens: Vec::new(),
+        });
+    }
+
+    /// Closes a sequence and leaves its whole blocks to the prefix cache: `tokens` are the
+    /// ids whose K/V its rows hold, prompt then what was generated (those past its rows are
+    /// ignored), so that a later prompt starting the same way (a chat's next turn, which
+    /// sends the last answer back) maps them instead of computing them. The blocks are
+    /// copied out of the sequence's own memory and paid for by its charge: nothing is asked
+    /// of the Governor. Only on the host; on a GPU, in a step, or preempted, it closes as
+    /// [`close`](Self::close) does. The tokens are trusted past the blocks the sequence
+    /// maps, as its rows are.
+    pub fn close_keeping(&self, seq: SeqId, tokens: Vec<u32>) {
+        self.holder.cast(KvStoreMsg::Close { seq, tokens });
     }
 
     /// The keys of the whole prompt blocks the store holds, in memory and on its disk tier, as

@@ -32,6 +32,11 @@ impl KvStoreState {
         let shape = self.config.shape;
         let g = self.device.granularity();
         let bt = shape.block_tokens(g);
+        // A prompt that cannot fit is refused before it claims anything.
+        if prompt.len() > shape.max_tokens {
+            let _ = reply.send(Err(KvError::Full(shape.max_tokens).into()));
+            return;
+        }
         // A refused id reserves nothing.
         let writer = match self.sequences.table.begin_open(seq) {
             Ok(w) => w,
@@ -209,7 +214,7 @@ impl KvStoreState {
     /// open committed exactly one block's bytes per new key). On failure the blocks made so
     /// far are dropped and their charges released as they go; what was not used yet goes
     /// back with `charge`.
-    fn make_blocks(
+    pub(super) fn make_blocks(
         &self,
         count: usize,
         mut charge: Charge,

@@ -348,7 +348,8 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // streamed already is not sent again).
                 self.pressure();
                 let mut r = self.running.pop().expect("more than one");
-                self.model.kv().close(r.id);
+                // Its whole blocks stay cached: it opens again from the tokens it knows.
+                self.model.kv().close_keeping(r.id, r.known.clone());
                 r.pos = 0;
                 r.figures.preemptions += 1;
                 self.shared.stats().shed += 1;
@@ -440,7 +441,8 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         }
         for (i, reason) in ended.into_iter().rev() {
             let r = self.running.remove(i);
-            self.model.kv().close(r.id);
+            // A chat's next turn sends this answer back: its whole blocks stay cached.
+            self.model.kv().close_keeping(r.id, r.known.clone());
             r.send(Event::Finished {
                 reason,
                 figures: r.figures.clone(),
