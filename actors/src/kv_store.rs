@@ -599,9 +599,10 @@ impl Actor for KvStore {
         _: ActorRef<KvStoreMsg>,
         state: &mut KvStoreState,
     ) -> Result<(), ActorProcessingErr> {
-        // The disk tier's directory is free for another store once this one has stopped,
-        // and a stopped store holds nothing a router should send it.
-        state.tier = None;
+        // Its directory is free for another store once this one has stopped (its whole
+        // blocks sent there first), and a stopped store holds nothing a router should send
+        // it.
+        state.close_tier().await;
         let block_tokens = state.digest.borrow().block_tokens();
         state
             .digest

@@ -200,6 +200,30 @@ async fn an_evicted_prompt_comes_back_from_disk_with_the_same_kv_and_after_a_res
     books_at_zero(&g).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_stopped_leaves_its_hot_blocks_on_disk_for_the_next() {
+    let _serial = SERIAL.lock().await;
+    let (dir, g, p, kv) = fixture().await;
+    // Asked for twice (frequent enough for the disk), and once (not), never pressed out.
+    let (hot, once) = (prompt(0), prompt(5));
+    run(&kv, 1, &hot).await;
+    let (_, from_memory) = run(&kv, 2, &hot).await;
+    run(&kv, 3, &once).await;
+    let s = common::settled(&g, &kv).await;
+    assert_eq!((s.prefix_entries, s.prefix_disk_blocks), (6, 0), "{s:?}");
+    stop(kv).await;
+    books_at_zero(&g).await;
+    // Started again: the hot prompt's blocks are on disk, the one-off's are not.
+    let kv = store(&g, &p, config(dir.path(), 1)).await;
+    assert_eq!(kv.stats().await.unwrap().prefix_disk_blocks, 3);
+    let (cached, after_restart) = run(&kv, 4, &hot).await;
+    assert_eq!(cached, 3 * bt());
+    assert_eq!(after_restart, from_memory, "the same K/V, bit for bit");
+    assert_eq!(run(&kv, 5, &once).await.0, 0);
+    stop(kv).await;
+    books_at_zero(&g).await;
+}
+
 /// Runs `prompt` twice (the second ask shares its blocks and lets them into the disk tier),
 /// then pushes its blocks out of memory: only the disk holds them. Returns the attention of
 /// its last position over the blocks in memory.

@@ -47,6 +47,38 @@ impl KvStoreState {
         )
     }
 
+    /// Lets go of the tier below. The whole blocks still in memory go down to a disk tier
+    /// first, so a store started again on its directory finds them.
+    pub(super) async fn close_tier(&mut self) {
+        if let Some(super::Below::Disk(tier)) = self.tier.take() {
+            let blocks = self.resident_blocks();
+            let mapping = Arc::clone(&self.device.shared);
+            let wait = self.config.wait.max(std::time::Duration::from_secs(5));
+            let flush = move || tier.flush(blocks, mapping, wait);
+            let flushed = tokio::task::spawn_blocking(flush).await.unwrap_or(0);
+            tracing::debug!(flushed, "prefix blocks sent to the disk tier at stop");
+        }
+    }
+
+    /// The whole blocks in the cache, least recently used first, with what a tier below
+    /// keys each by.
+    pub(super) fn resident_blocks(&self) -> Vec<super::tier::Resident> {
+        let mut whole: Vec<_> = self
+            .prefixes
+            .blocks()
+            .filter(|(.., state)| *state == BlockState::Complete)
+            .map(|(key, block, last_used, _)| (last_used, key, block))
+            .collect();
+        whole.sort_unstable_by_key(|(last_used, key, _)| (*last_used, *key));
+        whole
+            .into_iter()
+            .filter_map(|(_, key, block)| {
+                let (parent, tokens) = self.prefixes.prompt_of(key)?;
+                Some((key, (parent, tokens.to_vec()), Arc::clone(block)))
+            })
+            .collect()
+    }
+
     /// Sends a sequence's memory to the deferred-free queue with its last fence.
     pub(super) fn retire(&mut self, entry: SeqEntry) {
         let SeqEntry {

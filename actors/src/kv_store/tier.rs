@@ -144,8 +144,13 @@ pub(super) struct PrefixTier {
     /// To the writer thread, which puts blocks on disk off the store's stream (its files and
     /// `fsync`s never wait between decode kernels). It ends when this sender goes.
     writes: std::sync::mpsc::SyncSender<Write>,
+    /// Hangs up when the writer thread has put its last block.
+    written: std::sync::mpsc::Receiver<()>,
     copy_in: Histogram,
 }
+
+/// A whole block in memory, for [`PrefixTier::flush`]: its key, parent and tokens, memory.
+pub(super) type Resident = (u64, (u64, Vec<u32>), Arc<SharedPrefix>);
 
 impl PrefixTier {
     /// Opens the tier for a store of `shape` whose prompt blocks hold `block_tokens` tokens
@@ -165,13 +170,14 @@ impl PrefixTier {
         let disk = Arc::new(Mutex::new(disk));
         let outcomes: Arc<Outcomes> = Arc::default();
         let latency = KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "out"]);
-        let writes = spawn_writer(Arc::clone(&disk), Arc::clone(&outcomes), latency)?;
+        let (writes, written) = spawn_writer(Arc::clone(&disk), Arc::clone(&outcomes), latency)?;
         let tier = PrefixTier {
             disk,
             // Sized for several times the blocks the disk holds: the candidates outnumber them.
             filter: AdmissionFilter::new(blocks.saturating_mul(4), config.min_hits),
             outcomes,
             writes,
+            written,
             copy_in: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "in"]),
         };
         Ok((tier, report))
@@ -284,6 +290,48 @@ impl PrefixTier {
         (kernel, copy)
     }
 
+    /// The store is stopping: the whole blocks still in its memory go to disk where the
+    /// filter lets them in (as an eviction would send them), so a store started again on the
+    /// directory finds its hot prefixes too, not only those pressure pushed out. Blocks on
+    /// the thread's behalf: returns once the writer has put every block queued (this and
+    /// the copies out before it), or after `wait`. Returns how many it queued.
+    pub(super) fn flush(
+        mut self,
+        blocks: Vec<Resident>,
+        mapping: Arc<dyn SharedMapping>,
+        wait: std::time::Duration,
+    ) -> usize {
+        let mut queued = 0;
+        for (key, prompt, block) in blocks {
+            if !self.admit(key, block.bytes) {
+                continue;
+            }
+            let start = std::time::Instant::now();
+            let Some(payload) = read_block(&block, mapping.as_ref()) else {
+                self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            let write = Write {
+                key,
+                prompt,
+                payload,
+                start,
+            };
+            if self.writes.send(write).is_err() {
+                break;
+            }
+            queued += 1;
+        }
+        let PrefixTier {
+            writes, written, ..
+        } = self;
+        // The thread ends once every sender has gone (copies out still on the stream hold
+        // theirs): nothing is ever sent on `written`, it only hangs up.
+        drop(writes);
+        let _ = written.recv_timeout(wait);
+        queued
+    }
+
     /// Puts the keys of the blocks on disk in `digest`, with those of `in_memory` (the
     /// store's whole blocks in memory): a block back from disk is in both and counts once.
     /// One lock for the lot.
@@ -315,11 +363,20 @@ fn spawn_writer(
     disk: Arc<Mutex<DiskTier>>,
     outcomes: Arc<Outcomes>,
     latency: Histogram,
-) -> Result<std::sync::mpsc::SyncSender<Write>, DiskTierError> {
+) -> Result<
+    (
+        std::sync::mpsc::SyncSender<Write>,
+        std::sync::mpsc::Receiver<()>,
+    ),
+    DiskTierError,
+> {
     let (tx, rx) = std::sync::mpsc::sync_channel::<Write>(WRITE_QUEUE);
+    let (done, written) = std::sync::mpsc::channel::<()>();
     std::thread::Builder::new()
         .name("procmem-prefix-disk".into())
         .spawn(move || {
+            // Dropped as the thread ends: whoever waits on `written` hears it hang up.
+            let _done = done;
             for w in rx {
                 let put = disk.lock().unwrap_or_else(|p| p.into_inner()).put(
                     w.key,
@@ -339,7 +396,7 @@ fn spawn_writer(
             what: "start the writer thread",
             source,
         })?;
-    Ok(tx)
+    Ok((tx, written))
 }
 
 /// The identity blocks are kept under: the caller's model id, the store's geometry and its
