@@ -25,7 +25,9 @@
 //! and on again over the directory that row filled (a restart); `prefix_tiers` in the report
 //! has their time to first token side by side.
 //!
-//! `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`, `PROCMEM_BENCH_CONCURRENCY`
+//! `PROCMEM_BENCH_MIN_HITS` sets the disk tier's admission filter for those rows (2: a block
+//! enters once asked for twice). `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`,
+//! `PROCMEM_BENCH_CONCURRENCY`
 //! (comma-separated), `PROCMEM_BENCH_LONG` (prompts of the `long` rows, 0 for none) and
 //! `PROCMEM_BENCH_LLAMA=0` change the run. Without the model (fetched on first use) or the
 //! llama.cpp build the bench says what it skips.
@@ -64,6 +66,13 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// A row's figures from its answers.
+/// The requests that finished, with their conversation and turn.
+fn ok_of(answers: &Answers) -> impl Iterator<Item = ((usize, usize), &Answer)> + '_ {
+    answers
+        .iter()
+        .filter_map(|(k, a)| a.as_ref().ok().map(|a| (*k, a)))
+}
+
 fn figures(answers: &Answers, wall: Duration) -> Value {
     let ok: Vec<&Answer> = answers
         .iter()
@@ -83,7 +92,33 @@ fn figures(answers: &Answers, wall: Duration) -> Value {
         .iter()
         .flat_map(|a| a.gaps.iter().map(|d| d.as_secs_f64() * 1e3))
         .collect();
+    // By turn (0 for single prompts): what the prefix cache changes is how much of each
+    // turn's prompt, the conversation so far, has to be computed.
+    let turns = answers.iter().map(|((_, t), _)| t + 1).max().unwrap_or(0);
+    let turn = |t: usize| {
+        ok_of(answers)
+            .filter(move |((_, u), _)| *u == t)
+            .map(|(_, a)| a)
+    };
+    let ttft_by_turn: Vec<f64> = (0..turns)
+        .map(|t| {
+            let mut v: Vec<f64> = turn(t)
+                .filter_map(|a| a.first)
+                .map(|d| d.as_secs_f64() * 1e3)
+                .collect();
+            pct(&mut v, 0.5)
+        })
+        .collect();
+    let cached_by_turn: Vec<[u64; 2]> = (0..turns)
+        .map(|t| {
+            turn(t).fold([0, 0], |[c, p], a| {
+                [c + a.cached_tokens, p + a.prompt_tokens]
+            })
+        })
+        .collect();
     json!({
+        "ttft_p50_ms_by_turn": ttft_by_turn,
+        "prompt_tokens_cached_and_all_by_turn": cached_by_turn,
         "requests": answers.len(),
         "requests_finished": ok.len(),
         "requests_failed": errors.len(),
@@ -137,7 +172,7 @@ fn child(spec: &str) -> ExitCode {
             common::real_model::PrefixDiskArgs {
                 dir: dir.into(),
                 capacity: 1 << 30,
-                min_hits: 2,
+                min_hits: disk_min_hits(),
             }
         }),
     };
@@ -274,6 +309,14 @@ async fn procmem_row(
     Ok((row, d.answers))
 }
 
+/// The disk tier's admission filter in the tier rows: `PROCMEM_BENCH_MIN_HITS`, else 2.
+fn disk_min_hits() -> u8 {
+    std::env::var("PROCMEM_BENCH_MIN_HITS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+}
+
 /// The multi-turn workload at 0.25x with the prefix cache's disk tier off, on over an empty
 /// directory (a cold start), and on again over the directory that row filled (a restart).
 async fn tier_rows(w: &Workload, concurrency: usize) -> Result<(Vec<Value>, Value), String> {
@@ -303,6 +346,7 @@ async fn tier_rows(w: &Workload, concurrency: usize) -> Result<(Vec<Value>, Valu
     let f = |i: usize, k: &str| rows[i][k].as_f64().unwrap_or(f64::NAN);
     let summary = json!({
         "concurrency": concurrency,
+        "disk_min_hits": disk_min_hits(),
         "ttft_p50_ms": [f(0, "ttft_p50_ms"), f(1, "ttft_p50_ms"), f(2, "ttft_p50_ms")],
         "ttft_p99_ms": [f(0, "ttft_p99_ms"), f(1, "ttft_p99_ms"), f(2, "ttft_p99_ms")],
         "prompt_tokens_from_cache": [f(0, "prompt_tokens_from_cache"), f(1, "prompt_tokens_from_cache"), f(2, "prompt_tokens_from_cache")],
@@ -408,6 +452,10 @@ fn print_row(r: &Value) {
         println!(
             "          prefix disk tier {tiers}: prompt tokens from disk {}, failures {}",
             r["prompt_tokens_from_disk"], r["prefix_disk_failures"]
+        );
+        println!(
+            "          by turn: ttft p50 ms {}, prompt tokens cached / all {}",
+            r["ttft_p50_ms_by_turn"], r["prompt_tokens_cached_and_all_by_turn"]
         );
     }
 }

@@ -297,6 +297,7 @@ where
             .to_string(),
     );
     row("prefix-cache hit tokens", kv.prefix_hit_tokens.to_string());
+    row("blocks kept at close", kv.prefix_blocks_kept.to_string());
     row(
         "store preempted: swap / recompute",
         format!("{} / {}", kv.preempted_by_swap, kv.preempted_by_recompute),

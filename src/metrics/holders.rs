@@ -122,6 +122,14 @@ pub const KV_PREFIX_BLOCKS_EVICTED_TOTAL: Metric = metric(
     STORE,
     "Shared prompt blocks evicted from the prefix cache.",
 );
+/// Whole blocks of closed sequences (prompt and answer) left to the prefix cache.
+pub const KV_PREFIX_BLOCKS_KEPT_TOTAL: Metric = metric(
+    "procmem_kv_prefix_blocks_kept_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Whole blocks of closed sequences (prompt and answer) left to the prefix cache.",
+);
 /// Prompt blocks the prefix cache's disk tier holds now.
 pub const KV_PREFIX_DISK_BLOCKS: Metric = metric(
     "procmem_kv_prefix_disk_blocks",
@@ -374,6 +382,7 @@ pub(super) const HOLDERS: &[Metric] = &[
     KV_PREFIX_QUERY_TOKENS_TOTAL,
     KV_PREFIX_HIT_TOKENS_TOTAL,
     KV_PREFIX_BLOCKS_EVICTED_TOTAL,
+    KV_PREFIX_BLOCKS_KEPT_TOTAL,
     KV_PREFIX_DISK_BLOCKS,
     KV_PREFIX_DISK_BYTES,
     KV_PREFIX_DISK_HIT_TOKENS_TOTAL,

@@ -92,11 +92,12 @@ impl KvStoreState {
         let first = lookup.hits.len();
         let keys = lookup.claimed;
         let bytes = keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
-        let part = match named && !keys.is_empty() {
-            true => entry.charge.split(bytes),
+        // Paid for from the sequence's charge; on failure what was not used stays in it,
+        // with the memory it pays for.
+        let fresh = match named && !keys.is_empty() && entry.charge.bytes() >= bytes {
+            true => self.make_blocks(keys.len(), &mut entry.charge).ok(),
             false => None,
         };
-        let fresh = part.and_then(|part| self.make_blocks(keys.len(), part).ok());
         let Some(fresh) = fresh else {
             self.prefixes.abandon(keeper);
             return self.retire(entry);

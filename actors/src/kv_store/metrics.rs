@@ -7,13 +7,14 @@ use ::metrics::{Counter, Gauge, Histogram};
 use procmem::metrics::{
     KV_AUTHORITY_USAGE_RATIO, KV_GROWTH_MAP_SECONDS, KV_LEASED_BYTES, KV_OS_RESIDENT_BYTES,
     KV_PREEMPTED_SEQUENCES, KV_PREEMPTIONS_TOTAL, KV_PREFIX_BLOCKS_EVICTED_TOTAL,
-    KV_PREFIX_DISK_BLOCKS, KV_PREFIX_DISK_BYTES, KV_PREFIX_DISK_FAILURES_TOTAL,
-    KV_PREFIX_DISK_HIT_TOKENS_TOTAL, KV_PREFIX_DISK_REFUSED_TOTAL, KV_PREFIX_DISK_WRITES_TOTAL,
-    KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_BLOCKS, KV_PREFIX_HOST_BYTES,
-    KV_PREFIX_HOST_FAILURES_TOTAL, KV_PREFIX_HOST_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_REFUSED_TOTAL,
-    KV_PREFIX_HOST_WRITES_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL, KV_REPLAYED_TOKENS_TOTAL,
-    KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL,
-    KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
+    KV_PREFIX_BLOCKS_KEPT_TOTAL, KV_PREFIX_DISK_BLOCKS, KV_PREFIX_DISK_BYTES,
+    KV_PREFIX_DISK_FAILURES_TOTAL, KV_PREFIX_DISK_HIT_TOKENS_TOTAL, KV_PREFIX_DISK_REFUSED_TOTAL,
+    KV_PREFIX_DISK_WRITES_TOTAL, KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_BLOCKS,
+    KV_PREFIX_HOST_BYTES, KV_PREFIX_HOST_FAILURES_TOTAL, KV_PREFIX_HOST_HIT_TOKENS_TOTAL,
+    KV_PREFIX_HOST_REFUSED_TOTAL, KV_PREFIX_HOST_WRITES_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL,
+    KV_REPLAYED_TOKENS_TOTAL, KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL,
+    KV_SWAP_IN_BYTES_TOTAL, KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS,
+    KV_TOKENS,
 };
 use tokio::time::{Duration, Instant};
 
@@ -33,6 +34,7 @@ pub(super) struct KvMetrics {
     prefix_queries: Counter,
     prefix_hits: Counter,
     evicted: Counter,
+    kept: Counter,
     /// The tier below's figures, where the store has one.
     below: Option<BelowSeries>,
     preempted_swap: Counter,
@@ -142,6 +144,7 @@ impl KvMetrics {
             prefix_queries: KV_PREFIX_QUERY_TOKENS_TOTAL.counter(&l),
             prefix_hits: KV_PREFIX_HIT_TOKENS_TOTAL.counter(&l),
             evicted: KV_PREFIX_BLOCKS_EVICTED_TOTAL.counter(&l),
+            kept: KV_PREFIX_BLOCKS_KEPT_TOTAL.counter(&l),
             below: below.map(|disk| BelowSeries::new(&l, disk)),
             preempted_swap: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "swap"]),
             preempted_recompute: KV_PREEMPTIONS_TOTAL.counter(&[store, authority, "recompute"]),
@@ -180,6 +183,7 @@ impl KvMetrics {
         self.prefix_queries.absolute(s.prefix_query_tokens);
         self.prefix_hits.absolute(s.prefix_hit_tokens);
         self.evicted.absolute(s.prefix_blocks_evicted);
+        self.kept.absolute(s.prefix_blocks_kept);
         if let Some(below) = &self.below {
             below.publish(s);
         }

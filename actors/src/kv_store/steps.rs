@@ -134,7 +134,7 @@ impl KvStoreState {
         // the sequence claims to write are, and filled by the copy in queued below, before
         // any step of the sequence.
         let shared = self
-            .make_blocks(new_keys.len(), charge)
+            .make_blocks(new_keys.len(), &mut charge)
             .and_then(|fresh| self.attach_prefixes(&mut entry, hits, fresh, hit_count + from_disk));
         let (used, fresh) = match shared {
             Ok(shared) => shared,
@@ -212,12 +212,12 @@ impl KvStoreState {
 
     /// Makes `count` new shared prompt blocks, each paid for by its part of `charge` (the
     /// open committed exactly one block's bytes per new key). On failure the blocks made so
-    /// far are dropped and their charges released as they go; what was not used yet goes
-    /// back with `charge`.
+    /// far (never written, so never resident) are dropped and their charges released as they
+    /// go; what was not used stays in `charge`.
     pub(super) fn make_blocks(
         &self,
         count: usize,
-        mut charge: Charge,
+        charge: &mut Charge,
     ) -> Result<Vec<Arc<SharedPrefix>>, KvStoreError> {
         let shape = self.config.shape;
         let g = self.device.granularity();
