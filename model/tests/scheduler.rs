@@ -279,14 +279,17 @@ async fn stop_tokens_seeds_and_careless_requests() {
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
-/// The toy model, with the steps named in `faults` failing before they start with the error
-/// `fault` makes: of the steps of at least `batch` sequences, counted from 0.
+/// The toy model, with the steps named in `faults` failing with the error `fault` makes:
+/// of the steps of at least `batch` sequences, counted from 0. Before they start, or with
+/// `midway`, once their KV is prepared and a slow kernel submitted (the step is then given
+/// up, and the store has its sequences back only after that kernel).
 struct Faulty {
     toy: Arc<Toy>,
     steps: std::sync::atomic::AtomicUsize,
     batch: usize,
     faults: std::ops::Range<usize>,
     fault: fn() -> ModelError,
+    midway: bool,
 }
 
 impl StepModel for Faulty {
@@ -303,7 +306,15 @@ impl StepModel for Faulty {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if self.faults.contains(&n) {
             let e = (self.fault)();
-            return Box::pin(async move { Err(e) });
+            let midway = self.midway;
+            return Box::pin(async move {
+                if midway {
+                    let step = scheduler::prepare(&self.toy.kv, batch).await?;
+                    step.submit(|_| std::thread::sleep(Duration::from_millis(30)))?;
+                    drop(step);
+                }
+                Err(e)
+            });
         }
         self.toy.step(batch)
     }
@@ -331,10 +342,34 @@ async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
         batch: 1,
         faults: 3..9,
         fault: weights_late,
+        midway: false,
     });
     let (out, stats) = twelve(Arc::clone(&model)).await;
     assert_eq!(out, free);
     assert!(stats.shed >= 5, "{stats:?}");
+    drop((model, toy));
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_given_up_midway_for_weights_is_retried_once_its_sequences_are_back() {
+    let (free, _) = run_all(None, PreemptMode::Swap).await;
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    // Steps 3 to 8 prepare their KV, submit a kernel, and are given up for a layer's
+    // weights: the next step finds those sequences busy until the kernel is done, and
+    // waits for them instead of failing every request it holds.
+    let model = Arc::new(Faulty {
+        toy: Arc::clone(&toy),
+        steps: Default::default(),
+        batch: 1,
+        faults: 3..9,
+        fault: weights_late,
+        midway: true,
+    });
+    let (out, stats) = twelve(Arc::clone(&model)).await;
+    assert_eq!(out, free);
+    // The steps tried again while the sequences were busy count among the faults.
+    assert!(stats.shed >= 1, "{stats:?}");
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
@@ -345,6 +380,7 @@ async fn a_step_that_faults_fails_its_requests_with_one_error_and_the_rest_go_on
     let model = Arc::new(Faulty {
         toy: Arc::clone(&toy),
         steps: Default::default(),
+        midway: false,
         // The second step of all three: each has streamed a token.
         batch: 3,
         faults: 1..2,

@@ -21,6 +21,9 @@ use crate::ModelError;
 /// Times in a row a lone sequence's step is tried again after its deadline passed without
 /// room, before the request fails (the budget cannot hold it).
 const LONELY_RETRIES: u32 = 3;
+/// How long a step waits, in all, for sequences a step given up still holds (the store
+/// hands them back once that step's kernels are done) before the step fails.
+const BUSY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 /// Steps without pressure after which admission opens again.
 const CALM_STEPS: u32 = 16;
 
@@ -94,6 +97,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     hold: bool,
     calm: u32,
     lonely: u32,
+    /// Since when steps have found a sequence still held by a step given up.
+    busy_since: Option<Instant>,
     /// A restore refused while others ran waits until one of them finishes.
     restore_blocked: bool,
 }
@@ -117,6 +122,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             hold: false,
             calm: 0,
             lonely: 0,
+            busy_since: None,
             restore_blocked: false,
         }
     }
@@ -330,7 +336,11 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
 
     async fn step(&mut self) {
         let inputs = self.plan();
-        match self.model.step(&inputs).await {
+        let outcome = self.model.step(&inputs).await;
+        if !matches!(outcome, Err(ModelError::Prepare(KvStoreError::Busy(_)))) {
+            self.busy_since = None;
+        }
+        match outcome {
             Ok(logits) => self.stepped(&inputs, logits),
             Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
                 self.pressure();
@@ -355,6 +365,14 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 self.shared.stats().shed += 1;
                 *self.shared.waiting() += 1;
                 self.waiting.push_front(r);
+            }
+            Err(ModelError::Prepare(KvStoreError::Busy(_)))
+                if self.busy_since.get_or_insert_with(Instant::now).elapsed() < BUSY_FOR =>
+            {
+                // A step given up midway (a layer's weights not back in time) hands its
+                // sequences back after its kernels' fence; until then they are busy. The
+                // same step is tried again shortly.
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             Err(e) if short_of_room(&e) && self.lonely < LONELY_RETRIES => {
                 // One sequence alone did not get room by its deadline: holders may still be
