@@ -13,6 +13,7 @@ use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, KvDtype, KvError, KvSh
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored},
+    provider::CpuProvider,
 };
 
 const SHAPE: KvShape = KvShape {
@@ -27,9 +28,13 @@ const PAGE: u64 = 4096;
 const QW: usize = SHAPE.q_heads * SHAPE.head_dim;
 
 async fn store(capacity: u64) -> (GovernorHandle, KvStoreHandle) {
-    let config = kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300));
-    let (g, _p, kv) = kv_system(capacity, config).await;
+    let (g, _p, kv) = store_on(capacity).await;
     (g, kv)
+}
+
+async fn store_on(capacity: u64) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
+    let config = kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300));
+    kv_system(capacity, config).await
 }
 
 /// Rows `from..from + n` of one of `seq`'s inputs (`which`: 0 q, 1 k, 2 v) at `layer`, as a
@@ -321,7 +326,7 @@ async fn kept(g: &GovernorHandle, kv: &KvStoreHandle, kept: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_sequence_leaves_its_answer_blocks_to_the_next_turn() {
-    let (g, kv) = store(1 << 30).await;
+    let (g, p, kv) = store_on(1 << 30).await;
     let bt = SHAPE.block_tokens(PAGE);
     // A prompt of two blocks and a bit; an answer that ends a little past block four.
     let prompt: Vec<u32> = (0..(2 * bt + 3) as u32).collect();
@@ -329,7 +334,14 @@ async fn a_closed_sequence_leaves_its_answer_blocks_to_the_next_turn() {
     // Every answer token but the last is written (the last is sampled, never fed).
     prefill_and_decode(&kv, 1, &prompt, answer.len() - 1).await;
     let known: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    // While the copy waits on the stream, the kernel holds no more than the ledger: the new
+    // blocks are made only once the sequence's memory is gone.
+    let gate = common::hold_stream(&p);
     kv.close_keeping(1, known.clone());
+    let s = kv.stats().await.unwrap();
+    let ledger = g.snapshot().await.unwrap().books.leased;
+    assert!(common::os_bytes(&p) <= ledger, "{s:?} against {ledger}");
+    drop(gate);
     // Blocks 2 and 3 (prompt tail and answer) join the two prompt blocks already cached.
     assert_eq!(kept(&g, &kv, 2).await, 2);
     // The next turn: the conversation so far and a new message.

@@ -247,19 +247,6 @@ fn alter_every_block(dir: &std::path::Path) {
     }
 }
 
-/// Holds the store's stream with a kernel of the test's until the returned gate opens (a send,
-/// or a drop): everything queued after it waits.
-fn hold_stream(p: &CpuProvider) -> std::sync::mpsc::Sender<()> {
-    let (open_gate, gate) = std::sync::mpsc::channel::<()>();
-    p.stream(0)
-        .unwrap()
-        .submit(&[], move || {
-            let _ = gate.recv();
-        })
-        .unwrap();
-    open_gate
-}
-
 /// The store's books at zero once every store on `g` stopped (memory goes after its fences).
 async fn books_at_zero(g: &GovernorHandle) {
     let start = std::time::Instant::now();
@@ -281,7 +268,7 @@ async fn a_close_and_reopen_while_the_copy_in_waits_gets_the_same_kv() {
     let (_dir, g, p, kv) = fixture().await;
     let prompt = prompt(11);
     let from_memory = to_disk(&g, &kv, &prompt).await;
-    let open_gate = hold_stream(&p);
+    let open_gate = common::hold_stream(&p);
     let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
     kv.close(3);
@@ -330,7 +317,7 @@ async fn pressure_on_a_sequence_whose_copy_in_falls_short_recomputes_it() {
     let prompt = prompt(13);
     let from_memory = to_disk(&g, &kv, &prompt).await;
     alter_every_block(dir.path());
-    let open_gate = hold_stream(&p);
+    let open_gate = common::hold_stream(&p);
     let opened = kv.open(3, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 3 * bt());
     // The whole budget asked for. The sequence's last kernel is the copy, still behind the
@@ -384,7 +371,7 @@ async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
     let (_dir, g, p, kv) = fixture().await;
     let prompt = prompt(7);
     let from_memory = to_disk(&g, &kv, &prompt).await;
-    let open_gate = hold_stream(&p);
+    let open_gate = common::hold_stream(&p);
     let opened = tokio::time::timeout(Duration::from_secs(5), kv.open(3, prompt.clone(), 0))
         .await
         .expect("the open is answered while its copy in waits on the stream")

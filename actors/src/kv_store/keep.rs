@@ -10,28 +10,37 @@
 //!   (they copy rows of its own memory, so they never need more than it holds); no grant is
 //!   asked, and nothing else is pressed to make room for a cache.
 //! - **The OS never above the ledger.** The kernel reads the rows, frees the sequence's memory
-//!   and its charge's remainder, and only then writes the fresh blocks.
+//!   and its charge's remainder, and only then makes the fresh blocks (a host block is
+//!   allocated as it is made) and writes them.
 //! - **Whole once written.** The blocks are claimed by a writer of their own and join the
-//!   cache as whole when the kernel's fence completes (`Kept`); until then an open of the same
-//!   tokens shares none of them, as for any block being written.
+//!   cache, whole, when the kernel's fence completes (`Kept`); until then an open of the same
+//!   tokens stops sharing at the first of them, as at any block being written.
 //!
 //! Only where the memory is host memory (the rows are read in place); a store on a GPU closes
 //! as a plain close. A sequence in a step, preempted, or waiting for a copy in closes plainly
 //! too, as does one whose first blocks are not the ones the tokens name (a careless caller).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use procmem::kv::{Incarnation, KvSequence, Phase};
 use procmem::SharedMapping;
 use ractor::ActorRef;
 
-use super::prefix::{Mapped, SharedPrefix};
+use super::prefix::SharedPrefix;
 use super::sequences::SeqEntry;
 use super::{KvStoreMsg, KvStoreState, SeqId};
+use crate::charge::Charge;
 
-/// The blocks a kernel is filling for a keeper: their keys in order, and how many it filled.
-pub(super) type Keeping = (Incarnation, Vec<u64>, Arc<AtomicUsize>);
+/// What a keep kernel makes, for the store once it has run: the keys claimed for `keeper`,
+/// in order, and the blocks the kernel made whole (from the first).
+pub(crate) struct Keeping {
+    keeper: Incarnation,
+    keys: Vec<u64>,
+    made: Made,
+}
+
+/// Where a keep kernel leaves the blocks it made.
+type Made = Arc<Mutex<Vec<Arc<SharedPrefix>>>>;
 
 impl KvStoreState {
     /// Closes `seq`, leaving the whole blocks of `tokens` (the ids whose K/V its rows hold,
@@ -91,36 +100,37 @@ impl KvStoreState {
                 .all(|(m, (_, hit))| std::ptr::eq::<SharedPrefix>(&**m, &**hit));
         let first = lookup.hits.len();
         let keys = lookup.claimed;
-        let bytes = keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
-        // Paid for from the sequence's charge; on failure what was not used stays in it,
-        // with the memory it pays for.
-        let fresh = match named && !keys.is_empty() && entry.charge.bytes() >= bytes {
-            true => self.make_blocks(keys.len(), &mut entry.charge).ok(),
+        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        // Each block is paid for by its part of the sequence's charge, split off now and
+        // handed to the kernel with the memory.
+        let paid = entry.charge.bytes() >= keys.len() as u64 * block_bytes;
+        let parts: Option<Vec<Charge>> = match named && paid && !keys.is_empty() {
+            true => keys
+                .iter()
+                .map(|_| entry.charge.split(block_bytes))
+                .collect(),
             false => None,
         };
-        let Some(fresh) = fresh else {
+        let Some(parts) = parts else {
+            // Nothing to keep, or a charge short of the blocks.
             self.prefixes.abandon(keeper);
             return self.retire(entry);
         };
-        for (key, block) in keys.iter().zip(&fresh) {
-            // Claimed by `keeper` just now, and only it fills a claim.
-            let _ = self.prefixes.fill(*key, keeper, Arc::clone(block));
-        }
         // Made by a request, as the blocks an open claims are: the filter counts them once.
         if let Some(tier) = self.tier.as_mut() {
             keys.iter().for_each(|k| tier.record(*k));
         }
-        let filled: Arc<AtomicUsize> = Arc::default();
+        let made: Made = Arc::default();
         let kernel = keep_kernel(
             entry,
-            (first, bt),
-            fresh.into_iter().map(Mapped::new).collect(),
+            (first, bt, shape.block_bytes(g)),
+            parts,
             Arc::clone(&self.device.shared),
-            Arc::clone(&filled),
+            Arc::clone(&made),
         );
         match self.device.stream.submit_host(kernel) {
             Ok(fence) => {
-                let msg = KvStoreMsg::Kept((keeper, keys, filled));
+                let msg = KvStoreMsg::Kept(Keeping { keeper, keys, made });
                 self.send_after(myself, fence, msg);
             }
             // A closed stream ran nothing: the memory and the fresh blocks went with it.
@@ -130,26 +140,32 @@ impl KvStoreState {
         }
     }
 
-    /// A keep kernel ran: the blocks it filled are whole; any it did not fill leave.
-    pub(super) fn kept(&mut self, (keeper, keys, filled): Keeping) {
-        let filled = filled.load(Ordering::Acquire).min(keys.len());
-        for key in &keys[..filled] {
-            self.prefixes.complete(*key, keeper);
+    /// A keep kernel ran: the blocks it made join the cache, whole, under the keys claimed
+    /// for them; the claims it made no block for leave.
+    pub(super) fn kept(&mut self, Keeping { keeper, keys, made }: Keeping) {
+        let made = std::mem::take(&mut *made.lock().unwrap_or_else(PoisonError::into_inner));
+        for (key, block) in keys.iter().zip(made) {
+            // Claimed by `keeper` at close, and only it fills and completes a claim.
+            if self.prefixes.fill(*key, keeper, block).is_ok()
+                && self.prefixes.complete(*key, keeper)
+            {
+                self.stats.prefix_blocks_kept += 1;
+            }
         }
         self.prefixes.abandon(keeper);
-        self.stats.prefix_blocks_kept += filled as u64;
     }
 }
 
-/// The kernel that copies rows of `entry`'s memory, from block `first` on, into `fresh`:
-/// every row read first, then the memory and what is left of its charge freed, then the
-/// blocks written (so the OS never holds both). Counts the blocks written whole, in order.
+/// The kernel that copies rows of `entry`'s memory, from block `first` on, into one fresh
+/// block per charge part: every row read first, then the memory and what is left of its
+/// charge freed, then each block made and written (so the OS never holds both). The blocks
+/// made whole go to `made`, in order, up to the first that could not be.
 fn keep_kernel(
     entry: SeqEntry,
-    (first, bt): (usize, usize),
-    fresh: Vec<Mapped>,
+    (first, bt, per_buffer): (usize, usize, u64),
+    parts: Vec<Charge>,
     mapping: Arc<dyn SharedMapping>,
-    filled: Arc<AtomicUsize>,
+    made: Made,
 ) -> impl FnOnce() + Send + 'static {
     move || {
         let SeqEntry {
@@ -158,24 +174,45 @@ fn keep_kernel(
             prefixes,
             ..
         } = entry;
-        let rows = memory.map(|m| read_rows(&m, first, fresh.len(), bt));
+        let buffers = memory.as_ref().map_or(0, |m| m.shape().buffers());
+        let rows = memory.map(|m| read_rows(&m, first, parts.len(), bt));
         drop((prefixes, charge));
         let Some(Some(rows)) = rows else {
             return;
         };
-        for (block, payload) in fresh.iter().zip(rows) {
-            let per = payload.len() / block.blocks.len().max(1);
-            let whole = block
-                .blocks
-                .iter()
-                .zip(payload.chunks(per.max(1)))
-                .all(|(b, src)| mapping.write_block(b, src).is_ok());
-            if !whole {
+        let mut whole = Vec::with_capacity(parts.len());
+        for (part, payload) in parts.into_iter().zip(rows) {
+            let Some(block) = make_block(mapping.as_ref(), buffers, per_buffer, part, &payload)
+            else {
                 break;
-            }
-            filled.fetch_add(1, Ordering::Release);
+            };
+            whole.push(Arc::new(block));
         }
+        *made.lock().unwrap_or_else(PoisonError::into_inner) = whole;
     }
+}
+
+/// One block of `buffers` buffers of `per_buffer` bytes each, paid for by `part` and
+/// written with `payload` (buffer after buffer); `None` (its memory and charge gone) if the
+/// mechanism cannot make or write it.
+fn make_block(
+    mapping: &dyn SharedMapping,
+    buffers: usize,
+    per_buffer: u64,
+    part: Charge,
+    payload: &[u8],
+) -> Option<SharedPrefix> {
+    let blocks: Vec<_> = (0..buffers)
+        .map(|_| mapping.create_block(per_buffer).ok())
+        .collect::<Option<_>>()?;
+    let block = SharedPrefix::new(blocks, per_buffer * buffers as u64, part);
+    let per = usize::try_from(per_buffer).ok()?;
+    let written = block
+        .blocks
+        .iter()
+        .zip(payload.chunks(per.max(1)))
+        .all(|(b, src)| mapping.write_block(b, src).is_ok());
+    written.then_some(block)
 }
 
 /// Blocks `first .. first + count` of `memory`, each laid out buffer after buffer (`None` if

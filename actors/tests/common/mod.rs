@@ -189,3 +189,16 @@ pub fn kv_item(
         v: kv_floats(seq, pos, layer, 2, tf),
     }
 }
+
+/// Holds the store's stream with a kernel of the test's until the returned gate opens (a send,
+/// or a drop): everything queued after it waits.
+pub fn hold_stream(p: &CpuProvider) -> std::sync::mpsc::Sender<()> {
+    let (open_gate, gate) = std::sync::mpsc::channel::<()>();
+    p.stream(0)
+        .unwrap()
+        .submit(&[], move || {
+            let _ = gate.recv();
+        })
+        .unwrap();
+    open_gate
+}
