@@ -330,48 +330,43 @@ fn weights_late() -> ModelError {
     ))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
+/// Twelve requests over the toy model whose steps 3 to 8 find no room for a layer's weights
+/// (before they start, or `midway`: once their KV is prepared and a kernel submitted). Every
+/// answer must equal the run without faults, and the books end at zero. The scheduler's
+/// figures.
+async fn weights_late_at_steps_3_to_8(midway: bool) -> scheduler::SchedulerStats {
     let (free, _) = run_all(None, PreemptMode::Swap).await;
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    // Steps 3 to 8 each find no room for a layer's weights: the batch sheds its newest
-    // requests, one a step, and a lone one is tried again; nothing fails.
     let model = Arc::new(Faulty {
         toy: Arc::clone(&toy),
         steps: Default::default(),
         batch: 1,
         faults: 3..9,
         fault: weights_late,
-        midway: false,
+        midway,
     });
     let (out, stats) = twelve(Arc::clone(&model)).await;
     assert_eq!(out, free);
-    assert!(stats.shed >= 5, "{stats:?}");
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
+    stats
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
+    // The batch sheds its newest requests, one a step, and a lone one is tried again;
+    // nothing fails.
+    let stats = weights_late_at_steps_3_to_8(false).await;
+    assert!(stats.shed >= 5, "{stats:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_given_up_midway_for_weights_is_retried_once_its_sequences_are_back() {
-    let (free, _) = run_all(None, PreemptMode::Swap).await;
-    let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    // Steps 3 to 8 prepare their KV, submit a kernel, and are given up for a layer's
-    // weights: the next step finds those sequences busy until the kernel is done, and
-    // waits for them instead of failing every request it holds.
-    let model = Arc::new(Faulty {
-        toy: Arc::clone(&toy),
-        steps: Default::default(),
-        batch: 1,
-        faults: 3..9,
-        fault: weights_late,
-        midway: true,
-    });
-    let (out, stats) = twelve(Arc::clone(&model)).await;
-    assert_eq!(out, free);
-    // The steps tried again while the sequences were busy count among the faults.
+    // The next step finds the given-up step's sequences busy until its kernel is done, and
+    // waits for them instead of failing every request it holds. The steps tried again
+    // meanwhile count among the faults.
+    let stats = weights_late_at_steps_3_to_8(true).await;
     assert!(stats.shed >= 1, "{stats:?}");
-    drop((model, toy));
-    assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
