@@ -28,6 +28,7 @@ use ractor::ActorRef;
 
 use super::prefix::SharedPrefix;
 use super::sequences::SeqEntry;
+use super::tier::write_block;
 use super::{KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
 
@@ -56,11 +57,7 @@ impl KvStoreState {
             .table
             .get(seq)
             .is_some_and(|r| r.phase == Phase::Idle);
-        let (writer, entry) = self.sequences.close(seq);
-        if let Some(writer) = writer {
-            self.prefixes.abandon(writer);
-        }
-        let Some(entry) = entry else {
+        let Some(entry) = self.take_closed(seq) else {
             return;
         };
         let keepable = idle
@@ -182,37 +179,17 @@ fn keep_kernel(
         };
         let mut whole = Vec::with_capacity(parts.len());
         for (part, payload) in parts.into_iter().zip(rows) {
-            let Some(block) = make_block(mapping.as_ref(), buffers, per_buffer, part, &payload)
-            else {
-                break;
-            };
-            whole.push(Arc::new(block));
+            // Made only now, after the memory went: a host block is allocated as it is made.
+            let block = SharedPrefix::create(mapping.as_ref(), buffers, per_buffer, part);
+            match block {
+                Ok(block) if write_block(&block, mapping.as_ref(), &payload) => {
+                    whole.push(Arc::new(block))
+                }
+                _ => break,
+            }
         }
         *made.lock().unwrap_or_else(PoisonError::into_inner) = whole;
     }
-}
-
-/// One block of `buffers` buffers of `per_buffer` bytes each, paid for by `part` and
-/// written with `payload` (buffer after buffer); `None` (its memory and charge gone) if the
-/// mechanism cannot make or write it.
-fn make_block(
-    mapping: &dyn SharedMapping,
-    buffers: usize,
-    per_buffer: u64,
-    part: Charge,
-    payload: &[u8],
-) -> Option<SharedPrefix> {
-    let blocks: Vec<_> = (0..buffers)
-        .map(|_| mapping.create_block(per_buffer).ok())
-        .collect::<Option<_>>()?;
-    let block = SharedPrefix::new(blocks, per_buffer * buffers as u64, part);
-    let per = usize::try_from(per_buffer).ok()?;
-    let written = block
-        .blocks
-        .iter()
-        .zip(payload.chunks(per.max(1)))
-        .all(|(b, src)| mapping.write_block(b, src).is_ok());
-    written.then_some(block)
 }
 
 /// Blocks `first .. first + count` of `memory`, each laid out buffer after buffer (`None` if

@@ -8,7 +8,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use procmem::PhysicalBlock;
+use procmem::{MemoryError, PhysicalBlock, SharedMapping};
 
 use crate::charge::Charge;
 
@@ -32,6 +32,20 @@ impl SharedPrefix {
             sharers: AtomicUsize::new(0),
             _charge: charge,
         }
+    }
+
+    /// A new block of `buffers` physical blocks of `per_buffer` bytes each, made by
+    /// `mapping`, mapped by nobody yet, paid for by `charge` (released if making fails).
+    pub(super) fn create(
+        mapping: &dyn SharedMapping,
+        buffers: usize,
+        per_buffer: u64,
+        charge: Charge,
+    ) -> Result<Self, MemoryError> {
+        let blocks = (0..buffers)
+            .map(|_| mapping.create_block(per_buffer))
+            .collect::<Result<_, _>>()?;
+        Ok(Self::new(blocks, per_buffer * buffers as u64, charge))
     }
 
     /// How many sequences map it now (an open holding it to map it included).

@@ -23,13 +23,19 @@ impl KvStoreState {
     /// Closes `seq`: its blocks not yet written leave the cache, its memory goes after its
     /// fences. An open on its way is forgotten (it finds the id closed when it ends).
     pub(super) fn close(&mut self, seq: SeqId) {
+        if let Some(entry) = self.take_closed(seq) {
+            self.retire(entry);
+        }
+    }
+
+    /// Takes `seq` out of the store: its blocks not yet written leave the cache, and its
+    /// entry (its memory, if it has one) is returned to be let go of.
+    pub(super) fn take_closed(&mut self, seq: SeqId) -> Option<SeqEntry> {
         let (writer, entry) = self.sequences.close(seq);
         if let Some(writer) = writer {
             self.prefixes.abandon(writer);
         }
-        if let Some(entry) = entry {
-            self.retire(entry);
-        }
+        entry
     }
 
     /// An open that failed: its claims go and the id is free again.

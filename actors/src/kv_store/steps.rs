@@ -225,11 +225,10 @@ impl KvStoreState {
         let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
         let mut fresh = Vec::with_capacity(count);
         for _ in 0..count {
-            let blocks: Vec<_> = (0..shape.buffers())
-                .map(|_| mapping.create_block(shape.block_bytes(g)))
-                .collect::<Result<_, _>>()?;
             let charge = charge.split(block_bytes).unwrap_or_default();
-            fresh.push(Arc::new(SharedPrefix::new(blocks, block_bytes, charge)));
+            let block =
+                SharedPrefix::create(mapping, shape.buffers(), shape.block_bytes(g), charge)?;
+            fresh.push(Arc::new(block));
         }
         Ok(fresh)
     }

@@ -294,33 +294,20 @@ impl PrefixTier {
     /// filter lets them in (as an eviction would send them), so a store started again on the
     /// directory finds its hot prefixes too, not only those pressure pushed out. Blocks on
     /// the thread's behalf: returns once the writer has put every block queued (this and
-    /// the copies out before it), or after `wait`. Returns how many it queued.
+    /// the copies out before it), or after `wait`. Returns how many it let in.
     pub(super) fn flush(
         mut self,
         blocks: Vec<Resident>,
         mapping: Arc<dyn SharedMapping>,
         wait: std::time::Duration,
     ) -> usize {
-        let mut queued = 0;
+        let mut admitted = 0;
         for (key, prompt, block) in blocks {
-            if !self.admit(key, block.bytes) {
-                continue;
+            if self.admit(key, block.bytes) {
+                // The copy out an eviction queues on the stream, run here.
+                self.copy_out(key, prompt, block, Arc::clone(&mapping))();
+                admitted += 1;
             }
-            let start = std::time::Instant::now();
-            let Some(payload) = read_block(&block, mapping.as_ref()) else {
-                self.outcomes.failures.fetch_add(1, Ordering::Relaxed);
-                continue;
-            };
-            let write = Write {
-                key,
-                prompt,
-                payload,
-                start,
-            };
-            if self.writes.send(write).is_err() {
-                break;
-            }
-            queued += 1;
         }
         let PrefixTier {
             writes, written, ..
@@ -329,7 +316,7 @@ impl PrefixTier {
         // theirs): nothing is ever sent on `written`, it only hangs up.
         drop(writes);
         let _ = written.recv_timeout(wait);
-        queued
+        admitted
     }
 
     /// Puts the keys of the blocks on disk in `digest`, with those of `in_memory` (the
@@ -425,7 +412,11 @@ fn read_block(block: &SharedPrefix, mapping: &dyn SharedMapping) -> Option<Vec<u
 }
 
 /// Writes `payload` (as [`read_block`] laid it out) into `block`.
-fn write_block(block: &SharedPrefix, mapping: &dyn SharedMapping, payload: &[u8]) -> bool {
+pub(super) fn write_block(
+    block: &SharedPrefix,
+    mapping: &dyn SharedMapping,
+    payload: &[u8],
+) -> bool {
     if payload.len() as u64 != block.bytes || block.blocks.is_empty() {
         return false;
     }
