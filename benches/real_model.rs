@@ -25,7 +25,8 @@
 //! two runs' next-token logits are checked equal. candle's `quantized_llama` taking the same
 //! prompt in one masked forward is the outside reference (`candle_whole_prompt`).
 //!
-//! `PROCMEM_BENCH_CONTEXTS` (comma-separated, default `256,2048,8192`) and
+//! `PROCMEM_BENCH_CONTEXTS` (comma-separated, default `256,2048,8192`; empty for the prefill
+//! rows alone) and
 //! `PROCMEM_BENCH_TOKENS` (new tokens timed per context, default 32) change the run. The
 //! model comes from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
 
@@ -431,6 +432,7 @@ fn main() {
     let contexts: Vec<usize> = std::env::var("PROCMEM_BENCH_CONTEXTS")
         .unwrap_or_else(|_| "256,2048,8192".into())
         .split(',')
+        .filter(|c| !c.trim().is_empty())
         .map(|c| c.trim().parse().expect("PROCMEM_BENCH_CONTEXTS: numbers"))
         .collect();
     let new: usize = std::env::var("PROCMEM_BENCH_TOKENS")

@@ -2,15 +2,24 @@
 //!
 //! A step that writes `rows` new tokens of one sequence after `start` held ones attends each
 //! new row `j` to the first `start + j + 1` rows of the same flat buffers: the row sees its
-//! own sequence up to and including itself, never a later row of the chunk. Each row is one
-//! [`gqa_decode`] over that prefix, so a chunk gives, row for row, the same bits as the same
-//! tokens decoded one step at a time; rows run on worker threads, and the result does not
-//! depend on how many there are.
+//! own sequence up to and including itself, never a later row of the chunk. Each row is the
+//! [`gqa_decode`] of that prefix, so a chunk gives, row for row, the same bits as the same
+//! tokens decoded one step at a time, and the result does not depend on how many threads run
+//! it.
+//!
+//! The work is cut as the decode operator cuts a context: into splits of
+//! [`SPLIT_TOKENS`](super::gqa::SPLIT_TOKENS) tokens, each reduced to a partial softmax, the
+//! partials merged in split order. A chunk runs a split for a block of [`ROW_BLOCK`] rows at
+//! once: the split's K/V rows are read (and `f16` widened) once for the block, not once per
+//! row, while each row's partial is computed exactly as its own decode step computes it.
 
 use rayon::prelude::*;
 
 use super::elem::KvElement;
-use super::gqa::gqa_decode;
+use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKENS};
+
+/// Rows of a chunk that share one reading of a split's K/V.
+pub const ROW_BLOCK: usize = 16;
 
 /// Causal GQA of a chunk: `q` holds `rows × q_heads × head_dim` (row-major), `k` and `v` at
 /// least `(start + rows) × kv_heads × head_dim` elements, and `out` receives `rows × q_heads ×
@@ -52,6 +61,9 @@ pub fn gqa_causal<T: KvElement>(
         k.len() >= needed && v.len() >= needed,
         "K and V hold {needed} elements at least"
     );
+    if rows > 1 && head_dim % LANES == 0 {
+        return blocked(q, k, v, start, (q_heads, kv_heads, head_dim), out);
+    }
     let row = |(j, o): (usize, &mut [f32])| {
         let tokens = start + j + 1;
         let seen = tokens * stride;
@@ -72,6 +84,72 @@ pub fn gqa_causal<T: KvElement>(
     } else {
         out.par_chunks_mut(width).enumerate().for_each(row);
     }
+}
+
+/// [`gqa_causal`] a split and a block of rows at a time (shapes checked by the caller): the
+/// partial softmax of split `s` for row `j` is `partials[((b * splits + s) * ROW_BLOCK + j %
+/// ROW_BLOCK) * part..]`, `b` the row's block; then each row merges its own, in split order.
+fn blocked<T: KvElement>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    start: usize,
+    (q_heads, kv_heads, head_dim): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    let width = q_heads * head_dim;
+    let rows = q.len() / width;
+    let total = start + rows;
+    let dims = Dims::checked(
+        &q[..width],
+        k.len(),
+        v.len(),
+        total,
+        q_heads,
+        kv_heads,
+        head_dim,
+        &out[..width],
+    );
+    let stride = kv_heads * head_dim;
+    let part = dims.partial_len();
+    let splits = total.div_ceil(SPLIT_TOKENS);
+    let kept = Rows::of(k, v);
+    let mut partials = vec![0f32; rows.div_ceil(ROW_BLOCK) * splits * ROW_BLOCK * part];
+    let unit = |(u, chunk): (usize, &mut [f32])| {
+        let (block, first) = (u / splits * ROW_BLOCK, u % splits * SPLIT_TOKENS);
+        let last = (block + ROW_BLOCK).min(rows);
+        // Row `j` sees tokens `..start + j + 1`: the block's last row sees the most.
+        let seen = start + last;
+        if first >= seen {
+            return;
+        }
+        let (mut k_buf, mut v_buf) = (Vec::new(), Vec::new());
+        let n = SPLIT_TOKENS.min(seen - first);
+        let split = kept.split(first, n, stride, &mut k_buf, &mut v_buf);
+        for j in block..last {
+            let tokens = start + j + 1;
+            if first < tokens {
+                let qj = &q[j * width..][..width];
+                let pj = &mut chunk[(j - block) * part..][..part];
+                split_partial(qj, &split, 0, SPLIT_TOKENS.min(tokens - first), &dims, pj);
+            }
+        }
+    };
+    partials
+        .par_chunks_mut(ROW_BLOCK * part)
+        .enumerate()
+        .for_each(unit);
+    out.par_chunks_mut(width).enumerate().for_each(|(j, o)| {
+        let own = (start + j + 1).div_ceil(SPLIT_TOKENS);
+        let (block, at) = (j / ROW_BLOCK, j % ROW_BLOCK);
+        let mut mine = Vec::with_capacity(own * part);
+        for s in 0..own {
+            mine.extend_from_slice(
+                &partials[((block * splits + s) * ROW_BLOCK + at) * part..][..part],
+            );
+        }
+        merge(&mine, &dims, o);
+    });
 }
 
 #[cfg(test)]
@@ -125,6 +203,41 @@ mod tests {
         let earlier = (rows - 1) * qh * hd;
         assert_eq!(out[..earlier], out2[..earlier]);
         assert_ne!(out[earlier..], out2[earlier..]);
+    }
+
+    /// Every row of a chunk gets the bits of its own decode step, over `f32` and `f16` K/V,
+    /// for chunks that start anywhere, cross splits and fill blocks in part.
+    #[test]
+    fn a_chunk_gives_each_row_the_bits_of_its_own_decode_step() {
+        fn check<T: KvElement>((qh, kh, hd): (usize, usize, usize), start: usize, rows: usize) {
+            let (w, stride) = (qh * hd, kh * hd);
+            let q = data(rows * w, 7);
+            let kv = |seed| -> Vec<T> {
+                data((start + rows) * stride, seed)
+                    .into_iter()
+                    .map(T::from_f32)
+                    .collect()
+            };
+            let (k, v) = (kv(8), kv(9));
+            let mut out = vec![0f32; q.len()];
+            gqa_causal(&q, &k, &v, start, qh, kh, hd, &mut out);
+            for j in 0..rows {
+                let t = start + j + 1;
+                let mut want = vec![0f32; w];
+                let (kj, vj) = (&k[..t * stride], &v[..t * stride]);
+                gqa_decode(&q[j * w..][..w], kj, vj, t, qh, kh, hd, &mut want);
+                assert_eq!(
+                    out[j * w..][..w],
+                    want[..],
+                    "row {j} of {rows} from {start}"
+                );
+            }
+        }
+        for (start, rows) in [(0, 40), (250, 300), (517, 17), (0, 2), (255, 1)] {
+            check::<f32>((9, 3, 64), start, rows);
+            check::<half::f16>((9, 3, 64), start, rows);
+            check::<f32>((8, 2, 16), start, rows);
+        }
     }
 
     #[test]

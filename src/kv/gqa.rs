@@ -28,14 +28,18 @@ use rayon::prelude::*;
 use super::elem::KvElement;
 use super::shape::KvDtype;
 
+#[allow(unsafe_code)]
+mod simd;
+
+use simd::{exp_lanes, key_lanes, madd};
+
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
 /// thread count (and outputs do not change with it).
 pub const SPLIT_TOKENS: usize = 256;
 
 /// Query heads whose dot products with one key row are kept in registers together.
 const TILE: usize = 4;
-/// Lanes of one vector of `f32` (AVX2).
-const LANES: usize = 8;
+pub(super) use simd::LANES;
 /// Tokens whose values are added into the outputs in one pass over a KV head (64 rows of a
 /// 128-element head are 32 KiB: they stay in the first-level cache while each tile of query
 /// heads reads them).
@@ -148,7 +152,7 @@ pub fn gqa_decode_plain<T: KvElement>(
 }
 
 /// The shape of one call, checked.
-struct Dims {
+pub(super) struct Dims {
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -160,7 +164,7 @@ struct Dims {
 
 impl Dims {
     #[allow(clippy::too_many_arguments)]
-    fn checked(
+    pub(super) fn checked(
         q: &[f32],
         k_len: usize,
         v_len: usize,
@@ -199,23 +203,47 @@ impl Dims {
 
     /// A split's partial result: per query head its maximum score and its sum of
     /// exponentials, then per query head its weighted sum of values.
-    fn partial_len(&self) -> usize {
+    pub(super) fn partial_len(&self) -> usize {
         self.q_heads * (self.head_dim + 2)
     }
 }
 
 /// The KV rows, in the element type they are kept in.
-enum Rows<'a> {
+pub(super) enum Rows<'a> {
     F32(&'a [f32], &'a [f32]),
     F16(&'a [half::f16], &'a [half::f16]),
 }
 
 impl<'a> Rows<'a> {
-    fn of<T: KvElement>(k: &'a [T], v: &'a [T]) -> Rows<'a> {
+    pub(super) fn of<T: KvElement>(k: &'a [T], v: &'a [T]) -> Rows<'a> {
         // `T` is `f32` or `f16` as its `DTYPE` says: the casts are identities.
         match T::DTYPE {
             KvDtype::F32 => Rows::F32(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
             KvDtype::F16 => Rows::F16(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
+        }
+    }
+
+    /// Rows `first..first + n` of K and V as `f32` rows numbered from 0: borrowed where they
+    /// are kept as `f32`, widened into `k_buf` and `v_buf` where `f16` (exactly: the same
+    /// numbers, so a split over them gives the same bits).
+    pub(super) fn split<'b>(
+        &'b self,
+        first: usize,
+        n: usize,
+        stride: usize,
+        k_buf: &'b mut Vec<f32>,
+        v_buf: &'b mut Vec<f32>,
+    ) -> Rows<'b> {
+        let range = first * stride..(first + n) * stride;
+        match self {
+            Rows::F32(k, v) => Rows::F32(&k[range.clone()], &v[range]),
+            Rows::F16(k, v) => {
+                k_buf.resize(n * stride, 0.0);
+                v_buf.resize(n * stride, 0.0);
+                k[range.clone()].convert_to_f32_slice(k_buf);
+                v[range].convert_to_f32_slice(v_buf);
+                Rows::F32(k_buf, v_buf)
+            }
         }
     }
 
@@ -289,8 +317,16 @@ impl<'a> Rows<'a> {
 /// One split's partial softmax: `n` tokens from `first`, written into `part` (see
 /// [`Dims::partial_len`]). Compiled for the baseline and for AVX2 + FMA.
 #[multiversion::multiversion(targets("x86_64+avx2+fma"))]
-fn split_partial(q: &[f32], rows: &Rows, first: usize, n: usize, dims: &Dims, part: &mut [f32]) {
-    if multiversion::target::selected_target!().supports_feature_str("fma") {
+pub(super) fn split_partial(
+    q: &[f32],
+    rows: &Rows,
+    first: usize,
+    n: usize,
+    dims: &Dims,
+    part: &mut [f32],
+) {
+    let target = multiversion::target::selected_target!();
+    if target.supports_feature_str("fma") && target.supports_feature_str("avx2") {
         match dims.head_dim {
             64 => split_body::<true, 64>(q, rows, first, n, dims, part),
             128 => split_body::<true, 128>(q, rows, first, n, dims, part),
@@ -329,11 +365,20 @@ fn split_body<const FMA: bool, const HD: usize>(
     for h in 0..d.q_heads {
         let s = &mut scores[h * n..][..n];
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
+        // Eight scores at a time; lane `l` sums scores `l`, `l + 8`, ..., then the lanes.
+        let mut lanes = [0f32; LANES];
+        for chunk in s.chunks_mut(LANES) {
+            let mut x = [0f32; LANES];
+            for (x, c) in x.iter_mut().zip(chunk.iter()) {
+                *x = c - max;
+            }
+            let e = exp_lanes::<FMA>(x);
+            for ((c, e), l) in chunk.iter_mut().zip(e).zip(lanes.iter_mut()) {
+                *c = e;
+                *l += e;
+            }
         }
+        let sum = hsum(lanes);
         maxes[h] = max;
         sums[h] = sum;
     }
@@ -452,20 +497,7 @@ fn key_tile<const M: usize, const R: usize, const FMA: bool>(
     qs: &[f32],
     ks: [&[f32]; R],
 ) -> [[f32; R]; M] {
-    let hd = ks[0].len();
-    let mut acc = [[[0f32; LANES]; R]; M];
-    for c in (0..hd).step_by(LANES) {
-        let kv: [&[f32; LANES]; R] =
-            std::array::from_fn(|i| ks[i][c..c + LANES].try_into().expect("one vector"));
-        for (j, a) in acc.iter_mut().enumerate() {
-            let qv: &[f32; LANES] = qs[j * hd + c..][..LANES].try_into().expect("one vector");
-            for (i, a) in a.iter_mut().enumerate() {
-                for l in 0..LANES {
-                    a[l] = madd::<FMA>(qv[l], kv[i][l], a[l]);
-                }
-            }
-        }
-    }
+    let acc = key_lanes::<M, R, FMA>(qs, ks);
     // Reduce the accumulators four at a time (pairwise adds across them, as `vhaddps` does),
     // the rest one by one.
     let mut flat = [[0f32; LANES]; TILE * 2];
@@ -591,18 +623,8 @@ fn hsum(mut s: [f32; LANES]) -> f32 {
     s[0]
 }
 
-/// `a * b + c`, fused where the code is compiled for FMA.
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
 /// Merges the splits' partial softmaxes, in split order, into the output.
-fn merge(partials: &[f32], d: &Dims, out: &mut [f32]) {
+pub(super) fn merge(partials: &[f32], d: &Dims, out: &mut [f32]) {
     let width = d.partial_len();
     let hd = d.head_dim;
     for h in 0..d.q_heads {
