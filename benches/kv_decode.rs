@@ -1,6 +1,6 @@
 //! The side-by-side that justifies the design: a GQA decode loop of an 8B-like head shape
 //! (32 query heads, 8 KV heads, head dimension 128) at contexts 512, 4,096 and 16,384, with
-//! five KV strategies in one run:
+//! these KV strategies in one run:
 //!
 //! - `virtual`: this project, one flat virtually contiguous buffer per layer grown in chunks;
 //! - `preallocated`: a flat buffer of the maximum length (the speed limit, the memory worst case);
@@ -9,6 +9,11 @@
 //! - `step_api`: the same operator driven through the KV store actor's step API (a prepare
 //!   under the Governor, each layer's write and attention as a kernel on the CPU stream over
 //!   the step's memory, the step completed with its fence): what a server pays for the store;
+//! - `step_api_queued`: the same, but each layer's kernel is queued on the stream without the
+//!   host waiting for it, as a server queues a step's layers (and as a GPU server launches its
+//!   kernels); the step's end waits for them all. Beside it, `prepare_p50_ns` (what a prepare
+//!   takes) and `actor_call_p50_ns` (a bare ractor call made the same way: the floor under a
+//!   prepare and under a complete);
 //! - `step_api_growing`: the same with one granule per growth, so every step maps a new
 //!   granule of every buffer, mapped ahead while the previous step runs (`map_ahead`);
 //!   `step_api_growing_at_prepare` maps it at prepare instead, on the step's critical path.
@@ -33,6 +38,7 @@ mod cuda_decode;
 
 use procmem_actors::kv::StepEnd;
 use std::hint::black_box;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use procmem::host::HostMechanism;
@@ -70,6 +76,10 @@ trait Strategy {
     /// Bytes copied to present a contiguous view to the operator.
     fn gather_copied(&self) -> u64;
     fn peak_resident(&self) -> u64;
+    /// The median time a prepare took, where the strategy has one.
+    fn prepare_p50_ns(&self) -> Option<f64> {
+        None
+    }
 }
 
 struct Virtual {
@@ -121,6 +131,11 @@ struct StepApi {
     step: Option<KvStep>,
     /// This token's K/V per layer, written when the layer attends (or at `advance`).
     pending: Vec<Option<Row>>,
+    /// Where each layer's kernel leaves its output when the layers are queued without waiting
+    /// (`step_api_queued`); `None`: each layer waits for its kernel.
+    queued: Option<Arc<Mutex<Vec<f32>>>>,
+    /// Nanoseconds of each prepare.
+    prepares: Vec<u64>,
 }
 
 /// One token's K and V for one layer.
@@ -129,7 +144,7 @@ type Row = (Vec<f32>, Vec<f32>);
 impl StepApi {
     /// A store growing `chunk_granules` granules at a time, mapping the next growth while a
     /// step runs or not.
-    fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool) -> Self {
+    fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool, queued: bool) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -158,6 +173,8 @@ impl StepApi {
             _keep: keep,
             step: None,
             pending: vec![None; LAYERS],
+            queued: queued.then(|| Arc::new(Mutex::new(vec![0f32; Q_HEADS * HEAD_DIM]))),
+            prepares: Vec::new(),
         }
     }
 }
@@ -165,7 +182,9 @@ impl StepApi {
 impl Strategy for StepApi {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         if self.step.is_none() {
+            let start = Instant::now();
             self.step = Some(self.rt.block_on(self.kv.prepare(vec![1])).unwrap());
+            self.prepares.push(start.elapsed().as_nanos() as u64);
         }
         self.pending[layer] = Some((k.to_vec(), v.to_vec()));
     }
@@ -190,6 +209,29 @@ impl Strategy for StepApi {
     fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
         let (k, v) = self.pending[layer].take().expect("appended first");
         let step = self.step.as_ref().expect("a step was prepared");
+        if let Some(into) = &self.queued {
+            // As a server queues a step's layers: the kernel goes to the stream and the host
+            // goes on; the step's end waits for all of them.
+            let (q, into) = (q.to_vec(), Arc::clone(into));
+            step.submit(move |kv| {
+                kv.write(0, layer, &k, &v).unwrap();
+                let (keys, values) = (kv.keys::<f32>(0, layer).unwrap(), kv.values(0, layer));
+                let mut out = into.lock().unwrap();
+                let tokens = keys.len() / TF;
+                gqa_decode(
+                    &q,
+                    keys,
+                    values.unwrap(),
+                    tokens,
+                    Q_HEADS,
+                    KV_HEADS,
+                    HEAD_DIM,
+                    &mut out,
+                );
+            })
+            .unwrap();
+            return;
+        }
         let item = AttendItem {
             seq: 1,
             q: q.to_vec(),
@@ -209,6 +251,65 @@ impl Strategy for StepApi {
         // KV only grows here: what the kernel counts at the end is the peak.
         self.rt.block_on(self.kv.stats()).unwrap().os_resident_bytes
     }
+    fn prepare_p50_ns(&self) -> Option<f64> {
+        let mut all = self.prepares.clone();
+        all.sort_unstable();
+        all.get(all.len() / 2).map(|n| *n as f64)
+    }
+}
+
+/// An actor that answers every call at once: a ractor call to it from outside the runtime, as
+/// the strategies call the store, is the floor under a prepare and a complete.
+struct Echo;
+
+/// A call to [`Echo`].
+struct Ping(ractor::RpcReplyPort<()>);
+
+impl ractor::Message for Ping {}
+
+impl ractor::Actor for Echo {
+    type Msg = Ping;
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        _: ractor::ActorRef<Self::Msg>,
+        _: (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _: ractor::ActorRef<Self::Msg>,
+        Ping(reply): Ping,
+        _: &mut (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        let _ = reply.send(());
+        Ok(())
+    }
+}
+
+/// The median nanoseconds of a bare ractor call (to [`Echo`]) made with `block_on` from this
+/// thread into a runtime of one worker, as `StepApi` calls the store.
+fn actor_call_p50_ns() -> f64 {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (echo, _) = rt.block_on(ractor::Actor::spawn(None, Echo, ())).unwrap();
+    let mut all: Vec<u64> = (0..2_000)
+        .map(|_| {
+            let start = Instant::now();
+            rt.block_on(echo.call(Ping, None)).unwrap();
+            start.elapsed().as_nanos() as u64
+        })
+        .collect();
+    echo.stop(None);
+    all.sort_unstable();
+    all[all.len() / 2] as f64
 }
 
 struct Preallocated {
@@ -372,10 +473,11 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
     };
     let filled = |n: usize| vec![0.5f32; n];
     match name {
-        "step_api" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true)),
+        "step_api" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true, false)),
+        "step_api_queued" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true, true)),
         // One granule per growth: with 4 KiB rows every step maps a new granule per buffer.
-        "step_api_growing" => Box::new(StepApi::new(shape, 1, true)),
-        "step_api_growing_at_prepare" => Box::new(StepApi::new(shape, 1, false)),
+        "step_api_growing" => Box::new(StepApi::new(shape, 1, true, false)),
+        "step_api_growing_at_prepare" => Box::new(StepApi::new(shape, 1, false, false)),
         "virtual" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
@@ -437,6 +539,7 @@ fn main() {
     let names = [
         "virtual",
         "step_api",
+        "step_api_queued",
         "step_api_growing",
         "step_api_growing_at_prepare",
         "preallocated",
@@ -521,6 +624,10 @@ fn main() {
             per_strategy.push((*name, tokens_per_s));
             rows.push(row);
         }
+        let prepare_p50 = strategies
+            .iter()
+            .find(|(n, _)| *n == "step_api_queued")
+            .and_then(|(_, s)| s.prepare_p50_ns());
         drop(strategies);
         let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
         let operator_gb_s = kv_bytes as f64 * get("virtual") / 1e9;
@@ -530,6 +637,9 @@ fn main() {
             "virtual_kv_gb_s": operator_gb_s,
             "operator_vs_streaming_read": operator_gb_s / streaming_read,
             "step_api_vs_virtual": get("step_api") / get("virtual"),
+            "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
+            "prepare_p50_ns": prepare_p50,
+            "actor_call_p50_ns": actor_call_p50_ns(),
             // Every step of these grows every buffer: mapped while the previous step ran,
             // or at prepare (on the step's critical path).
             "growing_vs_step_api": get("step_api_growing") / get("step_api"),

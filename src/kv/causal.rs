@@ -21,6 +21,9 @@ use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKE
 /// Rows of a chunk that share one reading of a split's K/V.
 pub const ROW_BLOCK: usize = 16;
 
+/// About the most bytes of partial softmaxes a chunk holds at once (at least a block's).
+const PARTIALS_BYTES: usize = 8 << 20;
+
 /// Causal GQA of a chunk: `q` holds `rows × q_heads × head_dim` (row-major), `k` and `v` at
 /// least `(start + rows) × kv_heads × head_dim` elements, and `out` receives `rows × q_heads ×
 /// head_dim`. Row `j` attends to K/V rows `0..=start + j`. With no row it does nothing.
@@ -86,10 +89,33 @@ pub fn gqa_causal<T: KvElement>(
     }
 }
 
-/// [`gqa_causal`] a split and a block of rows at a time (shapes checked by the caller): the
-/// partial softmax of split `s` for row `j` is `partials[((b * splits + s) * ROW_BLOCK + j %
-/// ROW_BLOCK) * part..]`, `b` the row's block; then each row merges its own, in split order.
+/// [`gqa_causal`] a group of rows at a time, each group a chunk of its own (the rows before it
+/// are its context), so that the partials held at once stay near [`PARTIALS_BYTES`] however
+/// long the chunk and its context.
 fn blocked<T: KvElement>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    start: usize,
+    heads: (usize, usize, usize),
+    out: &mut [f32],
+) {
+    let (q_heads, _, head_dim) = heads;
+    let width = q_heads * head_dim;
+    let rows = q.len() / width;
+    // A row's partials: one per split of the longest context, each `q_heads × (head_dim + 2)`.
+    let row_bytes = (start + rows).div_ceil(SPLIT_TOKENS) * q_heads * (head_dim + 2) * 4;
+    let group = (PARTIALS_BYTES / row_bytes.max(1)).max(ROW_BLOCK) / ROW_BLOCK * ROW_BLOCK;
+    let groups = q.chunks(group * width).zip(out.chunks_mut(group * width));
+    for (g, (qg, og)) in groups.enumerate() {
+        blocked_group(qg, k, v, start + g * group, heads, og);
+    }
+}
+
+/// [`blocked`] for one group: the partial softmax of split `s` for row `j` is
+/// `partials[((b * splits + s) * ROW_BLOCK + j % ROW_BLOCK) * part..]`, `b` the row's block;
+/// then each row merges its own, in split order.
+fn blocked_group<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -233,6 +259,9 @@ mod tests {
                 );
             }
         }
+        // A context long enough that the chunk runs in groups of 16 rows (32 query heads of
+        // 128: each row's partials over 17 splits take 283 KB, 29 rows' fill the cap).
+        check::<f32>((32, 8, 128), 4_200, 40);
         for (start, rows) in [(0, 40), (250, 300), (517, 17), (0, 2), (255, 1)] {
             check::<f32>((9, 3, 64), start, rows);
             check::<half::f16>((9, 3, 64), start, rows);
