@@ -13,7 +13,8 @@
 //!   host waiting for it, as a server queues a step's layers (and as a GPU server launches its
 //!   kernels); the step's end waits for them all. Beside it, `prepare_p50_ns` (what a prepare
 //!   takes) and `actor_call_p50_ns` (a bare ractor call made the same way: the floor under a
-//!   prepare and under a complete);
+//!   prepare and under a complete), and `actor_call_in_runtime_p50_ns` (the same call from a
+//!   task on the runtime, as a server's scheduler makes it);
 //! - `step_api_growing`: the same with one granule per growth, so every step maps a new
 //!   granule of every buffer, mapped ahead while the previous step runs (`map_ahead`);
 //!   `step_api_growing_at_prepare` maps it at prepare instead, on the step's critical path.
@@ -145,11 +146,20 @@ impl StepApi {
     /// A store growing `chunk_granules` granules at a time, mapping the next growth while a
     /// step runs or not.
     fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool, queued: bool) -> Self {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        // Queued, the store's actors run on this thread while it waits in `block_on` (a
+        // runtime of its own thread), as a server's scheduler task and its store share a
+        // worker: a call between them wakes no other thread. The other strategies call from
+        // this thread into a runtime of one worker thread.
+        let rt = if queued {
+            tokio::runtime::Builder::new_current_thread()
+        } else {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(1);
+            b
+        }
+        .enable_all()
+        .build()
+        .unwrap();
         let (kv, keep) = rt.block_on(async {
             let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 40))
                 .await
@@ -292,8 +302,9 @@ impl ractor::Actor for Echo {
 }
 
 /// The median nanoseconds of a bare ractor call (to [`Echo`]) made with `block_on` from this
-/// thread into a runtime of one worker, as `StepApi` calls the store.
-fn actor_call_p50_ns() -> f64 {
+/// thread into a runtime of one worker, as `StepApi` calls the store; and of the same call
+/// made by a task on that runtime, as a server's scheduler calls its store.
+fn actor_call_p50_ns() -> (f64, f64) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -307,9 +318,22 @@ fn actor_call_p50_ns() -> f64 {
             start.elapsed().as_nanos() as u64
         })
         .collect();
+    let e = echo.clone();
+    let mut inside: Vec<u64> = rt
+        .block_on(rt.spawn(async move {
+            let mut all = Vec::with_capacity(2_000);
+            for _ in 0..2_000 {
+                let start = Instant::now();
+                e.call(Ping, None).await.unwrap();
+                all.push(start.elapsed().as_nanos() as u64);
+            }
+            all
+        }))
+        .unwrap();
     echo.stop(None);
     all.sort_unstable();
-    all[all.len() / 2] as f64
+    inside.sort_unstable();
+    (all[all.len() / 2] as f64, inside[inside.len() / 2] as f64)
 }
 
 struct Preallocated {
@@ -629,6 +653,7 @@ fn main() {
             .find(|(n, _)| *n == "step_api_queued")
             .and_then(|(_, s)| s.prepare_p50_ns());
         drop(strategies);
+        let floor = actor_call_p50_ns();
         let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
         let operator_gb_s = kv_bytes as f64 * get("virtual") / 1e9;
         let summary = json!({
@@ -639,7 +664,8 @@ fn main() {
             "step_api_vs_virtual": get("step_api") / get("virtual"),
             "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
             "prepare_p50_ns": prepare_p50,
-            "actor_call_p50_ns": actor_call_p50_ns(),
+            "actor_call_p50_ns": floor.0,
+            "actor_call_in_runtime_p50_ns": floor.1,
             // Every step of these grows every buffer: mapped while the previous step ran,
             // or at prepare (on the step's critical path).
             "growing_vs_step_api": get("step_api_growing") / get("step_api"),
