@@ -21,7 +21,7 @@ use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKE
 /// Rows of a chunk that share one reading of a split's K/V.
 pub const ROW_BLOCK: usize = 16;
 
-/// About the most bytes of partial softmaxes a chunk holds at once (at least a block's).
+/// About the most bytes of partial softmaxes a chunk holds at once (at least a block's rows').
 const PARTIALS_BYTES: usize = 8 << 20;
 
 /// Causal GQA of a chunk: `q` holds `rows × q_heads × head_dim` (row-major), `k` and `v` at
@@ -91,7 +91,8 @@ pub fn gqa_causal<T: KvElement>(
 
 /// [`gqa_causal`] a group of rows at a time, each group a chunk of its own (the rows before it
 /// are its context), so that the partials held at once stay near [`PARTIALS_BYTES`] however
-/// long the chunk and its context.
+/// long the chunk: or a block's, [`ROW_BLOCK`] rows, where one row's alone are more (16 rows
+/// of 32 heads of 128 at a 64K context hold 68 MB).
 fn blocked<T: KvElement>(
     q: &[f32],
     k: &[T],
@@ -104,7 +105,11 @@ fn blocked<T: KvElement>(
     let width = q_heads * head_dim;
     let rows = q.len() / width;
     // A row's partials: one per split of the longest context, each `q_heads × (head_dim + 2)`.
-    let row_bytes = (start + rows).div_ceil(SPLIT_TOKENS) * q_heads * (head_dim + 2) * 4;
+    let row_bytes = (start + rows)
+        .div_ceil(SPLIT_TOKENS)
+        .saturating_mul(q_heads)
+        .saturating_mul(head_dim + 2)
+        .saturating_mul(4);
     let group = (PARTIALS_BYTES / row_bytes.max(1)).max(ROW_BLOCK) / ROW_BLOCK * ROW_BLOCK;
     let groups = q.chunks(group * width).zip(out.chunks_mut(group * width));
     for (g, (qg, og)) in groups.enumerate() {
@@ -262,7 +267,7 @@ mod tests {
         // A context long enough that the chunk runs in groups of 16 rows (32 query heads of
         // 128: each row's partials over 17 splits take 283 KB, 29 rows' fill the cap).
         check::<f32>((32, 8, 128), 4_200, 40);
-        for (start, rows) in [(0, 40), (250, 300), (517, 17), (0, 2), (255, 1)] {
+        for (start, rows) in [(0, 40), (250, 300), (517, 17), (0, 2), (254, 3), (255, 1)] {
             check::<f32>((9, 3, 64), start, rows);
             check::<half::f16>((9, 3, 64), start, rows);
             check::<f32>((8, 2, 16), start, rows);

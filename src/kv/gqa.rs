@@ -31,7 +31,7 @@ use super::shape::KvDtype;
 #[allow(unsafe_code)]
 mod simd;
 
-use simd::{exp_lanes, key_lanes, madd};
+use simd::{key_lanes, madd};
 
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
 /// thread count (and outputs do not change with it).
@@ -365,20 +365,11 @@ fn split_body<const FMA: bool, const HD: usize>(
     for h in 0..d.q_heads {
         let s = &mut scores[h * n..][..n];
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Eight scores at a time; lane `l` sums scores `l`, `l + 8`, ..., then the lanes.
-        let mut lanes = [0f32; LANES];
-        for chunk in s.chunks_mut(LANES) {
-            let mut x = [0f32; LANES];
-            for (x, c) in x.iter_mut().zip(chunk.iter()) {
-                *x = c - max;
-            }
-            let e = exp_lanes::<FMA>(x);
-            for ((c, e), l) in chunk.iter_mut().zip(e).zip(lanes.iter_mut()) {
-                *c = e;
-                *l += e;
-            }
+        let mut sum = 0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
         }
-        let sum = hsum(lanes);
         maxes[h] = max;
         sums[h] = sum;
     }
