@@ -26,7 +26,8 @@
 //! has their time to first token side by side.
 //!
 //! `PROCMEM_BENCH_MIN_HITS` sets the disk tier's admission filter for those rows (2: a block
-//! enters once asked for twice). `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`,
+//! enters once asked for twice). `PROCMEM_BENCH_PREEMPT=recompute` makes procmem's server
+//! preempt by dropping a sequence's KV to compute it again, not by swapping it out. `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`,
 //! `PROCMEM_BENCH_CONCURRENCY`
 //! (comma-separated), `PROCMEM_BENCH_LONG` (prompts of the `long` rows, 0 for none) and
 //! `PROCMEM_BENCH_LLAMA=0` change the run. Without the model (fetched on first use) or the
@@ -157,7 +158,7 @@ fn child(spec: &str) -> ExitCode {
         max_new: ANSWER_TOKENS as usize,
         budget: None,
         fraction: Some(fraction),
-        preempt: PreemptMode::Swap,
+        preempt: preempt_mode(),
         dtype: KvDtype::F16,
         context,
         listen: Some(common::listen::Listen {
@@ -304,9 +305,18 @@ async fn procmem_row(
             "peak_kv_demand_bytes": logged(&d.log, "peak KV demand "),
             "held_at_once": d.peaks.held,
             "books_zero_after_shutdown": d.log.contains("books after shutdown: zero"),
+            "preempt": format!("{:?}", preempt_mode()).to_lowercase(),
         }),
     );
     Ok((row, d.answers))
+}
+
+/// How procmem's server preempts: `PROCMEM_BENCH_PREEMPT=recompute`, else swap.
+fn preempt_mode() -> PreemptMode {
+    match std::env::var("PROCMEM_BENCH_PREEMPT").as_deref() {
+        Ok("recompute") => PreemptMode::Recompute,
+        _ => PreemptMode::Swap,
+    }
 }
 
 /// The disk tier's admission filter in the tier rows: `PROCMEM_BENCH_MIN_HITS`, else 2.
