@@ -14,7 +14,7 @@ use procmem_actors::{
 };
 use serde_json::json;
 
-use common::write_report;
+use common::{percentile, write_report};
 
 const BUFFERS: usize = 20_000;
 const BYTES: u64 = 4096;
@@ -34,10 +34,6 @@ async fn wait_refunded(g: &GovernorHandle) {
     while g.snapshot().await.unwrap().books.leased != 0 {
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
-}
-
-fn percentile(sorted: &[u64], p: f64) -> u64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 const CUDA_BUFFERS: usize = 2_000;

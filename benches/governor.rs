@@ -21,16 +21,12 @@ use procmem_actors::{
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
 
-use common::write_report;
+use common::{percentile, write_report};
 
 const WARMUP: usize = 2_000;
 const SAMPLES: usize = 20_000;
 const CONCURRENT: usize = 64;
 const PER_TASK: usize = 500;
-
-fn percentile(sorted: &[u64], p: f64) -> u64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 async fn round_trip(
     g: &GovernorHandle,

@@ -52,7 +52,7 @@ use procmem_actors::{
 };
 use serde_json::json;
 
-use common::write_report;
+use common::{percentile, write_report};
 
 const LAYERS: usize = 2;
 const Q_HEADS: usize = 32;
@@ -264,7 +264,7 @@ impl Strategy for StepApi {
     fn prepare_p50_ns(&self) -> Option<f64> {
         let mut all = self.prepares.clone();
         all.sort_unstable();
-        all.get(all.len() / 2).map(|n| *n as f64)
+        (!all.is_empty()).then(|| percentile(&all, 0.5) as f64)
     }
 }
 
@@ -333,7 +333,10 @@ fn actor_call_p50_ns() -> (f64, f64) {
     echo.stop(None);
     all.sort_unstable();
     inside.sort_unstable();
-    (all[all.len() / 2] as f64, inside[inside.len() / 2] as f64)
+    (
+        percentile(&all, 0.5) as f64,
+        percentile(&inside, 0.5) as f64,
+    )
 }
 
 struct Preallocated {

@@ -27,8 +27,8 @@
 //!
 //! `PROCMEM_BENCH_MIN_HITS` sets the disk tier's admission filter for those rows (2: a block
 //! enters once asked for twice). `PROCMEM_BENCH_PREEMPT=recompute` makes procmem's server
-//! preempt by dropping a sequence's KV to compute it again, not by swapping it out. `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`,
-//! `PROCMEM_BENCH_CONCURRENCY`
+//! preempt by dropping a sequence's KV to compute it again, not by swapping it out.
+//! `PROCMEM_BENCH_CONVERSATIONS`, `PROCMEM_BENCH_TURNS`, `PROCMEM_BENCH_CONCURRENCY`
 //! (comma-separated), `PROCMEM_BENCH_LONG` (prompts of the `long` rows, 0 for none) and
 //! `PROCMEM_BENCH_LLAMA=0` change the run. Without the model (fetched on first use) or the
 //! llama.cpp build the bench says what it skips.

@@ -11,6 +11,11 @@ pub fn median_of<F: FnMut() -> f64>(rounds: usize, mut f: F) -> f64 {
     samples[samples.len() / 2]
 }
 
+/// The `p` quantile (0 to 1) of `sorted`, nearest rank. Panics on no samples.
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
 /// Nanoseconds `f` takes per call of `units` units of work.
 pub fn ns_per<F: FnOnce()>(units: u64, f: F) -> f64 {
     let start = Instant::now();
