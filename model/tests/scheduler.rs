@@ -520,3 +520,51 @@ async fn a_prompt_back_from_disk_and_one_whose_copy_fails_answer_the_same() {
     let report = memory.shutdown().await.unwrap();
     assert!(report.is_zero(), "{report:?}");
 }
+
+/// Requests that arrive together with the same system prompt share its blocks: the second
+/// waits for the first to write the block they both start with (an unrelated request is
+/// admitted meanwhile), then maps it, and answers as it does alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_the_prompt_blocks_another_is_writing() {
+    let block = SHAPE.block_tokens(4096);
+    let first = request(200, 1, 20);
+    // The first block's tokens and then tokens of its own.
+    let mut second = request(200, 2, 20);
+    second.prompt[..block + 5].copy_from_slice(&first.prompt[..block + 5]);
+    let other = request(150, 3, 20);
+    let alone = {
+        let (memory, model) = toy(None, PreemptMode::Swap).await;
+        let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), SchedulerConfig::new(256));
+        let (tokens, figures) = finish(handle.submit(second.clone()).unwrap()).await;
+        assert_eq!(figures.cached_tokens, 0);
+        handle.shutdown(Duration::ZERO);
+        task.await.unwrap();
+        drop(model);
+        assert!(memory.shutdown().await.unwrap().is_zero());
+        tokens
+    };
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    // A step takes 48 tokens: the first prompt's block takes three steps to write.
+    let config = SchedulerConfig::new(256).step_tokens(48);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let streams: Vec<Generation> = [&first, &second, &other]
+        .into_iter()
+        .map(|r| handle.submit(r.clone()).unwrap())
+        .collect();
+    let mut figures = Vec::new();
+    let mut answers = Vec::new();
+    for g in streams {
+        let (tokens, f) = finish(g).await;
+        answers.push(tokens);
+        figures.push(f);
+    }
+    let cached: Vec<usize> = figures.iter().map(|f| f.cached_tokens).collect();
+    assert_eq!(cached, [0, block, 0], "{figures:?}");
+    assert_eq!(answers[1], alone, "sharing the block, the same answer");
+    // The unrelated request did not wait for the shared block: it started first.
+    assert!(figures[2].queued < figures[1].queued, "{figures:?}");
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}

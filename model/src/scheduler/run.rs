@@ -26,6 +26,9 @@ const LONELY_RETRIES: u32 = 3;
 const BUSY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
 /// Steps without pressure after which admission opens again.
 const CALM_STEPS: u32 = 16;
+/// Waiting requests admission looks at, at most, for one that need not wait for another's
+/// prompt blocks.
+const DEFER_SCAN: usize = 64;
 
 /// Whether `e` says a step did not get memory by its deadline (for its KV, or for a layer's
 /// weights brought back from offload): a smaller batch, or the same one a little later, may
@@ -274,6 +277,27 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         }
     }
 
+    /// Whether `r` should wait for a running request that is still prefilling whole blocks
+    /// its prompt starts with: opened now, `r` would compute its own copy of them (the store
+    /// shares a block once it is written); a few steps later it maps the other's.
+    fn waits_for_shared(&self, r: &Live, block: usize) -> bool {
+        block > 0
+            && self.running.iter().any(|s| {
+                // The end of the block `s` is writing now: `r` waits if it shares all of it.
+                let end = (s.pos / block + 1) * block;
+                end <= r.known.len() && end <= s.known.len() && r.known[..end] == s.known[..end]
+            })
+    }
+
+    /// The first waiting request to admit, oldest first, passing over those that wait for a
+    /// running request's prompt blocks (looking at the first [`DEFER_SCAN`] at most).
+    fn next_waiting(&mut self) -> Option<Live> {
+        let block = self.model.kv().prefix_digest().block_tokens();
+        let at = (0..self.waiting.len().min(DEFER_SCAN))
+            .find(|&i| !self.waits_for_shared(&self.waiting[i], block))?;
+        self.waiting.remove(at)
+    }
+
     /// New requests start while nothing is parked and no pressure holds admission: the KV
     /// store's open (its grant for the prompt's blocks) decides whether there is room.
     async fn admit(&mut self) {
@@ -283,7 +307,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             && self.running.len() < most
             && (!self.hold || self.running.is_empty())
         {
-            let Some(mut r) = self.waiting.pop_front() else {
+            let Some(mut r) = self.next_waiting() else {
                 break;
             };
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
