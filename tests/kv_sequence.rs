@@ -381,4 +381,18 @@ fn swap_copies_refuse_wrong_buffers_lengths_and_rows() {
     seq.write_buffer_bytes(0, &out).unwrap();
     seq.read_buffer(0, 3, &mut again).unwrap();
     assert_eq!(out, again);
+    // Rows from a position: rows 0 and 1 written again at 1 and 2.
+    seq.write_buffer_rows(0, 1, &out[..2 * tb]).unwrap();
+    seq.read_buffer(0, 3, &mut again).unwrap();
+    assert_eq!(again, [&out[..tb], &out[..2 * tb]].concat());
+    seq.write_buffer_rows(0, 0, &out).unwrap();
+    for from in [usize::MAX, usize::MAX / tb, seq.mapped_tokens()] {
+        assert!(
+            seq.write_buffer_rows(0, from, &out[..tb]).is_err(),
+            "from {from}: past what is mapped"
+        );
+    }
+    assert!(seq.write_buffer_rows(0, 1, &out[..tb + 1]).is_err());
+    seq.read_buffer(0, 3, &mut again).unwrap();
+    assert_eq!(again, out, "refused writes changed nothing");
 }

@@ -358,6 +358,9 @@ pub struct KvStoreStats {
     pub swap_ins: u64,
     /// Bytes of those copies.
     pub swap_in_bytes: u64,
+    /// Tokens restores mapped again from the cached blocks they shared before they were
+    /// swapped out, instead of copying their rows back (not counted in `swap_in_bytes`).
+    pub restore_shared_tokens: u64,
     /// Restores that copied the K/V back, so far.
     pub restores_swapped: u64,
     /// Restores that handed the sequence back empty, to be replayed, so far.

@@ -7,7 +7,7 @@ mod common;
 use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
-use common::{another_holder_asks, kv_config, kv_floats, kv_item, system};
+use common::{another_holder_asks, kv_config, kv_floats, kv_item, settled, system};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
@@ -301,4 +301,96 @@ async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
     kv.close(1);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(leased(&g).await, 0, "the books are back at zero");
+}
+
+/// One step of `seq` at `pos` (as `steps` takes it) that also reads layer 0's K rows up to
+/// and with the one it wrote, after it.
+async fn step_reading(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<f32> {
+    let step = kv.prepare(vec![seq]).await.unwrap();
+    for layer in 0..SHAPE.layers {
+        step.attend(layer, vec![kv_item(&SHAPE, seq, pos, layer)])
+            .await
+            .unwrap();
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let n = (pos + 1) * SHAPE.kv_heads * SHAPE.head_dim;
+    step.submit(move |kv| {
+        tx.send(kv.keys::<f32>(0, 0).unwrap()[..n].to_vec())
+            .unwrap()
+    })
+    .unwrap();
+    let rows = rx.await.unwrap();
+    step.complete(StepEnd::Submitted).await.unwrap();
+    rows
+}
+
+/// A swapped sequence that shared cached prompt blocks maps them again when it comes back,
+/// instead of coming back with a private copy of them: its own memory is what it was, only
+/// the rows after the blocks are copied back, and every row reads as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_maps_the_cached_blocks_it_shared_again() {
+    let (g, p) = system(1 << 30, 1).await;
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
+        .await
+        .unwrap();
+    let bt = SHAPE.block_tokens(4096);
+    let prompt: Vec<u32> = (0..2 * bt as u32 + 6).collect();
+    assert_eq!(
+        kv.open(1, prompt.clone(), 0).await.unwrap().cached_tokens,
+        0
+    );
+    steps(&kv, 1, 0, prompt.len()).await;
+    let alone = settled(&g, &kv).await.exclusive_bytes;
+    let opened = kv.open(2, prompt.clone(), 0).await.unwrap();
+    assert_eq!(opened.cached_tokens, 2 * bt);
+    let tokens = prompt.len() + 5;
+    steps(&kv, 2, 2 * bt, tokens - 1).await;
+    let before = step_reading(&kv, 2, tokens - 1).await;
+    let held = settled(&g, &kv).await;
+    // Room for the second sequence's own memory is asked: it is the newer, and goes.
+    g.set_capacity(held.leased_bytes).await.unwrap();
+    let squeezed = another_holder_asks(
+        g.clone(),
+        held.exclusive_bytes - alone,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let s = kv.stats().await.unwrap();
+    assert_eq!((s.preempted, s.prefix_blocks_evicted), (1, 0), "{s:?}");
+    drop(squeezed);
+    g.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(kv.restore(2).await.unwrap(), Restored::Swapped { tokens });
+    let after = settled(&g, &kv).await;
+    assert_eq!(after.restore_shared_tokens, 2 * bt as u64, "{after:?}");
+    let own = (tokens - 2 * bt) as u64 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    assert_eq!(
+        after.swap_in_bytes, own,
+        "only its own rows were copied back"
+    );
+    assert_eq!(
+        after.exclusive_bytes, held.exclusive_bytes,
+        "no private copy of the shared blocks"
+    );
+    // Decoding on: every row reads as before.
+    let rows = step_reading(&kv, 2, tokens).await;
+    assert_eq!(rows[..before.len()], before[..], "every row as before");
+    // The books back at zero once both close.
+    kv.close(1);
+    kv.close(2);
+    assert!(settles_to_zero_kv(&g, &kv).await);
+}
+
+/// Waits (up to 10 s) for the store to hold nothing but cached blocks nobody maps and for the
+/// Governor's books to agree with the kernel.
+async fn settles_to_zero_kv(g: &GovernorHandle, kv: &KvStoreHandle) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let s = settled(g, kv).await;
+        if s.sequences == 0 && s.exclusive_bytes == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
 }

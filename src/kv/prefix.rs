@@ -143,6 +143,16 @@ impl<B: Clone> PrefixCache<B> {
         found
     }
 
+    /// The complete block under `key`, marked used at `now` (a sequence maps it again).
+    pub fn get(&mut self, key: u64, now: u64) -> Option<B> {
+        let e = self.entries.get_mut(&key)?;
+        if e.state != BlockState::Complete {
+            return None;
+        }
+        e.last_used = now;
+        e.block.clone()
+    }
+
     /// Gives a block claimed by `writer` its memory. Refused (the block is handed back) if the
     /// key is not claimed by `writer`.
     pub fn fill(&mut self, key: u64, writer: Incarnation, block: B) -> Result<(), B> {
@@ -256,7 +266,14 @@ mod tests {
         assert!(!c.complete(a.claimed[0], 2), "only the writer completes");
         let during = c.lookup(&p, BT, 3, 2);
         assert_eq!((during.hits.len(), during.claimed.len()), (0, 0));
+        assert_eq!(
+            c.get(a.claimed[0], 2),
+            None,
+            "a block being written is not handed out"
+        );
         assert!(c.complete(a.claimed[0], 1));
+        assert_eq!(c.get(a.claimed[0], 2), Some("a0"));
+        assert_eq!(c.get(!a.claimed[0], 2), None);
         let half = c.lookup(&p, BT, 3, 3);
         assert_eq!(half.hits, vec![(a.claimed[0], "a0")]);
         assert!(half.claimed.is_empty(), "the next block is being written");

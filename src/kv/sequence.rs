@@ -426,6 +426,18 @@ impl KvSequence {
     /// Writes whole rows from position 0 of buffer `buffer` (a swap's copy coming back),
     /// wherever it lives (a host-to-device copy on a GPU); the rows must be mapped and writable.
     pub fn write_buffer_bytes(&mut self, buffer: usize, bytes: &[u8]) -> Result<(), KvError> {
+        self.write_buffer_rows(buffer, 0, bytes)
+    }
+
+    /// Writes whole rows from position `from` of buffer `buffer` (a swap's copy coming back
+    /// after the shared blocks mapped before it), wherever it lives; the rows must be mapped
+    /// and writable (a read-only shared block is refused).
+    pub fn write_buffer_rows(
+        &mut self,
+        buffer: usize,
+        from: usize,
+        bytes: &[u8],
+    ) -> Result<(), KvError> {
         let tb = self.shape.token_bytes();
         if buffer >= self.buffers.len() {
             return Err(KvError::NoSuchLayer(buffer / 2));
@@ -436,10 +448,15 @@ impl KvSequence {
                 got: bytes.len(),
             });
         }
-        if bytes.len() as u64 > self.mapped() {
+        let at = (from as u64).checked_mul(tb);
+        let end = at.and_then(|a| a.checked_add(bytes.len() as u64));
+        let (Some(at), Some(end)) = (at, end) else {
+            return Err(KvError::NotMapped(from));
+        };
+        if end > self.mapped() {
             return Err(KvError::NotMapped((self.mapped() / tb) as usize));
         }
-        Ok(self.buffers[buffer].write_from(0, bytes)?)
+        Ok(self.buffers[buffer].write_from(at, bytes)?)
     }
 
     /// Where layer `layer`'s K and V lie for a kernel, `tokens` rows of each (at most what is

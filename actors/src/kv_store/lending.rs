@@ -290,6 +290,7 @@ impl KvStoreState {
                 away: None,
                 ahead,
                 copy_in: None,
+                remap: Vec::new(),
             });
             return;
         };

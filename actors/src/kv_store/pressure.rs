@@ -2,6 +2,7 @@
 //! ahead, unreferenced cached prefixes, then whole sequences with no kernel in flight) and
 //! preempts the sequences it picks.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use procmem::fence::Fence;
@@ -308,6 +309,29 @@ impl KvStoreState {
             .collect()
     }
 
+    /// The keys of the complete cached blocks `id` maps, from its first, up to the first that
+    /// is not one (a block it was still writing, or one evicted meanwhile).
+    fn mapped_keys(&self, id: SeqId) -> Vec<u64> {
+        let Some(entry) = self.sequences.entries.get(&id) else {
+            return Vec::new();
+        };
+        let by_block: HashMap<*const SharedPrefix, u64> = self
+            .prefixes
+            .blocks()
+            .filter(|(.., state)| *state == BlockState::Complete)
+            .map(|(key, block, ..)| (Arc::as_ptr(block), key))
+            .collect();
+        entry
+            .prefixes
+            .iter()
+            .map_while(|p| {
+                by_block
+                    .get(&std::ptr::from_ref::<SharedPrefix>(p))
+                    .copied()
+            })
+            .collect()
+    }
+
     /// [`evict_prefix`](Self::evict_prefix) for a block that `held` shares still map until
     /// the stream's queued work has run (a preempted sequence's, held by its copy out): it
     /// goes to the tier below as an unreferenced block would. With `held` above 0, none of
@@ -390,7 +414,11 @@ impl KvStoreState {
         };
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
         let sole = self.sole_blocks(id);
+        let remap = self.mapped_keys(id);
         let (freed, mut pending) = self.let_go(id, saved, idle, &mut mode);
+        if let Some(entry) = self.sequences.entries.get_mut(&id) {
+            entry.remap = remap;
+        }
         // The cached blocks only it mapped were counted as what taking it frees. Where its
         // shares went with its memory at once, they are unreferenced now, and `evict_loose`
         // takes them if the ticket still needs them. Where its copy out holds them until it

@@ -1,11 +1,13 @@
 //! Restoring a preempted sequence: its KV copied back from the swap space under a grant,
 //! or handed back empty to be recomputed.
 
-use procmem::kv::{Phase, PreemptMode};
+use procmem::kv::{KvSequence, Phase, PreemptMode};
+use procmem::{MapAccess, PhysicalBlock, SharedMapping};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::answer::Restored;
 use super::metrics;
+use super::prefix::Mapped;
 use super::transactions::Pending;
 use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
@@ -45,7 +47,7 @@ impl KvStoreState {
             }
             Ok(Some(found)) => found,
         };
-        let memory = match self.reserve_memory() {
+        let mut memory = match self.reserve_memory() {
             Ok(m) => m,
             Err(e) => {
                 self.sequences.table.end_restore(seq, writer, false);
@@ -53,12 +55,13 @@ impl KvStoreState {
                 return;
             }
         };
-        let per_buffer = memory.growth_for(tokens);
         let entry = self
             .sequences
             .entries
             .get_mut(&seq)
             .expect("a preempted sequence has an entry");
+        // Kept until the restore is done: one that fails leaves it preempted as it was.
+        let remap = std::mem::take(&mut entry.remap);
         let saved = match (mode, entry.saved.take()) {
             // (A copy out that failed left nothing to bring back.)
             (PreemptMode::Swap, Some(saved)) if tokens > 0 && saved.copied() => saved,
@@ -72,18 +75,64 @@ impl KvStoreState {
                 return;
             }
         };
+        // The cached blocks it mapped that are still cached are mapped again, held from now
+        // on so no ticket evicts them while the restore waits; only the rows after them come
+        // back from the copy.
+        let (shares, from) = self.map_cached(&mut memory, &remap, tokens);
+        let per_buffer = memory.growth_for(tokens - from);
+        let entry = self.sequences.entries.get_mut(&seq).expect("present above");
         entry.memory = Some(memory);
+        entry.prefixes = shares;
+        entry.remap = remap;
         let priority = self.sequences.table.get(seq).map_or(0, |r| r.priority);
         let bytes = per_buffer * self.config.shape.buffers() as u64;
         let pending = Pending::Restore {
             seq,
             writer,
             per_buffer,
-            tokens,
+            tokens: (from, tokens),
             saved,
             reply,
         };
         self.begin(myself, bytes, priority, pending);
+    }
+
+    /// Maps the complete cached blocks under `keys`, from the first and up to the first that
+    /// is not cached, at the start of the empty `memory` of a sequence of `tokens` tokens (its
+    /// last token always in its own memory). Returns the shares and the tokens they hold; none
+    /// where the mapping fails (its rows then come back from the copy).
+    fn map_cached(
+        &mut self,
+        memory: &mut KvSequence,
+        keys: &[u64],
+        tokens: usize,
+    ) -> (Vec<Mapped>, usize) {
+        let bt = self.config.shape.block_tokens(self.device.granularity());
+        let most = tokens.saturating_sub(1) / bt.max(1);
+        let clock = self.clock;
+        let shares: Vec<Mapped> = keys
+            .iter()
+            .take(most)
+            .map_while(|key| self.prefixes.get(*key, clock))
+            .map(Mapped::new)
+            .collect();
+        if shares.is_empty() {
+            return (shares, 0);
+        }
+        let blocks: Vec<PhysicalBlock> = shares
+            .iter()
+            .flat_map(|p| p.blocks.iter().cloned())
+            .collect();
+        let access = vec![MapAccess::ReadOnly; shares.len()];
+        let from = shares.len() * bt;
+        let mapping: &dyn SharedMapping = self.device.shared.as_ref();
+        match memory.attach_prefix(mapping, &blocks, &access, from) {
+            Ok(()) => (shares, from),
+            Err(e) => {
+                tracing::debug!(%e, "cached blocks not mapped again at a restore");
+                (Vec::new(), 0)
+            }
+        }
     }
 
     pub(super) async fn finish_restore(&mut self, pending: Pending, grant: Grant) {
@@ -91,7 +140,7 @@ impl KvStoreState {
             seq,
             writer,
             per_buffer,
-            tokens,
+            tokens: (from, tokens),
             saved,
             reply,
         } = pending
@@ -112,6 +161,7 @@ impl KvStoreState {
         let Some(memory) = entry.memory.as_mut() else {
             // (Not reached: a restoring sequence has the memory reserved for it.) Preempted
             // again, with its saved copy.
+            entry.prefixes.clear();
             entry.saved = Some(saved);
             self.sequences.table.end_restore(seq, writer, false);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
@@ -128,17 +178,21 @@ impl KvStoreState {
                 }
             }
             memory.publish(growth);
-            metrics::timed(swap_in, || saved.restore_into(memory))?;
-            for _ in 0..tokens {
-                memory.advance()?;
-            }
+            metrics::timed(swap_in, || saved.restore_into(memory, from))?;
+            memory.advance_by(tokens - from)?;
             Ok(())
         }
         .await;
         match result {
             Ok(()) => {
                 self.stats.swap_ins += 1;
-                self.stats.swap_in_bytes += saved.bytes();
+                let shape = self.config.shape;
+                let shared = from as u64 * shape.token_bytes() * shape.buffers() as u64;
+                self.stats.swap_in_bytes += saved.bytes() - shared;
+                self.stats.restore_shared_tokens += from as u64;
+                if let Some(entry) = self.sequences.entries.get_mut(&seq) {
+                    entry.remap.clear();
+                }
                 // The copy and what pays for it in the swap space go before the answer.
                 drop(saved);
                 self.sequences.table.end_restore(seq, writer, true);
@@ -151,8 +205,10 @@ impl KvStoreState {
                 entry.saved = Some(saved);
                 entry.ahead = None;
                 let old = entry.memory.take();
+                let shares = std::mem::take(&mut entry.prefixes);
                 let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
                 drop(old);
+                drop(shares);
                 drop(charge);
                 self.sequences.table.end_restore(seq, writer, false);
                 let _ = reply.send(Err(e));

@@ -50,6 +50,9 @@ pub(super) struct SeqEntry {
     pub(super) ahead: Option<PendingGrowth>,
     /// Its prompt blocks coming from the disk tier, until its first step.
     pub(super) copy_in: Option<CopyIn>,
+    /// While it is preempted: the keys of the cached blocks it mapped, from its first (a
+    /// restore maps those still cached again instead of copying their rows back).
+    pub(super) remap: Vec<u64>,
 }
 
 impl SeqEntry {
@@ -64,6 +67,7 @@ impl SeqEntry {
             away: None,
             ahead: None,
             copy_in: None,
+            remap: Vec::new(),
         }
     }
 

@@ -198,6 +198,7 @@ impl KvStoreState {
                     // restore goes.
                     e.saved = Some(saved);
                     e.memory = None;
+                    e.prefixes.clear();
                 }
                 let _ = reply.send(Err(error));
             }

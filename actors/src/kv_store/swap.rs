@@ -234,8 +234,9 @@ impl Saved {
         self.per_buffer * self.buffers as u64
     }
 
-    /// Copies every buffer's rows back into `memory` (mapped for them).
-    pub(super) fn restore_into(&self, memory: &mut KvSequence) -> Result<(), KvError> {
+    /// Copies every buffer's rows from row `from` on back into `memory` (mapped for them; the
+    /// rows before `from` are shared blocks it maps again).
+    pub(super) fn restore_into(&self, memory: &mut KvSequence, from: usize) -> Result<(), KvError> {
         if !self.copied() {
             return Err(MemoryError::Unsupported {
                 capability: "restoring swapped KV",
@@ -243,10 +244,14 @@ impl Saved {
             }
             .into());
         }
+        let skip = (from as u64)
+            .checked_mul(memory.shape().token_bytes())
+            .filter(|s| *s <= self.per_buffer)
+            .ok_or(KvError::NotMapped(from))?;
         let place = self.place.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut rows = vec![0u8; self.per_buffer as usize];
+        let mut rows = vec![0u8; (self.per_buffer - skip) as usize];
         for b in 0..self.buffers {
-            let at = b as u64 * self.per_buffer;
+            let at = b as u64 * self.per_buffer + skip;
             match &*place {
                 SwapPlace::Disk(file) => {
                     file.read_exact_at(&mut rows, at)
@@ -257,10 +262,11 @@ impl Saved {
                 }
                 SwapPlace::Host { rows: copy, .. } => {
                     let all = allocation_bytes(copy)?;
-                    rows.copy_from_slice(&all[at as usize..(at + self.per_buffer) as usize]);
+                    let len = rows.len();
+                    rows.copy_from_slice(&all[at as usize..at as usize + len]);
                 }
             }
-            memory.write_buffer_bytes(b, &rows)?;
+            memory.write_buffer_rows(b, from, &rows)?;
         }
         Ok(())
     }

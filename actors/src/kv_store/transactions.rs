@@ -40,7 +40,8 @@ pub(super) enum Pending {
         seq: SeqId,
         writer: Incarnation,
         per_buffer: u64,
-        tokens: usize,
+        /// The tokens in the cached blocks it maps again, and all it holds.
+        tokens: (usize, usize),
         saved: Saved,
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     },
