@@ -359,11 +359,13 @@ pub struct KvStoreStats {
     /// Bytes of those copies.
     pub swap_in_bytes: u64,
     /// Tokens restores mapped again from the cached blocks they shared before they were
-    /// swapped out, instead of copying their rows back (not counted in `swap_in_bytes`).
+    /// preempted, instead of copying their rows back (not counted in `swap_in_bytes`) or
+    /// replaying them (not counted in `replayed_tokens`).
     pub restore_shared_tokens: u64,
     /// Restores that copied the K/V back, so far.
     pub restores_swapped: u64,
-    /// Restores that handed the sequence back empty, to be replayed, so far.
+    /// Restores that handed the sequence back to be replayed (from the cached blocks it
+    /// mapped again), so far.
     pub restores_recomputed: u64,
     /// Tokens those restores handed back to be recomputed.
     pub replayed_tokens: u64,

@@ -61,7 +61,13 @@ async fn run(kv: &KvStoreHandle, seq: u64, prompt: &[u32]) -> (usize, Vec<Vec<f3
             Ok(step) => step,
             Err(KvStoreError::Preempted(s, PreemptMode::Recompute)) if s == seq && pos == from => {
                 let restored = kv.restore(seq).await.unwrap();
-                assert_eq!(restored, Restored::Recompute { tokens: from });
+                assert_eq!(
+                    restored,
+                    Restored::Recompute {
+                        tokens: from,
+                        cached: 0
+                    }
+                );
                 (from, pos) = (0, 0);
                 continue;
             }
@@ -351,7 +357,13 @@ async fn pressure_on_a_sequence_whose_copy_in_falls_short_recomputes_it() {
         "{err:?}"
     );
     let restored = kv.restore(3).await.unwrap();
-    assert_eq!(restored, Restored::Recompute { tokens: 3 * bt() });
+    assert_eq!(
+        restored,
+        Restored::Recompute {
+            tokens: 3 * bt(),
+            cached: 0
+        }
+    );
     let mut last = Vec::new();
     for pos in 0..=prompt.len() {
         last = attend_at(kv.prepare(vec![3]).await.unwrap(), 3, pos).await;

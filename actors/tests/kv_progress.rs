@@ -6,7 +6,7 @@
 //!
 //! The server loop is what an inference server does with the store's answers: a sequence
 //! preempted while its step waited (`Err(Preempted)`) leaves the batch and is restored later,
-//! oldest first; `Restored::Recompute` replays from token zero.
+//! oldest first; `Restored::Recompute` replays from the cached blocks it maps again.
 
 use procmem_actors::kv::StepEnd;
 use std::collections::HashMap;
@@ -149,9 +149,9 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
                     r.parked = false;
                     r.figures.restores += 1;
                 }
-                Ok(Restored::Recompute { tokens }) => {
-                    r.figures.replayed_steps += tokens as u64;
-                    r.pos = 0;
+                Ok(Restored::Recompute { tokens, cached }) => {
+                    r.figures.replayed_steps += (tokens - cached) as u64;
+                    r.pos = cached;
                     r.parked = false;
                     r.figures.restores += 1;
                 }

@@ -143,7 +143,10 @@ async fn a_host_tier_without_room_makes_it_a_recompute() {
     device.set_capacity(1 << 30).await.unwrap();
     assert_eq!(
         kv.restore(1).await.unwrap(),
-        Restored::Recompute { tokens: 40 }
+        Restored::Recompute {
+            tokens: 40,
+            cached: 0
+        }
     );
 }
 
@@ -296,7 +299,10 @@ async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
     g.set_capacity(1 << 30).await.unwrap();
     assert_eq!(
         kv.restore(1).await.unwrap(),
-        Restored::Recompute { tokens: 200 }
+        Restored::Recompute {
+            tokens: 200,
+            cached: 0
+        }
     );
     kv.close(1);
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -324,13 +330,29 @@ async fn step_reading(kv: &KvStoreHandle, seq: u64, pos: usize) -> Vec<f32> {
     rows
 }
 
-/// A swapped sequence that shared cached prompt blocks maps them again when it comes back,
-/// instead of coming back with a private copy of them: its own memory is what it was, only
-/// the rows after the blocks are copied back, and every row reads as before.
+/// A preempted sequence that shared cached prompt blocks maps them again when it comes back,
+/// instead of coming back with a private copy of them (swap) or computing them again
+/// (recompute): its own memory is what it was, only the rows after the blocks are copied
+/// back or replayed, and every row reads as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_maps_the_cached_blocks_it_shared_again() {
+    restore_after_sharing(PreemptMode::Swap, false).await;
+    restore_after_sharing(PreemptMode::Recompute, false).await;
+}
+
+/// The same, with the blocks evicted while it was out (their other sharer closed, then
+/// pressure): it comes back with every row copied back (or replays every token), and every
+/// row reads as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_whose_shared_blocks_went_copies_every_row_back() {
+    restore_after_sharing(PreemptMode::Swap, true).await;
+    restore_after_sharing(PreemptMode::Recompute, true).await;
+}
+
+async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
     let (g, p) = system(1 << 30, 1).await;
-    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
+    let config = config(SwapSpace::Auto).preempt(preempt);
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
         .await
         .unwrap();
     let bt = SHAPE.block_tokens(4096);
@@ -359,38 +381,79 @@ async fn a_restore_maps_the_cached_blocks_it_shared_again() {
     let s = kv.stats().await.unwrap();
     assert_eq!((s.preempted, s.prefix_blocks_evicted), (1, 0), "{s:?}");
     drop(squeezed);
+    if evict_meanwhile {
+        kv.close(1);
+        let s = settles_to_blocks(&g, &kv, 1).await;
+        g.set_capacity(s.leased_bytes).await.unwrap();
+        let lease = another_holder_asks(g.clone(), s.prefix_bytes, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let s = kv.stats().await.unwrap();
+        assert_eq!((s.prefix_entries, s.prefix_blocks_evicted), (0, 2), "{s:?}");
+        drop(lease);
+    }
     g.set_capacity(1 << 30).await.unwrap();
-    assert_eq!(kv.restore(2).await.unwrap(), Restored::Swapped { tokens });
+    let shared = if evict_meanwhile { 0 } else { 2 * bt };
+    let restored = kv.restore(2).await.unwrap();
+    let own = (tokens - shared) as u64 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    if preempt == PreemptMode::Swap {
+        assert_eq!(restored, Restored::Swapped { tokens });
+    } else {
+        let cached = shared;
+        assert_eq!(restored, Restored::Recompute { tokens, cached });
+        // Replayed as a model would: the same K/V for the same tokens (the shared blocks'
+        // rows are those sequence 1 wrote).
+        for pos in cached..tokens {
+            let step = kv.prepare(vec![2]).await.unwrap();
+            for layer in 0..SHAPE.layers {
+                let mut item = kv_item(&SHAPE, if pos < 2 * bt { 1 } else { 2 }, pos, layer);
+                item.seq = 2;
+                step.attend(layer, vec![item]).await.unwrap();
+            }
+            step.complete(StepEnd::Submitted).await.unwrap();
+        }
+    }
     let after = settled(&g, &kv).await;
-    assert_eq!(after.restore_shared_tokens, 2 * bt as u64, "{after:?}");
-    let own = (tokens - 2 * bt) as u64 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    assert_eq!(after.restore_shared_tokens, shared as u64, "{after:?}");
+    let (copied, replayed) = match preempt {
+        PreemptMode::Swap => (own, 0),
+        PreemptMode::Recompute => (0, (tokens - shared) as u64),
+    };
     assert_eq!(
-        after.swap_in_bytes, own,
-        "only its own rows were copied back"
+        (after.swap_in_bytes, after.replayed_tokens),
+        (copied, replayed),
+        "only its own rows were copied back or replayed"
     );
-    assert_eq!(
-        after.exclusive_bytes, held.exclusive_bytes,
-        "no private copy of the shared blocks"
-    );
+    if !evict_meanwhile {
+        assert_eq!(
+            after.exclusive_bytes, held.exclusive_bytes,
+            "no private copy of the shared blocks"
+        );
+    }
     // Decoding on: every row reads as before.
     let rows = step_reading(&kv, 2, tokens).await;
-    assert_eq!(rows[..before.len()], before[..], "every row as before");
+    assert!(rows[..before.len()] == before[..], "every row as before");
     // The books back at zero once both close.
     kv.close(1);
     kv.close(2);
-    assert!(settles_to_zero_kv(&g, &kv).await);
+    settles_to_blocks(&g, &kv, 0).await;
 }
 
-/// Waits (up to 10 s) for the store to hold nothing but cached blocks nobody maps and for the
-/// Governor's books to agree with the kernel.
-async fn settles_to_zero_kv(g: &GovernorHandle, kv: &KvStoreHandle) -> bool {
+/// Waits (up to 10 s) for the store to hold no memory but cached blocks (what closed
+/// sequences held freed too), with `sequences` open (preempted) and the Governor's books and
+/// the kernel's agreeing; its figures then.
+async fn settles_to_blocks(
+    g: &GovernorHandle,
+    kv: &KvStoreHandle,
+    sequences: usize,
+) -> procmem_actors::kv::KvStoreStats {
     let start = std::time::Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
+    loop {
         let s = settled(g, kv).await;
-        if s.sequences == 0 && s.exclusive_bytes == 0 {
-            return true;
+        if s.sequences == sequences && s.exclusive_bytes == 0 && s.leased_bytes == s.prefix_bytes {
+            return s;
         }
+        assert!(start.elapsed() < Duration::from_secs(10), "{s:?}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    false
 }

@@ -28,10 +28,14 @@ pub enum Restored {
         /// Tokens restored.
         tokens: usize,
     },
-    /// The sequence is empty again: replay its `tokens` tokens to recompute the KV.
+    /// The KV was dropped: the sequence holds its first `cached` tokens again (the cached
+    /// prompt blocks it mapped that are still cached; fewer than `tokens`), and tokens
+    /// `cached..tokens` are to be replayed to recompute the rest.
     Recompute {
-        /// Tokens to replay.
+        /// Tokens it held.
         tokens: usize,
+        /// Tokens it holds again, from cached blocks: the replay starts there.
+        cached: usize,
     },
 }
 

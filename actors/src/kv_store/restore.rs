@@ -1,5 +1,6 @@
 //! Restoring a preempted sequence: its KV copied back from the swap space under a grant,
-//! or handed back empty to be recomputed.
+//! or handed back to be recomputed; either way the cached prompt blocks it mapped that are
+//! still cached are mapped again rather than copied back or recomputed.
 
 use procmem::kv::{KvSequence, Phase, PreemptMode};
 use procmem::{MapAccess, PhysicalBlock, SharedMapping};
@@ -15,7 +16,8 @@ use crate::governor::Grant;
 
 impl KvStoreState {
     /// Brings a preempted sequence back: its KV copied back from the swap space under a
-    /// grant, or the sequence handed back empty to be recomputed.
+    /// grant, or the sequence handed back to be recomputed (from the cached blocks it maps
+    /// again).
     pub(super) fn restore(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
@@ -62,25 +64,32 @@ impl KvStoreState {
             .expect("a preempted sequence has an entry");
         // Kept until the restore is done: one that fails leaves it preempted as it was.
         let remap = std::mem::take(&mut entry.remap);
-        let saved = match (mode, entry.saved.take()) {
+        let saved = entry.saved.take();
+        // The cached blocks it mapped that are still cached are mapped again (held from now
+        // on, so no ticket evicts them while a restore waits for its grant).
+        let (shares, from) = self.map_cached(&mut memory, &remap, tokens);
+        let entry = self.sequences.entries.get_mut(&seq).expect("present above");
+        let saved = match (mode, saved) {
             // (A copy out that failed left nothing to bring back.)
             (PreemptMode::Swap, Some(saved)) if tokens > 0 && saved.copied() => saved,
             _ => {
-                // Nothing was kept (or nothing to keep): the sequence starts again, empty.
+                // Nothing was kept (or nothing to keep): the sequence starts again from the
+                // cached blocks, the rest to replay.
                 entry.memory = Some(memory);
+                entry.prefixes = shares;
                 self.sequences.table.end_restore(seq, writer, true);
                 self.stats.restores_recomputed += 1;
-                self.stats.replayed_tokens += tokens as u64;
-                let _ = reply.send(Ok(Restored::Recompute { tokens }));
+                self.stats.restore_shared_tokens += from as u64;
+                self.stats.replayed_tokens += (tokens - from) as u64;
+                let _ = reply.send(Ok(Restored::Recompute {
+                    tokens,
+                    cached: from,
+                }));
                 return;
             }
         };
-        // The cached blocks it mapped that are still cached are mapped again, held from now
-        // on so no ticket evicts them while the restore waits; only the rows after them come
-        // back from the copy.
-        let (shares, from) = self.map_cached(&mut memory, &remap, tokens);
+        // Only the rows after the blocks mapped again come back from the copy.
         let per_buffer = memory.growth_for(tokens - from);
-        let entry = self.sequences.entries.get_mut(&seq).expect("present above");
         entry.memory = Some(memory);
         entry.prefixes = shares;
         entry.remap = remap;

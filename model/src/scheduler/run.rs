@@ -261,7 +261,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             };
             match self.model.kv().restore(r.id).await {
                 Ok(Restored::Swapped { tokens }) => r.pos = tokens,
-                Ok(Restored::Recompute { .. }) => r.pos = 0,
+                Ok(Restored::Recompute { cached, .. }) => r.pos = cached,
                 Err(_) if !self.running.is_empty() => {
                     self.parked.push_front(r);
                     self.restore_blocked = true;
