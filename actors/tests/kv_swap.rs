@@ -282,7 +282,11 @@ async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
         tokio::time::sleep(Duration::from_millis(10)).await;
         s = kv.stats().await.unwrap();
     }
-    let _ = std::process::Command::new("umount").arg(&dir).status();
+    // Lazily: the store still holds its swap file open on it.
+    let _ = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(&dir)
+        .status();
     let _ = std::fs::remove_dir(&dir);
     assert_eq!(s.preempted, 1);
     assert_eq!(
@@ -349,27 +353,33 @@ async fn a_restore_whose_shared_blocks_went_copies_every_row_back() {
     restore_after_sharing(PreemptMode::Recompute, true).await;
 }
 
-async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
-    let (g, p) = system(1 << 30, 1).await;
-    let config = config(SwapSpace::Auto).preempt(preempt);
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
-        .await
-        .unwrap();
+/// Sequence 1 writes a prompt of two whole blocks and 6 tokens; sequence 2 opens the same
+/// prompt (sharing the two blocks) and goes 5 tokens further; then another holder takes the
+/// room sequence 2's own memory holds, and the store preempts it (the newer). Returns its
+/// tokens, its layer-0 K rows, the store's figures before, and the other holder's lease.
+async fn sharing_then_squeezed(
+    g: &GovernorHandle,
+    kv: &KvStoreHandle,
+) -> (
+    usize,
+    Vec<f32>,
+    procmem_actors::kv::KvStoreStats,
+    procmem_actors::governor::Lease,
+) {
     let bt = SHAPE.block_tokens(4096);
     let prompt: Vec<u32> = (0..2 * bt as u32 + 6).collect();
     assert_eq!(
         kv.open(1, prompt.clone(), 0).await.unwrap().cached_tokens,
         0
     );
-    steps(&kv, 1, 0, prompt.len()).await;
-    let alone = settled(&g, &kv).await.exclusive_bytes;
+    steps(kv, 1, 0, prompt.len()).await;
+    let alone = settled(g, kv).await.exclusive_bytes;
     let opened = kv.open(2, prompt.clone(), 0).await.unwrap();
     assert_eq!(opened.cached_tokens, 2 * bt);
     let tokens = prompt.len() + 5;
-    steps(&kv, 2, 2 * bt, tokens - 1).await;
-    let before = step_reading(&kv, 2, tokens - 1).await;
-    let held = settled(&g, &kv).await;
-    // Room for the second sequence's own memory is asked: it is the newer, and goes.
+    steps(kv, 2, 2 * bt, tokens - 1).await;
+    let before = step_reading(kv, 2, tokens - 1).await;
+    let held = settled(g, kv).await;
     g.set_capacity(held.leased_bytes).await.unwrap();
     let squeezed = another_holder_asks(
         g.clone(),
@@ -377,9 +387,78 @@ async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
         Duration::from_secs(5),
     )
     .await
+    .unwrap()
+    .commit(held.exclusive_bytes - alone)
+    .await
     .unwrap();
     let s = kv.stats().await.unwrap();
     assert_eq!((s.preempted, s.prefix_blocks_evicted), (1, 0), "{s:?}");
+    (tokens, before, held, squeezed)
+}
+
+/// Careless and unlucky callers of a restore that maps shared blocks again: one refused for
+/// room (the other sequence in a step, so the store cannot make room from it) leaves the
+/// sequence preempted as it was, and the next restore still maps the blocks; one whose
+/// sequence is closed while it waits for room fails, and everything it held goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_refused_or_closed_while_it_waits_loses_nothing() {
+    let (g, p) = system(1 << 30, 1).await;
+    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
+        .await
+        .unwrap();
+    let bt = SHAPE.block_tokens(4096);
+    let (tokens, _, _, squeezed) = sharing_then_squeezed(&g, &kv).await;
+    let busy = kv.prepare(vec![1]).await.unwrap();
+    let refused = kv.restore(2).await;
+    assert!(
+        matches!(refused, Err(KvStoreError::Governor(_))),
+        "{refused:?}"
+    );
+    let s = kv.stats().await.unwrap();
+    assert_eq!((s.preempted, s.prefix_entries), (1, 2), "{s:?}");
+    drop(busy);
+    drop(squeezed);
+    g.set_capacity(1 << 30).await.unwrap();
+    assert_eq!(kv.restore(2).await.unwrap(), Restored::Swapped { tokens });
+    assert_eq!(
+        kv.stats().await.unwrap().restore_shared_tokens,
+        2 * bt as u64
+    );
+    // Preempted again, then closed while its restore waits for room.
+    let held = settled(&g, &kv).await;
+    g.set_capacity(held.leased_bytes).await.unwrap();
+    let own = held.exclusive_bytes / 2;
+    let squeezed = another_holder_asks(g.clone(), own, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(kv.stats().await.unwrap().preempted, 1);
+    let busy = kv.prepare(vec![1]).await.unwrap();
+    let waiting = {
+        let kv = kv.clone();
+        tokio::spawn(async move { kv.restore(2).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    kv.close(2);
+    let closed = waiting.await.unwrap();
+    assert!(closed.is_err(), "{closed:?}");
+    drop(busy);
+    drop(squeezed);
+    kv.close(1);
+    let s = settles_to_blocks(&g, &kv, 0).await;
+    assert_eq!(
+        s.prefix_entries, 2,
+        "the shared blocks stay cached, unreferenced"
+    );
+}
+
+async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
+    let (g, p) = system(1 << 30, 1).await;
+    let config = config(SwapSpace::Auto).preempt(preempt);
+    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
+        .await
+        .unwrap();
+    let bt = SHAPE.block_tokens(4096);
+    let (tokens, before, held, squeezed) = sharing_then_squeezed(&g, &kv).await;
     drop(squeezed);
     if evict_meanwhile {
         kv.close(1);

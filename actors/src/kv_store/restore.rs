@@ -2,7 +2,7 @@
 //! or handed back to be recomputed; either way the cached prompt blocks it mapped that are
 //! still cached are mapped again rather than copied back or recomputed.
 
-use procmem::kv::{KvSequence, Phase, PreemptMode};
+use procmem::kv::{Incarnation, KvSequence, Phase, PreemptMode};
 use procmem::{MapAccess, PhysicalBlock, SharedMapping};
 use ractor::{ActorRef, RpcReplyPort};
 
@@ -24,30 +24,8 @@ impl KvStoreState {
         seq: SeqId,
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     ) {
-        let copying = self
-            .sequences
-            .entries
-            .get(&seq)
-            .and_then(|e| e.saved.as_ref())
-            .and_then(|s| s.fence)
-            .filter(|f| self.stream.timeline().completed() < f.value);
-        if let Some(fence) = copying {
-            // Its copy out is still on the stream: the restore starts once it is done.
-            self.send_after(myself, fence, KvStoreMsg::Restore { seq, reply });
+        let Some((writer, mode, tokens, reply)) = self.begin_restore(myself, seq, reply) else {
             return;
-        }
-        let (writer, mode, tokens) = match self.sequences.table.begin_restore(seq) {
-            Err(e) => {
-                let _ = reply.send(Err(e.into()));
-                return;
-            }
-            Ok(None) => {
-                // Not preempted: nothing to bring back.
-                let tokens = self.sequences.tokens_of(seq);
-                let _ = reply.send(Ok(Restored::Swapped { tokens }));
-                return;
-            }
-            Ok(Some(found)) => found,
         };
         let mut memory = match self.reserve_memory() {
             Ok(m) => m,
@@ -104,6 +82,49 @@ impl KvStoreState {
             reply,
         };
         self.begin(myself, bytes, priority, pending);
+    }
+
+    /// Starts restoring `seq` once its copy out has run: its incarnation, how it was
+    /// preempted, the tokens it held, and the reply to answer. `None` where there is nothing
+    /// to start now: the restore is put off until the copy is done, or answered (not
+    /// preempted, or refused).
+    #[allow(clippy::type_complexity)]
+    fn begin_restore(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seq: SeqId,
+        reply: RpcReplyPort<Result<Restored, KvStoreError>>,
+    ) -> Option<(
+        Incarnation,
+        PreemptMode,
+        usize,
+        RpcReplyPort<Result<Restored, KvStoreError>>,
+    )> {
+        let copying = self
+            .sequences
+            .entries
+            .get(&seq)
+            .and_then(|e| e.saved.as_ref())
+            .and_then(|s| s.fence)
+            .filter(|f| self.stream.timeline().completed() < f.value);
+        if let Some(fence) = copying {
+            // Its copy out is still on the stream: the restore starts once it is done.
+            self.send_after(myself, fence, KvStoreMsg::Restore { seq, reply });
+            return None;
+        }
+        match self.sequences.table.begin_restore(seq) {
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                None
+            }
+            Ok(None) => {
+                // Not preempted: nothing to bring back.
+                let tokens = self.sequences.tokens_of(seq);
+                let _ = reply.send(Ok(Restored::Swapped { tokens }));
+                None
+            }
+            Ok(Some((writer, mode, tokens))) => Some((writer, mode, tokens, reply)),
+        }
     }
 
     /// Maps the complete cached blocks under `keys`, from the first and up to the first that
