@@ -242,13 +242,18 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
         }
     }
     let victim = victim.expect("one sequence was swapped out");
-    // Restored, it no longer shares the prefix block: give the authority room for its own
-    // copy of it, then bring it back with every row as it was.
+    // Restored, it maps the prefix block again where it is still cached (the other sequence
+    // maps it) and copies back only its own rows; the authority gets room for a copy of the
+    // block all the same. It comes back with every row as it was.
     g.set_capacity(capacity + 2 * per_seq_chunk).await.unwrap();
     match kv.restore(victim).await.unwrap() {
         Restored::Swapped { tokens } => assert_eq!(tokens, prompt.len() + 1),
         other => panic!("restored as {other:?}"),
     }
+    eprintln!(
+        "kv_cuda restore: {} tokens mapped again from the cached block",
+        kv.stats().await.unwrap().restore_shared_tokens
+    );
     let step = kv.prepare(vec![victim]).await.unwrap();
     server.check_rows(&step, 0);
     drop(step);

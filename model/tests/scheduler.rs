@@ -564,7 +564,35 @@ async fn a_request_waits_for_the_prompt_blocks_another_is_writing() {
     // The unrelated request did not wait for the shared block: it started first.
     assert!(figures[2].queued < figures[1].queued, "{figures:?}");
     handle.shutdown(Duration::ZERO);
-    task.await.unwrap();
+    let stats = task.await.unwrap();
+    assert!(stats.passed_over > 0, "{stats:?}");
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+/// Nothing waits for a block it could not share: two requests whose prompt is exactly one
+/// block (its last token is always computed, so the block is never shared) start together,
+/// as do requests that only begin alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_waits_for_a_block_it_would_not_share() {
+    let block = SHAPE.block_tokens(4096);
+    let whole = request(block, 1, 5);
+    let mut apart = request(block + 20, 1, 5);
+    apart.prompt[block - 1] += 1;
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(256).step_tokens(48);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let streams: Vec<Generation> = [&whole, &whole, &apart]
+        .into_iter()
+        .map(|r| handle.submit(r.clone()).unwrap())
+        .collect();
+    for g in streams {
+        let (_, figures) = finish(g).await;
+        assert_eq!(figures.cached_tokens, 0, "{figures:?}");
+    }
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert_eq!(stats.passed_over, 0, "{stats:?}");
     drop(model);
     assert!(memory.shutdown().await.unwrap().is_zero());
 }

@@ -143,10 +143,12 @@ impl<B: Clone> PrefixCache<B> {
         found
     }
 
-    /// The complete block under `key`, marked used at `now` (a sequence maps it again).
-    pub fn get(&mut self, key: u64, now: u64) -> Option<B> {
+    /// The complete block under `key` if it holds `tokens` after the block under `parent`
+    /// (0 for a prompt's first), as a lookup compares them (a key alone may collide); marked
+    /// used at `now` (a sequence maps it again).
+    pub fn get(&mut self, key: u64, parent: u64, tokens: &[u32], now: u64) -> Option<B> {
         let e = self.entries.get_mut(&key)?;
-        if e.state != BlockState::Complete {
+        if e.state != BlockState::Complete || e.parent != parent || e.tokens != tokens {
             return None;
         }
         e.last_used = now;
@@ -266,14 +268,18 @@ mod tests {
         assert!(!c.complete(a.claimed[0], 2), "only the writer completes");
         let during = c.lookup(&p, BT, 3, 2);
         assert_eq!((during.hits.len(), during.claimed.len()), (0, 0));
+        let first = &p[..BT];
         assert_eq!(
-            c.get(a.claimed[0], 2),
+            c.get(a.claimed[0], 0, first, 2),
             None,
             "a block being written is not handed out"
         );
         assert!(c.complete(a.claimed[0], 1));
-        assert_eq!(c.get(a.claimed[0], 2), Some("a0"));
-        assert_eq!(c.get(!a.claimed[0], 2), None);
+        assert_eq!(c.get(a.claimed[0], 0, first, 2), Some("a0"));
+        assert_eq!(c.get(!a.claimed[0], 0, first, 2), None);
+        // The key with other tokens, or after another parent, is not that block.
+        assert_eq!(c.get(a.claimed[0], 0, &p[BT..], 2), None);
+        assert_eq!(c.get(a.claimed[0], 7, first, 2), None);
         let half = c.lookup(&p, BT, 3, 3);
         assert_eq!(half.hits, vec![(a.claimed[0], "a0")]);
         assert!(half.claimed.is_empty(), "the next block is being written");

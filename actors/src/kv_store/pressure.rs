@@ -309,9 +309,9 @@ impl KvStoreState {
             .collect()
     }
 
-    /// The keys of the complete cached blocks `id` maps, from its first, up to the first that
-    /// is not one (a block it was still writing, or one evicted meanwhile).
-    fn mapped_keys(&self, id: SeqId) -> Vec<u64> {
+    /// The keys and tokens of the complete cached blocks `id` maps, from its first, up to the
+    /// first that is not one (a block it was still writing, or one evicted meanwhile).
+    fn mapped_keys(&self, id: SeqId) -> Vec<(u64, Vec<u32>)> {
         let Some(entry) = self.sequences.entries.get(&id) else {
             return Vec::new();
         };
@@ -329,6 +329,7 @@ impl KvStoreState {
                     .get(&std::ptr::from_ref::<SharedPrefix>(p))
                     .copied()
             })
+            .filter_map(|key| Some((key, self.prefixes.prompt_of(key)?.1.to_vec())))
             .collect()
     }
 

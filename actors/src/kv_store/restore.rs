@@ -129,21 +129,29 @@ impl KvStoreState {
 
     /// Maps the complete cached blocks under `keys`, from the first and up to the first that
     /// is not cached, at the start of the empty `memory` of a sequence of `tokens` tokens (its
-    /// last token always in its own memory). Returns the shares and the tokens they hold; none
-    /// where the mapping fails (its rows then come back from the copy).
+    /// last token always in its own memory), each only if it holds the tokens it held when
+    /// recorded, after the block before it (a key alone may collide). Returns the shares and
+    /// the tokens they hold. Where the mapping fails the rows come back from the copy (or are
+    /// replayed) and the shares are kept with the memory all the same: a mapping whose undo
+    /// failed may still map them, and they go only after it.
     fn map_cached(
         &mut self,
         memory: &mut KvSequence,
-        keys: &[u64],
+        keys: &[(u64, Vec<u32>)],
         tokens: usize,
     ) -> (Vec<Mapped>, usize) {
         let bt = self.config.shape.block_tokens(self.device.granularity());
         let most = tokens.saturating_sub(1) / bt.max(1);
         let clock = self.clock;
+        let mut parent = 0;
         let shares: Vec<Mapped> = keys
             .iter()
             .take(most)
-            .map_while(|key| self.prefixes.get(*key, clock))
+            .map_while(|(key, block)| {
+                let found = self.prefixes.get(*key, parent, block, clock);
+                parent = *key;
+                found
+            })
             .map(Mapped::new)
             .collect();
         if shares.is_empty() {
@@ -160,7 +168,7 @@ impl KvStoreState {
             Ok(()) => (shares, from),
             Err(e) => {
                 tracing::debug!(%e, "cached blocks not mapped again at a restore");
-                (Vec::new(), 0)
+                (shares, 0)
             }
         }
     }

@@ -50,9 +50,10 @@ pub(super) struct SeqEntry {
     pub(super) ahead: Option<PendingGrowth>,
     /// Its prompt blocks coming from the disk tier, until its first step.
     pub(super) copy_in: Option<CopyIn>,
-    /// While it is preempted: the keys of the cached blocks it mapped, from its first (a
-    /// restore maps those still cached again instead of copying their rows back).
-    pub(super) remap: Vec<u64>,
+    /// While it is preempted: the cached blocks it mapped, from its first, each by its key
+    /// and tokens (a restore maps those still cached again instead of copying their rows
+    /// back, checking the tokens as a lookup does).
+    pub(super) remap: Vec<(u64, Vec<u32>)>,
 }
 
 impl SeqEntry {

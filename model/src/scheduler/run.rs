@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+use procmem_actors::procmem::kv::prompt_keys;
 use procmem_actors::{
     governor::GovernorError,
     kv::{KvStoreError, Restored, SeqId},
@@ -29,6 +30,8 @@ const CALM_STEPS: u32 = 16;
 /// Waiting requests admission looks at, at most, for one that need not wait for another's
 /// prompt blocks.
 const DEFER_SCAN: usize = 64;
+/// Times admission passes over one request, at most, for another's prompt blocks.
+const MAX_PASSES: u32 = 64;
 
 /// Whether `e` says a step did not get memory by its deadline (for its KV, or for a layer's
 /// weights brought back from offload): a smaller batch, or the same one a little later, may
@@ -68,6 +71,14 @@ struct Live {
     /// Tokens whose KV the store holds.
     pos: usize,
     opened: bool,
+    /// The prefix cache's keys of the whole blocks of `known` as it was queued (a waiting
+    /// request's prompt; what a running one opened with).
+    keys: Vec<u64>,
+    /// Running: the end of the prompt blocks it writes into the cache (what it opened with);
+    /// 0 once restored, as a restored sequence writes no block for others.
+    writes_to: usize,
+    /// Times admission passed over it while it waited for another's prompt blocks.
+    passed: u32,
     rng: StdRng,
     figures: Figures,
     last: Option<Instant>,
@@ -104,6 +115,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     busy_since: Option<Instant>,
     /// A restore refused while others ran waits until one of them finishes.
     restore_blocked: bool,
+    /// Tokens in one of the KV store's prompt blocks.
+    block: usize,
 }
 
 impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
@@ -127,6 +140,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             lonely: 0,
             busy_since: None,
             restore_blocked: false,
+            block: model.kv().prefix_digest().block_tokens(),
         }
     }
 
@@ -200,6 +214,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     generated: Vec::new(),
                     pos: 0,
                     opened: false,
+                    keys: prompt_keys(&q.request.prompt, self.block),
+                    writes_to: 0,
+                    passed: 0,
                     rng: StdRng::seed_from_u64(q.request.sampling.seed),
                     figures,
                     last: None,
@@ -273,29 +290,45 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 }
             }
             self.shared.stats().restores += 1;
+            // A restored sequence writes no prompt block for others to wait for.
+            r.writes_to = 0;
             self.running.push(r);
         }
     }
 
-    /// Whether `r` should wait for a running request that is still prefilling whole blocks
-    /// its prompt starts with: opened now, `r` would compute its own copy of them (the store
-    /// shares a block once it is written); a few steps later it maps the other's.
-    fn waits_for_shared(&self, r: &Live, block: usize) -> bool {
+    /// Whether `r` should wait for a running request that is still prefilling whole prompt
+    /// blocks `r`'s prompt starts with: opened now, `r` would compute its own copy of them
+    /// (the store shares a block once it is written); a few steps later it maps the other's.
+    /// Not for a block ending at `r`'s last token (the store's position rule: that token is
+    /// always computed), nor more than [`MAX_PASSES`] times.
+    fn waits_for_shared(&self, r: &Live) -> bool {
+        let block = self.block;
         block > 0
+            && r.passed < MAX_PASSES
             && self.running.iter().any(|s| {
-                // The end of the block `s` is writing now: `r` waits if it shares all of it.
-                let end = (s.pos / block + 1) * block;
-                end <= r.known.len() && end <= s.known.len() && r.known[..end] == s.known[..end]
+                // The block `s` is writing now; the keys are chained, so equal keys mean
+                // equal prompts up to its end (a collision costs a short wait, no more).
+                let i = s.pos / block;
+                let end = (i + 1) * block;
+                end <= s.writes_to
+                    && end < r.known.len()
+                    && r.keys.get(i).is_some_and(|k| s.keys.get(i) == Some(k))
             })
     }
 
-    /// The first waiting request to admit, oldest first, passing over those that wait for a
-    /// running request's prompt blocks (looking at the first [`DEFER_SCAN`] at most).
-    fn next_waiting(&mut self) -> Option<Live> {
-        let block = self.model.kv().prefix_digest().block_tokens();
-        let at = (0..self.waiting.len().min(DEFER_SCAN))
-            .find(|&i| !self.waits_for_shared(&self.waiting[i], block))?;
-        self.waiting.remove(at)
+    /// The first waiting request to admit, oldest first, and where it was in the queue;
+    /// those that wait for a running request's prompt blocks are passed over (of the first
+    /// [`DEFER_SCAN`] at most).
+    fn next_waiting(&mut self) -> Option<(usize, Live)> {
+        let scan = self.waiting.len().min(DEFER_SCAN);
+        let at = (0..scan).find(|&i| !self.waits_for_shared(&self.waiting[i]));
+        let passed = at.unwrap_or(scan);
+        for r in self.waiting.iter_mut().take(passed) {
+            r.passed += 1;
+        }
+        self.shared.stats().passed_over += passed as u64;
+        let at = at?;
+        Some((at, self.waiting.remove(at)?))
     }
 
     /// New requests start while nothing is parked and no pressure holds admission: the KV
@@ -307,7 +340,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             && self.running.len() < most
             && (!self.hold || self.running.is_empty())
         {
-            let Some(mut r) = self.next_waiting() else {
+            let Some((at, mut r)) = self.next_waiting() else {
                 break;
             };
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
@@ -317,13 +350,15 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                         r.figures.queued = r.q.arrived.elapsed();
                     }
                     r.opened = true;
+                    r.writes_to = r.known.len();
                     // The store's position rule (`Opened`): fewer than the prompt's tokens.
                     r.pos = opened.cached_tokens;
                     *self.shared.waiting() -= 1;
                     self.running.push(r);
                 }
                 Err(_) if !self.running.is_empty() => {
-                    self.waiting.push_front(r);
+                    // Back where it was, ahead of those passed over for it.
+                    self.waiting.insert(at, r);
                     self.hold = true;
                     break;
                 }
@@ -385,6 +420,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // Its whole blocks stay cached: it opens again from the tokens it knows.
                 self.model.kv().close_keeping(r.id, r.known.clone());
                 r.pos = 0;
+                r.writes_to = 0;
+                r.passed = 0;
+                r.keys = prompt_keys(&r.known, self.block);
                 r.figures.preemptions += 1;
                 self.shared.stats().shed += 1;
                 *self.shared.waiting() += 1;

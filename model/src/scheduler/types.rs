@@ -159,6 +159,9 @@ pub struct SchedulerStats {
     pub cancelled: u64,
     /// Requests finished.
     pub finished: u64,
+    /// Times admission passed over a waiting request for prompt blocks a running request was
+    /// still writing (it then maps them instead of computing its own copy).
+    pub passed_over: u64,
 }
 
 /// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
