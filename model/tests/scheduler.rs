@@ -596,3 +596,56 @@ async fn no_request_waits_for_a_block_it_would_not_share() {
     drop(model);
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
+
+/// Ten requests that share a 140-token system prompt (one whole block) and each add their
+/// own 10 to 37 tokens, at most 8 running: their tokens, the scheduler's figures and how
+/// many tokens restores mapped again from cached blocks.
+async fn sharing_ten(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u64, u64) {
+    let (memory, model) = toy(budget, preempt).await;
+    let config = SchedulerConfig::new(SHAPE.max_tokens)
+        .step_tokens(48)
+        .max_running(8);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let system = request(140, 9, 1).prompt;
+    let streams: Vec<Generation> = (0..10u32)
+        .map(|i| {
+            let mut r = request(10 + 3 * i as usize, i, 30);
+            r.prompt = [system.clone(), r.prompt].concat();
+            handle.submit(r).unwrap()
+        })
+        .collect();
+    let mut out = Vec::new();
+    for g in streams {
+        let (tokens, end) = drain(g).await;
+        assert_eq!(end.unwrap(), FinishReason::Length);
+        out.push(tokens);
+    }
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert_eq!(stats.finished, 10);
+    let shared = model.kv.stats().await.unwrap().restore_shared_tokens;
+    drop(model);
+    let report = memory.shutdown().await.unwrap();
+    assert!(report.is_zero(), "{report:?}");
+    (out, stats.preemptions + stats.shed, shared)
+}
+
+/// Requests sharing a system prompt, under pressure (swap and recompute): the waits for the
+/// prompt's block, the preemptions and the restores that map it again leave every answer
+/// as it is without pressure, and the books at zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prompts_under_pressure_answer_as_without() {
+    let (free, none, _) = sharing_ten(None, PreemptMode::Swap).await;
+    assert_eq!(none, 0);
+    let per_seq = 2 * SHAPE.layers as u64 * 4096 * 2;
+    for preempt in [PreemptMode::Swap, PreemptMode::Recompute] {
+        let (pressed, met, shared) = sharing_ten(Some(3 * per_seq), preempt).await;
+        eprintln!(
+            "scheduler_shared_pressure ({preempt:?}): {met} preemptions or sheds, {shared} \
+             tokens mapped again at restores"
+        );
+        assert!(met > 0, "no pressure met under {preempt:?}");
+        assert!(shared > 0, "no restore mapped the system prompt again");
+        assert_eq!(pressed, free, "{preempt:?}");
+    }
+}
