@@ -304,6 +304,14 @@ pub const KV_REPLAYED_TOKENS_TOTAL: Metric = metric(
     STORE,
     "Tokens handed back to be recomputed by restores of dropped sequences.",
 );
+/// Tokens restores mapped again from the cached prompt blocks they shared before preemption.
+pub const KV_RESTORE_SHARED_TOKENS_TOTAL: Metric = metric(
+    "procmem_kv_restore_shared_tokens_total",
+    Kind::Counter,
+    Unit::Count,
+    STORE,
+    "Tokens restores mapped again from the cached prompt blocks they shared before preemption.",
+);
 /// Latency of mapping one sequence's growth into its K/V buffers.
 pub const KV_GROWTH_MAP_SECONDS: Metric = latency(
     "procmem_kv_growth_map_seconds",
@@ -405,6 +413,7 @@ pub(super) const HOLDERS: &[Metric] = &[
     KV_SWAP_SECONDS,
     KV_RESTORES_TOTAL,
     KV_REPLAYED_TOKENS_TOTAL,
+    KV_RESTORE_SHARED_TOKENS_TOTAL,
     KV_GROWTH_MAP_SECONDS,
     RESIDENCY_LAYERS,
     RESIDENCY_OFFLOADS_TOTAL,

@@ -12,9 +12,9 @@ use procmem::metrics::{
     KV_PREFIX_DISK_WRITES_TOTAL, KV_PREFIX_HIT_TOKENS_TOTAL, KV_PREFIX_HOST_BLOCKS,
     KV_PREFIX_HOST_BYTES, KV_PREFIX_HOST_FAILURES_TOTAL, KV_PREFIX_HOST_HIT_TOKENS_TOTAL,
     KV_PREFIX_HOST_REFUSED_TOTAL, KV_PREFIX_HOST_WRITES_TOTAL, KV_PREFIX_QUERY_TOKENS_TOTAL,
-    KV_REPLAYED_TOKENS_TOTAL, KV_RESTORES_TOTAL, KV_SEQUENCES, KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL,
-    KV_SWAP_IN_BYTES_TOTAL, KV_SWAP_OUTS_TOTAL, KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS,
-    KV_TOKENS,
+    KV_REPLAYED_TOKENS_TOTAL, KV_RESTORES_TOTAL, KV_RESTORE_SHARED_TOKENS_TOTAL, KV_SEQUENCES,
+    KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL, KV_SWAP_OUTS_TOTAL,
+    KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
 };
 use tokio::time::{Duration, Instant};
 
@@ -46,6 +46,7 @@ pub(super) struct KvMetrics {
     restored_swap: Counter,
     restored_recompute: Counter,
     replayed: Counter,
+    restore_shared: Counter,
     /// One sequence's growth mapped.
     pub(super) growth_map: Histogram,
     /// One sequence copied out to the swap space.
@@ -155,6 +156,7 @@ impl KvMetrics {
             restored_swap: KV_RESTORES_TOTAL.counter(&[store, authority, "swap"]),
             restored_recompute: KV_RESTORES_TOTAL.counter(&[store, authority, "recompute"]),
             replayed: KV_REPLAYED_TOKENS_TOTAL.counter(&l),
+            restore_shared: KV_RESTORE_SHARED_TOKENS_TOTAL.counter(&l),
             growth_map: KV_GROWTH_MAP_SECONDS.histogram(&l),
             swap_out: KV_SWAP_SECONDS.histogram(&[store, authority, "out"]),
             swap_in: KV_SWAP_SECONDS.histogram(&[store, authority, "in"]),
@@ -196,6 +198,7 @@ impl KvMetrics {
         self.restored_swap.absolute(s.restores_swapped);
         self.restored_recompute.absolute(s.restores_recomputed);
         self.replayed.absolute(s.replayed_tokens);
+        self.restore_shared.absolute(s.restore_shared_tokens);
         moved
     }
 
