@@ -113,12 +113,23 @@ async fn drain(mut g: Generation) -> (Vec<u32>, Result<FinishReason, GenError>) 
 /// Twelve requests of growing prompts, 40 tokens each, at most 8 running: every one must
 /// finish at its length. Their tokens, and the scheduler's figures.
 async fn twelve<M: StepModel>(model: Arc<M>) -> (Vec<Vec<u32>>, scheduler::SchedulerStats) {
+    let requests = (0..12).map(|i| request(5 + 9 * i, i as u32, 40)).collect();
+    all_finish(model, requests).await
+}
+
+/// `requests` at once, 48 tokens a step and at most 8 running: every one must finish at its
+/// length. Their tokens, and the scheduler's figures.
+async fn all_finish<M: StepModel>(
+    model: Arc<M>,
+    requests: Vec<GenRequest>,
+) -> (Vec<Vec<u32>>, scheduler::SchedulerStats) {
     let config = SchedulerConfig::new(SHAPE.max_tokens)
         .step_tokens(48)
         .max_running(8);
     let (handle, task) = SchedulerHandle::spawn(model, config);
-    let streams: Vec<Generation> = (0..12)
-        .map(|i| handle.submit(request(5 + 9 * i, i as u32, 40)).unwrap())
+    let streams: Vec<Generation> = requests
+        .into_iter()
+        .map(|r| handle.submit(r).unwrap())
         .collect();
     let mut out = Vec::new();
     for g in streams {
@@ -521,6 +532,32 @@ async fn a_prompt_back_from_disk_and_one_whose_copy_fails_answer_the_same() {
     assert!(report.is_zero(), "{report:?}");
 }
 
+/// `requests` submitted together to a toy store without pressure, 48 tokens a step: each
+/// one's tokens and figures, and the scheduler's figures; the books at zero after.
+async fn together(
+    requests: &[&GenRequest],
+) -> (
+    Vec<(Vec<u32>, scheduler::Figures)>,
+    scheduler::SchedulerStats,
+) {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(256).step_tokens(48);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let streams: Vec<Generation> = requests
+        .iter()
+        .map(|r| handle.submit((*r).clone()).unwrap())
+        .collect();
+    let mut out = Vec::new();
+    for g in streams {
+        out.push(finish(g).await);
+    }
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+    (out, stats)
+}
+
 /// Requests that arrive together with the same system prompt share its blocks: the second
 /// waits for the first to write the block they both start with (an unrelated request is
 /// admitted meanwhile), then maps it, and answers as it does alone.
@@ -532,42 +569,17 @@ async fn a_request_waits_for_the_prompt_blocks_another_is_writing() {
     let mut second = request(200, 2, 20);
     second.prompt[..block + 5].copy_from_slice(&first.prompt[..block + 5]);
     let other = request(150, 3, 20);
-    let alone = {
-        let (memory, model) = toy(None, PreemptMode::Swap).await;
-        let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), SchedulerConfig::new(256));
-        let (tokens, figures) = finish(handle.submit(second.clone()).unwrap()).await;
-        assert_eq!(figures.cached_tokens, 0);
-        handle.shutdown(Duration::ZERO);
-        task.await.unwrap();
-        drop(model);
-        assert!(memory.shutdown().await.unwrap().is_zero());
-        tokens
-    };
-    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let (alone, _) = together(&[&second]).await;
+    assert_eq!(alone[0].1.cached_tokens, 0);
     // A step takes 48 tokens: the first prompt's block takes three steps to write.
-    let config = SchedulerConfig::new(256).step_tokens(48);
-    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
-    let streams: Vec<Generation> = [&first, &second, &other]
-        .into_iter()
-        .map(|r| handle.submit(r.clone()).unwrap())
-        .collect();
-    let mut figures = Vec::new();
-    let mut answers = Vec::new();
-    for g in streams {
-        let (tokens, f) = finish(g).await;
-        answers.push(tokens);
-        figures.push(f);
-    }
+    let (out, stats) = together(&[&first, &second, &other]).await;
+    let figures: Vec<&scheduler::Figures> = out.iter().map(|(_, f)| f).collect();
     let cached: Vec<usize> = figures.iter().map(|f| f.cached_tokens).collect();
     assert_eq!(cached, [0, block, 0], "{figures:?}");
-    assert_eq!(answers[1], alone, "sharing the block, the same answer");
+    assert_eq!(out[1].0, alone[0].0, "sharing the block, the same answer");
     // The unrelated request did not wait for the shared block: it started first.
     assert!(figures[2].queued < figures[1].queued, "{figures:?}");
-    handle.shutdown(Duration::ZERO);
-    let stats = task.await.unwrap();
     assert!(stats.passed_over > 0, "{stats:?}");
-    drop(model);
-    assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
 /// Nothing waits for a block it could not share: two requests whose prompt is exactly one
@@ -579,22 +591,11 @@ async fn no_request_waits_for_a_block_it_would_not_share() {
     let whole = request(block, 1, 5);
     let mut apart = request(block + 20, 1, 5);
     apart.prompt[block - 1] += 1;
-    let (memory, model) = toy(None, PreemptMode::Swap).await;
-    let config = SchedulerConfig::new(256).step_tokens(48);
-    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
-    let streams: Vec<Generation> = [&whole, &whole, &apart]
-        .into_iter()
-        .map(|r| handle.submit(r.clone()).unwrap())
-        .collect();
-    for g in streams {
-        let (_, figures) = finish(g).await;
+    let (out, stats) = together(&[&whole, &whole, &apart]).await;
+    for (_, figures) in &out {
         assert_eq!(figures.cached_tokens, 0, "{figures:?}");
     }
-    handle.shutdown(Duration::ZERO);
-    let stats = task.await.unwrap();
     assert_eq!(stats.passed_over, 0, "{stats:?}");
-    drop(model);
-    assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
 /// Ten requests that share a 140-token system prompt (one whole block) and each add their
@@ -602,26 +603,15 @@ async fn no_request_waits_for_a_block_it_would_not_share() {
 /// many tokens restores mapped again from cached blocks.
 async fn sharing_ten(budget: Option<u64>, preempt: PreemptMode) -> (Vec<Vec<u32>>, u64, u64) {
     let (memory, model) = toy(budget, preempt).await;
-    let config = SchedulerConfig::new(SHAPE.max_tokens)
-        .step_tokens(48)
-        .max_running(8);
-    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let system = request(140, 9, 1).prompt;
-    let streams: Vec<Generation> = (0..10u32)
+    let requests = (0..10u32)
         .map(|i| {
             let mut r = request(10 + 3 * i as usize, i, 30);
             r.prompt = [system.clone(), r.prompt].concat();
-            handle.submit(r).unwrap()
+            r
         })
         .collect();
-    let mut out = Vec::new();
-    for g in streams {
-        let (tokens, end) = drain(g).await;
-        assert_eq!(end.unwrap(), FinishReason::Length);
-        out.push(tokens);
-    }
-    handle.shutdown(Duration::ZERO);
-    let stats = task.await.unwrap();
+    let (out, stats) = all_finish(Arc::clone(&model), requests).await;
     assert_eq!(stats.finished, 10);
     let shared = model.kv.stats().await.unwrap().restore_shared_tokens;
     drop(model);
