@@ -7,7 +7,7 @@ mod common;
 use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
-use common::{another_holder_asks, kv_config, kv_floats, kv_item, settled, system};
+use common::{another_holder_asks, kv_config, kv_floats, kv_item, kv_system, settled, system};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
@@ -202,10 +202,7 @@ async fn kv_in_host_memory_swaps_to_disk_and_never_into_its_own_authority() {
 /// meanwhile waits for the copy, and the memory goes, then its lease, once the copy ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_swap_copies_out_on_the_stream_and_frees_after_its_fence() {
-    let (g, p) = system(1 << 30, 1).await;
-    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
-        .await
-        .unwrap();
+    let (g, p, kv) = kv_system(1 << 30, config(SwapSpace::Auto)).await;
     kv.open(1, vec![], 0).await.unwrap();
     steps(&kv, 1, 0, 40).await;
     let held = kv.stats().await.unwrap();
@@ -266,10 +263,7 @@ async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
         eprintln!("SKIPPED: cannot mount a 64 KiB tmpfs here (needs root)");
         return;
     }
-    let (g, p) = system(1 << 30, 1).await;
-    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Disk(dir.clone())), g.clone(), p.clone())
-        .await
-        .unwrap();
+    let (g, _p, kv) = kv_system(1 << 30, config(SwapSpace::Disk(dir.clone()))).await;
     kv.open(1, vec![], 0).await.unwrap();
     // 200 tokens: 100 KiB of KV, more than the file system holds.
     steps(&kv, 1, 0, 200).await;
@@ -402,10 +396,7 @@ async fn sharing_then_squeezed(
 /// sequence is closed while it waits for room fails, and everything it held goes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_refused_or_closed_while_it_waits_loses_nothing() {
-    let (g, p) = system(1 << 30, 1).await;
-    let (kv, _) = KvStoreHandle::spawn(config(SwapSpace::Auto), g.clone(), p.clone())
-        .await
-        .unwrap();
+    let (g, _p, kv) = kv_system(1 << 30, config(SwapSpace::Auto)).await;
     let bt = SHAPE.block_tokens(4096);
     let (tokens, _, _, squeezed) = sharing_then_squeezed(&g, &kv).await;
     let busy = kv.prepare(vec![1]).await.unwrap();
@@ -452,11 +443,7 @@ async fn a_restore_refused_or_closed_while_it_waits_loses_nothing() {
 }
 
 async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
-    let (g, p) = system(1 << 30, 1).await;
-    let config = config(SwapSpace::Auto).preempt(preempt);
-    let (kv, _) = KvStoreHandle::spawn(config, g.clone(), p.clone())
-        .await
-        .unwrap();
+    let (g, _p, kv) = kv_system(1 << 30, config(SwapSpace::Auto).preempt(preempt)).await;
     let bt = SHAPE.block_tokens(4096);
     let (tokens, before, held, squeezed) = sharing_then_squeezed(&g, &kv).await;
     drop(squeezed);

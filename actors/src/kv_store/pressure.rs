@@ -291,46 +291,37 @@ impl KvStoreState {
         self.evict_prefix_held(key, 0)
     }
 
-    /// The cached blocks `id` alone maps (it is their one sharer), with their keys.
-    fn sole_blocks(&self, id: SeqId) -> Vec<(u64, Arc<SharedPrefix>)> {
+    /// What preempting `id` does to the cached blocks it maps, from one look at the cache:
+    /// those it alone maps (it is their one sharer), with their keys; and the complete ones,
+    /// from its first up to the first that is not (a block it was still writing, or one
+    /// evicted meanwhile), by key and tokens, for a restore to map again.
+    #[allow(clippy::type_complexity)]
+    fn sole_and_remap(&self, id: SeqId) -> (Vec<(u64, Arc<SharedPrefix>)>, Vec<(u64, Vec<u32>)>) {
         let Some(entry) = self.sequences.entries.get(&id) else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
-        let sole: Vec<&SharedPrefix> = entry
-            .prefixes
-            .iter()
-            .filter(|p| p.sharers() == 1)
-            .map(|p| &**p)
-            .collect();
-        self.prefixes
-            .blocks()
-            .filter(|(_, b, _, _)| sole.iter().any(|s| std::ptr::eq(*s, &***b)))
-            .map(|(key, b, ..)| (key, Arc::clone(b)))
-            .collect()
-    }
-
-    /// The keys and tokens of the complete cached blocks `id` maps, from its first, up to the
-    /// first that is not one (a block it was still writing, or one evicted meanwhile).
-    fn mapped_keys(&self, id: SeqId) -> Vec<(u64, Vec<u32>)> {
-        let Some(entry) = self.sequences.entries.get(&id) else {
-            return Vec::new();
-        };
-        let by_block: HashMap<*const SharedPrefix, u64> = self
+        let by_block: HashMap<*const SharedPrefix, (u64, &Arc<SharedPrefix>, BlockState)> = self
             .prefixes
             .blocks()
-            .filter(|(.., state)| *state == BlockState::Complete)
-            .map(|(key, block, ..)| (Arc::as_ptr(block), key))
+            .map(|(key, block, _, state)| (Arc::as_ptr(block), (key, block, state)))
             .collect();
-        entry
+        let cached: Vec<Option<&(u64, &Arc<SharedPrefix>, BlockState)>> = entry
             .prefixes
             .iter()
-            .map_while(|p| {
-                by_block
-                    .get(&std::ptr::from_ref::<SharedPrefix>(p))
-                    .copied()
-            })
-            .filter_map(|key| Some((key, self.prefixes.prompt_of(key)?.1.to_vec())))
-            .collect()
+            .map(|p| by_block.get(&std::ptr::from_ref::<SharedPrefix>(p)))
+            .collect();
+        let sole = cached
+            .iter()
+            .flatten()
+            .filter(|(_, block, _)| block.sharers() == 1)
+            .map(|(key, block, _)| (*key, Arc::clone(block)))
+            .collect();
+        let remap = cached
+            .iter()
+            .map_while(|c| c.filter(|(.., state)| *state == BlockState::Complete))
+            .filter_map(|(key, ..)| Some((*key, self.prefixes.prompt_of(*key)?.1.to_vec())))
+            .collect();
+        (sole, remap)
     }
 
     /// [`evict_prefix`](Self::evict_prefix) for a block that `held` shares still map until
@@ -414,8 +405,7 @@ impl KvStoreState {
             return Taken::default();
         };
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
-        let sole = self.sole_blocks(id);
-        let remap = self.mapped_keys(id);
+        let (sole, remap) = self.sole_and_remap(id);
         let (freed, mut pending) = self.let_go(id, saved, idle, &mut mode);
         if let Some(entry) = self.sequences.entries.get_mut(&id) {
             entry.remap = remap;

@@ -206,7 +206,7 @@ impl KvStoreState {
             return;
         };
         let (growth_map, swap_in) = (&self.metrics.growth_map, &self.metrics.swap_in);
-        let result: Result<(), KvStoreError> = async {
+        let result: Result<u64, KvStoreError> = async {
             let growth = metrics::timed(growth_map, || memory.map_growth(per_buffer))?;
             match grant.commit(growth.bytes()).await {
                 Ok(lease) => entry.charge.add(lease),
@@ -216,17 +216,15 @@ impl KvStoreState {
                 }
             }
             memory.publish(growth);
-            metrics::timed(swap_in, || saved.restore_into(memory, from))?;
+            let copied = metrics::timed(swap_in, || saved.restore_into(memory, from))?;
             memory.advance_by(tokens - from)?;
-            Ok(())
+            Ok(copied)
         }
         .await;
         match result {
-            Ok(()) => {
+            Ok(copied) => {
                 self.stats.swap_ins += 1;
-                let shape = self.config.shape;
-                let shared = from as u64 * shape.token_bytes() * shape.buffers() as u64;
-                self.stats.swap_in_bytes += saved.bytes() - shared;
+                self.stats.swap_in_bytes += copied;
                 self.stats.restore_shared_tokens += from as u64;
                 if let Some(entry) = self.sequences.entries.get_mut(&seq) {
                     entry.remap.clear();

@@ -235,8 +235,12 @@ impl Saved {
     }
 
     /// Copies every buffer's rows from row `from` on back into `memory` (mapped for them; the
-    /// rows before `from` are shared blocks it maps again).
-    pub(super) fn restore_into(&self, memory: &mut KvSequence, from: usize) -> Result<(), KvError> {
+    /// rows before `from` are shared blocks it maps again). Returns the bytes copied.
+    pub(super) fn restore_into(
+        &self,
+        memory: &mut KvSequence,
+        from: usize,
+    ) -> Result<u64, KvError> {
         if !self.copied() {
             return Err(MemoryError::Unsupported {
                 capability: "restoring swapped KV",
@@ -268,6 +272,6 @@ impl Saved {
             }
             memory.write_buffer_rows(b, from, &rows)?;
         }
-        Ok(())
+        Ok(rows.len() as u64 * self.buffers as u64)
     }
 }
