@@ -118,6 +118,7 @@ fn main() {
         let p = CpuProvider::spawn(CpuProviderConfig {
             streams: 1,
             registry: None,
+            ..Default::default()
         })
         .await
         .unwrap();

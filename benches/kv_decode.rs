@@ -11,7 +11,11 @@
 //!   the step's memory, the step completed with its fence): what a server pays for the store;
 //! - `step_api_queued`: the same, but each layer's kernel is queued on the stream without the
 //!   host waiting for it, as a server queues a step's layers (and as a GPU server launches its
-//!   kernels); the step's end waits for them all. Beside it, `prepare_p50_ns` (what a prepare
+//!   kernels); the step's end waits for them all. The stream runs them on a rayon pool of its
+//!   own (`CpuProviderConfig::threads`), so the operator's split-KV pieces fork and join inside
+//!   it; `step_api_queued_on_stream_thread` is the same on a stream that runs them on its
+//!   own thread, handing each parallel call to rayon's global pool and back. Beside them,
+//!   `prepare_p50_ns` (what a prepare
 //!   takes) and `actor_call_p50_ns` (a bare ractor call made the same way: the floor under a
 //!   prepare and under a complete), and `actor_call_in_runtime_p50_ns` (the same call from a
 //!   task on the runtime, as a server's scheduler makes it);
@@ -31,7 +35,8 @@
 //! layer's K and V) times its steps per second.
 //! Its `cuda` section runs the CUDA decode kernels over KV on CUDA VMM, preallocated and
 //! staging-copied, where a GPU exists (`benches/common/cuda_decode.rs`).
-//! Writes `target/reports/kv_decode.json`.
+//! Writes `target/reports/kv_decode.json`. `PROCMEM_BENCH_CONTEXTS` (comma-separated) runs
+//! only those contexts.
 
 mod common;
 #[path = "common/cuda_decode.rs"]
@@ -59,7 +64,7 @@ const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const CONTEXTS: [usize; 3] = [512, 4096, 16384];
-const WINDOW: usize = 40;
+const WINDOW: usize = 200;
 /// Interleaved rounds per context; each strategy reports the median of its rounds.
 const ROUNDS: usize = 5;
 const PAGE_TOKENS: usize = 16;
@@ -142,10 +147,23 @@ struct StepApi {
 /// One token's K and V for one layer.
 type Row = (Vec<f32>, Vec<f32>);
 
+/// How [`StepApi`] drives its layers.
+#[derive(Clone, Copy, PartialEq)]
+enum Drive {
+    /// Each layer's attention is awaited before the next.
+    EachLayerWaits,
+    /// The layers' kernels are queued without waiting; the stream runs them on its own pool.
+    Queued,
+    /// Queued, on a stream that runs them on its own thread, their parallel calls going to
+    /// rayon's global pool (`CpuProviderConfig::threads` 0: how every stream ran before).
+    QueuedOnStreamThread,
+}
+
 impl StepApi {
     /// A store growing `chunk_granules` granules at a time, mapping the next growth while a
     /// step runs or not.
-    fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool, queued: bool) -> Self {
+    fn new(shape: KvShape, chunk_granules: u64, map_ahead: bool, drive: Drive) -> Self {
+        let queued = drive != Drive::EachLayerWaits;
         // Queued, the store's actors run on this thread while it waits in `block_on` (a
         // runtime of its own thread), as a server's scheduler task and its store share a
         // worker: a call between them wakes no other thread. The other strategies call from
@@ -164,9 +182,11 @@ impl StepApi {
             let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 40))
                 .await
                 .unwrap();
-            let p = CpuProvider::spawn(CpuProviderConfig::default())
-                .await
-                .unwrap();
+            let mut config = CpuProviderConfig::default();
+            if drive == Drive::QueuedOnStreamThread {
+                config.threads = 0;
+            }
+            let p = CpuProvider::spawn(config).await.unwrap();
             let config = KvStoreConfig::new("kv", shape)
                 .chunk_granules(chunk_granules)
                 .wait(std::time::Duration::from_secs(5))
@@ -500,11 +520,24 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
     };
     let filled = |n: usize| vec![0.5f32; n];
     match name {
-        "step_api" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true, false)),
-        "step_api_queued" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true, true)),
+        "step_api" => Box::new(StepApi::new(
+            shape,
+            CHUNK_GRANULES,
+            true,
+            Drive::EachLayerWaits,
+        )),
+        "step_api_queued" => Box::new(StepApi::new(shape, CHUNK_GRANULES, true, Drive::Queued)),
+        "step_api_queued_on_stream_thread" => Box::new(StepApi::new(
+            shape,
+            CHUNK_GRANULES,
+            true,
+            Drive::QueuedOnStreamThread,
+        )),
         // One granule per growth: with 4 KiB rows every step maps a new granule per buffer.
-        "step_api_growing" => Box::new(StepApi::new(shape, 1, true, false)),
-        "step_api_growing_at_prepare" => Box::new(StepApi::new(shape, 1, false, false)),
+        "step_api_growing" => Box::new(StepApi::new(shape, 1, true, Drive::EachLayerWaits)),
+        "step_api_growing_at_prepare" => {
+            Box::new(StepApi::new(shape, 1, false, Drive::EachLayerWaits))
+        }
         "virtual" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
@@ -567,6 +600,7 @@ fn main() {
         "virtual",
         "step_api",
         "step_api_queued",
+        "step_api_queued_on_stream_thread",
         "step_api_growing",
         "step_api_growing_at_prepare",
         "preallocated",
@@ -581,12 +615,18 @@ fn main() {
     let mut contexts = Vec::new();
     let mut last_streaming_read = None;
     // On a GPU machine the host part can be left out (scripts/gpu-check.sh does).
-    let host_contexts: &[usize] = if std::env::var_os("KV_DECODE_CUDA_ONLY").is_some() {
-        &[]
+    // `PROCMEM_BENCH_CONTEXTS` (comma-separated) runs only those contexts.
+    let host_contexts: Vec<usize> = if std::env::var_os("KV_DECODE_CUDA_ONLY").is_some() {
+        Vec::new()
+    } else if let Ok(list) = std::env::var("PROCMEM_BENCH_CONTEXTS") {
+        list.split(',')
+            .filter(|c| !c.trim().is_empty())
+            .map(|c| c.trim().parse().expect("PROCMEM_BENCH_CONTEXTS: numbers"))
+            .collect()
     } else {
-        &CONTEXTS
+        CONTEXTS.to_vec()
     };
-    for &context in host_contexts {
+    for &context in &host_contexts {
         let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
         let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
         // Build every strategy up to the window (the attention before it costs the same for
@@ -666,6 +706,8 @@ fn main() {
             "operator_vs_streaming_read": operator_gb_s / streaming_read,
             "step_api_vs_virtual": get("step_api") / get("virtual"),
             "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
+            "step_api_queued_on_stream_thread_vs_virtual":
+                get("step_api_queued_on_stream_thread") / get("virtual"),
             "prepare_p50_ns": prepare_p50,
             "actor_call_p50_ns": floor.0,
             "actor_call_in_runtime_p50_ns": floor.1,

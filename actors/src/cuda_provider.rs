@@ -37,7 +37,7 @@ impl std::fmt::Debug for CudaStreamHandle {
 impl CudaStreamHandle {
     fn start(timeline: Arc<HostTimeline>, stream: CudaStream, deferred: DeferredQueue) -> Self {
         let name = format!("procmem-cuda-{}", timeline.stream().get());
-        let core = StreamCore::start(name, timeline, |event: CudaEvent| {
+        let core = StreamCore::start(name, timeline, 0, |event: CudaEvent| {
             // An event that cannot be observed leaves its fence pending: memory the work
             // used is then never freed, rather than freed too early.
             match event.synchronize() {
@@ -163,6 +163,8 @@ impl ProviderKind for Cuda {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,
+            // Its streams wait on events; the kernels run on the device.
+            threads: 0,
             registry: config.registry,
         })
     }
@@ -171,6 +173,7 @@ impl ProviderKind for Cuda {
         mechanism: &CudaMechanism,
         timeline: Arc<HostTimeline>,
         deferred: DeferredQueue,
+        _threads: usize,
     ) -> Result<CudaStreamHandle, MemoryError> {
         let cuda = CudaStream::new(Arc::clone(mechanism.device()))?;
         Ok(CudaStreamHandle::start(timeline, cuda, deferred))

@@ -70,6 +70,7 @@ pub trait ProviderKind: Send + Sync + Sized + 'static {
         mechanism: &Self::Mechanism,
         timeline: Arc<HostTimeline>,
         deferred: DeferredQueue,
+        threads: usize,
     ) -> Result<Self::Stream, MemoryError>;
 }
 
@@ -81,6 +82,8 @@ pub struct OpenedMechanism<K: ProviderKind> {
     pub context: ContextId,
     /// How many streams to start (at least one).
     pub streams: usize,
+    /// Worker threads per stream for its host kernels' parallel work (0 where it runs none).
+    pub threads: usize,
     /// Registry to join; a fresh one if `None`.
     pub registry: Option<StreamRegistry>,
 }
@@ -186,6 +189,7 @@ impl<K: ProviderKind> Actor for ExecutionProvider<K> {
             mechanism,
             context: id,
             streams: count,
+            threads,
             registry,
         } = opened;
         let registry = registry.unwrap_or_default();
@@ -200,7 +204,7 @@ impl<K: ProviderKind> Actor for ExecutionProvider<K> {
             )
             .await?;
             let deferred = DeferredQueue(deferred);
-            let stream = match K::start_stream(&mechanism, timeline, deferred.clone()) {
+            let stream = match K::start_stream(&mechanism, timeline, deferred.clone(), threads) {
                 Ok(stream) => stream,
                 Err(error) => {
                     deferred.0.stop(None);
@@ -378,8 +382,14 @@ pub struct Cpu;
 /// What [`CpuProvider`] needs to start.
 #[derive(Debug, Clone)]
 pub struct CpuProviderConfig {
-    /// How many streams (worker threads).
+    /// How many streams (each runs its kernels in order, one at a time).
     pub streams: usize,
+    /// Worker threads per stream: each stream's kernels run on a rayon pool of its own of
+    /// this many threads, so a kernel's parallel calls (`par_iter`, `join`) fork and join
+    /// inside it. One per CPU this process may use unless set. 0: the kernels run on the
+    /// stream's own thread and their parallel calls go to rayon's global pool (a hand-off to
+    /// its threads and back for each call).
+    pub threads: usize,
     /// Registry to join, so buffers can be used across providers; a fresh one if `None`.
     pub registry: Option<StreamRegistry>,
 }
@@ -388,6 +398,7 @@ impl Default for CpuProviderConfig {
     fn default() -> Self {
         CpuProviderConfig {
             streams: 1,
+            threads: crate::stream::default_stream_threads(),
             registry: None,
         }
     }
@@ -405,6 +416,7 @@ impl ProviderKind for Cpu {
             context: mechanism.context(),
             mechanism,
             streams: config.streams,
+            threads: config.threads,
             registry: config.registry,
         })
     }
@@ -413,8 +425,9 @@ impl ProviderKind for Cpu {
         _: &HostMechanism,
         timeline: Arc<HostTimeline>,
         deferred: DeferredQueue,
+        threads: usize,
     ) -> Result<CpuStream, MemoryError> {
-        Ok(CpuStream::start(timeline, deferred))
+        Ok(CpuStream::start(timeline, deferred, threads))
     }
 }
 

@@ -80,32 +80,45 @@ pub(crate) struct StreamCore<T> {
 
 impl<T: Send + 'static> StreamCore<T> {
     /// Starts the stream's thread, named `name`: for each submission in order it calls
-    /// `observe` (which returns once the work is done) and completes its fence. `observe`
+    /// `observe` (which returns once the work is done) and completes its fence. With
+    /// `workers` > 0, `observe` runs on a worker of a rayon pool of that many threads that
+    /// belongs to this stream alone (see [`worker_pool`]); with 0, on the thread itself. `observe`
     /// returning false (the device failed) closes the stream: later submissions are refused
     /// before anything is queued, and that fence and any queued after it stay pending, so the
     /// memory they used is kept rather than freed early.
     pub(crate) fn start(
         name: String,
         timeline: Arc<HostTimeline>,
+        workers: usize,
         mut observe: impl FnMut(T) -> bool + Send + 'static,
     ) -> Self {
         let (tx, rx) = unbounded::<(u64, T)>();
         let sender: Hand<T> = Arc::new(Mutex::new(Some(tx)));
         let worker = {
             let timeline = Arc::clone(&timeline);
+            let thread_name = name.clone();
             // Weak: the thread must not keep its own channel open once the stream is dropped.
             let sender = Arc::downgrade(&sender);
             std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
-                    // However the thread ends (a failed observation, a panic), the stream is
-                    // closed with it, so no submission records a fence nobody will complete.
-                    let _close = CloseOnExit(sender);
-                    for (value, item) in rx {
-                        if !observe(item) {
-                            return;
+                    let drain = move || {
+                        // However the loop ends (a failed observation, a panic), the stream is
+                        // closed with it, so no submission records a fence nobody will complete.
+                        let _close = CloseOnExit(sender);
+                        for (value, item) in rx {
+                            if !observe(item) {
+                                return;
+                            }
+                            timeline.complete(value);
                         }
-                        timeline.complete(value);
+                    };
+                    match worker_pool(&thread_name, workers) {
+                        // The loop runs on one of the pool's workers, so the parallel work of
+                        // what it observes (a kernel's rayon calls) forks and joins inside the
+                        // pool, with no hand-off to another thread and back.
+                        Some(pool) => pool.install(drain),
+                        None => drain(),
                     }
                 })
                 .expect("spawn a stream thread")
@@ -142,6 +155,32 @@ impl<T: Send + 'static> StreamCore<T> {
         sender.send((fence.value, item)).map_err(|_| closed())?;
         Ok(fence)
     }
+}
+
+/// A rayon pool of `workers` threads for one stream (`None` for 0, or where the threads
+/// cannot be started: the stream then observes on its own thread). Its own pool, not
+/// rayon's global one: a kernel's parallel calls made from a worker of the pool fork and join
+/// inside it, and while a worker waits in a join it only takes up work of the same kernel. On
+/// a shared pool a worker waiting in one stream's join could take up another stream's kernel
+/// and run it nested inside the first, under whatever lock the first holds.
+fn worker_pool(name: &str, workers: usize) -> Option<rayon::ThreadPool> {
+    if workers == 0 {
+        return None;
+    }
+    let prefix = name.to_owned();
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(workers)
+        .thread_name(move |i| format!("{prefix}-w{i}"))
+        .build()
+        .inspect_err(|error| {
+            tracing::warn!(%error, stream = name, "no worker pool; kernels run on the stream thread");
+        })
+        .ok()
+}
+
+/// The worker threads a CPU stream gets unless told: one per CPU this process may use.
+pub(crate) fn default_stream_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Closes a stream's hand-off when its thread ends.
@@ -215,12 +254,18 @@ impl std::fmt::Debug for CpuStream {
 }
 
 impl CpuStream {
-    /// Starts the stream's worker thread; `deferred` is the deferred-free actor of its buffers.
-    pub(crate) fn start(timeline: Arc<HostTimeline>, deferred: DeferredQueue) -> Self {
+    /// Starts the stream's thread; `deferred` is the deferred-free actor of its buffers. Its
+    /// kernels run on a rayon pool of `threads` workers of its own (on the stream's thread,
+    /// their parallel calls going to rayon's global pool, for 0).
+    pub(crate) fn start(
+        timeline: Arc<HostTimeline>,
+        deferred: DeferredQueue,
+        threads: usize,
+    ) -> Self {
         let kernel_panics = Arc::new(AtomicU64::new(0));
         let panics = Arc::clone(&kernel_panics);
         let name = format!("procmem-cpu-{}", timeline.stream().get());
-        let core = StreamCore::start(name, timeline, move |kernel: Kernel| {
+        let core = StreamCore::start(name, timeline, threads, move |kernel: Kernel| {
             // A kernel that panics still completes its fence: the memory it used must still
             // be freed, and the stream must go on.
             if catch_unwind(AssertUnwindSafe(kernel)).is_err() {
@@ -359,7 +404,7 @@ mod tests {
     #[test]
     fn a_failed_stream_refuses_before_queuing_or_fencing() {
         let timeline = Arc::new(HostTimeline::new(StreamId::fresh()));
-        let core = StreamCore::start("test-failing".into(), Arc::clone(&timeline), |ok| ok);
+        let core = StreamCore::start("test-failing".into(), Arc::clone(&timeline), 0, |ok| ok);
         let probe = Probe(Mutex::new(Vec::new()));
         let ok = core
             .submit::<_, ()>(&[&probe], || Ok(true))

@@ -121,6 +121,7 @@ async fn scenario(death: Death, count_messages: bool) -> (Outcome, Vec<(&'static
     let p = CpuProvider::spawn(CpuProviderConfig {
         streams: 2,
         registry: None,
+        ..Default::default()
     })
     .await;
     let Ok(p) = p else {

@@ -37,12 +37,14 @@ async fn case(shared_registry: bool, drop_first: bool, home: usize) -> bool {
     let a = CpuProvider::spawn(CpuProviderConfig {
         streams: 2,
         registry: None,
+        ..Default::default()
     })
     .await
     .unwrap();
     let b = CpuProvider::spawn(CpuProviderConfig {
         streams: 1,
         registry: shared_registry.then(|| a.registry().clone()),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -27,6 +27,7 @@ async fn setup(streams: usize) -> (GovernorHandle, HolderId, CpuProvider) {
     let provider = CpuProvider::spawn(CpuProviderConfig {
         streams,
         registry: None,
+        ..Default::default()
     })
     .await
     .unwrap();

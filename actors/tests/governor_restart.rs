@@ -196,6 +196,7 @@ async fn scenario(death: Death, count: bool) -> (u64, Run) {
     let p = CpuProvider::spawn(CpuProviderConfig {
         streams: 1,
         registry: None,
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -28,6 +28,7 @@ pub struct MemoryManagerBuilder {
     metrics_addr: Option<SocketAddr>,
     keep_metrics: bool,
     streams: usize,
+    stream_threads: Option<usize>,
     follow_machine: bool,
 }
 
@@ -74,6 +75,14 @@ impl MemoryManagerBuilder {
     /// CPU streams (at least one).
     pub fn streams(mut self, n: usize) -> Self {
         self.streams = n;
+        self
+    }
+
+    /// Worker threads of each CPU stream's own pool, on which its kernels and their parallel
+    /// calls run (one per CPU unless set; 0 runs them on the stream thread and rayon's global
+    /// pool: see [`CpuProviderConfig::threads`]).
+    pub fn stream_threads(mut self, n: usize) -> Self {
+        self.stream_threads = Some(n);
         self
     }
 
@@ -132,6 +141,9 @@ impl MemoryManagerBuilder {
         let topology = start_governors(host_budget, cuda.as_ref(), started).await?;
         let host = CpuProvider::spawn(CpuProviderConfig {
             streams: self.streams.max(1),
+            threads: self
+                .stream_threads
+                .unwrap_or_else(crate::stream::default_stream_threads),
             registry: None,
         })
         .await?;

@@ -20,6 +20,7 @@ pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvid
     let p = CpuProvider::spawn(CpuProviderConfig {
         streams,
         registry: None,
+        ..Default::default()
     })
     .await
     .unwrap();
