@@ -357,12 +357,13 @@ pub async fn attend(
 }
 
 /// What a step's kernels hand one another on the stream: the residual stream, then each
-/// layer's attention inputs and outputs. The first error stops the rest; `stages` counts the
-/// kernels that ran to the end (one that panicked leaves it short).
+/// layer's attention inputs and outputs, and at the end the logits. The first error stops the
+/// rest; `stages` counts the kernels that ran to the end (one that panicked leaves it short).
 struct Flow {
     x: Option<Tensor>,
     qkv: Qkv,
     attended: Vec<f32>,
+    logits: Vec<Vec<f32>>,
     stages: usize,
     error: Option<ModelError>,
 }
@@ -410,7 +411,9 @@ pub async fn decode_step(
 /// kernel on the host stream, handing its output to the next through the step's flow. Where
 /// the weights' stream is the KV's (one provider for both, as the engine builds them) the
 /// stream's order is the only wait; otherwise each kernel waits for the one before it on the
-/// other stream. The caller waits once, for the last layer.
+/// other stream. The output head (the final norm and the logits of each sequence's last row)
+/// is one more kernel after the last layer. The caller waits once, for it: its thread (a
+/// worker of the server's runtime) computes nothing.
 ///
 /// Each `position` must be the number of tokens the store holds for its sequence
 /// ([`ModelError::Position`] otherwise). A caller that gives up on the step (drops this
@@ -438,39 +441,57 @@ pub async fn forward_step(
         x: Some(model.embed(&tokens)?),
         qkv: Qkv::default(),
         attended: Vec::new(),
+        logits: Vec::new(),
         stages: 0,
         error: None,
     }));
     let last = queue_layers(model, weights, &step, shape, &flow, &positions).await?;
-    if let Some(last) = &last {
-        fence_completed(last).await;
+    // The output head runs on the stream too (its matmul is the step's largest), after the
+    // last layer: by the stream's order where the weights' stream is the step's, else once
+    // that layer's fence completed. The caller's thread only waits.
+    if let Some(last) = last.filter(|l| l.fence().stream != step.stream().id()) {
+        fence_completed(&last).await;
     }
-    let fence = step.last_fence().ok_or(StepFault::NoKernel)?;
-    let x = {
+    // Only each sequence's last row is read.
+    let rows: Option<Vec<u32>> = (tokens.len() != batch.len()).then(|| {
+        batch
+            .iter()
+            .scan(0u32, |end, b| {
+                *end += b.tokens.len() as u32;
+                Some(*end - 1)
+            })
+            .collect()
+    });
+    let (m, f) = (Arc::clone(model), Arc::clone(&flow));
+    let head = step.submit(move |_| {
+        stage(&f, |flow| {
+            let x = flow.x.take().ok_or_else(lost_stream)?;
+            let x = match rows {
+                Some(rows) => {
+                    let at =
+                        Tensor::new(rows.as_slice(), &Device::Cpu).map_err(ModelError::Compute)?;
+                    x.index_select(&at, 0).map_err(ModelError::Compute)?
+                }
+                None => x,
+            };
+            flow.logits = m.logits(&x)?;
+            Ok(())
+        })
+    })?;
+    let on_stream = TimelineFence::new(head, step.stream().timeline()).ok_or_else(lost_stream)?;
+    fence_completed(&on_stream).await;
+    let logits = {
         let mut flow = flow.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(e) = flow.error.take() {
             return Err(e);
         }
-        if flow.stages != 3 * model.config.layers {
+        if flow.stages != 3 * model.config.layers + 1 {
             return Err(StepFault::KernelPanicked.into());
         }
-        flow.x.take().ok_or_else(lost_stream)?
+        std::mem::take(&mut flow.logits)
     };
-    step.complete(fence).await.map_err(ModelError::Store)?;
-    // Only each sequence's last row is read: the output head is the largest matmul.
-    let x = if tokens.len() == batch.len() {
-        x
-    } else {
-        let mut last = Vec::with_capacity(batch.len());
-        let mut end = 0u32;
-        for b in batch {
-            end += b.tokens.len() as u32;
-            last.push(end - 1);
-        }
-        let at = Tensor::new(last.as_slice(), &Device::Cpu).map_err(ModelError::Compute)?;
-        x.index_select(&at, 0).map_err(ModelError::Compute)?
-    };
-    model.logits(&x)
+    step.complete(head).await.map_err(ModelError::Store)?;
+    Ok(logits)
 }
 
 fn lost_stream() -> ModelError {
