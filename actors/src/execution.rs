@@ -286,12 +286,23 @@ impl<K: ProviderKind> std::fmt::Debug for ProviderOf<K> {
     }
 }
 
+/// The most streams a provider starts, and the most worker threads per stream: each is a
+/// thread, and a count like `usize::MAX` would start threads until the OS refused.
+pub const MAX_STREAMS: usize = 1024;
+
 impl<K: ProviderKind> ProviderOf<K> {
     /// Opens the mechanism and starts the provider with its streams and their deferred-free
     /// actors. A mechanism that cannot be opened (no CUDA driver, say) is a typed
     /// `ProviderError::Memory` and nothing starts.
     pub async fn spawn(config: K::Config) -> Result<Self, ProviderError> {
         let opened = K::open(config)?;
+        if opened.streams > MAX_STREAMS || opened.threads > MAX_STREAMS {
+            return Err(MemoryError::Unsupported {
+                capability: "more than 1,024 streams, or worker threads per stream",
+                reason: "each is a thread; a count that large is a mistake, not a machine",
+            }
+            .into());
+        }
         let (actor, _) = Actor::spawn(None, ExecutionProvider::<K>::default(), opened)
             .await
             .map_err(|_| ProviderError::Unavailable)?;
@@ -388,7 +399,8 @@ pub struct CpuProviderConfig {
     /// this many threads, so a kernel's parallel calls (`par_iter`, `join`) fork and join
     /// inside it. One per CPU this process may use unless set. 0: the kernels run on the
     /// stream's own thread and their parallel calls go to rayon's global pool (a hand-off to
-    /// its threads and back for each call).
+    /// its threads and back for each call). Streams and threads are each at most
+    /// [`MAX_STREAMS`]; more is refused (`MemoryError::Unsupported`).
     pub threads: usize,
     /// Registry to join, so buffers can be used across providers; a fresh one if `None`.
     pub registry: Option<StreamRegistry>,

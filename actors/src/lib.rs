@@ -132,7 +132,9 @@ pub mod provider {
         CudaProvider, CudaProviderConfig, CudaStreamHandle, CudaSubmitError,
     };
     pub use crate::deferred_free::{DeferredQueue, DeferredStats, DrainReport, StreamRegistry};
-    pub use crate::execution::{CpuProvider, CpuProviderConfig, ProviderError, WrongContext};
+    pub use crate::execution::{
+        CpuProvider, CpuProviderConfig, ProviderError, WrongContext, MAX_STREAMS,
+    };
     pub use crate::provider_choice::Provider;
     pub use crate::stream::{fence_completed, CpuStream, StreamError};
 

@@ -195,3 +195,35 @@ async fn a_stopped_provider_leaves_no_pool_threads() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// A count of streams or of threads per stream like `usize::MAX` is refused, typed, before any
+/// thread starts (it used to start threads until the OS refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_of_threads_or_streams_beyond_the_bound_are_refused() {
+    use procmem_actors::procmem::MemoryError;
+    use procmem_actors::provider::{ProviderError, MAX_STREAMS};
+    for (streams, threads) in [
+        (1, usize::MAX),
+        (usize::MAX, 1),
+        (MAX_STREAMS + 1, 0),
+        (1, MAX_STREAMS + 1),
+    ] {
+        let refused = CpuProvider::spawn(CpuProviderConfig {
+            streams,
+            threads,
+            registry: None,
+        })
+        .await;
+        assert!(
+            matches!(
+                refused,
+                Err(ProviderError::Memory(MemoryError::Unsupported { .. }))
+            ),
+            "streams {streams}, threads {threads}: {:?}",
+            refused.err()
+        );
+    }
+    // At the bound's edge for streams with no pool threads, a provider starts.
+    let p = provider(2, 0).await;
+    p.shutdown().await.unwrap();
+}
