@@ -7,8 +7,8 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use candle_core::quantized::{GgmlDType, QMatMul};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
 use procmem_actors::{
@@ -18,7 +18,7 @@ use procmem_actors::{
 };
 
 use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
-use crate::quant::{dense, matmul, project};
+use crate::quant::{dense, project, Weight};
 pub use crate::scheduler::StepInput;
 use crate::{ModelError, StepFault};
 
@@ -29,7 +29,7 @@ pub struct Smol {
     pub config: Config,
     embed: Tensor,
     norm: Tensor,
-    output: QMatMul,
+    output: Weight,
     slots: Vec<Vec<TensorSlot>>,
     /// Per layer, Q/K/V and gate/up as one matrix each, where they are packed as one.
     fused: Vec<[Option<TensorSlot>; 2]>,
@@ -86,9 +86,10 @@ impl Smol {
         // A tied head reads the embedding's quantized rows.
         let output = if gguf.has("output.weight") {
             let (raw, d, dims) = gguf.raw("output.weight")?;
-            matmul(&raw, &slot(raw.len(), d, dims))?
+            let at = slot(raw.len(), d, dims);
+            Weight::new(raw, at)?
         } else {
-            matmul(&embed_raw, &embed_slot)?
+            Weight::new(embed_raw, embed_slot)?
         };
         let mut layers = Vec::with_capacity(config.layers);
         let mut slots = Vec::with_capacity(config.layers);
@@ -247,8 +248,8 @@ impl Smol {
     pub fn logits(&self, x: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
         let h = self.rms(x, &self.norm)?;
         self.output
-            .forward(&h)
-            .and_then(|l| l.to_dtype(DType::F32))
+            .forward(&h)?
+            .to_dtype(DType::F32)
             .and_then(|l| l.to_vec2::<f32>())
             .map_err(ModelError::Compute)
     }
