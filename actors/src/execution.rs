@@ -290,15 +290,24 @@ impl<K: ProviderKind> std::fmt::Debug for ProviderOf<K> {
 /// thread, and a count like `usize::MAX` would start threads until the OS refused.
 pub const MAX_STREAMS: usize = 1024;
 
+/// The most threads a provider's streams start in all: each stream's own thread and its
+/// pool's workers (`streams × (threads + 1)`).
+pub const MAX_THREADS: usize = 4096;
+
 impl<K: ProviderKind> ProviderOf<K> {
     /// Opens the mechanism and starts the provider with its streams and their deferred-free
     /// actors. A mechanism that cannot be opened (no CUDA driver, say) is a typed
     /// `ProviderError::Memory` and nothing starts.
     pub async fn spawn(config: K::Config) -> Result<Self, ProviderError> {
         let opened = K::open(config)?;
-        if opened.streams > MAX_STREAMS || opened.threads > MAX_STREAMS {
+        let threads = opened
+            .streams
+            .max(1)
+            .saturating_mul(opened.threads.saturating_add(1));
+        if opened.streams > MAX_STREAMS || opened.threads > MAX_STREAMS || threads > MAX_THREADS {
             return Err(MemoryError::Unsupported {
-                capability: "more than 1,024 streams, or worker threads per stream",
+                capability: "more than 1,024 streams or worker threads per stream, or more than \
+                             4,096 threads in all",
                 reason: "each is a thread; a count that large is a mistake, not a machine",
             }
             .into());
@@ -400,7 +409,9 @@ pub struct CpuProviderConfig {
     /// inside it. One per CPU this process may use unless set. 0: the kernels run on the
     /// stream's own thread and their parallel calls go to rayon's global pool (a hand-off to
     /// its threads and back for each call). Streams and threads are each at most
-    /// [`MAX_STREAMS`]; more is refused (`MemoryError::Unsupported`).
+    /// [`MAX_STREAMS`], and `streams × (threads + 1)` at most [`MAX_THREADS`]; more is refused
+    /// (`MemoryError::Unsupported`). Each stream's pool is its own, so several busy streams
+    /// share the CPUs: a provider of many streams may want fewer threads each.
     pub threads: usize,
     /// Registry to join, so buffers can be used across providers; a fresh one if `None`.
     pub registry: Option<StreamRegistry>,

@@ -133,7 +133,7 @@ pub mod provider {
     };
     pub use crate::deferred_free::{DeferredQueue, DeferredStats, DrainReport, StreamRegistry};
     pub use crate::execution::{
-        CpuProvider, CpuProviderConfig, ProviderError, WrongContext, MAX_STREAMS,
+        CpuProvider, CpuProviderConfig, ProviderError, WrongContext, MAX_STREAMS, MAX_THREADS,
     };
     pub use crate::provider_choice::Provider;
     pub use crate::stream::{fence_completed, CpuStream, StreamError};

@@ -102,10 +102,11 @@ impl<T: Send + 'static> StreamCore<T> {
             std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
+                    // However the thread ends (a failed observation, a panic, no pool), the
+                    // stream is closed with it, so no submission records a fence nobody will
+                    // complete.
+                    let _close = CloseOnExit(sender);
                     let drain = move || {
-                        // However the loop ends (a failed observation, a panic), the stream is
-                        // closed with it, so no submission records a fence nobody will complete.
-                        let _close = CloseOnExit(sender);
                         for (value, item) in rx {
                             if !observe(item) {
                                 return;

@@ -196,17 +196,22 @@ async fn a_stopped_provider_leaves_no_pool_threads() {
     }
 }
 
-/// A count of streams or of threads per stream like `usize::MAX` is refused, typed, before any
-/// thread starts (it used to start threads until the OS refused).
+/// A count of streams or of threads per stream like `usize::MAX`, or a product of the two past
+/// the bound, is refused, typed, before any thread starts (it used to start threads until the
+/// OS refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_of_threads_or_streams_beyond_the_bound_are_refused() {
     use procmem_actors::procmem::MemoryError;
-    use procmem_actors::provider::{ProviderError, MAX_STREAMS};
+    use procmem_actors::provider::{ProviderError, MAX_STREAMS, MAX_THREADS};
     for (streams, threads) in [
         (1, usize::MAX),
         (usize::MAX, 1),
+        (usize::MAX, usize::MAX),
         (MAX_STREAMS + 1, 0),
         (1, MAX_STREAMS + 1),
+        // Each within its own bound, a million threads in all.
+        (MAX_STREAMS, MAX_STREAMS),
+        (MAX_THREADS / 4, 4),
     ] {
         let refused = CpuProvider::spawn(CpuProviderConfig {
             streams,
