@@ -618,13 +618,8 @@ fn main() {
     // `PROCMEM_BENCH_CONTEXTS` (comma-separated) runs only those contexts.
     let host_contexts: Vec<usize> = if std::env::var_os("KV_DECODE_CUDA_ONLY").is_some() {
         Vec::new()
-    } else if let Ok(list) = std::env::var("PROCMEM_BENCH_CONTEXTS") {
-        list.split(',')
-            .filter(|c| !c.trim().is_empty())
-            .map(|c| c.trim().parse().expect("PROCMEM_BENCH_CONTEXTS: numbers"))
-            .collect()
     } else {
-        CONTEXTS.to_vec()
+        common::env_list("PROCMEM_BENCH_CONTEXTS").unwrap_or_else(|| CONTEXTS.to_vec())
     };
     for &context in &host_contexts {
         let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;

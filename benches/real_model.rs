@@ -30,6 +30,8 @@
 //! `PROCMEM_BENCH_TOKENS` (new tokens timed per context, default 32) change the run. The
 //! model comes from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
 
+mod common;
+
 use std::borrow::Cow;
 use std::time::Instant;
 
@@ -429,12 +431,8 @@ fn main() {
         println!("SKIPPED real_model: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
         return;
     };
-    let contexts: Vec<usize> = std::env::var("PROCMEM_BENCH_CONTEXTS")
-        .unwrap_or_else(|_| "256,2048,8192".into())
-        .split(',')
-        .filter(|c| !c.trim().is_empty())
-        .map(|c| c.trim().parse().expect("PROCMEM_BENCH_CONTEXTS: numbers"))
-        .collect();
+    let contexts =
+        common::env_list("PROCMEM_BENCH_CONTEXTS").unwrap_or_else(|| vec![256, 2048, 8192]);
     let new: usize = std::env::var("PROCMEM_BENCH_TOKENS")
         .ok()
         .map(|v| v.parse().expect("PROCMEM_BENCH_TOKENS: a number"))

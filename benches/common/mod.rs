@@ -4,6 +4,22 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// The comma-separated numbers in environment variable `name` (an empty value is none), or
+/// `None` where it is unset. A value that is not a number stops the bench, naming `name`.
+pub fn env_list(name: &str) -> Option<Vec<usize>> {
+    let list = std::env::var(name).ok()?;
+    Some(
+        list.split(',')
+            .filter(|c| !c.trim().is_empty())
+            .map(|c| {
+                c.trim()
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{name}: numbers"))
+            })
+            .collect(),
+    )
+}
+
 /// Runs `f` `rounds` times and returns the median of what it reports (nanoseconds per unit).
 pub fn median_of<F: FnMut() -> f64>(rounds: usize, mut f: F) -> f64 {
     let mut samples: Vec<f64> = (0..rounds).map(|_| f()).collect();

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
 use procmem_actors::{
-    kv::{KvStep, KvStoreHandle, KvStream, SeqId, StepKv},
+    kv::{KvStep, KvStoreHandle, SeqId, StepKv},
     provider::fence_completed,
     residency::ResidencyHandle,
 };
@@ -465,8 +465,9 @@ pub async fn forward_step(
     });
     let (m, f) = (Arc::clone(model), Arc::clone(&flow));
     // On the step's stream itself, not through `KvStep::submit`: the head reads no KV, so it
-    // does not hold the step's memory (the store maps the next growth meanwhile).
-    let head = move || {
+    // does not hold the step's memory (the store maps the next growth meanwhile). A CUDA
+    // step answers `NotHost`, as every kernel above does.
+    let head = step.stream().submit_host(move || {
         stage(&f, |flow| {
             let x = flow.x.take().ok_or_else(lost_stream)?;
             let x = match rows {
@@ -480,12 +481,7 @@ pub async fn forward_step(
             flow.logits = m.logits(&x)?;
             Ok(())
         })
-    };
-    let head = match step.stream() {
-        KvStream::Cpu(stream) => stream.submit(&[], head)?,
-        // A CUDA step takes no closures: this answers `NotHost`, as every kernel above does.
-        KvStream::Cuda(_) => step.submit(move |_| head())?,
-    };
+    })?;
     let on_stream = TimelineFence::new(head, step.stream().timeline()).ok_or_else(lost_stream)?;
     fence_completed(&on_stream).await;
     let logits = {

@@ -98,9 +98,11 @@ impl KvStream {
             .on_complete(fence.value, Box::new(move |_| f()));
     }
 
-    /// Runs `kernel` on a CPU stream; a CUDA stream takes no closures (the memory is on its
-    /// device, not in host memory).
-    pub(crate) fn submit_host(
+    /// Runs `kernel` on a CPU stream, after everything queued there, and returns its fence;
+    /// a CUDA stream takes no closures (`StreamError::NotHost`: the memory is on its device,
+    /// not in host memory). Unlike [`KvStep::submit`](super::KvStep::submit) the kernel is
+    /// handed no KV and does not hold the step's memory: for a step's work that reads none.
+    pub fn submit_host(
         &self,
         kernel: impl FnOnce() + Send + 'static,
     ) -> Result<Fence, StreamError> {
