@@ -346,13 +346,21 @@ fn weights_late() -> ModelError {
 /// answer must equal the run without faults, and the books end at zero. The scheduler's
 /// figures.
 async fn weights_late_at_steps_3_to_8(midway: bool) -> scheduler::SchedulerStats {
+    weights_late_at(3..9, midway).await
+}
+
+/// [`weights_late_at_steps_3_to_8`], for the steps in `faults`.
+async fn weights_late_at(
+    faults: std::ops::Range<usize>,
+    midway: bool,
+) -> scheduler::SchedulerStats {
     let (free, _) = run_all(None, PreemptMode::Swap).await;
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
     let model = Arc::new(Faulty {
         toy: Arc::clone(&toy),
         steps: Default::default(),
         batch: 1,
-        faults: 3..9,
+        faults,
         fault: weights_late,
         midway,
     });
@@ -369,6 +377,57 @@ async fn a_step_short_of_room_for_weights_sheds_and_every_answer_stays_right() {
     // nothing fails.
     let stats = weights_late_at_steps_3_to_8(false).await;
     assert!(stats.shed >= 5, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_short_of_room_for_many_tries_still_finishes() {
+    // 24 steps in a row without room: seven shed the batch down to one request, and that
+    // one is tried again 17 times (the room came back late, as on a loaded machine), and
+    // every answer is still right.
+    let stats = weights_late_at(3..27, false).await;
+    assert!(stats.retries >= 17, "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_that_never_gets_room_fails_with_no_room() {
+    // Every step is refused: the lone request is tried again for a while, then fails; the
+    // next one runs into the same, and the scheduler ends with the books at zero.
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    let model = Arc::new(Faulty {
+        toy: Arc::clone(&toy),
+        steps: Default::default(),
+        batch: 1,
+        faults: 0..usize::MAX,
+        fault: weights_late,
+        midway: false,
+    });
+    let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let (tokens, end) = drain(handle.submit(request(9, 1, 4)).unwrap()).await;
+    assert!(tokens.is_empty());
+    assert!(matches!(end, Err(GenError::Model(_))), "{end:?}");
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert!(stats.retries > 3, "{stats:?}");
+    drop((model, toy));
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_larger_than_the_whole_budget_fails_at_once() {
+    // The Governor says the bytes asked exceed its capacity: no wait helps, so the request
+    // fails with the store's refusal without being tried again.
+    let (memory, toy) = toy(Some(1024), PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(SHAPE.max_tokens);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
+    let (tokens, end) = drain(handle.submit(request(9, 1, 4)).unwrap()).await;
+    assert!(tokens.is_empty());
+    assert!(matches!(end, Err(GenError::NoRoom(_))), "{end:?}");
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert_eq!(stats.retries, 0, "{stats:?}");
+    drop(toy);
+    assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

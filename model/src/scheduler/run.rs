@@ -4,10 +4,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use procmem_actors::procmem::kv::prompt_keys;
+use procmem_actors::procmem::{kv::prompt_keys, ledger::LedgerError};
 use procmem_actors::{
     governor::GovernorError,
     kv::{KvStoreError, Restored, SeqId},
+    provider::ProviderError,
+    residency::ResidencyError,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -19,9 +21,13 @@ use super::{
 };
 use crate::ModelError;
 
-/// Times in a row a lone sequence's step is tried again after its deadline passed without
-/// room, before the request fails (the budget cannot hold it).
-const LONELY_RETRIES: u32 = 3;
+/// How long, in all, a lone sequence's step is tried again while it finds no room (holders
+/// may still be freeing: a swap's copy, a fence behind a busy stream), before the request
+/// fails: the budget cannot hold it. Time, not a count: on a loaded machine one wait for
+/// room can pass while the memory is still on its way back.
+const LONELY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest pause between two tries of a lone sequence's step.
+const LONELY_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
 /// How long a step waits, in all, for sequences a step given up still holds (the store
 /// hands them back once that step's kernels are done) before the step fails.
 const BUSY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
@@ -33,23 +39,36 @@ const DEFER_SCAN: usize = 64;
 /// Times admission passes over one request, at most, for another's prompt blocks.
 const MAX_PASSES: u32 = 64;
 
-/// Whether `e` says a step did not get memory by its deadline (for its KV, or for a layer's
-/// weights brought back from offload): a smaller batch, or the same one a little later, may
-/// fit. Anything else is a fault no retry mends.
+/// The Governor's refusal inside `e`, where a step's memory was refused (its KV, or a
+/// layer's weights brought back from offload).
+fn refusal(e: &ModelError) -> Option<&GovernorError> {
+    match e {
+        ModelError::Prepare(KvStoreError::Governor(g)) => Some(g),
+        ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => Some(g),
+        _ => None,
+    }
+}
+
+/// Whether `e` says a step did not get memory by its deadline: a smaller batch, or the same
+/// one a little later, may fit. Anything else is a fault no retry mends.
 pub(super) fn short_of_room(e: &ModelError) -> bool {
-    use procmem_actors::procmem::ledger::LedgerError;
-    use procmem_actors::{provider::ProviderError, residency::ResidencyError};
-    let late = |g: &GovernorError| {
-        matches!(
-            g,
+    matches!(
+        refusal(e),
+        Some(
             GovernorError::DeadlineExpired(_)
                 | GovernorError::Ledger(LedgerError::Denied(_))
                 | GovernorError::Busy { .. }
         )
-    };
-    match e {
-        ModelError::Prepare(KvStoreError::Governor(g)) => late(g),
-        ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => late(g),
+    )
+}
+
+/// Whether the refusal in `e` says the bytes asked are more than the whole capacity: no
+/// wait makes room for them.
+fn never_fits(e: &ModelError) -> bool {
+    match refusal(e) {
+        Some(GovernorError::DeadlineExpired(d) | GovernorError::Ledger(LedgerError::Denied(d))) => {
+            d.asked > d.capacity
+        }
         _ => false,
     }
 }
@@ -110,7 +129,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     /// `CALM_STEPS` steps go through.
     hold: bool,
     calm: u32,
-    lonely: u32,
+    /// Since when a lone sequence's steps have found no room, and how many times.
+    lonely: Option<(Instant, u32)>,
     /// Since when steps have found a sequence still held by a step given up.
     busy_since: Option<Instant>,
     /// A restore refused while others ran waits until one of them finishes.
@@ -137,7 +157,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             closed: false,
             hold: false,
             calm: 0,
-            lonely: 0,
+            lonely: None,
             busy_since: None,
             restore_blocked: false,
             block: model.kv().prefix_digest().block_tokens(),
@@ -436,16 +456,22 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // same step is tried again shortly.
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
-            Err(e) if short_of_room(&e) && self.lonely < LONELY_RETRIES => {
+            Err(e) if short_of_room(&e) && !never_fits(&e) && self.patient() => {
                 // One sequence alone did not get room by its deadline: holders may still be
-                // freeing (a swap's copy, a fence), so it tries again, a few times.
-                self.lonely += 1;
+                // freeing (a swap's copy, a fence), so it tries again after a pause that
+                // doubles, for `LONELY_FOR` in all.
+                let tries = self.lonely.as_mut().map_or(1, |(_, n)| {
+                    *n += 1;
+                    *n
+                });
                 self.shared.stats().retries += 1;
+                let pause = std::time::Duration::from_millis(1 << tries.min(6));
+                tokio::time::sleep(pause.min(LONELY_PAUSE)).await;
             }
             Err(e) => {
                 // The step's requests cannot go on: each fails with what happened (a lone
                 // request the memory cannot hold, with the store's refusal).
-                self.lonely = 0;
+                self.lonely = None;
                 self.restore_blocked = false;
                 let mut running = std::mem::take(&mut self.running);
                 tracing::warn!(requests = running.len(), error = %e, "a step failed");
@@ -468,8 +494,15 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         self.calm = 0;
     }
 
+    /// Whether a lone sequence short of room is tried again: until it has been short for
+    /// `LONELY_FOR`.
+    fn patient(&mut self) -> bool {
+        let (since, _) = self.lonely.get_or_insert_with(|| (Instant::now(), 0));
+        since.elapsed() < LONELY_FOR
+    }
+
     fn stepped(&mut self, inputs: &[StepInput], logits: Vec<Vec<f32>>) {
-        self.lonely = 0;
+        self.lonely = None;
         self.calm += 1;
         if self.calm >= CALM_STEPS {
             self.hold = false;
