@@ -35,6 +35,9 @@
 //! layer's K and V) times its steps per second.
 //! Its `cuda` section runs the CUDA decode kernels over KV on CUDA VMM, preallocated and
 //! staging-copied, where a GPU exists (`benches/common/cuda_decode.rs`).
+//! Each strategy's figure is the median of its rounds; each `_paired` ratio (`step_api*`
+//! against `virtual`) is the median of the two's ratios within the same round, so a
+//! neighbour's burst over a few rounds falls on both sides of it.
 //! Writes `target/reports/kv_decode.json`. `PROCMEM_BENCH_CONTEXTS` (comma-separated) runs
 //! only those contexts.
 
@@ -65,8 +68,9 @@ const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const CONTEXTS: [usize; 3] = [512, 4096, 16384];
 const WINDOW: usize = 200;
-/// Interleaved rounds per context; each strategy reports the median of its rounds.
-const ROUNDS: usize = 5;
+/// Interleaved rounds per context; each strategy reports the median of its rounds, and each
+/// `_paired` ratio the median of the ratios of the same rounds.
+const ROUNDS: usize = 20;
 const PAGE_TOKENS: usize = 16;
 const CHUNK_GRANULES: u64 = 64;
 const TF: usize = KV_HEADS * HEAD_DIM;
@@ -664,6 +668,24 @@ fn main() {
         reads.sort_by(|a, b| a.total_cmp(b));
         let streaming_read = reads[reads.len() / 2];
         last_streaming_read = Some(streaming_read);
+        // Each round's ratio to the operator in that same round, so drift on a shared
+        // machine (a neighbour's burst over a few rounds) falls on both sides of it.
+        let paired = |name: &str| {
+            let of = |n: &str| &rates[names.iter().position(|x| *x == n).unwrap()];
+            let mut r: Vec<f64> = of(name)
+                .iter()
+                .zip(of("virtual"))
+                .map(|(a, b)| a / b)
+                .collect();
+            r.sort_by(|a, b| a.total_cmp(b));
+            r[r.len() / 2]
+        };
+        let [paired_step_api, paired_queued, paired_on_stream_thread] = [
+            "step_api",
+            "step_api_queued",
+            "step_api_queued_on_stream_thread",
+        ]
+        .map(paired);
         let mut per_strategy = Vec::new();
         for (i, (name, s)) in strategies.iter().enumerate() {
             rates[i].sort_by(|a, b| a.total_cmp(b));
@@ -703,6 +725,9 @@ fn main() {
             "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
             "step_api_queued_on_stream_thread_vs_virtual":
                 get("step_api_queued_on_stream_thread") / get("virtual"),
+            "step_api_vs_virtual_paired": paired_step_api,
+            "step_api_queued_vs_virtual_paired": paired_queued,
+            "step_api_queued_on_stream_thread_vs_virtual_paired": paired_on_stream_thread,
             "prepare_p50_ns": prepare_p50,
             "actor_call_p50_ns": floor.0,
             "actor_call_in_runtime_p50_ns": floor.1,
