@@ -19,6 +19,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 mod q4_1;
+mod q8_0;
 
 use crate::gguf::TensorSlot;
 use crate::{ModelError, StepFault};
@@ -142,7 +143,10 @@ pub(crate) fn project(bytes: &[u8], slot: &TensorSlot, x: &Tensor) -> Result<Ten
                 },
                 GgmlDType::Q5_0 => run::<BlockQ5_0>(weights, mkn, &lhs),
                 GgmlDType::Q5_1 => run::<BlockQ5_1>(weights, mkn, &lhs),
-                GgmlDType::Q8_0 => run::<BlockQ8_0>(weights, mkn, &lhs),
+                GgmlDType::Q8_0 => match q8_0::matmul(m, k, n, &lhs, weights) {
+                    Some(v) => Some(Ok(v)),
+                    None => run::<BlockQ8_0>(weights, mkn, &lhs),
+                },
                 GgmlDType::Q8_1 => run::<BlockQ8_1>(weights, mkn, &lhs),
                 GgmlDType::Q2K => run::<BlockQ2K>(weights, mkn, &lhs),
                 GgmlDType::Q3K => run::<BlockQ3K>(weights, mkn, &lhs),
