@@ -51,6 +51,21 @@ fn blocks<T: GgmlType>(bytes: &[u8]) -> Option<&[T]> {
     Some(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / size) })
 }
 
+/// Whether `lhs` holds `m x k` values and `weights` `n` rows of `k` values in blocks of
+/// `QK` values of `block_bytes` each, `k` a multiple of `QK` above zero: what the kernels
+/// below need before they index anything.
+fn sizes_agree<const QK: usize>(
+    (m, k, n): (usize, usize, usize),
+    lhs: &[f32],
+    weights: &[u8],
+    block_bytes: usize,
+) -> bool {
+    k > 0
+        && k % QK == 0
+        && m.checked_mul(k) == Some(lhs.len())
+        && n.checked_mul(k / QK * block_bytes) == Some(weights.len())
+}
+
 fn run<T: GgmlType>(
     bytes: &[u8],
     (m, k, n): (usize, usize, usize),
@@ -222,11 +237,13 @@ pub(crate) fn matmul(bytes: &[u8], slot: &TensorSlot) -> Result<QMatMul, ModelEr
     Ok(QMatMul::from_qtensor(qtensor(bytes, slot)?)?)
 }
 
+/// What the kernels here are held to in their tests: candle's own `k_quants::matmul`.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod reference {
+    use candle_core::quantized::k_quants::{self, GgmlType};
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
+    /// `n` values in [-1, 1], the same for the same seed.
+    pub(crate) fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
@@ -237,6 +254,45 @@ mod tests {
             })
             .collect()
     }
+
+    /// Each value's bits, to compare results exactly.
+    pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// An `n x k` weight quantized as `T` (values in [-3, 3]), `m x k` activations (in
+    /// [-5, 5]), and candle's product of them.
+    pub(crate) struct Product<T> {
+        pub(crate) blocks: Vec<T>,
+        pub(crate) lhs: Vec<f32>,
+        pub(crate) want: Vec<f32>,
+    }
+
+    impl<T: GgmlType> Product<T> {
+        pub(crate) fn new((m, k, n): (usize, usize, usize), seed: u64) -> Self {
+            let w: Vec<f32> = data(n * k, seed).iter().map(|v| v * 3.0).collect();
+            let lhs: Vec<f32> = data(m * k, seed + 1).iter().map(|v| v * 5.0).collect();
+            let mut blocks = vec![T::zeros(); n * k / T::BLCK_SIZE];
+            T::from_float(&w, &mut blocks);
+            let mut want = vec![0f32; m * n];
+            k_quants::matmul((m, k, n), &lhs, &blocks, &mut want).unwrap();
+            Product { blocks, lhs, want }
+        }
+
+        /// The weight's blocks as the bytes a GGUF holds.
+        pub(crate) fn bytes(&self) -> &[u8] {
+            let len = std::mem::size_of_val(self.blocks.as_slice());
+            // SAFETY: candle's block types are `#[repr(C)]` without padding (candle asserts
+            // their sizes); the slice is live for the borrow and only read.
+            unsafe { std::slice::from_raw_parts(self.blocks.as_ptr().cast::<u8>(), len) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reference::{bits, data};
+    use super::*;
 
     /// `rows_inner` against candle's `k_quants::matmul` on the same blocks, bit for bit, for
     /// several block types, row counts and a column count that leaves a part tile.
@@ -249,7 +305,6 @@ mod tests {
             let mut want = vec![0f32; m * n];
             k_quants::matmul((m, k, n), &lhs, &rhs, &mut want).unwrap();
             let got = rows_inner::<T>((m, k, n), &lhs, &rhs);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{:?}, {m} rows", T::DTYPE);
         }
     }

@@ -303,10 +303,7 @@ pub(crate) fn matmul(
     lhs: &[f32],
     weights: &[u8],
 ) -> Option<Vec<f32>> {
-    if k % QK != 0
-        || lhs.len() != m.checked_mul(k)?
-        || weights.len() != n.checked_mul(k / QK * W_BYTES)?
-    {
+    if !super::sizes_agree::<QK>((m, k, n), lhs, weights, W_BYTES) {
         return None;
     }
     let kb = k / QK;
@@ -328,41 +325,29 @@ pub(crate) fn matmul(
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::k_quants::{self, BlockQ4_1, GgmlType};
+    use crate::quant::reference::{bits, Product};
+    use candle_core::quantized::k_quants::BlockQ4_1;
 
     /// Bit for bit candle's `k_quants::matmul` on the same blocks, over odd shapes, and the
     /// scalar path the same as the vector one.
     #[test]
     fn equals_candles_matmul_bit_for_bit() {
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        };
-        for (m, k, n) in [
+        for (i, (m, k, n)) in [
             (1, 64, 1),
             (1, 576, 192),
             (3, 64, 17),
             (7, 576, 1536),
             (256, 128, 40),
             (5, 4096, 9),
-        ] {
-            let w: Vec<f32> = (0..n * k).map(|_| next() * 3.0).collect();
-            let x: Vec<f32> = (0..m * k).map(|_| next() * 5.0).collect();
-            let mut blocks = vec![BlockQ4_1::zeros(); n * k / 32];
-            BlockQ4_1::from_float(&w, &mut blocks);
-            let mut want = vec![0f32; m * n];
-            k_quants::matmul((m, k, n), &x, &blocks, &mut want).unwrap();
-            // SAFETY: `BlockQ4_1` is `#[repr(C)]`, 20 bytes without padding; read only.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), blocks.len() * 20)
-            };
-            let got = super::matmul(m, k, n, &x, bytes).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "({m}, {k}, {n})");
-            let y = super::quantize(&x, m, k);
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let p = Product::<BlockQ4_1>::new((m, k, n), 7 + i as u64);
+            let (bytes, want) = (p.bytes(), &p.want);
+            let got = super::matmul(m, k, n, &p.lhs, bytes).unwrap();
+            assert_eq!(bits(&got), bits(want), "({m}, {k}, {n})");
+            let y = super::quantize(&p.lhs, m, k);
             for c in 0..n {
                 let mut acc = vec![0f32; m];
                 super::column_scalar(
@@ -377,6 +362,8 @@ mod tests {
             }
         }
         assert!(super::matmul(2, 33, 1, &[0.0; 66], &[0; 20]).is_none());
+        // No columns of input: nothing to quantize a row into (this used to panic).
+        assert!(super::matmul(1, 0, 1, &[], &[]).is_none());
         assert!(super::matmul(usize::MAX, 32, 1, &[], &[]).is_none());
     }
 }

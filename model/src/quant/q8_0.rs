@@ -33,12 +33,7 @@ pub(crate) fn matmul(
     lhs: &[f32],
     weights: &[u8],
 ) -> Option<Vec<f32>> {
-    if k == 0
-        || k % QK != 0
-        || m < MIN_ROWS
-        || lhs.len() != m.checked_mul(k)?
-        || weights.len() != n.checked_mul(k / QK * BYTES)?
-    {
+    if m < MIN_ROWS || !super::sizes_agree::<QK>((m, k, n), lhs, weights, BYTES) {
         return None;
     }
     #[cfg(all(
@@ -199,42 +194,25 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::k_quants::{self, BlockQ8_0, GgmlType};
+    use crate::quant::reference::{bits, Product};
+    use candle_core::quantized::k_quants::BlockQ8_0;
 
     /// Bit for bit candle's `k_quants::matmul` on the same blocks, over odd shapes: every
     /// number of rows from 4 to 11 (whole groups of four and the rows left over), column
     /// counts that leave the last pair part full, and the head's own width.
     #[test]
     fn equals_candles_matmul_bit_for_bit() {
-        let mut seed = 11u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        };
         let mut shapes: Vec<(usize, usize, usize)> = (4..=11).map(|m| (m, 576, 263)).collect();
         shapes.extend([(4, 32, 1), (5, 64, 3), (8, 576, 1031), (33, 128, 5)]);
-        for (m, k, n) in shapes {
-            let w: Vec<f32> = (0..n * k).map(|_| next() * 3.0).collect();
-            let x: Vec<f32> = (0..m * k).map(|_| next() * 5.0).collect();
-            let mut blocks = vec![BlockQ8_0::zeros(); n * k / 32];
-            BlockQ8_0::from_float(&w, &mut blocks);
-            let mut want = vec![0f32; m * n];
-            k_quants::matmul((m, k, n), &x, &blocks, &mut want).unwrap();
-            // SAFETY: `BlockQ8_0` is `#[repr(C)]`, 34 bytes without padding; read only.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), blocks.len() * 34)
-            };
-            let got = super::matmul(m, k, n, &x, bytes);
+        for (i, (m, k, n)) in shapes.into_iter().enumerate() {
+            let p = Product::<BlockQ8_0>::new((m, k, n), 11 + i as u64);
+            let got = super::matmul(m, k, n, &p.lhs, p.bytes());
             if !cfg!(all(target_feature = "avx2", target_feature = "fma")) {
                 // A build without AVX2 and FMA: candle runs its portable loop, and so do we.
                 assert!(got.is_none());
                 continue;
             }
-            let got = got.unwrap();
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "({m}, {k}, {n})");
+            assert_eq!(bits(&got.unwrap()), bits(&p.want), "({m}, {k}, {n})");
         }
     }
 
