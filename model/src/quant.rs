@@ -63,7 +63,10 @@ fn sizes_agree<const QK: usize>(
     k > 0
         && k % QK == 0
         && m.checked_mul(k) == Some(lhs.len())
-        && n.checked_mul(k / QK * block_bytes) == Some(weights.len())
+        && (k / QK)
+            .checked_mul(block_bytes)
+            .and_then(|row| n.checked_mul(row))
+            == Some(weights.len())
 }
 
 fn run<T: GgmlType>(

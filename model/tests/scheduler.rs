@@ -389,9 +389,9 @@ async fn a_lone_request_short_of_room_for_many_tries_still_finishes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lone_request_that_never_gets_room_fails_with_no_room() {
-    // Every step is refused: the lone request is tried again for a while, then fails; the
-    // next one runs into the same, and the scheduler ends with the books at zero.
+async fn a_lone_request_that_never_gets_room_fails_after_trying_a_while() {
+    // Every step finds no room for a layer's weights: the lone request is tried again for a
+    // while (`LONELY_FOR`), then fails with that error, and the books end at zero.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
     let model = Arc::new(Faulty {
         toy: Arc::clone(&toy),
@@ -409,6 +409,36 @@ async fn a_lone_request_that_never_gets_room_fails_with_no_room() {
     handle.shutdown(Duration::ZERO);
     let stats = task.await.unwrap();
     assert!(stats.retries > 3, "{stats:?}");
+    drop((model, toy));
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up() {
+    // The first request finds no room and is tried again until its caller drops it. More
+    // than `LONELY_FOR` later a second request finds no room either: it gets its own tries
+    // (the first one's start is not held against it) and finishes.
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    let model = Arc::new(Faulty {
+        toy: Arc::clone(&toy),
+        steps: Default::default(),
+        batch: 1,
+        faults: 0..30,
+        fault: weights_late,
+        midway: false,
+    });
+    let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let first = handle.submit(request(9, 1, 4)).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(5_200)).await;
+    let (tokens, end) = drain(handle.submit(request(9, 2, 4)).unwrap()).await;
+    assert_eq!(end.unwrap(), FinishReason::Length);
+    assert_eq!(tokens.len(), 4);
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert_eq!(stats.cancelled, 1, "{stats:?}");
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
 }

@@ -62,15 +62,12 @@ pub(super) fn short_of_room(e: &ModelError) -> bool {
     )
 }
 
-/// Whether the refusal in `e` says the bytes asked are more than the whole capacity: no
-/// wait makes room for them.
+/// Whether the refusal in `e` says at once, without waiting, that the bytes asked are more
+/// than the whole capacity: no wait makes room for them. (A Governor with an upstream lets
+/// such a request wait for credit instead; if its wait runs out, that is `DeadlineExpired`,
+/// which a later try may pass.)
 fn never_fits(e: &ModelError) -> bool {
-    match refusal(e) {
-        Some(GovernorError::DeadlineExpired(d) | GovernorError::Ledger(LedgerError::Denied(d))) => {
-            d.asked > d.capacity
-        }
-        _ => false,
-    }
+    matches!(refusal(e), Some(GovernorError::Ledger(LedgerError::Denied(d))) if d.asked > d.capacity)
 }
 
 /// A request as submitted.
@@ -129,8 +126,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     /// `CALM_STEPS` steps go through.
     hold: bool,
     calm: u32,
-    /// Since when a lone sequence's steps have found no room, and how many times.
-    lonely: Option<(Instant, u32)>,
+    /// The lone sequence whose steps have found no room, since when, and how many times.
+    lonely: Option<(SeqId, Instant, u32)>,
     /// Since when steps have found a sequence still held by a step given up.
     busy_since: Option<Instant>,
     /// A restore refused while others ran waits until one of them finishes.
@@ -460,7 +457,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // One sequence alone did not get room by its deadline: holders may still be
                 // freeing (a swap's copy, a fence), so it tries again after a pause that
                 // doubles, for `LONELY_FOR` in all.
-                let tries = self.lonely.as_mut().map_or(1, |(_, n)| {
+                let tries = self.lonely.as_mut().map_or(1, |(_, _, n)| {
                     *n += 1;
                     *n
                 });
@@ -495,10 +492,17 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
     }
 
     /// Whether a lone sequence short of room is tried again: until it has been short for
-    /// `LONELY_FOR`.
+    /// `LONELY_FOR`. Counted for that sequence: one that left meanwhile (cancelled, parked)
+    /// leaves nothing behind for the next.
     fn patient(&mut self) -> bool {
-        let (since, _) = self.lonely.get_or_insert_with(|| (Instant::now(), 0));
-        since.elapsed() < LONELY_FOR
+        let id = self.running.first().map(|r| r.id);
+        match self.lonely {
+            Some((seq, since, _)) if Some(seq) == id => since.elapsed() < LONELY_FOR,
+            _ => {
+                self.lonely = id.map(|seq| (seq, Instant::now(), 0));
+                true
+            }
+        }
     }
 
     fn stepped(&mut self, inputs: &[StepInput], logits: Vec<Vec<f32>>) {
