@@ -341,6 +341,19 @@ fn weights_late() -> ModelError {
     ))
 }
 
+/// The toy model whose steps in `faults` (of any batch, counted from 0) find no room for a
+/// layer's weights, before they start or `midway`.
+fn weights_late_in(toy: &Arc<Toy>, faults: std::ops::Range<usize>, midway: bool) -> Arc<Faulty> {
+    Arc::new(Faulty {
+        toy: Arc::clone(toy),
+        steps: Default::default(),
+        batch: 1,
+        faults,
+        fault: weights_late,
+        midway,
+    })
+}
+
 /// Twelve requests over the toy model whose steps 3 to 8 find no room for a layer's weights
 /// (before they start, or `midway`: once their KV is prepared and a kernel submitted). Every
 /// answer must equal the run without faults, and the books end at zero. The scheduler's
@@ -356,14 +369,7 @@ async fn weights_late_at(
 ) -> scheduler::SchedulerStats {
     let (free, _) = run_all(None, PreemptMode::Swap).await;
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    let model = Arc::new(Faulty {
-        toy: Arc::clone(&toy),
-        steps: Default::default(),
-        batch: 1,
-        faults,
-        fault: weights_late,
-        midway,
-    });
+    let model = weights_late_in(&toy, faults, midway);
     let (out, stats) = twelve(Arc::clone(&model)).await;
     assert_eq!(out, free);
     drop((model, toy));
@@ -393,14 +399,7 @@ async fn a_lone_request_that_never_gets_room_fails_after_trying_a_while() {
     // Every step finds no room for a layer's weights: the lone request is tried again for a
     // while (`LONELY_FOR`), then fails with that error, and the books end at zero.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    let model = Arc::new(Faulty {
-        toy: Arc::clone(&toy),
-        steps: Default::default(),
-        batch: 1,
-        faults: 0..usize::MAX,
-        fault: weights_late,
-        midway: false,
-    });
+    let model = weights_late_in(&toy, 0..usize::MAX, false);
     let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let (tokens, end) = drain(handle.submit(request(9, 1, 4)).unwrap()).await;
@@ -419,14 +418,7 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
     // than `LONELY_FOR` later a second request finds no room either: it gets its own tries
     // (the first one's start is not held against it) and finishes.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    let model = Arc::new(Faulty {
-        toy: Arc::clone(&toy),
-        steps: Default::default(),
-        batch: 1,
-        faults: 0..30,
-        fault: weights_late,
-        midway: false,
-    });
+    let model = weights_late_in(&toy, 0..30, false);
     let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let first = handle.submit(request(9, 1, 4)).unwrap();
