@@ -93,6 +93,31 @@ fn run<T: GgmlType>(
 /// 150 KiB, read from memory once and then from the core's cache for every row of `lhs`.
 const COLUMN_TILE: usize = 256;
 
+/// `[m, n]`, row-major, from tasks that each fill up to `tile` whole output columns: `fill`
+/// gets the first column's index and those columns' sums column-major (`m` a column, the
+/// last task's part-full). The kernels here compute that way (each task owns whole columns,
+/// so no two write the same cache line), and the result is laid out row-major once at the
+/// end.
+fn by_column_tiles(
+    (m, n): (usize, usize),
+    tile: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut by_col = vec![0f32; n * m];
+    by_col
+        .par_chunks_mut(tile * m.max(1))
+        .enumerate()
+        .for_each(|(t, cols)| fill(t * tile, cols));
+    let mut out = vec![0f32; m * n];
+    for (c, col) in by_col.chunks(m.max(1)).enumerate() {
+        for (r, &v) in col.iter().enumerate().take(m) {
+            out[r * n + c] = v;
+        }
+    }
+    out
+}
+
 /// `k_quants::matmul`'s result, element for element, with its loops turned round. candle
 /// takes one row of `lhs` at a time and, for each, streams the whole weight matrix (a
 /// parallel call per row): `m` rows read it `m` times. Here each task takes a tile of the
@@ -101,36 +126,19 @@ const COLUMN_TILE: usize = 256;
 /// (`T::vec_dot` of the same weight blocks and the same quantized row, quantized by the same
 /// `from_float`), so the bits are candle's.
 fn rows_inner<T: GgmlType>((m, k, n): (usize, usize, usize), lhs: &[f32], rhs: &[T]) -> Vec<f32> {
-    use rayon::prelude::*;
     let kb = k / T::BLCK_SIZE;
     let mut quantized = vec![T::VecDotType::zeros(); m * kb];
     for (row, out) in quantized.chunks_mut(kb.max(1)).enumerate().take(m) {
         T::VecDotType::from_float(&lhs[row * k..(row + 1) * k], out);
     }
-    // Column-major tiles, then laid out row-major.
-    let tiles: Vec<Vec<f32>> = (0..n.div_ceil(COLUMN_TILE))
-        .into_par_iter()
-        .map(|t| {
-            let cols = t * COLUMN_TILE..((t + 1) * COLUMN_TILE).min(n);
-            let mut tile = Vec::with_capacity(cols.len() * m);
-            for col in cols {
-                let weights = &rhs[col * kb..(col + 1) * kb];
-                for row in 0..m {
-                    tile.push(T::vec_dot(k, weights, &quantized[row * kb..(row + 1) * kb]));
-                }
-            }
-            tile
-        })
-        .collect();
-    let mut dst = vec![0f32; m * n];
-    for (t, tile) in tiles.iter().enumerate() {
-        for (i, col) in tile.chunks(m).enumerate() {
-            for (row, v) in col.iter().enumerate() {
-                dst[row * n + t * COLUMN_TILE + i] = *v;
+    by_column_tiles((m, n), COLUMN_TILE, |first, out| {
+        for (j, col) in out.chunks_mut(m).enumerate() {
+            let weights = &rhs[(first + j) * kb..(first + j + 1) * kb];
+            for (row, v) in col.iter_mut().enumerate() {
+                *v = T::vec_dot(k, weights, &quantized[row * kb..(row + 1) * kb]);
             }
         }
-    }
-    dst
+    })
 }
 
 /// `x · Wᵀ` for `x` of `[rows, k]` and the weight in `slot` of `bytes` (`[n, k]`, GGML
@@ -294,21 +302,17 @@ pub(crate) mod reference {
 
 #[cfg(test)]
 mod tests {
-    use super::reference::{bits, data};
+    use super::reference::{bits, Product};
     use super::*;
 
     /// `rows_inner` against candle's `k_quants::matmul` on the same blocks, bit for bit, for
     /// several block types, row counts and a column count that leaves a part tile.
     fn same_bits<T: GgmlType>(k: usize) {
         let n = 2 * COLUMN_TILE + 37;
-        let mut rhs = vec![T::zeros(); n * (k / T::BLCK_SIZE)];
-        T::from_float(&data(n * k, 7), &mut rhs);
         for m in [2, 3, 8, 33] {
-            let lhs = data(m * k, m as u64);
-            let mut want = vec![0f32; m * n];
-            k_quants::matmul((m, k, n), &lhs, &rhs, &mut want).unwrap();
-            let got = rows_inner::<T>((m, k, n), &lhs, &rhs);
-            assert_eq!(bits(&got), bits(&want), "{:?}, {m} rows", T::DTYPE);
+            let p = Product::<T>::new((m, k, n), m as u64);
+            let got = rows_inner::<T>((m, k, n), &p.lhs, &p.blocks);
+            assert_eq!(bits(&got), bits(&p.want), "{:?}, {m} rows", T::DTYPE);
         }
     }
 

@@ -11,7 +11,6 @@
 
 use candle_core::quantized::k_quants::{BlockQ8_1, GgmlType};
 use half::f16;
-use rayon::prelude::*;
 
 /// Weights and activations per block.
 const QK: usize = 32;
@@ -308,19 +307,9 @@ pub(crate) fn matmul(
     }
     let kb = k / QK;
     let y = quantize(lhs, m, k);
-    // Column-major while computing (each task owns whole columns), then transposed.
-    let mut by_col = vec![0f32; n * m];
-    by_col
-        .par_chunks_mut(TILE * m.max(1))
-        .enumerate()
-        .for_each(|(t, cols)| columns(weights, t * TILE, &y, kb, m.max(1), cols));
-    let mut out = vec![0f32; m * n];
-    for (c, col) in by_col.chunks(m.max(1)).enumerate() {
-        for (r, &v) in col.iter().enumerate().take(m) {
-            out[r * n + c] = v;
-        }
-    }
-    Some(out)
+    Some(super::by_column_tiles((m, n), TILE, |first, cols| {
+        columns(weights, first, &y, kb, m.max(1), cols)
+    }))
 }
 
 #[cfg(test)]

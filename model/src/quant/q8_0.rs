@@ -59,7 +59,6 @@ mod avx2 {
     use super::{BYTES, QK};
     use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
     use half::f16;
-    use rayon::prelude::*;
     use std::arch::x86_64::*;
 
     /// Output columns per task.
@@ -78,26 +77,13 @@ mod avx2 {
             std::slice::from_raw_parts(blocks.as_ptr().cast::<u8>(), blocks.len() * BYTES)
         };
         let rows: Vec<&[u8]> = y.chunks_exact(kb * BYTES).collect();
-        // Column-major while computing (each task owns whole columns), then transposed.
-        let mut by_col = vec![0f32; n * m];
-        by_col
-            .par_chunks_mut(TILE * m)
-            .enumerate()
-            .for_each(|(t, out)| {
-                let first = t * TILE;
-                let cols: Vec<&[u8]> = (first..first + out.len() / m)
-                    .map(|c| &weights[c * kb * BYTES..(c + 1) * kb * BYTES])
-                    .collect();
-                // SAFETY: this build has AVX2 and FMA (the module's `cfg`).
-                unsafe { tile(&cols, &rows, kb, out) };
-            });
-        let mut out = vec![0f32; m * n];
-        for (c, col) in by_col.chunks(m).enumerate() {
-            for (r, &v) in col.iter().enumerate() {
-                out[r * n + c] = v;
-            }
-        }
-        out
+        crate::quant::by_column_tiles((m, n), TILE, |first, out| {
+            let cols: Vec<&[u8]> = (first..first + out.len() / m)
+                .map(|c| &weights[c * kb * BYTES..(c + 1) * kb * BYTES])
+                .collect();
+            // SAFETY: this build has AVX2 and FMA (the module's `cfg`).
+            unsafe { tile(&cols, &rows, kb, out) };
+        })
     }
 
     /// A block's scale: its first two bytes, an f16.
