@@ -436,6 +436,60 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back() {
+    // Another holder, deaf to pressure, holds all but 1 KiB of the budget for 1.5 s: the
+    // lone request's opening finds no room by the store's deadline (500 ms), more than once.
+    // It is tried again, as a lone step is, and finishes with the answer it gives alone.
+    use procmem_actors::governor::ReserveRequest;
+    use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
+    let (free, _) = {
+        let (memory, toy) = toy(None, PreemptMode::Swap).await;
+        let config = SchedulerConfig::new(SHAPE.max_tokens);
+        let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
+        let out = drain(handle.submit(request(200, 1, 4)).unwrap()).await;
+        handle.shutdown(Duration::ZERO);
+        task.await.unwrap();
+        drop(toy);
+        assert!(memory.shutdown().await.unwrap().is_zero());
+        out
+    };
+    let budget = 64 * 1024;
+    let (memory, toy) = toy(Some(budget), PreemptMode::Swap).await;
+    let g = memory.governor(Place::HOST, MemoryTier::Host).unwrap();
+    let other = g.register_holder("other", 0, None).await.unwrap();
+    let held = g
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Weights,
+            bytes: budget - 1024,
+            priority: 0,
+            deadline: None,
+        })
+        .await
+        .unwrap()
+        .commit(budget - 1024)
+        .await
+        .unwrap();
+    let config = SchedulerConfig::new(SHAPE.max_tokens);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
+    let answer = tokio::spawn(drain(handle.submit(request(200, 1, 4)).unwrap()));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        !answer.is_finished(),
+        "the request ended while it had no room"
+    );
+    assert_eq!(held.release_all().await.unwrap(), budget - 1024);
+    let (tokens, end) = answer.await.unwrap();
+    assert_eq!(end.unwrap(), FinishReason::Length);
+    assert_eq!(tokens, free);
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert!(stats.retries >= 2, "{stats:?}");
+    drop(toy);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_larger_than_the_whole_budget_fails_at_once() {
     // The Governor says the bytes asked exceed its capacity: no wait helps, so the request
     // fails with the store's refusal without being tried again.

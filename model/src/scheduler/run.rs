@@ -39,21 +39,29 @@ const DEFER_SCAN: usize = 64;
 /// Times admission passes over one request, at most, for another's prompt blocks.
 const MAX_PASSES: u32 = 64;
 
+/// The Governor's refusal inside `e`, where the store was refused memory.
+fn store_refusal(e: &KvStoreError) -> Option<&GovernorError> {
+    match e {
+        KvStoreError::Governor(g) => Some(g),
+        _ => None,
+    }
+}
+
 /// The Governor's refusal inside `e`, where a step's memory was refused (its KV, or a
 /// layer's weights brought back from offload).
 fn refusal(e: &ModelError) -> Option<&GovernorError> {
     match e {
-        ModelError::Prepare(KvStoreError::Governor(g)) => Some(g),
+        ModelError::Prepare(kv) => store_refusal(kv),
         ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => Some(g),
         _ => None,
     }
 }
 
-/// Whether `e` says a step did not get memory by its deadline: a smaller batch, or the same
-/// one a little later, may fit. Anything else is a fault no retry mends.
-pub(super) fn short_of_room(e: &ModelError) -> bool {
+/// Whether the refusal `g` says memory was not there by its deadline: less, or the same a
+/// little later, may fit. Anything else is a fault no retry mends.
+fn short(g: Option<&GovernorError>) -> bool {
     matches!(
-        refusal(e),
+        g,
         Some(
             GovernorError::DeadlineExpired(_)
                 | GovernorError::Ledger(LedgerError::Denied(_))
@@ -62,12 +70,18 @@ pub(super) fn short_of_room(e: &ModelError) -> bool {
     )
 }
 
-/// Whether the refusal in `e` says at once, without waiting, that the bytes asked are more
-/// than the whole capacity: no wait makes room for them. (A Governor with an upstream lets
-/// such a request wait for credit instead; if its wait runs out, that is `DeadlineExpired`,
-/// which a later try may pass.)
-fn never_fits(e: &ModelError) -> bool {
-    matches!(refusal(e), Some(GovernorError::Ledger(LedgerError::Denied(d))) if d.asked > d.capacity)
+/// Whether a step did not get memory by its deadline ([`short`]).
+fn short_of_room(e: &ModelError) -> bool {
+    short(refusal(e))
+}
+
+/// Whether a lone try refused with `g` may pass later: short of room, and not told at once,
+/// without waiting, that the bytes asked are more than the whole capacity (no wait makes
+/// room for those). A Governor with an upstream lets such a request wait for credit instead;
+/// if its wait runs out, that is `DeadlineExpired`, which a later try may pass.
+fn may_fit_later(g: Option<&GovernorError>) -> bool {
+    short(g)
+        && !matches!(g, Some(GovernorError::Ledger(LedgerError::Denied(d))) if d.asked > d.capacity)
 }
 
 /// A request as submitted.
@@ -126,7 +140,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     /// `CALM_STEPS` steps go through.
     hold: bool,
     calm: u32,
-    /// The lone sequence whose steps have found no room, since when, and how many times.
+    /// The lone sequence that has found no room (to open, restore or step), since when, and
+    /// how many times.
     lonely: Option<(SeqId, Instant, u32)>,
     /// Since when steps have found a sequence still held by a step given up.
     busy_since: Option<Instant>,
@@ -302,10 +317,15 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     break;
                 }
                 Err(e) => {
+                    if self.wait_alone(r.id, store_refusal(&e)).await {
+                        self.parked.push_front(r);
+                        break;
+                    }
                     self.fail(r, GenError::NoRoom(e));
                     continue;
                 }
             }
+            self.got_room(r.id);
             self.shared.stats().restores += 1;
             // A restored sequence writes no prompt block for others to wait for.
             r.writes_to = 0;
@@ -362,6 +382,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             };
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
                 Ok(opened) => {
+                    self.got_room(r.id);
                     if !r.opened {
                         r.figures.cached_tokens = opened.cached_tokens;
                         r.figures.queued = r.q.arrived.elapsed();
@@ -380,6 +401,10 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     break;
                 }
                 Err(e) => {
+                    if self.wait_alone(r.id, store_refusal(&e)).await {
+                        self.waiting.insert(at, r);
+                        break;
+                    }
                     *self.shared.waiting() -= 1;
                     r.send(Event::Failed(GenError::NoRoom(e)));
                 }
@@ -453,19 +478,14 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // same step is tried again shortly.
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
-            Err(e) if short_of_room(&e) && !never_fits(&e) && self.patient() => {
-                // One sequence alone did not get room by its deadline: holders may still be
-                // freeing (a swap's copy, a fence), so it tries again after a pause that
-                // doubles, for `LONELY_FOR` in all.
-                let tries = self.lonely.as_mut().map_or(1, |(_, _, n)| {
-                    *n += 1;
-                    *n
-                });
-                self.shared.stats().retries += 1;
-                let pause = std::time::Duration::from_millis(1 << tries.min(6));
-                tokio::time::sleep(pause.min(LONELY_PAUSE)).await;
-            }
             Err(e) => {
+                // One sequence alone did not get room by its deadline: holders may still be
+                // freeing (a swap's copy, a fence), so it is tried again for a while.
+                if let [alone] = &self.running[..] {
+                    if self.wait_alone(alone.id, refusal(&e)).await {
+                        return;
+                    }
+                }
                 // The step's requests cannot go on: each fails with what happened (a lone
                 // request the memory cannot hold, with the store's refusal).
                 self.lonely = None;
@@ -491,17 +511,39 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         self.calm = 0;
     }
 
-    /// Whether a lone sequence short of room is tried again: until it has been short for
-    /// `LONELY_FOR`. Counted for that sequence: one that left meanwhile (cancelled, parked)
-    /// leaves nothing behind for the next.
-    fn patient(&mut self) -> bool {
-        let id = self.running.first().map(|r| r.id);
-        match self.lonely {
-            Some((seq, since, _)) if Some(seq) == id => since.elapsed() < LONELY_FOR,
-            _ => {
-                self.lonely = id.map(|seq| (seq, Instant::now(), 0));
-                true
+    /// Whether `seq`, alone (nothing else running) and refused memory with `g`, is tried
+    /// again rather than failed: while the refusal [`may_fit_later`] and `seq` has been
+    /// refused for less than `LONELY_FOR` (counted for that sequence: one that left meanwhile,
+    /// cancelled or parked, leaves nothing behind for the next). The pause before the next
+    /// try, doubling up to `LONELY_PAUSE`, is taken here. Its opening, its restore and its
+    /// steps all count: a lone request short of room waits the same way at each.
+    async fn wait_alone(&mut self, seq: SeqId, g: Option<&GovernorError>) -> bool {
+        if !may_fit_later(g) {
+            return false;
+        }
+        let tries = match &mut self.lonely {
+            Some((s, since, n)) if *s == seq => {
+                if since.elapsed() >= LONELY_FOR {
+                    return false;
+                }
+                *n += 1;
+                *n
             }
+            _ => {
+                self.lonely = Some((seq, Instant::now(), 1));
+                1
+            }
+        };
+        self.shared.stats().retries += 1;
+        let pause = std::time::Duration::from_millis(1 << tries.min(6));
+        tokio::time::sleep(pause.min(LONELY_PAUSE)).await;
+        true
+    }
+
+    /// `seq` got memory: a later refusal starts its patience afresh.
+    fn got_room(&mut self, seq: SeqId) {
+        if self.lonely.is_some_and(|(s, ..)| s == seq) {
+            self.lonely = None;
         }
     }
 

@@ -153,7 +153,8 @@ pub struct SchedulerStats {
     pub restores: u64,
     /// Requests shed (closed and started over) because a step did not fit.
     pub shed: u64,
-    /// Steps of a lone sequence that did not get room by their deadline and were tried again.
+    /// Tries of a lone sequence (to open, restore or step it) that did not get memory by
+    /// their deadline and were made again.
     pub retries: u64,
     /// Requests whose caller went away before the end.
     pub cancelled: u64,
