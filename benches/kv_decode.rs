@@ -18,7 +18,10 @@
 //!   `prepare_p50_ns` (what a prepare
 //!   takes) and `actor_call_p50_ns` (a bare ractor call made the same way: the floor under a
 //!   prepare and under a complete), and `actor_call_in_runtime_p50_ns` (the same call from a
-//!   task on the runtime, as a server's scheduler makes it);
+//!   task on the runtime, as a server's scheduler makes it), and the step API's own floor:
+//!   `step_host_p50_ns` (a step that runs no kernel: a prepare and a complete) and
+//!   `step_empty_kernels_p50_ns` (an empty kernel per layer besides: the stream's hand-off
+//!   and the fence back), each also as a share of the operator's step at each context;
 //! - `step_api_growing`: the same with one granule per growth, so every step maps a new
 //!   granule of every buffer, mapped ahead while the previous step runs (`map_ahead`);
 //!   `step_api_growing_at_prepare` maps it at prepare instead, on the step's critical path.
@@ -37,7 +40,9 @@
 //! staging-copied, where a GPU exists (`benches/common/cuda_decode.rs`).
 //! Each strategy's figure is the median of its rounds; each `_paired` ratio (`step_api*`
 //! against `virtual`) is the median of the two's ratios within the same round, so a
-//! neighbour's burst over a few rounds falls on both sides of it.
+//! neighbour's burst over a few rounds falls on both sides of it. `virtual_again` is the
+//! operator once more in the same rounds: `virtual_again_vs_virtual_paired` is how far the
+//! same code's two runs are apart on this machine, the finest difference a ratio here shows.
 //! Writes `target/reports/kv_decode.json`. `PROCMEM_BENCH_CONTEXTS` (comma-separated) runs
 //! only those contexts.
 
@@ -292,6 +297,41 @@ impl Strategy for StepApi {
     }
 }
 
+/// The floor under a step of the step API, with nothing to compute: the median nanoseconds
+/// of a step that runs no kernel (a prepare and a complete, both on this thread's runtime:
+/// what the store's books cost), and of one that queues an empty kernel per layer (the same,
+/// plus the stream's worker woken by the first and this thread woken by the last fence).
+/// Against a step's time at a context, the second is the least by which `step_api_queued`
+/// can trail the operator there.
+fn step_floor_p50_ns(steps: usize) -> (f64, f64) {
+    let shape = KvShape {
+        layers: LAYERS,
+        q_heads: Q_HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        // Every step, of both kinds, adds a token.
+        max_tokens: 2 * steps,
+        dtype: KvDtype::F32,
+    };
+    let api = StepApi::new(shape, CHUNK_GRANULES, true, Drive::Queued);
+    let time = |kernels: usize| {
+        let mut all: Vec<u64> = (0..steps)
+            .map(|_| {
+                let start = Instant::now();
+                let step = api.rt.block_on(api.kv.prepare(vec![1])).unwrap();
+                for _ in 0..kernels {
+                    step.submit(|_| {}).unwrap();
+                }
+                api.rt.block_on(step.complete(StepEnd::Submitted)).unwrap();
+                start.elapsed().as_nanos() as u64
+            })
+            .collect();
+        all.sort_unstable();
+        percentile(&all, 0.5) as f64
+    };
+    (time(0), time(LAYERS))
+}
+
 /// An actor that answers every call at once: a ractor call to it from outside the runtime, as
 /// the strategies call the store, is the floor under a prepare and a complete.
 struct Echo;
@@ -542,7 +582,9 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
         "step_api_growing_at_prepare" => {
             Box::new(StepApi::new(shape, 1, false, Drive::EachLayerWaits))
         }
-        "virtual" => {
+        // `virtual_again` is the operator once more, as its own strategy in the same rounds:
+        // its ratio to `virtual` is what two runs of the same code differ by here (A/A).
+        "virtual" | "virtual_again" => {
             let host = HostMechanism::new().unwrap();
             let seq = KvSequence::reserve(
                 host.backing() as std::sync::Arc<dyn VirtualBacking>,
@@ -602,6 +644,7 @@ fn streaming_read_s(buf: &[f32]) -> f64 {
 fn main() {
     let names = [
         "virtual",
+        "virtual_again",
         "step_api",
         "step_api_queued",
         "step_api_queued_on_stream_thread",
@@ -625,6 +668,8 @@ fn main() {
     } else {
         common::env_list("PROCMEM_BENCH_CONTEXTS").unwrap_or_else(|| CONTEXTS.to_vec())
     };
+    let (step_host, step_empty) = step_floor_p50_ns(2_000);
+    eprintln!("a step with no kernel: {step_host:.0} ns; with an empty kernel per layer: {step_empty:.0} ns");
     for &context in &host_contexts {
         let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
         let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
@@ -680,10 +725,11 @@ fn main() {
             r.sort_by(|a, b| a.total_cmp(b));
             r[r.len() / 2]
         };
-        let [paired_step_api, paired_queued, paired_on_stream_thread] = [
+        let [paired_step_api, paired_queued, paired_on_stream_thread, paired_again] = [
             "step_api",
             "step_api_queued",
             "step_api_queued_on_stream_thread",
+            "virtual_again",
         ]
         .map(paired);
         let mut per_strategy = Vec::new();
@@ -728,9 +774,16 @@ fn main() {
             "step_api_vs_virtual_paired": paired_step_api,
             "step_api_queued_vs_virtual_paired": paired_queued,
             "step_api_queued_on_stream_thread_vs_virtual_paired": paired_on_stream_thread,
+            // The operator against itself: how far two runs of the same code are apart here.
+            "virtual_again_vs_virtual_paired": paired_again,
             "prepare_p50_ns": prepare_p50,
             "actor_call_p50_ns": floor.0,
             "actor_call_in_runtime_p50_ns": floor.1,
+            // The step API's least cost (no kernel, then an empty kernel per layer) as a
+            // share of the operator's step here: above 0.02, `step_api_queued` within 2% of
+            // the operator is below what a stream's hand-off costs on this machine.
+            "step_host_vs_operator_step": step_host * get("virtual") / 1e9,
+            "step_empty_kernels_vs_operator_step": step_empty * get("virtual") / 1e9,
             // Every step of these grows every buffer: mapped while the previous step ran,
             // or at prepare (on the step's critical path).
             "growing_vs_step_api": get("step_api_growing") / get("step_api"),
@@ -749,6 +802,8 @@ fn main() {
                       "head_dim": HEAD_DIM, "dtype": "f32"},
             "threads": rayon::current_num_threads(),
             "rounds": ROUNDS,
+            "step_host_p50_ns": step_host,
+            "step_empty_kernels_p50_ns": step_empty,
             "steps_per_round": WINDOW / ROUNDS,
             // At the largest context (the KV there is far beyond any cache).
             "streaming_read_gb_s": last_streaming_read,
