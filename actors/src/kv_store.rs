@@ -498,6 +498,8 @@ pub(crate) struct KvStoreState {
     tier: Option<Below>,
     /// What is in flight, waiting for grants.
     transactions: Transactions,
+    /// Tickets put off until a step comes back: all the store could give was lent to it.
+    after_step: Vec<(crate::pressure::PressureTicket, u32)>,
     clock: u64,
     stats: KvStoreStats,
     swap_outcomes: Arc<swap::SwapOutcomes>,
@@ -590,6 +592,7 @@ impl Actor for KvStore {
             prefixes: PrefixCache::default(),
             tier,
             transactions: Transactions::default(),
+            after_step: Vec::new(),
             clock: 0,
             stats: KvStoreStats::default(),
             swap_outcomes: Arc::default(),

@@ -490,6 +490,77 @@ async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_preempted_waits_to_be_restored_until_the_memory_comes_back() {
+    // A more important holder asks for nearly the whole budget while the lone request
+    // decodes, step after step: the store takes the sequence between two steps (swapped
+    // out), and its restore is refused by the store's deadline (500 ms) while that holder
+    // keeps the memory for 1.5 s. The request is restored once the memory is back and ends
+    // with the answer it gives alone.
+    use procmem_actors::governor::ReserveRequest;
+    use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
+    let alone = request(9, 3, 200);
+    let (free, _) = {
+        let (memory, toy) = toy(None, PreemptMode::Swap).await;
+        let (handle, task) =
+            SchedulerHandle::spawn(Arc::clone(&toy), SchedulerConfig::new(SHAPE.max_tokens));
+        let out = drain(handle.submit(alone.clone()).unwrap()).await;
+        handle.shutdown(Duration::ZERO);
+        task.await.unwrap();
+        drop(toy);
+        assert!(memory.shutdown().await.unwrap().is_zero());
+        out
+    };
+    let budget = 64 * 1024;
+    let (memory, toy) = toy(Some(budget), PreemptMode::Swap).await;
+    let g = memory
+        .governor(Place::HOST, MemoryTier::Host)
+        .unwrap()
+        .clone();
+    let (handle, task) =
+        SchedulerHandle::spawn(Arc::clone(&toy), SchedulerConfig::new(SHAPE.max_tokens));
+    let mut generation = handle.submit(alone).unwrap();
+    let mut tokens = Vec::new();
+    while tokens.len() < 3 {
+        match generation.next().await {
+            Some(Event::Token { token, .. }) => tokens.push(token),
+            other => panic!("the request ended early: {other:?}"),
+        }
+    }
+    let other = g.register_holder("other", 9, None).await.unwrap();
+    let held = g
+        .reserve(ReserveRequest {
+            holder: other,
+            role: MemoryRole::Workspace,
+            bytes: budget - 1024,
+            priority: 9,
+            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+        })
+        .await
+        .expect("the store gives the room up")
+        .commit(budget - 1024)
+        .await
+        .unwrap();
+    let rest = tokio::spawn(drain(generation));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        !rest.is_finished(),
+        "the request ended while it had no room"
+    );
+    assert_eq!(held.release_all().await.unwrap(), budget - 1024);
+    let (more, end) = rest.await.unwrap();
+    tokens.extend(more);
+    assert_eq!(
+        (tokens, end.map_err(|e| e.to_string())),
+        (free, Ok(FinishReason::Length))
+    );
+    handle.shutdown(Duration::ZERO);
+    let stats = task.await.unwrap();
+    assert!(stats.preemptions >= 1 && stats.retries >= 2, "{stats:?}");
+    drop(toy);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_larger_than_the_whole_budget_fails_at_once() {
     // The Governor says the bytes asked exceed its capacity: no wait helps, so the request
     // fails with the store's refusal without being tried again.

@@ -259,6 +259,12 @@ impl KvStoreState {
         for lent in seqs {
             self.take_back(lent, marker, advance);
         }
+        // Tickets put off for a step: its sequences are back and free to go. The recheck is
+        // queued before the reply below, so before the caller's next prepare.
+        for (ticket, rechecks) in std::mem::take(&mut self.after_step) {
+            let rechecks = rechecks + 1;
+            let _ = myself.cast(KvStoreMsg::RecheckTicket { ticket, rechecks });
+        }
         if let Some(reply) = reply {
             let _ = reply.send(match foreign {
                 Some(stream) => Err(KvStoreError::ForeignFence(stream)),

@@ -206,6 +206,25 @@ impl KvStoreState {
             self.recheck_after(myself, fence, ticket, rechecks);
             return;
         }
+        if available == 0
+            && slack == 0
+            && rechecks < TICKET_RECHECKS
+            && tokio::time::Instant::now() < ticket.deadline
+            && self
+                .sequences
+                .table
+                .iter()
+                .any(|(_, r)| r.phase == Phase::Stepping && r.priority < ticket.priority)
+        {
+            // Everything it could give is lent to a step, and the request waiting outranks
+            // some of what is lent: the store looks again once a step comes back, before a
+            // next prepare can lend those sequences again. (A sequence stepped back to back is
+            // otherwise never free when a ticket looks, and the more important request waits
+            // out its whole deadline.) A request of no higher priority gets the answer as it
+            // is now, as before.
+            self.after_step.push((ticket, rechecks));
+            return;
+        }
         let wanted = ticket.bytes_wanted;
         let mut got = Got {
             freed: slack,
