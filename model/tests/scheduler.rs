@@ -435,41 +435,54 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
+/// The tokens `r` gets alone, with no budget; it must end at its length.
+async fn alone_unpressured(r: GenRequest) -> Vec<u32> {
+    let (memory, toy) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(SHAPE.max_tokens);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
+    let (tokens, end) = drain(handle.submit(r).unwrap()).await;
+    assert_eq!(end.unwrap(), FinishReason::Length);
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(toy);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+    tokens
+}
+
+/// Another holder ("other", of `priority`, deaf to pressure) takes `bytes` of the host's
+/// budget, waiting up to 5 s for them: its lease.
+async fn another_takes(
+    memory: &MemoryManager,
+    priority: u32,
+    bytes: u64,
+) -> procmem_actors::governor::Lease {
+    use procmem_actors::governor::ReserveRequest;
+    use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
+    let g = memory.governor(Place::HOST, MemoryTier::Host).unwrap();
+    let other = g.register_holder("other", priority, None).await.unwrap();
+    g.reserve(ReserveRequest {
+        holder: other,
+        role: MemoryRole::Workspace,
+        bytes,
+        priority,
+        deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+    })
+    .await
+    .expect("room for the other holder")
+    .commit(bytes)
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back() {
     // Another holder, deaf to pressure, holds all but 1 KiB of the budget for 1.5 s: the
     // lone request's opening finds no room by the store's deadline (500 ms), more than once.
     // It is tried again, as a lone step is, and finishes with the answer it gives alone.
-    use procmem_actors::governor::ReserveRequest;
-    use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
-    let (free, _) = {
-        let (memory, toy) = toy(None, PreemptMode::Swap).await;
-        let config = SchedulerConfig::new(SHAPE.max_tokens);
-        let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
-        let out = drain(handle.submit(request(200, 1, 4)).unwrap()).await;
-        handle.shutdown(Duration::ZERO);
-        task.await.unwrap();
-        drop(toy);
-        assert!(memory.shutdown().await.unwrap().is_zero());
-        out
-    };
+    let free = alone_unpressured(request(200, 1, 4)).await;
     let budget = 64 * 1024;
     let (memory, toy) = toy(Some(budget), PreemptMode::Swap).await;
-    let g = memory.governor(Place::HOST, MemoryTier::Host).unwrap();
-    let other = g.register_holder("other", 0, None).await.unwrap();
-    let held = g
-        .reserve(ReserveRequest {
-            holder: other,
-            role: MemoryRole::Weights,
-            bytes: budget - 1024,
-            priority: 0,
-            deadline: None,
-        })
-        .await
-        .unwrap()
-        .commit(budget - 1024)
-        .await
-        .unwrap();
+    let held = another_takes(&memory, 0, budget - 1024).await;
     let config = SchedulerConfig::new(SHAPE.max_tokens);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
     let answer = tokio::spawn(drain(handle.submit(request(200, 1, 4)).unwrap()));
@@ -480,8 +493,10 @@ async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back()
     );
     assert_eq!(held.release_all().await.unwrap(), budget - 1024);
     let (tokens, end) = answer.await.unwrap();
-    assert_eq!(end.unwrap(), FinishReason::Length);
-    assert_eq!(tokens, free);
+    assert_eq!(
+        (tokens, end.map_err(|e| e.to_string())),
+        (free, Ok(FinishReason::Length))
+    );
     handle.shutdown(Duration::ZERO);
     let stats = task.await.unwrap();
     assert!(stats.retries >= 2, "{stats:?}");
@@ -496,26 +511,10 @@ async fn a_lone_request_preempted_waits_to_be_restored_until_the_memory_comes_ba
     // out), and its restore is refused by the store's deadline (500 ms) while that holder
     // keeps the memory for 1.5 s. The request is restored once the memory is back and ends
     // with the answer it gives alone.
-    use procmem_actors::governor::ReserveRequest;
-    use procmem_actors::procmem::{MemoryRole, MemoryTier, Place};
     let alone = request(9, 3, 200);
-    let (free, _) = {
-        let (memory, toy) = toy(None, PreemptMode::Swap).await;
-        let (handle, task) =
-            SchedulerHandle::spawn(Arc::clone(&toy), SchedulerConfig::new(SHAPE.max_tokens));
-        let out = drain(handle.submit(alone.clone()).unwrap()).await;
-        handle.shutdown(Duration::ZERO);
-        task.await.unwrap();
-        drop(toy);
-        assert!(memory.shutdown().await.unwrap().is_zero());
-        out
-    };
+    let free = alone_unpressured(alone.clone()).await;
     let budget = 64 * 1024;
     let (memory, toy) = toy(Some(budget), PreemptMode::Swap).await;
-    let g = memory
-        .governor(Place::HOST, MemoryTier::Host)
-        .unwrap()
-        .clone();
     let (handle, task) =
         SchedulerHandle::spawn(Arc::clone(&toy), SchedulerConfig::new(SHAPE.max_tokens));
     let mut generation = handle.submit(alone).unwrap();
@@ -526,20 +525,8 @@ async fn a_lone_request_preempted_waits_to_be_restored_until_the_memory_comes_ba
             other => panic!("the request ended early: {other:?}"),
         }
     }
-    let other = g.register_holder("other", 9, None).await.unwrap();
-    let held = g
-        .reserve(ReserveRequest {
-            holder: other,
-            role: MemoryRole::Workspace,
-            bytes: budget - 1024,
-            priority: 9,
-            deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
-        })
-        .await
-        .expect("the store gives the room up")
-        .commit(budget - 1024)
-        .await
-        .unwrap();
+    // The store gives the room up.
+    let held = another_takes(&memory, 9, budget - 1024).await;
     let rest = tokio::spawn(drain(generation));
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(
