@@ -192,38 +192,32 @@ impl KvStoreState {
             .map(|p| p.bytes)
             .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
             .sum();
-        if let Some(fence) = self.soon_free().filter(|_| {
-            available == 0
-                && slack == 0
-                && rechecks < TICKET_RECHECKS
-                && tokio::time::Instant::now() < ticket.deadline
-        }) {
-            // Nothing can go now, but a sequence whose last kernel is finishing can go once
-            // its fence completes: its completion wakes the store to look again (a few times
-            // at most) rather than answer "nothing" and not be asked again in this round.
-            // Nothing polls. (The Governor has one ticket out at a time and moves on at the
-            // ticket's deadline.)
-            self.recheck_after(myself, fence, ticket, rechecks);
-            return;
-        }
-        if available == 0
+        // Nothing can go now, and the ticket may still be looked at again (a few times at
+        // most, before its deadline) rather than answered "nothing" and not asked again in
+        // this round. Nothing polls. (The Governor has one ticket out at a time and moves on
+        // at the ticket's deadline.)
+        let may_look_again = available == 0
             && slack == 0
             && rechecks < TICKET_RECHECKS
-            && tokio::time::Instant::now() < ticket.deadline
-            && self
-                .sequences
-                .table
-                .iter()
-                .any(|(_, r)| r.phase == Phase::Stepping && r.priority < ticket.priority)
-        {
-            // Everything it could give is lent to a step, and the request waiting outranks
-            // some of what is lent: the store looks again once a step comes back, before a
-            // next prepare can lend those sequences again. (A sequence stepped back to back is
-            // otherwise never free when a ticket looks, and the more important request waits
-            // out its whole deadline.) A request of no higher priority gets the answer as it
-            // is now, as before.
-            self.after_step.push((ticket, rechecks));
-            return;
+            && tokio::time::Instant::now() < ticket.deadline;
+        if may_look_again {
+            if let Some(fence) = self.soon_free() {
+                // A sequence whose last kernel is finishing can go once its fence completes:
+                // its completion wakes the store to look again.
+                self.recheck_after(myself, fence, ticket, rechecks);
+                return;
+            }
+            let mut lent = self.sequences.table.iter().map(|(_, r)| r);
+            if lent.any(|r| r.phase == Phase::Stepping && r.priority < ticket.priority) {
+                // Everything it could give is lent to a step, and the request waiting
+                // outranks some of what is lent: the store looks again once a step comes
+                // back, before a next prepare can lend those sequences again. (A sequence
+                // stepped back to back is otherwise never free when a ticket looks, and the
+                // more important request waits out its whole deadline.) A request of no
+                // higher priority gets the answer as it is now, as before.
+                self.after_step.push((ticket, rechecks));
+                return;
+            }
         }
         let wanted = ticket.bytes_wanted;
         let mut got = Got {
