@@ -161,13 +161,14 @@ fn child(spec: &str) -> ExitCode {
         preempt: preempt_mode(),
         dtype: KvDtype::F16,
         context,
-        listen: Some(common::listen::Listen {
+        listen: Some(procmem_model::http::ServeConfig {
             addr: ([127, 0, 0, 1], 0).into(),
+            model_name: "smollm2-135m-instruct".into(),
             max_waiting: 4096,
             max_running: 64,
             default_max_tokens: ANSWER_TOKENS as usize,
             grace: Duration::from_secs(10),
-            body_limit: 1 << 20,
+            limits: procmem_model::http::Limits::default(),
         }),
         prefix_disk: std::env::var_os("PROCMEM_SERVING_PREFIX_DISK").map(|dir| {
             common::real_model::PrefixDiskArgs {

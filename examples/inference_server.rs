@@ -145,6 +145,25 @@ struct Args {
     /// Request bodies over this many bytes are answered 413 when listening.
     #[arg(long, default_value = "1MiB")]
     body_limit: String,
+    /// Bytes of request bodies read at once over all connections when listening; a body
+    /// that finds no room within a second is answered 503.
+    #[arg(long, default_value = "32MiB")]
+    body_buffer: String,
+    /// Seconds a connection has to send a request's whole head, from when it starts waiting
+    /// for one, when listening.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a request's body has to arrive whole after its head when listening (408).
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Seconds a connection with no request in flight may stay quiet when listening.
+    #[arg(long, default_value_t = 5.0)]
+    idle_timeout: f64,
+    /// Connections open at once when listening; at the cap the quietest idle one makes way,
+    /// or the newcomer gets 503. Default: what RLIMIT_NOFILE leaves after the descriptors
+    /// open at start and 128 more for the model, the KV tiers and the node link.
+    #[arg(long)]
+    max_connections: Option<usize>,
     /// With `--model`: keep prompt blocks evicted under pressure in this directory instead
     /// of dropping them, and find them there after a restart (one server per directory).
     #[arg(long)]
@@ -281,6 +300,45 @@ async fn join_node(
     Ok(link)
 }
 
+/// Seconds from a flag: a positive number, at most a day.
+fn seconds(flag: &str, s: f64) -> Result<std::time::Duration, String> {
+    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+        return Err(format!("--{flag} {s}: seconds above 0, at most 86400"));
+    }
+    Ok(std::time::Duration::from_secs_f64(s))
+}
+
+/// How `--listen` serves, from the flags.
+fn serve_config(
+    args: &Args,
+    addr: SocketAddr,
+    model: &str,
+    context: usize,
+) -> Result<procmem_model::http::ServeConfig, String> {
+    let body_limit = parse_bytes(&args.body_limit)?.clamp(1024, 1 << 30) as usize;
+    let limits = procmem_model::http::Limits {
+        header_timeout: seconds("header-timeout", args.header_timeout)?,
+        idle_timeout: seconds("idle-timeout", args.idle_timeout)?,
+        body_timeout: seconds("body-timeout", args.body_timeout)?,
+        max_connections: match args.max_connections {
+            Some(0) => return Err("--max-connections must be at least 1".into()),
+            Some(n) => n,
+            None => procmem_model::http::connection_cap(),
+        },
+        body_limit,
+        body_buffer: (parse_bytes(&args.body_buffer)?.min(1 << 32) as usize).max(body_limit),
+    };
+    Ok(procmem_model::http::ServeConfig {
+        addr,
+        model_name: common::real_model::served_name(model),
+        max_waiting: args.max_waiting,
+        max_running: args.concurrency.min(256),
+        default_max_tokens: args.max_new_tokens.min(context),
+        grace: std::time::Duration::from_secs(args.shutdown_grace.min(3600)),
+        limits,
+    })
+}
+
 async fn serve(args: Args) -> Result<(), String> {
     if args.requests == 0
         || args.concurrency == 0
@@ -331,14 +389,7 @@ async fn serve(args: Args) -> Result<(), String> {
             return Err(format!("--context {context}: between 16 and 8192"));
         }
         let listen = match args.listen {
-            Some(addr) => Some(common::listen::Listen {
-                addr,
-                max_waiting: args.max_waiting,
-                max_running: args.concurrency.min(256),
-                default_max_tokens: args.max_new_tokens.min(context),
-                grace: std::time::Duration::from_secs(args.shutdown_grace.min(3600)),
-                body_limit: parse_bytes(&args.body_limit)?.clamp(1024, 1 << 30) as usize,
-            }),
+            Some(addr) => Some(serve_config(&args, addr, model, context)?),
             None => None,
         };
         let run = common::real_model::RealRun {

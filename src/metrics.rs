@@ -8,7 +8,9 @@
 use metrics::Unit;
 
 mod holders;
+mod http;
 pub use holders::*;
+pub use http::*;
 
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -427,7 +429,7 @@ impl Metric {
 
 /// Every metric, in the order the table of docs/metrics.md lists them.
 pub fn all() -> impl Iterator<Item = &'static Metric> {
-    CORE.iter().chain(holders::HOLDERS)
+    CORE.iter().chain(holders::HOLDERS).chain(http::HTTP)
 }
 
 /// Describes every metric to the installed recorder.

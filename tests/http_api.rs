@@ -67,9 +67,14 @@ impl Server {
     }
 
     /// SIGTERM, then its exit status and everything it printed.
-    fn stop(mut self) -> (std::process::ExitStatus, String) {
+    fn stop(self) -> (std::process::ExitStatus, String) {
         let pid = self.child.id().to_string();
         Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        self.stop_waiting()
+    }
+
+    /// Its exit status and everything it printed, once it exits.
+    fn stop_waiting(mut self) -> (std::process::ExitStatus, String) {
         let start = Instant::now();
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -209,6 +214,7 @@ fn real_clients_get_the_librarys_completion_and_bad_input_gets_an_error_object()
                 { "role": "user", "content": QUESTION },
             ],
             "max_tokens": 24, "temperature": 0, "stream": stream,
+            "stream_options": { "include_usage": stream },
         })
         .to_string()
     };
@@ -246,8 +252,14 @@ fn real_clients_get_the_librarys_completion_and_bad_input_gets_an_error_object()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
         .collect();
     assert_eq!(streamed, text);
+    // The finish, then the usage asked for in a chunk of its own.
+    let finish = &chunks[chunks.len() - 2];
+    assert!(
+        finish["choices"][0]["finish_reason"].is_string(),
+        "{finish}"
+    );
     let last = chunks.last().unwrap();
-    assert!(last["choices"][0]["finish_reason"].is_string(), "{last}");
+    assert_eq!(last["choices"], json!([]), "{last}");
     assert_eq!(
         last["usage"]["completion_tokens"],
         usage["completion_tokens"]
@@ -559,4 +571,82 @@ fn a_client_leaving_mid_stream_cancels_and_sigterm_ends_with_the_books_at_zero()
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
     eprintln!("http_api: SIGTERM with 3 requests in flight: exit 0, books zero");
+}
+
+/// `/health` as JSON.
+fn health(server: &Server) -> Value {
+    let (_, _, body) = curl(&[&server.url("/health")]);
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Issue 45: twenty clients queued behind twelve running hang up: their requests never
+/// start (the queue empties at once, each counted cancelled) while the twelve run on; then
+/// SIGTERM with a long grace and a second SIGTERM: the grace ends at once, the books are
+/// still checked, and every request is counted once.
+#[test]
+fn queued_clients_that_leave_never_start_and_a_second_signal_ends_the_grace() {
+    let Some(server) = Server::start(&[
+        "--concurrency",
+        "12",
+        "--max-waiting",
+        "64",
+        "--shutdown-grace",
+        "120",
+    ]) else {
+        return;
+    };
+    let running: Vec<TcpStream> = (0..12).map(|_| open_stream(&server, 400)).collect();
+    let queued: Vec<TcpStream> = (0..20).map(|_| open_stream(&server, 400)).collect();
+    let start = Instant::now();
+    while health(&server)["waiting"] != 20 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "twenty never queued: {}",
+            health(&server)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(queued);
+    let left = Instant::now();
+    let h = loop {
+        let h = health(&server);
+        if h["waiting"] == 0 {
+            break h;
+        }
+        assert!(left.elapsed() < Duration::from_secs(5), "still queued: {h}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(h["cancelled"], 20, "{h}");
+    assert_eq!(h["finished"], 0, "the twelve still run: {h}");
+    eprintln!(
+        "http_api: 20 queued clients left: queue empty in {:?}, 20 cancelled, 12 running",
+        left.elapsed()
+    );
+    let pid = server.child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let second = Instant::now();
+    let (status, out) = server.stop_waiting();
+    let took = second.elapsed();
+    drop(running);
+    assert!(status.success(), "{out}");
+    assert!(
+        took < Duration::from_secs(15),
+        "exit {took:?} after the second signal"
+    );
+    assert!(out.contains("books after shutdown: zero"), "{out}");
+    let served = out
+        .lines()
+        .find(|l| l.starts_with("served "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let n: Vec<u64> = served
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (accepted, finished, cancelled, cut, failed) = (n[0], n[1], n[2], n[3], n[4]);
+    assert_eq!(accepted, 32, "{served}");
+    assert_eq!(finished + cancelled + cut + failed, accepted, "{served}");
+    assert!(cancelled >= 20 && cut >= 1, "{served}");
+    eprintln!("http_api: second SIGTERM: exit in {took:?}; {served}");
 }

@@ -1,7 +1,6 @@
 //! What the examples share: command-line parsing.
 #![allow(dead_code)]
 
-pub mod listen;
 pub mod real_model;
 pub mod synthetic;
 

@@ -33,6 +33,15 @@ pub fn model_name(model: &str) -> String {
     out
 }
 
+/// The name responses and `/v1/models` give the model: SmolLM2's own, or the file's.
+pub fn served_name(model: &str) -> String {
+    if model == "smollm2" {
+        "smollm2-135m-instruct".into()
+    } else {
+        model_name(model)
+    }
+}
+
 /// What the run is asked to do.
 pub struct RealRun {
     /// `smollm2` or a GGUF path.
@@ -53,8 +62,8 @@ pub struct RealRun {
     pub dtype: KvDtype,
     /// Tokens each sequence holds at most (prompt and completion).
     pub context: usize,
-    /// Serve the OpenAI-compatible API here instead of the built-in prompts.
-    pub listen: Option<super::listen::Listen>,
+    /// Serve the OpenAI-compatible API so instead of the built-in prompts.
+    pub listen: Option<procmem_model::http::ServeConfig>,
     /// Keep prompt blocks evicted under pressure on disk here, and find them after a restart.
     pub prefix_disk: Option<PrefixDiskArgs>,
 }
@@ -212,14 +221,30 @@ where
         .map_err(|e| e.to_string())?;
     let _ = slot.set(engine.kv.clone());
     if let Some(l) = &run.listen {
-        let stats = super::listen::serve_http(engine, codec, &memory, l).await?;
+        let server = procmem_model::http::Server::bind(l.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        println!(
+            "listening on http://{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
+            server.local_addr()
+        );
+        let metrics: procmem_model::http::MetricsText = {
+            let memory = memory.clone();
+            std::sync::Arc::new(move || memory.metrics_text())
+        };
+        let signals = procmem_model::http::os_signals();
+        let stats = server
+            .run(engine, codec, Some(metrics), signals)
+            .await
+            .map_err(|e| e.to_string())?;
         let report = memory.shutdown().await.map_err(|e| e.to_string())?;
         if let Some(link) = link {
             link.leave().await;
         }
         println!(
-            "served {} requests ({} cancelled), {} tokens generated, {} prompt tokens computed, {} preemptions",
-            stats.finished, stats.cancelled, stats.generated, stats.prefilled, stats.preemptions
+            "served {} requests: {} finished, {} cancelled, {} cut by shutdown, {} failed; {} tokens generated, {} prompt tokens computed, {} preemptions",
+            stats.accepted, stats.finished, stats.cancelled, stats.cut, stats.failed,
+            stats.generated, stats.prefilled, stats.preemptions
         );
         if !report.is_zero() {
             return Err(format!("books after shutdown: {report:?}"));

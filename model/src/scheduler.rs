@@ -27,9 +27,11 @@ mod run;
 mod sample;
 mod types;
 
+pub use sample::{adjust, logprobs};
 pub use sample::{argmax, sample};
 pub use types::{
-    Event, Figures, FinishReason, GenError, GenRequest, Sampling, SchedulerStats, StepInput,
+    Event, Figures, FinishReason, GenError, GenRequest, Penalties, Sampling, SchedulerStats,
+    StepInput, TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 
 use crate::ModelError;
@@ -288,6 +290,17 @@ fn check(r: &GenRequest, config: &SchedulerConfig) -> Result<(), GenError> {
     }
     if !r.stop.is_empty() && config.detokenize.is_none() {
         return Err(GenError::BadSampling("stop strings need a detokenizer"));
+    }
+    let p = &r.penalties;
+    if !(p.presence.is_finite() && p.frequency.is_finite())
+        || p.logit_bias.iter().any(|(_, b)| !b.is_finite())
+    {
+        return Err(GenError::BadSampling(
+            "penalties and biases must be numbers",
+        ));
+    }
+    if r.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+        return Err(GenError::BadSampling("at most 20 top log-probabilities"));
     }
     Ok(())
 }

@@ -153,7 +153,7 @@ impl Engine {
                 };
                 while let Some(event) = stream.next().await {
                     match event {
-                        Event::Token { token, logits } => {
+                        Event::Token { token, logits, .. } => {
                             c.tokens.push(token);
                             c.logits.extend(logits);
                         }

@@ -832,3 +832,77 @@ async fn shared_prompts_under_pressure_answer_as_without() {
         assert_eq!(pressed, free, "{preempt:?}");
     }
 }
+
+/// Issue 45: twenty requests queued behind twelve running whose callers leave never start
+/// (counted cancelled, the queue empty at once), and at a shutdown every request is counted
+/// once: finished, cancelled, cut or failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_whose_callers_left_never_start_and_every_request_is_counted_once() {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(256).max_running(12).max_waiting(64);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let running: Vec<Generation> = (0..12)
+        .map(|i| handle.submit(request(10, i, 240)).unwrap())
+        .collect();
+    let queued: Vec<Generation> = (12..32)
+        .map(|i| handle.submit(request(10, i, 240)).unwrap())
+        .collect();
+    drop(queued);
+    let start = std::time::Instant::now();
+    while handle.waiting() > 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "still queued");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let stats = handle.stats();
+    assert_eq!(stats.cancelled, 20, "{stats:?}");
+    assert_eq!(stats.finished, 0, "the twelve still run: {stats:?}");
+    let mut ends = Vec::new();
+    for g in running {
+        ends.push(drain(g).await.1);
+    }
+    assert!(ends.iter().all(|e| e.is_ok()), "{ends:?}");
+    // The figures are counted just after the last event is sent.
+    while handle.stats().finished < 12 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            handle.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let stats = handle.stats();
+    // Only the twelve prompts were ever computed (each prompt's last token goes with its
+    // first decode step): none of the twenty started.
+    assert_eq!(stats.prefilled, 12 * 9, "{stats:?}");
+    assert_eq!((stats.finished, stats.cancelled), (12, 20));
+
+    // A shutdown with three running, two queued and one caller gone: each counted once.
+    let config = SchedulerConfig::new(256).max_running(3);
+    let (second, task2) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let kept: Vec<Generation> = (40..45)
+        .map(|i| second.submit(request(10, i, 240)).unwrap())
+        .collect();
+    let gone = second.submit(request(10, 46, 240)).unwrap();
+    drop(gone);
+    second.shutdown(Duration::ZERO);
+    for g in kept {
+        let (_, end) = drain(g).await;
+        assert!(matches!(end, Err(GenError::Cancelled)), "{end:?}");
+    }
+    let late = second.submit(request(10, 47, 2));
+    assert!(matches!(late, Err(GenError::Stopped)), "{late:?}");
+    let s = task2.await.unwrap();
+    // The late one is counted cut where the loop still took it.
+    assert!(s.accepted == 6 || s.accepted == 7, "{s:?}");
+    assert_eq!((s.cancelled, s.cut), (1, s.accepted - 1), "{s:?}");
+    assert_eq!(
+        s.finished + s.cancelled + s.cut + s.failed,
+        s.accepted,
+        "{s:?}"
+    );
+    drop(second);
+    drop(handle);
+    task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}

@@ -29,7 +29,7 @@ impl TextOut {
         }
         // An incomplete character decodes as U+FFFD: wait for the rest.
         let mut end = self.text.len();
-        if self.text.ends_with('\u{FFFD}') {
+        while self.text[..end].ends_with('\u{FFFD}') {
             end -= '\u{FFFD}'.len_utf8();
         }
         // A tail that could still grow into a stop string waits too.
@@ -42,10 +42,14 @@ impl TextOut {
         (self.take(end - held), false)
     }
 
-    /// What is left to send at the end.
+    /// What is left to send at the end. A character the last tokens left incomplete (the
+    /// answer was cut by `max_tokens` inside it) decodes as U+FFFD: it is dropped, never sent.
     pub fn finish(&mut self) -> Option<String> {
-        let end = self.stop_at().unwrap_or(self.text.len());
-        self.text.truncate(end);
+        let mut end = self.stop_at().unwrap_or(self.text.len());
+        while self.text[..end].ends_with('\u{FFFD}') {
+            end -= '\u{FFFD}'.len_utf8();
+        }
+        self.text.truncate(end.max(self.sent));
         self.take(end)
     }
 
@@ -111,6 +115,19 @@ mod tests {
         sent.extend(out.finish());
         assert_eq!(sent, "Hello world ");
         assert_eq!(out.text(), "Hello world ");
+    }
+
+    #[test]
+    fn an_answer_cut_inside_a_character_ends_before_it() {
+        let mut out = TextOut::new(Vec::new());
+        assert_eq!(out.update("ab\u{FFFD}".into()), (Some("ab".into()), false));
+        assert_eq!(out.finish(), None);
+        assert_eq!(out.text(), "ab");
+        let mut whole = TextOut::new(Vec::new());
+        assert_eq!(whole.update("x\u{FFFD}\u{FFFD}".into()).0, Some("x".into()));
+        assert_eq!(whole.text(), "x\u{FFFD}\u{FFFD}");
+        assert_eq!(whole.finish(), None);
+        assert_eq!(whole.text(), "x");
     }
 
     #[test]

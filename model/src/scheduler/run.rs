@@ -16,8 +16,8 @@ use rand::SeedableRng;
 use tokio::sync::mpsc;
 
 use super::{
-    next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest, SchedulerStats,
-    Shared, StepInput, StepModel,
+    adjust, logprobs, next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest,
+    SchedulerStats, Shared, StepInput, StepModel,
 };
 use crate::ModelError;
 
@@ -230,8 +230,10 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 self.deadline = Some(self.deadline.map_or(at, |d| d.min(at)));
             }
             Command::Submit(q) => {
+                self.shared.stats().accepted += 1;
                 if self.deadline.is_some() {
                     *self.shared.waiting() -= 1;
+                    self.shared.stats().cut += 1;
                     let _ = q.events.send(Event::Failed(GenError::Stopped));
                     return;
                 }
@@ -278,24 +280,33 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         }
     }
 
+    /// The end of the grace period: every request left is cut (one whose caller had gone
+    /// already counts as cancelled).
     fn cancel_all(&mut self) {
         *self.shared.waiting() -= self.waiting.len();
         let kv = self.model.kv();
-        for r in self.running.drain(..).chain(self.parked.drain(..)) {
-            kv.close(r.id);
-            r.send(Event::Failed(GenError::Cancelled));
-        }
-        for r in self.waiting.drain(..) {
+        let (mut cut, mut gone) = (0, 0);
+        let left = self.running.drain(..).chain(self.parked.drain(..));
+        for r in left.chain(self.waiting.drain(..)) {
             if r.opened {
                 kv.close(r.id);
             }
+            if r.gone() {
+                gone += 1;
+            } else {
+                cut += 1;
+            }
             r.send(Event::Failed(GenError::Cancelled));
         }
+        let mut stats = self.shared.stats();
+        stats.cut += cut;
+        stats.cancelled += gone;
     }
 
     /// Fails `r` with `e`, closing its sequence.
     fn fail(&self, r: Live, e: GenError) {
         self.model.kv().close(r.id);
+        self.shared.stats().failed += 1;
         r.send(Event::Failed(e));
     }
 
@@ -380,6 +391,15 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             let Some((at, mut r)) = self.next_waiting() else {
                 break;
             };
+            if r.gone() {
+                // Its caller left while it waited: it never starts.
+                if r.opened {
+                    self.model.kv().close(r.id);
+                }
+                *self.shared.waiting() -= 1;
+                self.shared.stats().cancelled += 1;
+                continue;
+            }
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
                 Ok(opened) => {
                     self.got_room(r.id);
@@ -406,6 +426,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                         break;
                     }
                     *self.shared.waiting() -= 1;
+                    self.shared.stats().failed += 1;
                     r.send(Event::Failed(GenError::NoRoom(e)));
                 }
             }
@@ -566,7 +587,14 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             }
             stats.prefilled += input.tokens.len() as u64 - 1;
             let request = &r.q.request;
-            let t = sample(&l, &request.sampling, &mut r.rng);
+            let t = if request.penalties.is_none() {
+                sample(&l, &request.sampling, &mut r.rng)
+            } else {
+                let mut adjusted = l.clone();
+                adjust(&mut adjusted, &request.penalties, &r.generated);
+                sample(&adjusted, &request.sampling, &mut r.rng)
+            };
+            let lp = request.logprobs.map(|top| logprobs(&l, t, top));
             let now = Instant::now();
             match r.last {
                 None => r.figures.first_token = Some(r.q.arrived.elapsed()),
@@ -578,7 +606,11 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             r.figures.completion_tokens += 1;
             stats.generated += 1;
             let logits = request.keep_logits.then_some(l);
-            let _ = r.q.events.send(Event::Token { token: t, logits });
+            let _ = r.q.events.send(Event::Token {
+                token: t,
+                logits,
+                logprobs: lp,
+            });
             let stopped = request.stop_tokens.contains(&t)
                 || detok.as_ref().is_some_and(|d| {
                     let text = d(&r.generated);

@@ -3,7 +3,70 @@
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::types::Sampling;
+use super::types::{Penalties, Sampling, TokenLogprobs};
+
+/// `logits` changed by `p` after the completion produced `generated`: each token's bias
+/// added, the presence penalty subtracted once from every token produced, the frequency
+/// penalty once per time it was.
+pub fn adjust(logits: &mut [f32], p: &Penalties, generated: &[u32]) {
+    for &(token, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
+    if p.presence == 0.0 && p.frequency == 0.0 {
+        return;
+    }
+    let mut counts = std::collections::HashMap::<u32, u32>::new();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (token, n) in counts {
+        if let Some(l) = logits.get_mut(token as usize) {
+            *l -= p.presence + p.frequency * n as f32;
+        }
+    }
+}
+
+/// The log-probability of `token` under a softmax of `logits`, and the `top` most likely
+/// tokens' (the lower id first on a tie), computed in f64.
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| (l as f64 - max).exp())
+        .sum();
+    let norm = max + sum.ln();
+    let lp = |l: f32| {
+        if l.is_finite() {
+            (l as f64 - norm) as f32
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            let v = lp(l);
+            if best.len() < top || best.last().is_some_and(|b| v > b.1) {
+                let at = best.partition_point(|b| b.1 >= v);
+                best.insert(at, (i as u32, v));
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprobs {
+        logprob: logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        top: best,
+    }
+}
 
 /// The next token of `logits` under `s`, drawing from `rng` unless greedy.
 pub fn sample(logits: &[f32], s: &Sampling, rng: &mut StdRng) -> u32 {
@@ -92,6 +155,30 @@ mod tests {
         };
         let mut rng = StdRng::seed_from_u64(3);
         assert!((0..200).all(|_| sample(&logits, &s, &mut rng) == 0));
+    }
+
+    #[test]
+    fn penalties_and_bias_move_the_logits_they_name() {
+        let mut l = vec![1.0, 1.0, 1.0, 1.0];
+        let p = Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+            logit_bias: vec![(3, 2.0), (99, 5.0)],
+        };
+        adjust(&mut l, &p, &[0, 0, 1]);
+        assert_eq!(l, vec![1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 1.0, 3.0]);
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_in_order() {
+        let l = [2.0f32, 1.0, 3.0, f32::NEG_INFINITY];
+        let got = logprobs(&l, 1, 2);
+        let z: f64 = l.iter().map(|&v| (v as f64).exp()).sum();
+        assert!((got.logprob as f64 - (1.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(got.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 0]);
+        assert!((got.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(logprobs(&l, 3, 0).logprob, f32::NEG_INFINITY);
+        assert!(logprobs(&l, 3, 0).top.is_empty());
     }
 
     #[test]

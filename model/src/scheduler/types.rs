@@ -30,6 +30,38 @@ impl Default for Sampling {
     }
 }
 
+/// What changes the logits before a token is chosen (OpenAI's `presence_penalty`,
+/// `frequency_penalty` and `logit_bias`). The default changes nothing.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once from the logit of every token the completion has produced so far.
+    pub presence: f32,
+    /// Subtracted from a token's logit once for each time the completion produced it.
+    pub frequency: f32,
+    /// Added to the logits of these tokens.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Penalties {
+    /// Whether it changes nothing.
+    pub fn is_none(&self) -> bool {
+        self.presence == 0.0 && self.frequency == 0.0 && self.logit_bias.is_empty()
+    }
+}
+
+/// A chosen token's log-probability and the most likely alternatives', from the model's own
+/// distribution (a log-softmax of its logits, before temperature, penalties or bias).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (as many as asked).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Alternatives a request may ask log-probabilities of, at most, per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// One completion to generate.
 #[derive(Debug, Clone, Default)]
 pub struct GenRequest {
@@ -46,6 +78,11 @@ pub struct GenRequest {
     pub stop: Vec<String>,
     /// Keep the logits each token was chosen from in its event.
     pub keep_logits: bool,
+    /// Penalties and biases applied to the logits before each choice.
+    pub penalties: Penalties,
+    /// Send each token's log-probability with this many alternatives' (at most
+    /// [`MAX_TOP_LOGPROBS`]) in its event.
+    pub logprobs: Option<usize>,
 }
 
 /// Why a completion ended.
@@ -85,6 +122,8 @@ pub enum Event {
         token: u32,
         /// The logits it was chosen from, where asked for.
         logits: Option<Vec<f32>>,
+        /// Its log-probability and the top alternatives', where asked for.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The completion ended.
     Finished {
@@ -156,10 +195,18 @@ pub struct SchedulerStats {
     /// Tries of a lone sequence (to open, restore or step it) that did not get memory by
     /// their deadline and were made again.
     pub retries: u64,
-    /// Requests whose caller went away before the end.
+    /// Requests the scheduler took (each ends counted once: finished, cancelled, cut or
+    /// failed).
+    pub accepted: u64,
+    /// Requests whose caller went away before the end (a queued one before it started).
     pub cancelled: u64,
     /// Requests finished.
     pub finished: u64,
+    /// Requests cut by shutdown: still queued or running when the grace period ended, or
+    /// submitted after shutdown began.
+    pub cut: u64,
+    /// Requests that failed (no room even alone, or the model's error).
+    pub failed: u64,
     /// Times admission passed over a waiting request for prompt blocks a running request was
     /// still writing (it then maps them instead of computing its own copy).
     pub passed_over: u64,

@@ -1,0 +1,155 @@
+//! The server as one value: the scheduler over an engine, the routes, the listen loop with
+//! its limits, and the drain on the stop signals, for a binary to start with its flags.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::api::{Api, MetricsText};
+use super::listen::{Limits, Listening, StopSignals};
+use crate::scheduler::{SchedulerConfig, SchedulerHandle, SchedulerStats};
+use crate::{Engine, TextCodec};
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The model's name in responses and `/v1/models`.
+    pub model_name: String,
+    /// Requests waiting at most (more get 429).
+    pub max_waiting: usize,
+    /// Requests running at once at most.
+    pub max_running: usize,
+    /// Tokens a completion gets when the request names no `max_tokens`.
+    pub default_max_tokens: usize,
+    /// How long requests in flight have after the first stop signal.
+    pub grace: Duration,
+    /// What a client may hold.
+    pub limits: Limits,
+}
+
+/// Why the server could not start or ended badly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The address could not be bound.
+    #[error("listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The scheduler's task panicked.
+    #[error("the scheduler failed: {0}")]
+    Scheduler(#[source] tokio::task::JoinError),
+}
+
+/// A bound server, not yet serving.
+pub struct Server {
+    listening: Listening,
+    config: ServeConfig,
+}
+
+impl Server {
+    /// Binds `config.addr`.
+    pub async fn bind(config: ServeConfig) -> Result<Self, ServeError> {
+        let listening = Listening::bind(config.addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                addr: config.addr,
+                source,
+            })?;
+        Ok(Server { listening, config })
+    }
+
+    /// Where it listens (the port chosen where `:0` was asked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listening.local
+    }
+
+    /// Serves `engine` until the stop signals; returns what the scheduler did, every request
+    /// counted once (finished, cancelled, cut by shutdown or failed). The engine is dropped
+    /// after the last request ended, before this returns.
+    pub async fn run(
+        self,
+        engine: Engine,
+        codec: TextCodec,
+        metrics: Option<MetricsText>,
+        mut signals: StopSignals,
+    ) -> Result<SchedulerStats, ServeError> {
+        let mut c = self.config;
+        // The cap was maybe derived before the model and the KV store took descriptors.
+        let cap = super::listen::connection_cap();
+        if c.limits.max_connections > cap {
+            tracing::info!(
+                asked = c.limits.max_connections,
+                cap,
+                "fewer connections than asked: the descriptor limit leaves room for these"
+            );
+            c.limits.max_connections = cap;
+        }
+        let engine = Arc::new(engine);
+        let codec = Arc::new(codec);
+        let detok = {
+            let codec = Arc::clone(&codec);
+            Arc::new(move |ids: &[u32]| codec.decode(ids).unwrap_or_default())
+        };
+        let scheduler_config = SchedulerConfig::new(engine.shape.max_tokens)
+            .step_tokens(engine.step_tokens)
+            .max_running(c.max_running)
+            .max_waiting(c.max_waiting)
+            .detokenize(detok);
+        let (scheduler, task) = SchedulerHandle::spawn(Arc::clone(&engine), scheduler_config);
+        let api = Api::new(
+            scheduler.clone(),
+            codec,
+            c.model_name.clone(),
+            c.default_max_tokens,
+            metrics,
+        )
+        .limits(&c.limits);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let grace = c.grace;
+        let drain = {
+            let scheduler = scheduler.clone();
+            tokio::spawn(async move {
+                if signals.recv().await.is_none() {
+                    return;
+                }
+                tracing::info!(
+                    ?grace,
+                    "stopping: no new requests; a second signal ends the grace at once"
+                );
+                scheduler.shutdown(grace);
+                let _ = stop_tx.send(true);
+                if signals.recv().await.is_some() {
+                    tracing::warn!("second stop signal: the requests in flight are cut now");
+                    scheduler.shutdown(Duration::ZERO);
+                }
+                // The stop stays raised until the server ends.
+                std::future::pending::<()>().await;
+            })
+        };
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(self.listening.serve(
+            Arc::new(api).router(),
+            c.limits.clone(),
+            stop_rx,
+            async move {
+                let _ = done_rx.await;
+            },
+        ));
+        let stats = task.await;
+        let _ = done_tx.send(());
+        let _ = serving.await;
+        drain.abort();
+        drop(scheduler);
+        drop(engine);
+        stats.map_err(ServeError::Scheduler)
+    }
+}

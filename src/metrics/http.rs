@@ -1,0 +1,64 @@
+//! The HTTP front door's metrics (`procmem_model::http`): what outside clients hold.
+
+use metrics::Unit;
+
+use super::{metric, Kind, Metric, NONE};
+
+/// Connections the HTTP server holds open.
+pub const HTTP_CONNECTIONS_OPEN: Metric = metric(
+    "procmem_http_connections_open",
+    Kind::Gauge,
+    Unit::Count,
+    NONE,
+    "Connections the HTTP server holds open.",
+);
+/// Connections accepted and served.
+pub const HTTP_CONNECTIONS_TOTAL: Metric = metric(
+    "procmem_http_connections_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Connections the HTTP server accepted and served.",
+);
+/// Connections refused at the cap.
+pub const HTTP_CONNECTIONS_REFUSED_TOTAL: Metric = metric(
+    "procmem_http_connections_refused_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Connections answered 503 (or closed unanswered) at the connection cap, every open one having a request in flight.",
+);
+/// Connections the server closed.
+pub const HTTP_CONNECTIONS_CLOSED_TOTAL: Metric = metric(
+    "procmem_http_connections_closed_total",
+    Kind::Counter,
+    Unit::Count,
+    &["why"],
+    "Connections the server closed: idle (quiet past the idle timeout) or displaced (the quietest, for a newcomer at the cap).",
+);
+/// Bodies refused for the shared body buffer.
+pub const HTTP_BODIES_REFUSED_TOTAL: Metric = metric(
+    "procmem_http_bodies_refused_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Request bodies answered 503: the shared body buffer had no room for them within a second.",
+);
+/// Bodies that did not arrive in time.
+pub const HTTP_BODIES_TIMED_OUT_TOTAL: Metric = metric(
+    "procmem_http_bodies_timed_out_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Request bodies answered 408: not whole within the body timeout.",
+);
+
+/// The HTTP metrics, in the order of docs/metrics.md.
+pub(super) const HTTP: &[Metric] = &[
+    HTTP_CONNECTIONS_OPEN,
+    HTTP_CONNECTIONS_TOTAL,
+    HTTP_CONNECTIONS_REFUSED_TOTAL,
+    HTTP_CONNECTIONS_CLOSED_TOTAL,
+    HTTP_BODIES_REFUSED_TOTAL,
+    HTTP_BODIES_TIMED_OUT_TOTAL,
+];
