@@ -1159,3 +1159,29 @@ fn a_leave_after_a_node_restart_carries_the_new_key() {
     assert_eq!(after.total, 0);
     assert_eq!(after.foreign, 0, "the leave carried the key in force");
 }
+
+/// Issue 46: a process holding all of the node's credit, some of it free, needs more than is
+/// free. The node has nobody else to ask, so it sends no ticket storm: the asker is never
+/// ticketed for the bytes its own ask waits for (before, it gave its free bytes back, the
+/// node granted them straight back to its ask, and round again: 387,963 tickets in one
+/// real run).
+#[test]
+fn a_process_waiting_for_room_is_not_ticketed_for_its_own_ask() {
+    let (node, port) = node(4 * MIB + MIB / 2);
+    let a = server(port, "a", 0, 0, 8);
+    let full = status_until(&node, Duration::from_secs(30), |s| {
+        s.total + MIB > s.capacity && s.procs.len() == 1
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let later = status(&node);
+    let sent = later.tickets - full.tickets;
+    eprintln!(
+        "node_storm: one process holding {} of {} bytes, short of room: {sent} tickets in 1.5 s",
+        later.total, later.capacity
+    );
+    assert!(
+        sent <= 3,
+        "a ticket storm: {sent} tickets in 1.5 s ({later:?})"
+    );
+    drop(a);
+}

@@ -107,6 +107,11 @@ impl<T> WaitQueue<T> {
         out
     }
 
+    /// Everyone waiting, front first.
+    pub fn items(&self) -> impl Iterator<Item = &T> {
+        self.entries.values().map(|(_, item)| item)
+    }
+
     /// Bytes wanted by everyone waiting.
     pub fn bytes(&self) -> u64 {
         self.bytes

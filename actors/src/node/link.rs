@@ -390,11 +390,13 @@ impl LinkState {
     /// Gives back unused capacity at once; for the rest, lowers the capacity so the Governor
     /// asks the holders, and gives back as they free (on each tick) until the deadline.
     async fn ticket(&mut self, id: u64, bytes: u64, deadline_ms: u64) {
-        let approved = match self.governor.snapshot().await {
-            Ok(s) => s.books.approved(),
+        // Bytes this process's own waiters are queued for are not unused: given back, the
+        // node would only hand them round again.
+        let spoken_for = match self.governor.snapshot().await {
+            Ok(s) => s.books.approved().saturating_add(s.waiting_bytes),
             Err(_) => return,
         };
-        let unused = self.credit.saturating_sub(approved);
+        let unused = self.credit.saturating_sub(spoken_for);
         let now = unused.min(bytes);
         self.ticket = Some(Ticket {
             id,

@@ -5,7 +5,7 @@
 //! order; what does not fit waits while tickets go to processes, least important first, one at
 //! a time, each answered by a give-back (or its time running out).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -190,7 +190,10 @@ struct Pending {
 #[derive(Default)]
 struct Round {
     outstanding: Option<(u64, u64, Instant)>,
-    asked: BTreeSet<(Priority, u64)>,
+    /// The processes asked while this authority is short, each with what it held when
+    /// asked (its credit and the bytes it reported approved): one is asked again only once
+    /// that changed, so a process that gave nothing is not asked the same thing again.
+    asked: BTreeMap<(Priority, u64), (u64, u64)>,
 }
 
 /// The node Governor's state.
@@ -519,8 +522,6 @@ impl NodeState {
                         reply,
                     },
                 );
-                // A new waiter: processes asked before may have more to give now.
-                self.rounds.entry(aid).or_default().asked.clear();
             }
         }
     }

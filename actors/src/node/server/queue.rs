@@ -3,7 +3,9 @@
 //! Governor's (`procmem::ledger::admission`): one model check covers both.
 
 use procmem::ledger::admission::{self, Front};
-use procmem::ledger::AuthorityId;
+use std::collections::BTreeSet;
+
+use procmem::ledger::{AuthorityId, WaitQueue};
 use procmem::metrics as m;
 use tokio::time::Instant;
 
@@ -61,18 +63,29 @@ impl NodeState {
             if round.outstanding.is_some() {
                 continue;
             }
+            // A process waiting here at least as important as the first waiter is the one
+            // the room is for: asking it to give back would hand its own bytes round in a
+            // circle (it counts the free bytes its ask waits for as unused).
+            let queue = self.waiters.get(&aid);
+            let front = queue.and_then(WaitQueue::front_priority);
+            let waiting: BTreeSet<u64> = queue
+                .map(|q| q.items().map(|w| w.token).collect())
+                .unwrap_or_default();
             let next = self
                 .processes
                 .iter()
                 .filter_map(|(token, p)| {
                     let m = p.members.get(&aid)?;
                     let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-                    (credit > 0 && p.link.is_some()).then_some((p.priority, *token))
+                    let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
+                    let key = (p.priority, *token);
+                    let held = (credit, m.approved);
+                    let unchanged = round.asked.get(&key) == Some(&held);
+                    (credit > 0 && p.link.is_some() && !asker && !unchanged).then_some((key, held))
                 })
-                .filter(|k| !round.asked.contains(k))
-                .min();
-            let Some(key) = next else { continue };
-            round.asked.insert(key);
+                .min_by_key(|(key, _)| *key);
+            let Some((key, held)) = next else { continue };
+            round.asked.insert(key, held);
             let id = self.next_ticket;
             self.next_ticket += 1;
             let timeout = self.config.ticket_timeout;
