@@ -8,9 +8,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,33 +32,10 @@ impl Server {
         })?;
         let mut args = vec!["--model", "smollm2", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(extra);
-        let mut child = Command::new(common::example("inference_server"))
-            .args(&args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let out = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let keep = Arc::clone(&out);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(rest) = line.strip_prefix("listening on http://") {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
-                }
-                let mut o = keep.lock().unwrap();
-                o.push_str(&line);
-                o.push('\n');
-            }
-        });
-        let addr = match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("the server did not listen: {}", out.lock().unwrap());
-            }
-        };
+        let mut cmd = Command::new(common::example("inference_server"));
+        cmd.args(&args);
+        let common::Listening { child, addr, out } =
+            common::spawn_listening(cmd, Duration::from_secs(120));
         Some(Server { child, addr, out })
     }
 

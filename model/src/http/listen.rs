@@ -481,15 +481,21 @@ impl Front {
 }
 
 /// A quick `503` to a connection over the cap, then close; closed unanswered where many are
-/// being refused already.
+/// being refused already. The request's first bytes are read first and the client's end is
+/// waited for briefly after, so the close does not reset the connection under the answer.
 fn refuse(mut stream: TcpStream, refusing: &Arc<Semaphore>) {
+    use tokio::io::AsyncReadExt;
     let Ok(permit) = Arc::clone(refusing).try_acquire_owned() else {
         return;
     };
     tokio::spawn(async move {
         let _ = tokio::time::timeout(REFUSE_WRITE, async {
+            let mut buf = [0u8; 4096];
+            let _ = tokio::time::timeout(REFUSE_WRITE / 10, stream.read(&mut buf)).await;
             stream.write_all(OVER_CAP).await?;
-            stream.shutdown().await
+            stream.shutdown().await?;
+            while stream.read(&mut buf).await? > 0 {}
+            Ok::<_, io::Error>(())
         })
         .await;
         drop(permit);
