@@ -180,6 +180,62 @@ fn bad_input_exits_2_with_a_clear_message() {
         ),
         (&["--node", "127.0.0.1:1"], "cannot join the node"),
         (&["--node", "nowhere"], "invalid value 'nowhere'"),
+        // The front door's limits (issue 45), checked before the model loads.
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--header-timeout",
+                "0",
+            ],
+            "--header-timeout 0: seconds above 0",
+        ),
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--idle-timeout",
+                "nan",
+            ],
+            "--idle-timeout NaN: seconds above 0",
+        ),
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--body-timeout",
+                "1e300",
+            ],
+            "at most 86400",
+        ),
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--max-connections",
+                "0",
+            ],
+            "--max-connections must be at least 1",
+        ),
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--body-buffer",
+                "lots",
+            ],
+            "not a byte count",
+        ),
     ];
     for (args, message) in cases {
         let out = run(args);
