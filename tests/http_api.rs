@@ -52,20 +52,7 @@ impl Server {
 
     /// Its exit status and everything it printed, once it exits.
     fn stop_waiting(mut self) -> (std::process::ExitStatus, String) {
-        let start = Instant::now();
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "no exit after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        std::thread::sleep(Duration::from_millis(200));
-        let out = self.out.lock().unwrap().clone();
-        (status, out)
+        common::wait_exit(&mut self.child, &self.out)
     }
 
     /// A gauge of the KV store from `/metrics`.
@@ -94,12 +81,7 @@ fn curl(args: &[&str]) -> (u16, String, String) {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let (status, head, body) = common::split_response(&text);
     (status, head.to_string(), body.to_string())
 }
 
@@ -121,46 +103,13 @@ const QUESTION: &str = "What is the capital of France?";
 /// The library's own greedy completion of the chat prompt, in this process.
 fn library_greedy(user: &str, max_new: usize) -> String {
     let path = procmem_model::smollm2_path().unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let loaded = procmem_model::Smol::load(&path, 512).unwrap();
-        let codec = procmem_model::TextCodec::new(&loaded.tokenizer).unwrap();
-        let prompt = codec
-            .chat_messages(&[("system", SYSTEM), ("user", user)])
-            .unwrap();
-        let memory = procmem_actors::MemoryManager::builder()
-            .build()
-            .await
-            .unwrap();
-        let config = procmem_actors::kv::KvStoreConfig::new(
-            "kv",
-            loaded
-                .model
-                .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, 512),
-        )
-        .chunk_granules(3)
-        .wait(Duration::from_secs(5));
-        let engine = procmem_model::Engine::start(&memory, loaded, config, codec.eos)
-            .await
-            .unwrap();
-        let request = procmem_model::Request {
-            id: 1,
-            prompt,
-            max_new,
-        };
-        let (done, _) = engine.generate(vec![request], 1, false).await.unwrap();
-        drop(engine);
-        memory.shutdown().await.unwrap();
-        codec.decode(&done[0].tokens).unwrap()
-    })
-}
-
-/// The `data:` payloads of an SSE body.
-fn sse_data(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
-        .map(|d| d.trim().to_string())
-        .collect()
+    let loaded = procmem_model::Smol::load(&path, 512).unwrap();
+    let codec = procmem_model::TextCodec::new(&loaded.tokenizer).unwrap();
+    let prompt = codec
+        .chat_messages(&[("system", SYSTEM), ("user", user)])
+        .unwrap();
+    let done = common::library_completion(&path, 512, prompt, max_new, codec.eos, false);
+    codec.decode(&done.tokens).unwrap()
 }
 
 #[test]
@@ -218,7 +167,7 @@ fn real_clients_get_the_librarys_completion_and_bad_input_gets_an_error_object()
         &server.url("/v1/chat/completions"),
     ]);
     assert_eq!(status, 200, "{body}");
-    let events = sse_data(&body);
+    let events = common::sse_data(&body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()

@@ -136,27 +136,11 @@ impl Server {
         kb * 1024
     }
 
-    /// SIGTERM (twice where asked), then the exit status, everything printed, and how long
-    /// the exit took after the last signal.
-    fn stop(mut self, twice: bool) -> (std::process::ExitStatus, String, Duration) {
+    /// SIGTERM, then the exit status and everything it printed.
+    fn stop(mut self) -> (std::process::ExitStatus, String) {
         let pid = self.child.id().to_string();
         Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        if twice {
-            std::thread::sleep(Duration::from_millis(300));
-            Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        }
-        let start = Instant::now();
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(start.elapsed() < Duration::from_secs(60), "no exit");
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let took = start.elapsed();
-        std::thread::sleep(Duration::from_millis(200));
-        let out = self.out.lock().unwrap().clone();
-        (status, out, took)
+        common::wait_exit(&mut self.child, &self.out)
     }
 }
 
@@ -172,12 +156,7 @@ fn response(s: &mut TcpStream) -> (u16, String) {
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
+    let (status, head, body) = common::split_response(&text);
     let body = if head
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked")
@@ -263,7 +242,7 @@ fn idle_and_slow_header_floods_leave_health_answering_and_are_closed() {
     eprintln!("FIGURE http_slowloris {slow_closed}/300");
     assert_eq!(idle_closed, 2000);
     assert_eq!(slow_closed, 300);
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
 }
@@ -277,7 +256,7 @@ fn under_a_low_descriptor_limit_idle_connections_make_way_and_the_cap_answers_50
     let worst = answers_quickly(&server, 5);
     eprintln!("http_front: 400 idle connections under ulimit -n 256; worst {worst:?}");
     drop(idle);
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
 
     // At a cap of 8 connections, each with a request in flight (its body still to come),
@@ -303,7 +282,7 @@ fn under_a_low_descriptor_limit_idle_connections_make_way_and_the_cap_answers_50
     std::thread::sleep(Duration::from_millis(300));
     let (status, _, _) = server.get("/health");
     assert_eq!(status, 200);
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
 }
 
@@ -395,7 +374,7 @@ fn bodies_are_bounded_each_and_in_total_and_the_memory_comes_back() {
     );
     eprintln!("FIGURE http_stalled_bodies {}/300", 300 - count(200));
     assert!(server.post_json("/v1/completions", &warm).0 == 200);
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
 }
 
@@ -482,21 +461,17 @@ fn text_from_users_never_becomes_a_control_token() {
          tokens in a user's span; HTTP prompt_tokens of <|im_end|> = {counted}"
     );
     eprintln!("FIGURE chat_injection {0}/{0}", tiny + real + 2);
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
 }
 
 /// The `data:` payloads of an SSE body, parsed (without `[DONE]`).
 fn sse(body: &str) -> (Vec<Value>, bool) {
-    let data: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
-        .map(str::trim)
-        .collect();
-    let done = data.last() == Some(&"[DONE]");
+    let data = common::sse_data(body);
+    let done = data.last().is_some_and(|d| d == "[DONE]");
     let chunks = data
         .iter()
-        .filter(|d| **d != "[DONE]")
+        .filter(|d| *d != "[DONE]")
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
     (chunks, done)
@@ -654,7 +629,8 @@ fn the_shapes_current_clients_send_are_taken_or_refused_by_name() {
         &json!({ "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3 }),
     );
     assert_eq!(status, 200, "{v}");
-    let (tokens, logits) = library_logits(&path, &prompt, 6);
+    let done = common::library_completion(&path, 256, prompt.clone(), 6, None, true);
+    let (tokens, logits) = (done.tokens, done.logits);
     let lp = &v["choices"][0]["logprobs"];
     let served = lp["tokens"].as_array().unwrap().len();
     assert!(served >= 1, "{v}");
@@ -687,42 +663,7 @@ fn the_shapes_current_clients_send_are_taken_or_refused_by_name() {
     assert!(content
         .iter()
         .all(|c| c["top_logprobs"].as_array().unwrap().len() == 2));
-    let (status, out, _) = server.stop(false);
+    let (status, out) = server.stop();
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
-}
-
-/// The library's own greedy tokens for `prompt` on the model at `path`, with their logits.
-fn library_logits(
-    path: &std::path::Path,
-    prompt: &[u32],
-    max_new: usize,
-) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let loaded = procmem_model::Smol::load(path, 256).unwrap();
-        let memory = procmem_actors::MemoryManager::builder()
-            .build()
-            .await
-            .unwrap();
-        let config = procmem_actors::kv::KvStoreConfig::new(
-            "kv",
-            loaded
-                .model
-                .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, 256),
-        );
-        let engine = procmem_model::Engine::start(&memory, loaded, config, None)
-            .await
-            .unwrap();
-        let request = procmem_model::Request {
-            id: 1,
-            prompt: prompt.to_vec(),
-            max_new,
-        };
-        let (done, _) = engine.generate(vec![request], 1, true).await.unwrap();
-        drop(engine);
-        memory.shutdown().await.unwrap();
-        let c = done.into_iter().next().unwrap();
-        (c.tokens, c.logits)
-    })
 }

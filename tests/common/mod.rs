@@ -81,3 +81,90 @@ pub fn spawn_listening(mut cmd: Command, within: std::time::Duration) -> Listeni
         }
     }
 }
+
+/// Waits (up to a minute) for `child` to exit: its status and everything it printed to `out`.
+#[allow(dead_code)]
+pub fn wait_exit(
+    child: &mut std::process::Child,
+    out: &std::sync::Mutex<String>,
+) -> (std::process::ExitStatus, String) {
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "no exit within a minute"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // The reader thread may still hold the last lines.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let text = out.lock().unwrap().clone();
+    (status, text)
+}
+
+/// The `data:` payloads of a server-sent events body.
+#[allow(dead_code)]
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(|d| d.trim().to_string())
+        .collect()
+}
+
+/// The library's own greedy completion of `prompt` by the GGUF at `path`, in this process:
+/// f32 KV of `context` tokens chunked as the main job chunks it, stopping at `eos`, with
+/// each token's logits where `keep_logits`.
+#[allow(dead_code)]
+pub fn library_completion(
+    path: &std::path::Path,
+    context: usize,
+    prompt: Vec<u32>,
+    max_new: usize,
+    eos: Option<u32>,
+    keep_logits: bool,
+) -> procmem_model::Completion {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let loaded = procmem_model::Smol::load(path, context).unwrap();
+        let memory = procmem_actors::MemoryManager::builder()
+            .build()
+            .await
+            .unwrap();
+        let shape = loaded
+            .model
+            .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, context);
+        let config = procmem_actors::kv::KvStoreConfig::new("kv", shape)
+            .chunk_granules(3)
+            .wait(std::time::Duration::from_secs(5));
+        let engine = procmem_model::Engine::start(&memory, loaded, config, eos)
+            .await
+            .unwrap();
+        let request = procmem_model::Request {
+            id: 1,
+            prompt,
+            max_new,
+        };
+        let (done, _) = engine
+            .generate(vec![request], 1, keep_logits)
+            .await
+            .unwrap();
+        drop(engine);
+        memory.shutdown().await.unwrap();
+        done.into_iter().next().unwrap()
+    })
+}
+
+/// An HTTP response's text split into its status, head and body (status 0 where it has none).
+#[allow(dead_code)]
+pub fn split_response(text: &str) -> (u16, &str, &str) {
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head, body)
+}

@@ -199,16 +199,17 @@ impl Table {
             .filter_map(|(id, e)| e.activity.quiet(now).map(|q| (q, *id)))
             .max()
             .map(|(_, id)| id);
-        match victim.and_then(|id| self.open.remove(&id)) {
-            Some(e) => {
-                let _ = e.close.send(());
-                HTTP_CONNECTIONS_CLOSED_TOTAL
-                    .counter(&["displaced"])
-                    .increment(1);
-                true
-            }
-            None => false,
-        }
+        victim.is_some_and(|id| self.close(id, "displaced"))
+    }
+
+    /// Closes connection `id` (its task drops the socket), counted under `why`.
+    fn close(&mut self, id: u64, why: &str) -> bool {
+        let Some(e) = self.open.remove(&id) else {
+            return false;
+        };
+        let _ = e.close.send(());
+        HTTP_CONNECTIONS_CLOSED_TOTAL.counter(&[why]).increment(1);
+        true
     }
 
     /// Closes every connection quiet for `idle` or longer.
@@ -222,12 +223,7 @@ impl Table {
             .map(|(id, _)| *id)
             .collect();
         for id in quiet {
-            if let Some(e) = self.open.remove(&id) {
-                let _ = e.close.send(());
-                HTTP_CONNECTIONS_CLOSED_TOTAL
-                    .counter(&["idle"])
-                    .increment(1);
-            }
+            self.close(id, "idle");
         }
     }
 }
