@@ -106,8 +106,16 @@ fn item(seq: u64, pos: usize, layer: usize) -> procmem_actors::kv::AttendItem {
 
 /// Runs `seq` over its whole prompt, one token per step.
 async fn fill(kv: &KvStoreHandle, seq: u64, from: usize) -> Result<(), String> {
+    fill_timed(kv, seq, from).await.map(|_| ())
+}
+
+/// [`fill`], one step at a time; the longest a step waited to be prepared (for room).
+async fn fill_timed(kv: &KvStoreHandle, seq: u64, from: usize) -> Result<Duration, String> {
+    let mut longest = Duration::ZERO;
     for pos in from..PROMPT {
+        let asked = Instant::now();
         let step = kv.prepare(vec![seq]).await.map_err(|e| e.to_string())?;
+        longest = longest.max(asked.elapsed());
         for layer in 0..SHAPE.layers {
             step.attend(layer, vec![item(seq, pos, layer)])
                 .await
@@ -117,7 +125,7 @@ async fn fill(kv: &KvStoreHandle, seq: u64, from: usize) -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?;
     }
-    Ok(())
+    Ok(longest)
 }
 
 fn prompt(seq: u64) -> Vec<u32> {
@@ -181,13 +189,40 @@ async fn run_server() {
     }
     say(format!("CACHED {}", common::os_bytes(&p)));
     let burst: u64 = env("BURST").parse().unwrap();
-    if let Ok(go) = std::env::var("GO") {
+    if let Ok(rounds) = std::env::var("ROUNDS") {
+        // Bursts that move: round `r` starts when the test creates `GO.r`; its sequences are
+        // held until all are filled, then closed (their prompts stay cached).
+        let go = env("GO");
+        for r in 0..rounds.parse::<u64>().unwrap() {
+            let file = format!("{go}.{r}");
+            while !std::path::Path::new(&file).exists() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let seqs: Vec<u64> = (0..burst).map(|i| 1000 * (r + 1) + i).collect();
+            let (start, mut longest) = (Instant::now(), Duration::ZERO);
+            for &seq in &seqs {
+                let asked = Instant::now();
+                let opened = kv.open(seq, prompt(seq), 0).await.unwrap();
+                longest = longest.max(asked.elapsed());
+                longest = longest.max(fill_timed(&kv, seq, opened.cached_tokens).await.unwrap());
+            }
+            say(format!(
+                "BURST {r} {} {}",
+                start.elapsed().as_millis(),
+                longest.as_millis()
+            ));
+            for seq in seqs {
+                kv.close(seq);
+            }
+        }
+    }
+    if let Some(go) = std::env::var("GO").ok().filter(|_| std::env::var_os("ROUNDS").is_none()) {
         // The burst waits for the test's word.
         while !std::path::Path::new(&go).exists() {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
-    if burst > 0 {
+    if burst > 0 && std::env::var_os("ROUNDS").is_none() {
         let start = Instant::now();
         let mut first = None;
         for seq in 1000..1000 + burst {
@@ -1184,4 +1219,61 @@ fn a_process_waiting_for_room_is_not_ticketed_for_its_own_ask() {
         "a ticket storm: {sent} tickets in 1.5 s ({later:?})"
     );
     drop(a);
+}
+
+#[test]
+fn bursts_that_move_between_three_servers_move_the_credit_with_them() {
+    // Three servers of one priority, 3 MiB of cached prompts each, under 12 MiB; a burst of
+    // 6 MiB moves from one to the next. Each burst needs room the others hold as cache.
+    let capacity = 12 * MIB;
+    let (node, port) = node(capacity);
+    let dir = tempfile::tempdir().unwrap();
+    let go = |name: &str| dir.path().join(name);
+    let servers: Vec<Proc> = ["a", "b", "c"]
+        .iter()
+        .map(|name| {
+            let vars = [
+                ("ROUNDS", "1".to_string()),
+                ("GO", go(name).to_string_lossy().into_owned()),
+            ];
+            let p = server_with(port, name, 0, 3, 6, &vars);
+            p.wait("CACHED", Duration::from_secs(60), |_| {});
+            p
+        })
+        .collect();
+    let mut answered = 0;
+    for (i, (name, p)) in ["a", "b", "c"].iter().zip(&servers).enumerate() {
+        let before = status(&node);
+        std::fs::write(go(&format!("{name}.0")), b"").unwrap();
+        let line = p.wait("BURST", Duration::from_secs(60), |_| {});
+        let f: Vec<u64> = line.split(' ').skip(2).map(|v| v.parse().unwrap()).collect();
+        let after = status(&node);
+        let credit = |s: &Status| {
+            s.procs
+                .iter()
+                .find(|(pid, _, _)| *pid == p.pid())
+                .map_or(0, |(_, c, _)| *c)
+        };
+        eprintln!(
+            "node_moving_bursts: burst {i} on {name}: 6 sequences in {} ms, longest wait for \
+             room {} ms; its credit {} -> {} of {capacity} B; {} tickets",
+            f[0],
+            f[1],
+            credit(&before),
+            credit(&after),
+            after.tickets - before.tickets
+        );
+        assert!(
+            credit(&after) >= 6 * MIB,
+            "the credit moved to the server in its burst, all six held at once: \
+             {before:?} -> {after:?}"
+        );
+        assert!(
+            f[1] < 1000,
+            "a step of the burst waited {} ms for room the others held as cache",
+            f[1]
+        );
+        answered += 1;
+    }
+    common::figure("node_moving_bursts", answered, 3);
 }
