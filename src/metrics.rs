@@ -261,6 +261,23 @@ pub const NODE_REAPED_PROCESSES_TOTAL: Metric = metric(
     NONE,
     "Processes confirmed gone whose credit came back.",
 );
+/// The memory the process's cgroup holds outside the host Governor's books (its working set
+/// less what the Governor approved), as `--follow-machine` last measured it.
+pub const HOST_OUTSIDE_BOOKS_BYTES: Metric = metric(
+    "procmem_host_outside_books_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NONE,
+    "The cgroup's working set less what the host Governor approved, last measured.",
+);
+/// What a cgroup limit keeps free for memory the Governor does not govern.
+pub const HOST_RESERVE_BYTES: Metric = metric(
+    "procmem_host_reserve_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NONE,
+    "Bytes under the cgroup limit kept for memory outside the host Governor's books.",
+);
 /// Times the Governor died and was restarted with the holders' books.
 pub const GOVERNOR_RESTARTS_TOTAL: Metric = metric(
     "procmem_governor_restarts_total",
@@ -371,6 +388,8 @@ const CORE: &[Metric] = &[
     GOVERNOR_CREDIT_BYTES,
     GOVERNOR_CREDIT_RECLAIMED_BYTES_TOTAL,
     GOVERNOR_RESTARTS_TOTAL,
+    HOST_OUTSIDE_BOOKS_BYTES,
+    HOST_RESERVE_BYTES,
     AUTHORITY_OS_RESIDENT_BYTES,
     AUTHORITY_DRIFT_BYTES,
     DEFERRED_FREE_QUEUE_DEPTH,

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use procmem::host::pressure::{
-    parse_limit, parse_psi, CgroupLimits, PressureGauge, PressurePolicy, PsiSample,
+    parse_inactive_file, parse_limit, parse_psi, CgroupLimits, PressureGauge, PressurePolicy, PsiSample,
 };
+use procmem::metrics as m;
 use tokio::task::JoinHandle;
 
 use crate::governor::GovernorHandle;
@@ -23,6 +24,11 @@ pub trait MachineSource: Send + 'static {
     fn limits(&mut self) -> io::Result<CgroupLimits>;
     /// Memory pressure now, where the kernel reports it.
     fn psi(&mut self) -> io::Result<Option<PsiSample>>;
+    /// The cgroup's working set: its usage less its inactive file pages (what the kernel
+    /// reclaims first); `None` outside a cgroup.
+    fn working_set(&mut self) -> io::Result<Option<u64>> {
+        Ok(None)
+    }
 }
 
 /// Which cgroup hierarchy a cgroup's files follow.
@@ -122,6 +128,21 @@ impl MachineSource for LinuxSource {
         })
     }
 
+    fn working_set(&mut self) -> io::Result<Option<u64>> {
+        let Some((dir, version)) = &self.cgroup else {
+            return Ok(None);
+        };
+        let usage = match version {
+            CgroupVersion::V2 => "memory.current",
+            CgroupVersion::V1 => "memory.usage_in_bytes",
+        };
+        let bad = |e| io::Error::new(io::ErrorKind::InvalidData, e);
+        let usage = read_limit(&dir.join(usage))?;
+        let stat = std::fs::read_to_string(dir.join("memory.stat"))?;
+        let inactive = parse_inactive_file(&stat).map_err(bad)?;
+        Ok(usage.map(|u| u.saturating_sub(inactive)))
+    }
+
     fn psi(&mut self) -> io::Result<Option<PsiSample>> {
         let Some(path) = &self.psi else {
             return Ok(None);
@@ -131,6 +152,33 @@ impl MachineSource for LinuxSource {
             .map(Some)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
     }
+}
+
+/// Reads what the cgroup holds outside `governor`'s books into `gauge` (its working set less
+/// what the Governor approved); nothing where the source has no cgroup or a reading fails.
+async fn measure_outside(
+    governor: &GovernorHandle,
+    source: &mut impl MachineSource,
+    gauge: &mut PressureGauge,
+    policy: &PressurePolicy,
+) {
+    let working = match source.working_set() {
+        Ok(Some(w)) => w,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!(%e, "cgroup usage unreadable; reserve kept");
+            return;
+        }
+    };
+    let Ok(snapshot) = governor.snapshot().await else {
+        return;
+    };
+    let outside = working.saturating_sub(snapshot.books.approved());
+    gauge.outside(outside);
+    m::HOST_OUTSIDE_BOOKS_BYTES.gauge(&[]).set(outside as f64);
+    m::HOST_RESERVE_BYTES
+        .gauge(&[])
+        .set(gauge.reserve(policy) as f64);
 }
 
 /// The task that keeps the host Governor's capacity following the machine.
@@ -162,6 +210,7 @@ impl HostPressure {
                         continue;
                     }
                 };
+                measure_outside(&governor, &mut source, &mut gauge, &policy).await;
                 let psi = source.psi().unwrap_or_else(|e| {
                     tracing::warn!(%e, "PSI unreadable");
                     None
@@ -171,6 +220,7 @@ impl HostPressure {
                     tracing::info!(
                         capacity,
                         cut = gauge.cut(),
+                        reserve = gauge.reserve(&policy),
                         some_avg10 = psi.map(|p| p.some_avg10),
                         limit = limits.effective(),
                         "host capacity follows the machine"

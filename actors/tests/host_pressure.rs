@@ -178,13 +178,14 @@ async fn rising_pressure_lowers_the_capacity_and_tickets_make_room_then_it_comes
     follow.stop();
 }
 
-/// Makes a child memory cgroup under this process's own, where permitted.
-fn make_cgroup() -> Result<(PathBuf, CgroupVersion), String> {
+/// Makes a child memory cgroup under this process's own, where permitted (`tag` tells the
+/// tests of one process apart).
+fn make_cgroup(tag: &str) -> Result<(PathBuf, CgroupVersion), String> {
     let source = LinuxSource::detect();
     let Some((dir, version)) = source.cgroup().cloned() else {
         return Err("this process runs in no memory cgroup this test can find".into());
     };
-    let child = dir.join(format!("procmem-test-{}", std::process::id()));
+    let child = dir.join(format!("procmem-test-{}-{tag}", std::process::id()));
     std::fs::create_dir(&child).map_err(|e| format!("cannot make {}: {e}", child.display()))?;
     let (file, value) = match version {
         CgroupVersion::V2 => ("memory.max", "123731968"),
@@ -199,7 +200,7 @@ fn make_cgroup() -> Result<(PathBuf, CgroupVersion), String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_cgroup_limit_becomes_the_capacity() {
-    let (dir, version) = match make_cgroup() {
+    let (dir, version) = match make_cgroup("limit") {
         Ok(c) => c,
         Err(why) => {
             eprintln!("SKIPPED: {why}");
@@ -250,6 +251,72 @@ async fn a_real_cgroup_limit_becomes_the_capacity() {
     eprintln!(
         "cgroup {version:?} {}: limit {limit} B, capacity {} B",
         dir.display(),
+        capacity(&g).await
+    );
+    follow.stop();
+    let _ = std::fs::remove_dir(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_the_cgroup_holds_outside_the_books_is_kept_free_under_its_limit() {
+    let (dir, version) = match make_cgroup("outside") {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
+        .await
+        .unwrap();
+    let mut policy = PressurePolicy::new(1 << 30);
+    policy.reserve = 16 * MIB;
+    let source = LinuxSource::for_cgroup(Some((dir.clone(), version)));
+    let follow = HostPressure::spawn(g.clone(), policy, source, Duration::from_millis(5));
+    let file = match version {
+        CgroupVersion::V2 => "memory.max",
+        CgroupVersion::V1 => "memory.limit_in_bytes",
+    };
+    let limit: u64 = std::fs::read_to_string(dir.join(file))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    until("the limit less the policy's reserve", async || {
+        capacity(&g).await == limit - 16 * MIB
+    })
+    .await;
+    // A process in the cgroup holds 48 MiB the Governor never approved: `dd` reads them from
+    // /dev/zero into its buffer and blocks writing them to a pipe nobody reads.
+    let tasks = match version {
+        CgroupVersion::V2 => "cgroup.procs",
+        CgroupVersion::V1 => "tasks",
+    };
+    let mut heap = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {}/{tasks} && exec dd if=/dev/zero bs=48M count=1 status=none",
+            dir.display()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    until("48 MiB outside the books kept free", async || {
+        capacity(&g).await <= limit - 48 * MIB
+    })
+    .await;
+    let held = capacity(&g).await;
+    let _ = heap.kill();
+    let _ = heap.wait();
+    until("the reserve back to the policy's once it is gone", async || {
+        capacity(&g).await == limit - 16 * MIB
+    })
+    .await;
+    eprintln!(
+        "cgroup {version:?}: limit {limit} B; capacity {} B with 48 MiB held outside the \
+         books (reserve {} B), {} B after",
+        held,
+        limit - held,
         capacity(&g).await
     );
     follow.stop();

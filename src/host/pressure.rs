@@ -108,8 +108,9 @@ impl CgroupLimits {
 pub struct PressurePolicy {
     /// The budget asked for.
     pub configured: u64,
-    /// Kept free under a cgroup limit for memory the Governor does not govern (the heap,
-    /// code, other libraries).
+    /// The least kept free under a cgroup limit for memory the Governor does not govern (the
+    /// heap, code, other libraries); more where the gauge measures more (see
+    /// [`PressureGauge::outside`]).
     pub reserve: u64,
     /// `some avg10` (percent) above which the capacity is lowered.
     pub threshold: f64,
@@ -120,7 +121,7 @@ pub struct PressurePolicy {
 }
 
 impl PressurePolicy {
-    /// `configured` bytes, 64 MiB reserve, threshold 10 %, steps of 10 %, floor 25 %.
+    /// `configured` bytes, a reserve of at least 64 MiB, threshold 10 %, steps of 10 %, floor 25 %.
     pub fn new(configured: u64) -> Self {
         PressurePolicy {
             configured,
@@ -132,11 +133,39 @@ impl PressurePolicy {
     }
 }
 
-/// The policy's state: how far pressure has cut the capacity.
+/// Readings of the memory held outside the Governor's books the reserve follows.
+const OUTSIDE_READINGS: usize = 10;
+
+/// The reserve is kept in whole steps of this, so a capacity does not move with every page.
+const RESERVE_STEP: u64 = 4 << 20;
+
+/// Parses a cgroup's `memory.stat` for its inactive file pages (`inactive_file`; v1's
+/// hierarchical `total_inactive_file` where present): page cache the kernel reclaims first.
+pub fn parse_inactive_file(stat: &str) -> Result<u64, ParseError> {
+    let value = |key: &str| {
+        stat.lines().find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == key).then(|| v.trim().parse::<u64>().ok())
+        })
+    };
+    match value("total_inactive_file").or_else(|| value("inactive_file")) {
+        Some(Some(v)) => Ok(v),
+        _ => Err(ParseError {
+            what: "memory.stat",
+            line: stat.lines().next().unwrap_or("").chars().take(200).collect(),
+        }),
+    }
+}
+
+/// The policy's state: how far pressure has cut the capacity, and the last readings of what
+/// the process's cgroup holds outside the Governor's books.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PressureGauge {
     /// Fraction of the base taken off, in `[0, 1 - floor]`.
     cut: f64,
+    /// The last readings of [`PressureGauge::outside`], a ring.
+    outside: [u64; OUTSIDE_READINGS],
+    readings: usize,
 }
 
 impl PressureGauge {
@@ -149,7 +178,7 @@ impl PressureGauge {
         psi: Option<PsiSample>,
     ) -> u64 {
         let base = match limits.effective() {
-            Some(limit) => policy.configured.min(limit.saturating_sub(policy.reserve)),
+            Some(limit) => policy.configured.min(limit.saturating_sub(self.reserve(policy))),
             None => policy.configured,
         };
         let step = policy.step.clamp(0.0, 1.0);
@@ -163,6 +192,26 @@ impl PressureGauge {
         }
         let kept = (1.0 - self.cut).clamp(0.0, 1.0);
         (base as f64 * kept) as u64
+    }
+
+    /// Records a reading of the memory the process's cgroup holds outside the Governor's books:
+    /// its working set (usage less inactive file pages) less what the Governor approved. That
+    /// is the heap, activations, code and the model file's active pages, which a fixed reserve
+    /// only guesses.
+    pub fn outside(&mut self, bytes: u64) {
+        self.outside[self.readings % OUTSIDE_READINGS] = bytes;
+        self.readings = self.readings.wrapping_add(1);
+    }
+
+    /// What a limit keeps free for memory the Governor does not govern: the largest of the
+    /// last ten readings of [`PressureGauge::outside`] rounded up to 4 MiB, never less than
+    /// the policy's reserve.
+    pub fn reserve(&self, policy: &PressurePolicy) -> u64 {
+        let seen = self.outside.iter().copied().max().unwrap_or(0);
+        let seen = seen
+            .checked_next_multiple_of(RESERVE_STEP)
+            .unwrap_or(u64::MAX);
+        policy.reserve.max(seen)
     }
 
     /// Fraction of the base taken off now.
@@ -190,6 +239,16 @@ mod tests {
         assert!(parse_psi("some avg10=NaN total=1").is_err());
         assert!(parse_psi("weird avg10=1 total=1").is_err());
         assert!(parse_psi("full avg10=1 total=1").is_err(), "no some line");
+    }
+
+    #[test]
+    fn memory_stat_gives_inactive_file_pages() {
+        let v1 = "cache 100\nrss 5\ninactive_file 7\ntotal_inactive_file 9\n";
+        assert_eq!(parse_inactive_file(v1), Ok(9), "v1: the hierarchy's");
+        assert_eq!(parse_inactive_file("anon 4\ninactive_file 12\n"), Ok(12));
+        assert!(parse_inactive_file("").is_err());
+        assert!(parse_inactive_file("inactive_file -3\n").is_err());
+        assert!(parse_inactive_file("inactive_file 99999999999999999999999\n").is_err());
     }
 
     #[test]
@@ -250,6 +309,28 @@ mod tests {
             0,
             "a limit under the reserve leaves nothing"
         );
+        let mut measured = PressureGauge::default();
+        let mut m = PressurePolicy::new(1 << 40);
+        m.reserve = 64 << 20;
+        let limit = CgroupLimits {
+            max: Some(1 << 30),
+            high: None,
+        };
+        assert_eq!(measured.next(&m, limit, calm), (1 << 30) - (64 << 20));
+        measured.outside(230 << 20);
+        assert_eq!(
+            measured.next(&m, limit, calm),
+            (1 << 30) - (232 << 20),
+            "a measured 230 MiB outside the books, rounded up to 4 MiB"
+        );
+        for _ in 0..9 {
+            measured.outside(10 << 20);
+        }
+        assert_eq!(measured.reserve(&m), 232 << 20, "the largest of ten readings");
+        measured.outside(10 << 20);
+        assert_eq!(measured.reserve(&m), 64 << 20, "never under the policy's");
+        measured.outside(u64::MAX);
+        assert_eq!(measured.next(&m, limit, calm), 0, "more outside than the limit");
         let mut huge = PressurePolicy::new(u64::MAX);
         huge.reserve = u64::MAX;
         assert_eq!(PressureGauge::default().next(&huge, none, calm), u64::MAX);
