@@ -188,6 +188,29 @@ async fn run_server() {
         kv.close(seq);
     }
     say(format!("CACHED {}", common::os_bytes(&p)));
+    if std::env::var_os("CHURN").is_some() {
+        // Busy all the time: one sequence at a time opens on a cached prompt, decodes 64
+        // tokens (1 MiB more) and closes, so what it uses moves every few steps.
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            for seq in 5000.. {
+                let Ok(opened) = kv.open(seq, prompt(7), 0).await else {
+                    continue;
+                };
+                let _ = fill(&kv, seq, opened.cached_tokens).await;
+                for pos in PROMPT..2 * PROMPT {
+                    let Ok(step) = kv.prepare(vec![seq]).await else {
+                        break;
+                    };
+                    for layer in 0..SHAPE.layers {
+                        let _ = step.attend(layer, vec![item(seq, pos, layer)]).await;
+                    }
+                    let _ = step.complete(StepEnd::Submitted).await;
+                }
+                kv.close(seq);
+            }
+        });
+    }
     let burst: u64 = env("BURST").parse().unwrap();
     if let Ok(rounds) = std::env::var("ROUNDS") {
         // Bursts that move: round `r` starts when the test creates `GO.r`; its sequences are
@@ -1276,4 +1299,61 @@ fn bursts_that_move_between_three_servers_move_the_credit_with_them() {
         answered += 1;
     }
     common::figure("node_moving_bursts", answered, 3);
+}
+
+#[test]
+fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
+    // The least important server is busy all the time (what it uses moves every few steps)
+    // and holds little; an idle one holds 6 MiB of cached prompts; a burst of 6 MiB needs
+    // what the idle one holds. Asking the busy one again each time its usage moved would
+    // never reach the idle one.
+    let capacity = 12 * MIB;
+    let (node, port) = node(capacity);
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let busy = server_with(port, "busy", 0, 1, 0, &[("CHURN", "1".into())]);
+    busy.wait("CACHED", Duration::from_secs(60), |_| {});
+    let idle = server(port, "idle", 1, 6, 0);
+    idle.wait("CACHED", Duration::from_secs(60), |_| {});
+    let vars = [
+        ("ROUNDS", "1".to_string()),
+        ("GO", go.to_string_lossy().into_owned()),
+    ];
+    let burst = server_with(port, "burst", 2, 0, 6, &vars);
+    burst.wait("JOINED", Duration::from_secs(60), |_| {});
+    std::thread::sleep(Duration::from_millis(500));
+    let before = status(&node);
+    std::fs::write(dir.path().join("go.0"), b"").unwrap();
+    let line = burst.wait("BURST", Duration::from_secs(60), |_| {});
+    let f: Vec<u64> = line.split(' ').skip(2).map(|v| v.parse().unwrap()).collect();
+    let after = status(&node);
+    let credit = |s: &Status, p: &Proc| {
+        s.procs
+            .iter()
+            .find(|(pid, _, _)| *pid == p.pid())
+            .map_or(0, |(_, c, _)| *c)
+    };
+    eprintln!(
+        "node_busy_neighbour: burst of 6 sequences in {} ms, longest wait for room {} ms; \
+         credit busy {} -> {}, idle {} -> {}, burst {} -> {} of {capacity} B; {} tickets",
+        f[0],
+        f[1],
+        credit(&before, &busy),
+        credit(&after, &busy),
+        credit(&before, &idle),
+        credit(&after, &idle),
+        credit(&before, &burst),
+        credit(&after, &burst),
+        after.tickets - before.tickets
+    );
+    assert!(
+        credit(&after, &burst) >= 6 * MIB,
+        "the burst got its room: {after:?}"
+    );
+    assert!(
+        credit(&after, &idle) < credit(&before, &idle),
+        "the idle server was asked and gave: {before:?} -> {after:?}"
+    );
+    assert!(f[1] < 1000, "a step of the burst waited {} ms for room", f[1]);
+    common::figure("node_busy_neighbour", 1, 1);
 }

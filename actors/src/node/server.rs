@@ -190,10 +190,11 @@ struct Pending {
 #[derive(Default)]
 struct Round {
     outstanding: Option<(u64, u64, Instant)>,
-    /// The processes asked while this authority is short, each with what it held when
-    /// asked (its credit and the bytes it reported approved): one is asked again only once
-    /// that changed, so a process that gave nothing is not asked the same thing again.
-    asked: BTreeMap<(Priority, u64), (u64, u64)>,
+    /// The processes asked while this authority is short (by token), each with what it held
+    /// when asked (its credit and the bytes it reported approved): one is asked again only
+    /// once every other has been asked and what it holds changed, so a process that gave
+    /// nothing is not asked the same thing again.
+    asked: BTreeMap<u64, (u64, u64)>,
 }
 
 /// The node Governor's state.

@@ -5,7 +5,7 @@
 use procmem::ledger::admission::{self, Front};
 use std::collections::BTreeSet;
 
-use procmem::ledger::{AuthorityId, WaitQueue};
+use procmem::ledger::{AuthorityId, Priority, WaitQueue};
 use procmem::metrics as m;
 use tokio::time::Instant;
 
@@ -71,21 +71,37 @@ impl NodeState {
             let waiting: BTreeSet<u64> = queue
                 .map(|q| q.items().map(|w| w.token).collect())
                 .unwrap_or_default();
-            let next = self
+            // Each process is asked once, least important first and among equals the one
+            // holding most first; only once every process has been asked is one asked again,
+            // and only if what it holds changed since (a busy process whose usage moves all
+            // the time would otherwise be asked again and again, and an idle one holding a
+            // large cache never).
+            let candidates: Vec<(u64, Priority, u64, (u64, u64))> = self
                 .processes
                 .iter()
                 .filter_map(|(token, p)| {
                     let m = p.members.get(&aid)?;
                     let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
                     let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
-                    let key = (p.priority, *token);
-                    let held = (credit, m.approved);
-                    let unchanged = round.asked.get(&key) == Some(&held);
-                    (credit > 0 && p.link.is_some() && !asker && !unchanged).then_some((key, held))
+                    (credit > 0 && p.link.is_some() && !asker)
+                        .then_some((*token, p.priority, credit, (credit, m.approved)))
                 })
-                .min_by_key(|(key, _)| *key);
+                .collect();
+            let order = |c: &&(u64, Priority, u64, (u64, u64))| (c.1, std::cmp::Reverse(c.2), c.0);
+            let fresh = candidates
+                .iter()
+                .filter(|c| !round.asked.contains_key(&c.0))
+                .min_by_key(order);
+            let next = fresh
+                .or_else(|| {
+                    candidates
+                        .iter()
+                        .filter(|c| round.asked.get(&c.0) != Some(&c.3))
+                        .min_by_key(order)
+                })
+                .map(|c| ((c.1, c.0), c.3));
             let Some((key, held)) = next else { continue };
-            round.asked.insert(key, held);
+            round.asked.insert(key.1, held);
             let id = self.next_ticket;
             self.next_ticket += 1;
             let timeout = self.config.ticket_timeout;
