@@ -15,15 +15,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use common::node::join_node;
 use common::parse_bytes;
 use common::synthetic::{Gpu, Model, Synthetic};
-use procmem_actors::node::{LinkConfig, NodeLink};
 use procmem_actors::procmem::cuda::CudaDevice;
 use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::Place;
 use procmem_actors::{
-    kv::{KvStoreConfig, KvStoreHandle, PreemptMode, PrefixHost, SwapKind},
+    kv::{KvStoreConfig, PreemptMode, PrefixHost, SwapKind},
     residency::ResidencyConfig,
     AuthorityBooks, MemoryManager,
 };
@@ -252,52 +252,14 @@ async fn manager(
     builder.build().await.map_err(|e| e.to_string())
 }
 
-/// Joins the node Governor at `addr`: the Governor of the KV device's authority takes its
-/// capacity from the node from now on.
-async fn join_node(
-    args: &Args,
-    addr: SocketAddr,
-    memory: &MemoryManager,
-    cuda: bool,
-    (model, kv): (String, common::real_model::KvSlot),
-) -> Result<NodeLink, String> {
-    let (device, tier, authority) = if cuda {
-        (
-            Place::cuda(0),
-            procmem_actors::procmem::MemoryTier::Device,
-            "cuda:0",
-        )
-    } else {
-        (
-            Place::HOST,
-            procmem_actors::procmem::MemoryTier::Host,
-            "host",
-        )
-    };
-    let governor = memory
-        .governor(device, tier)
-        .ok_or("no Governor for the KV device")?
-        .clone();
-    let mut config = LinkConfig::new(addr, args.node_cookie.clone(), "inference_server");
-    config.priority = args.node_priority;
-    config.authority = authority.into();
-    // The model and the prompt blocks its store holds, for routers.
-    config.model = if model.is_empty() {
-        "model".into()
-    } else {
-        model
-    };
-    config.prefixes = Some(std::sync::Arc::new(move || {
-        kv.get().map(KvStoreHandle::prefix_digest)
-    }));
-    let link = NodeLink::join(config, governor)
-        .await
-        .map_err(|e| format!("cannot join the node at {addr}: {e}"))?;
-    println!(
-        "joined the node Governor at {addr} ({authority}, priority {})",
-        args.node_priority
-    );
-    Ok(link)
+/// How this server joins the node at `addr`.
+fn node_join(args: &Args, addr: SocketAddr) -> common::node::NodeJoin {
+    common::node::NodeJoin {
+        addr,
+        cookie: args.node_cookie.clone(),
+        priority: args.node_priority,
+        name: "inference_server".into(),
+    }
 }
 
 /// Seconds from a flag: a positive number, at most a day.
@@ -426,7 +388,9 @@ async fn serve(args: Args) -> Result<(), String> {
                 .keep_metrics(args.listen.is_some());
             let memory = manager(args, builder).await?;
             let node = match args.node {
-                Some(addr) => Some(join_node(args, addr, &memory, false, (name, kv)).await?),
+                Some(addr) => {
+                    Some(join_node(&memory, &node_join(args, addr), false, (name, kv)).await?)
+                }
                 None => None,
             };
             if let Some(addr) = args.metrics_addr {
@@ -507,7 +471,7 @@ async fn serve(args: Args) -> Result<(), String> {
                 format!("synthetic-{:?}", args.model_size).to_lowercase(),
                 kv_slot.clone(),
             );
-            Some(join_node(&args, addr, &memory, cuda, model).await?)
+            Some(join_node(&memory, &node_join(&args, addr), cuda, model).await?)
         }
         None => None,
     };

@@ -1,5 +1,7 @@
 //! The load generator's client: one chat completion, streamed, over HTTP/1.1 (hyper), with
 //! the times each piece of text arrived and the usage the server reported.
+// Shared by the serving and sharing benches, which each use a part.
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -2,6 +2,8 @@
 //! own: procmem's main job (this bench binary again, as `--model smollm2 --listen`; see
 //! `child` in serving.rs) and llama.cpp's `llama-server` (built by `scripts/llama-server.sh`).
 //! While a row runs a watcher reads each server's `/metrics` every 100 ms for the peaks.
+// Shared by the serving and sharing benches, which each use a part.
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -95,14 +97,25 @@ impl Server {
         context: usize,
         prefix_disk: Option<&std::path::Path>,
     ) -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let spec = format!("{fraction},{concurrency},{context}");
-        let mut command = Command::new(exe);
+        let mut vars = vec![(
+            "PROCMEM_SERVING_CHILD",
+            format!("{fraction},{concurrency},{context}"),
+        )];
         if let Some(dir) = prefix_disk {
-            command.env("PROCMEM_SERVING_PREFIX_DISK", dir);
+            vars.push(("PROCMEM_SERVING_PREFIX_DISK", dir.display().to_string()));
+        }
+        Self::this_bench(&vars).await
+    }
+
+    /// This bench binary again, with `vars` set (its `main` takes the child's part from them):
+    /// a procmem server, once it prints the address it listens on.
+    pub async fn this_bench(vars: &[(&str, String)]) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut command = Command::new(exe);
+        for (k, v) in vars {
+            command.env(k, v);
         }
         let mut child = dies_with_parent(&mut command)
-            .env("PROCMEM_SERVING_CHILD", spec)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
@@ -196,11 +209,21 @@ impl Server {
 
     /// Its peak resident set so far (`VmHWM`), in bytes; `None` once it has exited.
     fn peak_rss(&self) -> Option<u64> {
+        self.status_kb("VmHWM:")
+    }
+
+    /// Its pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// A `kB` line of `/proc/<pid>/status`, in bytes.
+    fn status_kb(&self, key: &str) -> Option<u64> {
         let pid = self.child.id()?;
         std::fs::read_to_string(format!("/proc/{pid}/status"))
             .ok()?
             .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             .map(|kb| kb * 1024)
     }

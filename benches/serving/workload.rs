@@ -1,5 +1,7 @@
 //! The serving bench's workload, fixed and seeded: the conversations (a shared system prompt,
 //! user messages of 50 to 200 tokens), the long prompts, and the loops that send them.
+// Shared by the serving and sharing benches, which each use a part.
+#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,7 +34,7 @@ pub fn env_usize(name: &str, default: usize) -> usize {
 }
 
 /// Text of at least `tokens` tokens (and a few more at most), from seeded words.
-fn text_of(codec: &TextCodec, rng: &mut StdRng, head: &str, tokens: usize) -> String {
+pub fn text_of(codec: &TextCodec, rng: &mut StdRng, head: &str, tokens: usize) -> String {
     let mut text = head.to_string();
     loop {
         for _ in 0..8 {
@@ -130,29 +132,12 @@ pub async fn conversations(
         let convs = Arc::clone(&convs);
         let system = Arc::clone(&system);
         async move {
-            let mut msgs = vec![Msg {
-                role: "system",
-                content: system.to_string(),
-            }];
-            let mut out = Vec::new();
-            for (t, user) in convs[c].iter().enumerate() {
-                msgs.push(Msg {
-                    role: "user",
-                    content: user.clone(),
-                });
-                let a = client::chat(addr, &msgs, ANSWER_TOKENS).await;
-                let text = a.as_ref().map(|a| a.text.clone()).unwrap_or_default();
-                let failed = a.is_err();
-                out.push(((c, t), a));
-                if failed {
-                    break;
-                }
-                msgs.push(Msg {
-                    role: "assistant",
-                    content: text,
-                });
-            }
-            out
+            conversation(addr, &system, &convs[c])
+                .await
+                .into_iter()
+                .enumerate()
+                .map(|(t, a)| ((c, t), a))
+                .collect::<Vec<_>>()
         }
     };
     let mut tasks = Vec::new();
@@ -188,6 +173,38 @@ pub async fn conversations(
     }
     all.sort_by_key(|(k, _)| *k);
     all
+}
+
+/// One conversation: `system`, then each of `turns` with the answers so far, a turn sent once
+/// the previous answer has arrived; the answers, up to the first that failed.
+pub async fn conversation(
+    addr: SocketAddr,
+    system: &str,
+    turns: &[String],
+) -> Vec<Result<Answer, String>> {
+    let mut msgs = vec![Msg {
+        role: "system",
+        content: system.to_string(),
+    }];
+    let mut out = Vec::new();
+    for user in turns {
+        msgs.push(Msg {
+            role: "user",
+            content: user.clone(),
+        });
+        let a = client::chat(addr, &msgs, ANSWER_TOKENS).await;
+        let text = a.as_ref().map(|a| a.text.clone()).unwrap_or_default();
+        let failed = a.is_err();
+        out.push(a);
+        if failed {
+            break;
+        }
+        msgs.push(Msg {
+            role: "assistant",
+            content: text,
+        });
+    }
+    out
 }
 
 /// The `long` prompts, `concurrency` at once.

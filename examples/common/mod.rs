@@ -1,6 +1,7 @@
 //! What the examples share: command-line parsing.
 #![allow(dead_code)]
 
+pub mod node;
 pub mod real_model;
 pub mod synthetic;
 

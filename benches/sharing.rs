@@ -1,0 +1,550 @@
+//! sharing: three model servers, one memory. Three of procmem's servers (`--model smollm2
+//! --listen`, f16 KV, 8 requests at once, 1,024 tokens of context each), each with its own
+//! multi-turn workload, under one total memory M: the three servers' weights plus a third of
+//! the KV the three would need at peak (each at its burst: `BURST` conversations at their
+//! longest, every answer at its longest). Writes `target/reports/sharing.json`.
+//!
+//! The load comes in bursts that move: in each of three phases one server gets `BURST` (6)
+//! conversations and the other two one each, all started at once; a phase ends when its
+//! conversations have. Each server has its own system prompt of about 500 tokens, sent once
+//! before the row (as a running server has seen it); each conversation three turns of 30 to
+//! 60 tokens (seeded), answers greedy, up to 64 tokens.
+//!
+//! Rows, each with fresh processes:
+//! - `static`: each server its own budget of M/3 (`--budget`);
+//! - `node`: one node Governor of capacity M (run in this process, as
+//!   `examples/node_governor.rs` runs it), the servers `--node`, all of priority 0;
+//! - `node_priority`: the same, the first server of priority 5 (more important).
+//!
+//! Each row, per server and overall: requests finished and failed, time to first token p50
+//! and p99 (and p99 of each server's own burst), output tokens/s, preemptions; from samples
+//! every 100 ms: the most the servers' ledgers approved at once and the most the node lent at
+//! once against M, the credit moved between servers (each server's rises in node credit
+//! after all three started), the credit of the server in its burst at its phase's start and
+//! at most during it, and the time until it first held 16 MiB more; pressure tickets (the
+//! node's, and per request); peak RSS; books zero at each server's shutdown.
+//!
+//! `PROCMEM_SHARING_ROWS` (comma-separated: static, node, node_priority) picks rows; the
+//! static row runs first, as it sizes M, unless left out with M given as
+//! `PROCMEM_SHARING_M` (bytes). `RUST_LOG` logs the node (this process) and the servers to
+//! stderr; each server's output lands in `target/reports/sharing-<row>-server<i>.log`. The
+//! model is fetched on first use.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use procmem_actors::kv::PreemptMode;
+use procmem_actors::node::{NodeConfig, NodeHandle};
+use procmem_actors::procmem::kv::KvDtype;
+use procmem_actors::MemoryManager;
+use procmem_model::gguf::Gguf;
+use procmem_model::{fetch_smollm2, TextCodec};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+#[path = "serving/client.rs"]
+mod client;
+#[path = "../examples/common/mod.rs"]
+mod common;
+#[path = "serving/servers.rs"]
+mod servers;
+#[path = "sharing/watch.rs"]
+mod watch;
+#[path = "serving/workload.rs"]
+mod workload;
+
+use client::Answer;
+use servers::Server;
+use workload::{conversation, text_of, ANSWER_TOKENS};
+
+const SERVERS: usize = 3;
+const CONCURRENCY: usize = 8;
+const CONTEXT: usize = 1024;
+const COOKIE: &str = "procmem-sharing";
+/// Conversations per phase for the server in its burst; the others get one each.
+const BURST: usize = 6;
+const TURNS: usize = 3;
+const SYSTEM_TOKENS: usize = 500;
+/// The more important server's priority in the `node_priority` row.
+const IMPORTANT: u32 = 5;
+
+/// Each server's system prompt, and for each phase each server's conversations.
+struct Plan {
+    systems: Vec<String>,
+    /// Tokens of the longest conversation's last turn, every answer at its longest.
+    longest: usize,
+    /// `phases[p][s]`: server `s`'s conversations in phase `p`, each its user turns.
+    phases: Vec<Vec<Vec<Vec<String>>>>,
+}
+
+impl Plan {
+    /// A server's share of M's KV, as the fraction of its 8 sequences of the context the
+    /// child's budget takes: a third of the KV the three need at peak, each at its burst
+    /// (`BURST` conversations at their longest).
+    fn fraction(&self) -> f64 {
+        let peak = (BURST * self.longest) as f64;
+        peak / 3.0 / (CONCURRENCY * CONTEXT) as f64
+    }
+}
+
+fn plan(codec: &TextCodec) -> Plan {
+    let mut rng = StdRng::seed_from_u64(46);
+    let systems: Vec<String> = (0..SERVERS)
+        .map(|s| {
+            let head = format!(
+                "You are assistant number {s} of a library. Answer briefly. Reference notes:"
+            );
+            text_of(codec, &mut rng, &head, SYSTEM_TOKENS)
+        })
+        .collect();
+    let phases = (0..SERVERS)
+        .map(|p| {
+            (0..SERVERS)
+                .map(|s| {
+                    let n = if s == p { BURST } else { 1 };
+                    (0..n)
+                        .map(|c| {
+                            (0..TURNS)
+                                .map(|t| {
+                                    let head =
+                                        format!("Phase {p}, chat {c}, turn {t}: tell me about");
+                                    let len = rng.random_range(30..=60);
+                                    text_of(codec, &mut rng, &head, len)
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect::<Vec<Vec<Vec<Vec<String>>>>>();
+    let longest = phases
+        .iter()
+        .flatten()
+        .enumerate()
+        .flat_map(|(i, convs)| convs.iter().map(move |c| (i % SERVERS, c)))
+        .map(|(s, turns)| {
+            let mut msgs = vec![("system", systems[s].as_str())];
+            msgs.extend(turns.iter().map(|u| ("user", u.as_str())));
+            codec.chat_messages(&msgs).map_or(0, |t| t.len())
+                + turns.len() * (ANSWER_TOKENS as usize + 8)
+        })
+        .max()
+        .unwrap_or(CONTEXT);
+    Plan {
+        systems,
+        longest,
+        phases,
+    }
+}
+
+/// How a row's servers get their memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Static,
+    Node,
+    NodePriority,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Static => "static",
+            Mode::Node => "node",
+            Mode::NodePriority => "node_priority",
+        }
+    }
+
+    fn priority(self, server: usize) -> u32 {
+        match (self, server) {
+            (Mode::NodePriority, 0) => IMPORTANT,
+            _ => 0,
+        }
+    }
+}
+
+/// The run as a child process: one server, `<fraction>,static` or
+/// `<fraction>,node,<port>,<priority>,<name>`, listening until SIGTERM. Its budget (with
+/// `static`) is the weights and `fraction` of 8 sequences of the context.
+fn child(spec: &str) -> ExitCode {
+    let parts: Vec<&str> = spec.split(',').collect();
+    let fraction = parts.first().and_then(|f| f.parse::<f64>().ok());
+    let join = match parts[1..] {
+        ["node", port, priority, name] => match (port.parse::<u16>(), priority.parse()) {
+            (Ok(port), Ok(priority)) => Some(Some(common::node::NodeJoin {
+                addr: ([127, 0, 0, 1], port).into(),
+                cookie: COOKIE.into(),
+                priority,
+                name: name.into(),
+            })),
+            _ => None,
+        },
+        ["static"] => Some(None),
+        _ => None,
+    };
+    let (Some(fraction), Some(join)) = (fraction, join) else {
+        eprintln!(
+            "PROCMEM_SHARING_CHILD={spec}: <fraction>,static or <fraction>,node,<port>,<priority>,<name>"
+        );
+        return ExitCode::FAILURE;
+    };
+    let run = common::real_model::RealRun {
+        model: "smollm2".into(),
+        requests: CONCURRENCY,
+        concurrency: CONCURRENCY,
+        max_new: ANSWER_TOKENS as usize,
+        budget: None,
+        fraction: Some(fraction),
+        preempt: PreemptMode::Swap,
+        dtype: KvDtype::F16,
+        context: CONTEXT,
+        listen: Some(procmem_model::http::ServeConfig {
+            addr: ([127, 0, 0, 1], 0).into(),
+            model_name: "smollm2-135m-instruct".into(),
+            max_waiting: 4096,
+            max_running: CONCURRENCY,
+            default_max_tokens: ANSWER_TOKENS as usize,
+            grace: Duration::from_secs(10),
+            limits: procmem_model::http::Limits::default(),
+        }),
+        prefix_disk: None,
+    };
+    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let served = rt.block_on(common::real_model::serve(run, |budget, kv| async move {
+        let memory = MemoryManager::builder()
+            .host_budget(budget)
+            .keep_metrics(true)
+            .build()
+            .await
+            .map_err(|e| e.to_string())?;
+        let link = match &join {
+            Some(j) => {
+                Some(common::node::join_node(&memory, j, false, ("smollm2".into(), kv)).await?)
+            }
+            None => None,
+        };
+        Ok((memory, link))
+    }));
+    match served {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// One request's outcome: its phase and server.
+struct Done {
+    phase: usize,
+    server: usize,
+    answer: Result<Answer, String>,
+}
+
+/// Requests finished and failed, time to first token p50/p99, output tokens/s over `wall`.
+fn figures<'a>(done: impl Iterator<Item = &'a Done>, wall: Duration) -> Value {
+    let (mut ok, mut failed, mut out, mut ttft) = (0, 0, 0u64, Vec::new());
+    let mut first_error = None;
+    for d in done {
+        match &d.answer {
+            Ok(a) => {
+                ok += 1;
+                out += a.completion_tokens;
+                ttft.extend(a.first.map(|f| f.as_secs_f64() * 1e3));
+            }
+            Err(e) => {
+                failed += 1;
+                first_error.get_or_insert_with(|| e.clone());
+            }
+        }
+    }
+    json!({
+        "requests_finished": ok,
+        "requests_failed": failed,
+        "first_error": first_error,
+        "output_tokens": out,
+        "output_tokens_per_s": out as f64 / wall.as_secs_f64(),
+        "ttft_p50_ms": pct(&mut ttft, 0.5),
+        "ttft_p99_ms": pct(&mut ttft, 0.99),
+    })
+}
+
+/// Every phase's conversations on the three servers, phase after phase; with the time each
+/// phase started, from the row's start.
+async fn drive(addrs: &[std::net::SocketAddr], plan: &Plan) -> (Vec<Done>, Vec<Duration>) {
+    let (start, mut starts, mut all) = (Instant::now(), Vec::new(), Vec::new());
+    for (p, phase) in plan.phases.iter().enumerate() {
+        starts.push(start.elapsed());
+        let mut tasks = Vec::new();
+        for (s, convs) in phase.iter().enumerate() {
+            for turns in convs {
+                let (addr, system, turns) = (addrs[s], plan.systems[s].clone(), turns.clone());
+                tasks.push(tokio::spawn(async move {
+                    (s, conversation(addr, &system, &turns).await)
+                }));
+            }
+        }
+        for t in tasks {
+            let Ok((server, answers)) = t.await else {
+                continue;
+            };
+            all.extend(answers.into_iter().map(|answer| Done {
+                phase: p,
+                server,
+                answer,
+            }));
+        }
+    }
+    (all, starts)
+}
+
+/// A number after `key` in a server's log.
+fn logged(log: &str, key: &str) -> Option<u64> {
+    let at = log.find(key)? + key.len();
+    log[at..].split_whitespace().next()?.parse().ok()
+}
+
+/// The three servers of a row, started one after the other (each loads the model).
+async fn start_servers(mode: Mode, port: u16, fraction: f64) -> Result<Vec<Server>, String> {
+    let mut servers = Vec::new();
+    for s in 0..SERVERS {
+        let spec = match mode {
+            Mode::Static => format!("{fraction},static"),
+            _ => format!("{fraction},node,{port},{},server{s}", mode.priority(s)),
+        };
+        servers.push(Server::this_bench(&[("PROCMEM_SHARING_CHILD", spec)]).await?);
+    }
+    Ok(servers)
+}
+
+/// One row: fresh servers (and node), the plan, the figures.
+async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), String> {
+    let fraction = plan.fraction();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let node = match mode {
+        Mode::Static => None,
+        _ => {
+            let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
+            config.rejoin_grace = Duration::ZERO;
+            Some(NodeHandle::start(config).await.map_err(|e| e.to_string())?)
+        }
+    };
+    let servers = start_servers(mode, port, fraction).await?;
+    let addrs: Vec<_> = servers.iter().map(|s| s.addr).collect();
+    // Each server has seen its system prompt once, as a running server has: the row measures
+    // bursts, not a cold start.
+    for (addr, system) in addrs.iter().zip(&plan.systems) {
+        let msgs = [
+            client::Msg {
+                role: "system",
+                content: system.clone(),
+            },
+            client::Msg {
+                role: "user",
+                content: "Hello.".into(),
+            },
+        ];
+        client::chat(*addr, &msgs, 1).await?;
+    }
+    let watcher = watch::Watcher::start(&servers, node.clone());
+    let start = Instant::now();
+    let (done, starts) = drive(&addrs, plan).await;
+    let wall = start.elapsed();
+    let seen = watcher.stop().await;
+    let mut per_server = Vec::new();
+    let mut budget = 0;
+    for (s, server) in servers.into_iter().enumerate() {
+        let preemptions = server
+            .metric("procmem_kv_preemptions_total")
+            .await
+            .unwrap_or(0.0);
+        let stopped = server.stop().await?;
+        let logs = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+        let _ = std::fs::create_dir_all(&logs);
+        let _ = std::fs::write(
+            logs.join(format!("sharing-{}-server{s}.log", mode.name())),
+            &stopped.log,
+        );
+        budget = budget.max(logged(&stopped.log, "budget ").unwrap_or(0));
+        let mut f = figures(done.iter().filter(|d| d.server == s), wall);
+        let burst = figures(done.iter().filter(|d| d.server == s && d.phase == s), wall);
+        f["ttft_p99_ms_in_own_burst"] = burst["ttft_p99_ms"].clone();
+        f["ttft_p50_ms_in_own_burst"] = burst["ttft_p50_ms"].clone();
+        f["preemptions"] = json!(preemptions);
+        f["peak_rss_bytes"] = json!(stopped.rss);
+        f["priority"] = json!(mode.priority(s));
+        f["books_zero_after_shutdown"] = json!(stopped.log.contains("books after shutdown: zero"));
+        per_server.push(f);
+    }
+    let tickets = match &node {
+        Some(n) => {
+            let t = n.status().await.map_or(0, |s| s.tickets);
+            n.stop();
+            t
+        }
+        None => 0,
+    };
+    let mut all = figures(done.iter(), wall);
+    let requests = done.len().max(1) as f64;
+    merge(
+        &mut all,
+        json!({
+            "row": mode.name(),
+            "capacity_m_bytes": if mode == Mode::Static { 3 * budget } else { capacity },
+            "wall_s": wall.as_secs_f64(),
+            "ttft_p99_ms_in_burst": figures(done.iter().filter(|d| d.server == d.phase), wall)["ttft_p99_ms"],
+            "preemptions": per_server.iter().map(|f| f["preemptions"].as_f64().unwrap_or(0.0)).sum::<f64>(),
+            "node_tickets": tickets,
+            "node_tickets_per_request": tickets as f64 / requests,
+            "books_zero_after_shutdown": per_server.iter().all(|f| f["books_zero_after_shutdown"] == true),
+            "phase_starts_s": starts.iter().map(Duration::as_secs_f64).collect::<Vec<_>>(),
+            "servers": per_server,
+        }),
+    );
+    merge(&mut all, seen.json(&starts));
+    Ok((all, budget))
+}
+
+fn merge(row: &mut Value, extra: Value) {
+    if let (Value::Object(a), Value::Object(b)) = (row, extra) {
+        a.extend(b);
+    }
+}
+
+fn print_row(r: &Value) {
+    println!(
+        "{:<14} finished {:>3} failed {:>2}  ttft p50 {:>7.0} ms p99 {:>7.0} ms (in burst p99 {:>7.0} ms)  {:>5.1} tok/s  preemptions {:>4}  moved {:>11} B  lent at most {:>11} of {} B  tickets {} ({:.1}/request)  longest wait for credit {:.1} s",
+        r["row"].as_str().unwrap_or(""),
+        r["requests_finished"],
+        r["requests_failed"],
+        r["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN),
+        r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN),
+        r["ttft_p99_ms_in_burst"].as_f64().unwrap_or(f64::NAN),
+        r["output_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+        r["preemptions"],
+        r["credit_moved_bytes"],
+        r["most_lent_at_once_bytes"],
+        r["capacity_m_bytes"],
+        r["node_tickets"],
+        r["node_tickets_per_request"].as_f64().unwrap_or(0.0),
+        r["longest_wait_for_credit_s"].as_f64().unwrap_or(0.0),
+    );
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    if let Ok(spec) = std::env::var("PROCMEM_SHARING_CHILD") {
+        return child(&spec);
+    }
+    if std::env::args().any(|a| a == "--list") {
+        return ExitCode::SUCCESS;
+    }
+    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match rt.block_on(run()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sharing: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The goals of issue 46 for a node row against the static row.
+fn goals(node: &Value, fixed: &Value) -> Value {
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    json!({
+        "ttft_p99_static_over_node": f(fixed, "ttft_p99_ms") / f(node, "ttft_p99_ms"),
+        "ttft_p99_in_burst_static_over_node": f(fixed, "ttft_p99_ms_in_burst") / f(node, "ttft_p99_ms_in_burst"),
+        "failed": node["requests_failed"],
+        "never_above_m": f(node, "most_lent_at_once_bytes") <= f(node, "capacity_m_bytes"),
+        "tickets_per_request": node["node_tickets_per_request"],
+    })
+}
+
+async fn run() -> Result<(), String> {
+    let Some(gguf) = fetch_smollm2() else {
+        println!("sharing: no SmolLM2 GGUF and it could not be fetched: skipped");
+        return Ok(());
+    };
+    let g = Gguf::open(&gguf).map_err(|e| e.to_string())?;
+    let codec =
+        TextCodec::new(&g.tokenizer().map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let plan = plan(&codec);
+    let wanted = std::env::var("PROCMEM_SHARING_ROWS")
+        .unwrap_or_else(|_| "static,node,node_priority".into());
+    println!(
+        "sharing: {SERVERS} servers, {} conversations of {TURNS} turns in {} phases ({BURST} for the server in its burst, 1 for each other), system prompts {} tokens",
+        plan.phases.iter().flatten().map(Vec::len).sum::<usize>(),
+        plan.phases.len(),
+        codec.encode(&plan.systems[0]).map_or(0, |t| t.len()),
+    );
+    // M from the static row; `PROCMEM_SHARING_M` (bytes) lets a run leave that row out.
+    let given: Option<u64> = std::env::var("PROCMEM_SHARING_M")
+        .ok()
+        .and_then(|m| m.parse().ok());
+    let (fixed, capacity) = match given {
+        Some(m) if !wanted.split(',').any(|w| w.trim() == "static") => (json!(null), m),
+        _ => {
+            let (fixed, budget) = row(Mode::Static, &plan, 0).await?;
+            print_row(&fixed);
+            (fixed, SERVERS as u64 * budget)
+        }
+    };
+    let mut rows = vec![fixed.clone()];
+
+    let mut checks = json!({});
+    for mode in [Mode::Node, Mode::NodePriority] {
+        if !wanted.split(',').any(|w| w.trim() == mode.name()) {
+            println!("{}: not in PROCMEM_SHARING_ROWS: skipped", mode.name());
+            continue;
+        }
+        let (r, _) = row(mode, &plan, capacity).await?;
+        print_row(&r);
+        checks[mode.name()] = goals(&r, &fixed);
+        rows.push(r);
+    }
+    println!("goals: {checks}");
+    let report = json!({
+        "bench": "sharing",
+        "model": gguf.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "workload": {
+            "servers": SERVERS,
+            "concurrency_per_server": CONCURRENCY,
+            "context": CONTEXT,
+            "burst_conversations": BURST,
+            "turns": TURNS,
+            "answer_tokens": ANSWER_TOKENS,
+            "system_prompt_tokens": codec.encode(&plan.systems[0]).map_or(0, |t| t.len()),
+            "longest_conversation_tokens": plan.longest,
+            "kv_fraction_of_8_sequences_per_server": plan.fraction(),
+            "kv_dtype": "f16",
+        },
+        "capacity_m_bytes": capacity,
+        "rows": rows,
+        "goals": checks,
+    });
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = dir.join("sharing.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
+        .map_err(|e| e.to_string())?;
+    println!("wrote {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! Joining the node Governor: the main job's `--node`, and the sharing bench's servers.
+
+use std::net::SocketAddr;
+
+use procmem_actors::kv::KvStoreHandle;
+use procmem_actors::node::{LinkConfig, NodeLink};
+use procmem_actors::procmem::{MemoryTier, Place};
+use procmem_actors::MemoryManager;
+
+use super::real_model::KvSlot;
+
+/// Where and as what a server joins the node.
+pub struct NodeJoin {
+    /// The node Governor's cluster address.
+    pub addr: SocketAddr,
+    /// The node's cookie.
+    pub cookie: String,
+    /// Less important servers give back first.
+    pub priority: u32,
+    /// The name the node shows for this process.
+    pub name: String,
+}
+
+/// Joins the node Governor: the Governor of the KV device's authority (`cuda:0` where `cuda`,
+/// else `host`) takes its capacity from the node from now on. The link reports `model` and
+/// the prompt blocks of the store in `kv` once it is set.
+pub async fn join_node(
+    memory: &MemoryManager,
+    join: &NodeJoin,
+    cuda: bool,
+    (model, kv): (String, KvSlot),
+) -> Result<NodeLink, String> {
+    let (device, tier, authority) = if cuda {
+        (Place::cuda(0), MemoryTier::Device, "cuda:0")
+    } else {
+        (Place::HOST, MemoryTier::Host, "host")
+    };
+    let governor = memory
+        .governor(device, tier)
+        .ok_or("no Governor for the KV device")?
+        .clone();
+    let mut config = LinkConfig::new(join.addr, join.cookie.clone(), join.name.clone());
+    config.priority = join.priority;
+    config.authority = authority.into();
+    // The model and the prompt blocks its store holds, for routers.
+    config.model = if model.is_empty() {
+        "model".into()
+    } else {
+        model
+    };
+    config.prefixes = Some(std::sync::Arc::new(move || {
+        kv.get().map(KvStoreHandle::prefix_digest)
+    }));
+    let link = NodeLink::join(config, governor)
+        .await
+        .map_err(|e| format!("cannot join the node at {}: {e}", join.addr))?;
+    println!(
+        "joined the node Governor at {} ({authority}, priority {})",
+        join.addr, join.priority
+    );
+    Ok(link)
+}
