@@ -177,6 +177,7 @@ fn child(spec: &str) -> ExitCode {
                 min_hits: disk_min_hits(),
             }
         }),
+        idle_after: None,
     };
     let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let served = rt.block_on(common::real_model::serve(run, |budget, _| async move {

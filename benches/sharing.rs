@@ -209,6 +209,7 @@ fn child(spec: &str) -> ExitCode {
             limits: procmem_model::http::Limits::default(),
         }),
         prefix_disk: None,
+        idle_after: None,
     };
     let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
     let served = rt.block_on(common::real_model::serve(run, |budget, kv| async move {

@@ -164,6 +164,11 @@ struct Args {
     /// open at start and 128 more for the model, the KV tiers and the node link.
     #[arg(long)]
     max_connections: Option<usize>,
+    /// With `--model` and `--listen`: once no request has come or run for this many seconds,
+    /// offload the model's layers (to disk on the host) so their memory can go to others
+    /// (the node's other servers, the KV); the next request brings them back. Off unless given.
+    #[arg(long)]
+    idle_after: Option<f64>,
     /// With `--model`: keep prompt blocks evicted under pressure in this directory instead
     /// of dropping them, and find them there after a restart (one server per directory).
     #[arg(long)]
@@ -354,6 +359,9 @@ async fn serve(args: Args) -> Result<(), String> {
             Some(addr) => Some(serve_config(&args, addr, model, context)?),
             None => None,
         };
+        if args.idle_after.is_some() && listen.is_none() {
+            return Err("--idle-after: only a server (--listen) sleeps when idle".into());
+        }
         let run = common::real_model::RealRun {
             model: model.clone(),
             requests: args.requests.min(4096),
@@ -379,6 +387,10 @@ async fn serve(args: Args) -> Result<(), String> {
                 }),
                 None => None,
             },
+            idle_after: args
+                .idle_after
+                .map(|s| seconds("idle-after", s))
+                .transpose()?,
         };
         let args = &args;
         let name = common::real_model::model_name(model);

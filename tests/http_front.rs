@@ -667,3 +667,66 @@ fn the_shapes_current_clients_send_are_taken_or_refused_by_name() {
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
 }
+
+/// The sum of `name`'s series on a `/metrics` page whose labels contain `label` ("" for all).
+fn scraped(page: &str, name: &str, label: &str) -> f64 {
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with([' ', '{']) && rest.contains(label))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn an_idle_server_offloads_its_layers_and_the_next_request_brings_them_back() {
+    let server = Server::start(&["--idle-after", "0.5"], None);
+    let ask = json!({"prompt": "the", "max_tokens": 6, "temperature": 0});
+    let (status, first) = server.post_json("/v1/completions", &ask);
+    assert_eq!(status, 200, "{first}");
+    let metrics = || server.get("/metrics").1;
+    let awake = metrics();
+    let on_device = scraped(&awake, "procmem_residency_layers", "placement=\"device\"");
+    let approved = scraped(&awake, "procmem_governor_approved_bytes", "");
+    assert!(on_device > 0.0, "the layers are in memory after a request");
+    // Idle: the layers go to disk and their bytes leave the books.
+    let start = Instant::now();
+    let asleep = loop {
+        let page = metrics();
+        if scraped(&page, "procmem_residency_layers", "placement=\"device\"") == 0.0 {
+            break page;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the layers never left memory:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let slept = start.elapsed();
+    let on_disk = scraped(&asleep, "procmem_residency_layers", "placement=\"disk\"");
+    let approved_asleep = scraped(&asleep, "procmem_governor_approved_bytes", "");
+    assert_eq!(on_disk, on_device, "every layer on disk");
+    assert!(
+        approved_asleep < approved,
+        "the layers' bytes left the books: {approved} -> {approved_asleep}"
+    );
+    // The next request brings them back and answers as before (greedy).
+    let woke = Instant::now();
+    let (status, again) = server.post_json("/v1/completions", &ask);
+    let wake = woke.elapsed();
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["choices"][0]["text"], first["choices"][0]["text"]);
+    let page = metrics();
+    assert!(scraped(&page, "procmem_residency_reloads_total", "") >= on_device);
+    eprintln!(
+        "idle_sleep: {on_device} layers offloaded {} ms after the last request (--idle-after \
+         0.5); approved {approved} -> {approved_asleep} B; the next request answered in {} ms",
+        slept.as_millis() + 500,
+        wake.as_millis()
+    );
+    let (status, out) = server.stop();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("books after shutdown: zero"), "{out}");
+    eprintln!("FIGURE idle_sleep 1/1");
+}

@@ -236,6 +236,21 @@ fn bad_input_exits_2_with_a_clear_message() {
             ],
             "not a byte count",
         ),
+        (
+            &[
+                "--model",
+                "smollm2",
+                "--listen",
+                "127.0.0.1:0",
+                "--idle-after",
+                "0",
+            ],
+            "--idle-after 0: seconds above 0",
+        ),
+        (
+            &["--model", "smollm2", "--idle-after", "5"],
+            "--idle-after: only a server (--listen) sleeps when idle",
+        ),
     ];
     for (args, message) in cases {
         let out = run(args);

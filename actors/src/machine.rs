@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use procmem::host::pressure::{
-    parse_inactive_file, parse_limit, parse_psi, CgroupLimits, PressureGauge, PressurePolicy, PsiSample,
+    parse_inactive_file, parse_limit, parse_psi, CgroupLimits, PressureGauge, PressurePolicy,
+    PsiSample,
 };
 use procmem::metrics as m;
 use tokio::task::JoinHandle;

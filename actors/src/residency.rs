@@ -211,6 +211,11 @@ pub(crate) enum ResidencyMsg {
         /// Answered with the counters.
         reply: RpcReplyPort<Result<ResidencyStats, ResidencyError>>,
     },
+    /// Offloads every unpinned layer now (`ResidencyHandle::offload_all`).
+    OffloadAll {
+        /// Answered with the bytes that will be free once the copies' fences complete.
+        reply: RpcReplyPort<Result<u64, ResidencyError>>,
+    },
 }
 
 #[cfg(feature = "cluster")]
@@ -359,6 +364,10 @@ impl Actor for ModelResidency {
             }
             ResidencyMsg::Stats { reply } => {
                 let _ = reply.send(Ok(state.stats()));
+            }
+            ResidencyMsg::OffloadAll { reply } => {
+                let freed = state.offload(u64::MAX, None).await;
+                let _ = reply.send(Ok(freed));
             }
         }
         state.metrics.publish(&state.stats());
@@ -666,5 +675,12 @@ impl ResidencyHandle {
     /// Where the layers are now, the bytes on each tier, and the offloads and reloads so far.
     pub async fn stats(&self) -> Result<ResidencyStats, ResidencyError> {
         self.ask(|reply| ResidencyMsg::Stats { reply }).await
+    }
+
+    /// Offloads every unpinned layer now, as pressure would, least recently used first: an
+    /// idle server's sleep. Each comes back when it is next used. Returns the device bytes
+    /// that will be free once the copies' fences complete.
+    pub async fn offload_all(&self) -> Result<u64, ResidencyError> {
+        self.ask(|reply| ResidencyMsg::OffloadAll { reply }).await
     }
 }

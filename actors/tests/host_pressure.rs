@@ -308,9 +308,10 @@ async fn memory_the_cgroup_holds_outside_the_books_is_kept_free_under_its_limit(
     let held = capacity(&g).await;
     let _ = heap.kill();
     let _ = heap.wait();
-    until("the reserve back to the policy's once it is gone", async || {
-        capacity(&g).await == limit - 16 * MIB
-    })
+    until(
+        "the reserve back to the policy's once it is gone",
+        async || capacity(&g).await == limit - 16 * MIB,
+    )
     .await;
     eprintln!(
         "cgroup {version:?}: limit {limit} B; capacity {} B with 48 MiB held outside the \

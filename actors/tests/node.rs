@@ -239,7 +239,10 @@ async fn run_server() {
             }
         }
     }
-    if let Some(go) = std::env::var("GO").ok().filter(|_| std::env::var_os("ROUNDS").is_none()) {
+    if let Some(go) = std::env::var("GO")
+        .ok()
+        .filter(|_| std::env::var_os("ROUNDS").is_none())
+    {
         // The burst waits for the test's word.
         while !std::path::Path::new(&go).exists() {
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -1269,7 +1272,11 @@ fn bursts_that_move_between_three_servers_move_the_credit_with_them() {
         let before = status(&node);
         std::fs::write(go(&format!("{name}.0")), b"").unwrap();
         let line = p.wait("BURST", Duration::from_secs(60), |_| {});
-        let f: Vec<u64> = line.split(' ').skip(2).map(|v| v.parse().unwrap()).collect();
+        let f: Vec<u64> = line
+            .split(' ')
+            .skip(2)
+            .map(|v| v.parse().unwrap())
+            .collect();
         let after = status(&node);
         let credit = |s: &Status| {
             s.procs
@@ -1325,7 +1332,11 @@ fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
     let before = status(&node);
     std::fs::write(dir.path().join("go.0"), b"").unwrap();
     let line = burst.wait("BURST", Duration::from_secs(60), |_| {});
-    let f: Vec<u64> = line.split(' ').skip(2).map(|v| v.parse().unwrap()).collect();
+    let f: Vec<u64> = line
+        .split(' ')
+        .skip(2)
+        .map(|v| v.parse().unwrap())
+        .collect();
     let after = status(&node);
     let credit = |s: &Status, p: &Proc| {
         s.procs
@@ -1354,6 +1365,10 @@ fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
         credit(&after, &idle) < credit(&before, &idle),
         "the idle server was asked and gave: {before:?} -> {after:?}"
     );
-    assert!(f[1] < 1000, "a step of the burst waited {} ms for room", f[1]);
+    assert!(
+        f[1] < 1000,
+        "a step of the burst waited {} ms for room",
+        f[1]
+    );
     common::figure("node_busy_neighbour", 1, 1);
 }

@@ -66,6 +66,8 @@ pub struct RealRun {
     pub listen: Option<procmem_model::http::ServeConfig>,
     /// Keep prompt blocks evicted under pressure on disk here, and find them after a restart.
     pub prefix_disk: Option<PrefixDiskArgs>,
+    /// When listening: offload the model's layers once no request came or ran for this long.
+    pub idle_after: Option<Duration>,
 }
 
 /// The prefix cache's disk tier as the main job is given it.
@@ -223,7 +225,8 @@ where
     if let Some(l) = &run.listen {
         let server = procmem_model::http::Server::bind(l.clone())
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .idle_after(run.idle_after);
         println!(
             "listening on http://{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
             server.local_addr()

@@ -27,6 +27,7 @@
 mod api;
 mod body;
 mod errors;
+mod idle;
 mod listen;
 mod server;
 mod text;

@@ -53,6 +53,21 @@ pub enum ServeError {
 pub struct Server {
     listening: Listening,
     config: ServeConfig,
+    idle_after: Option<Duration>,
+}
+
+/// The connection cap was maybe derived before the model and the KV store took descriptors:
+/// no more than the descriptor limit leaves room for now.
+fn clamp_connections(limits: &mut Limits) {
+    let cap = super::listen::connection_cap();
+    if limits.max_connections > cap {
+        tracing::info!(
+            asked = limits.max_connections,
+            cap,
+            "fewer connections than asked: the descriptor limit leaves room for these"
+        );
+        limits.max_connections = cap;
+    }
 }
 
 impl Server {
@@ -64,7 +79,19 @@ impl Server {
                 addr: config.addr,
                 source,
             })?;
-        Ok(Server { listening, config })
+        Ok(Server {
+            listening,
+            config,
+            idle_after: None,
+        })
+    }
+
+    /// Offloads the model's layers once no request has come or run for `after` (an idle
+    /// server's sleep: its memory can go to others); the next request brings them back as
+    /// each is used. `None` (the default): the layers stay.
+    pub fn idle_after(mut self, after: Option<Duration>) -> Self {
+        self.idle_after = after;
+        self
     }
 
     /// Where it listens (the port chosen where `:0` was asked).
@@ -83,16 +110,7 @@ impl Server {
         mut signals: StopSignals,
     ) -> Result<SchedulerStats, ServeError> {
         let mut c = self.config;
-        // The cap was maybe derived before the model and the KV store took descriptors.
-        let cap = super::listen::connection_cap();
-        if c.limits.max_connections > cap {
-            tracing::info!(
-                asked = c.limits.max_connections,
-                cap,
-                "fewer connections than asked: the descriptor limit leaves room for these"
-            );
-            c.limits.max_connections = cap;
-        }
+        clamp_connections(&mut c.limits);
         let engine = Arc::new(engine);
         let codec = Arc::new(codec);
         let detok = {
@@ -105,6 +123,9 @@ impl Server {
             .max_waiting(c.max_waiting)
             .detokenize(detok);
         let (scheduler, task) = SchedulerHandle::spawn(Arc::clone(&engine), scheduler_config);
+        let sleep =
+            |after| super::idle::sleep_when_idle(scheduler.clone(), engine.weights.clone(), after);
+        let idle = self.idle_after.map(sleep);
         let api = Api::new(
             scheduler.clone(),
             codec,
@@ -145,6 +166,7 @@ impl Server {
             },
         ));
         let stats = task.await;
+        idle.iter().for_each(tokio::task::JoinHandle::abort);
         let _ = done_tx.send(());
         let _ = serving.await;
         drain.abort();

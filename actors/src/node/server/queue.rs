@@ -83,8 +83,12 @@ impl NodeState {
                     let m = p.members.get(&aid)?;
                     let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
                     let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
-                    (credit > 0 && p.link.is_some() && !asker)
-                        .then_some((*token, p.priority, credit, (credit, m.approved)))
+                    (credit > 0 && p.link.is_some() && !asker).then_some((
+                        *token,
+                        p.priority,
+                        credit,
+                        (credit, m.approved),
+                    ))
                 })
                 .collect();
             let order = |c: &&(u64, Priority, u64, (u64, u64))| (c.1, std::cmp::Reverse(c.2), c.0);
