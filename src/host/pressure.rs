@@ -152,7 +152,13 @@ pub fn parse_inactive_file(stat: &str) -> Result<u64, ParseError> {
         Some(Some(v)) => Ok(v),
         _ => Err(ParseError {
             what: "memory.stat",
-            line: stat.lines().next().unwrap_or("").chars().take(200).collect(),
+            line: stat
+                .lines()
+                .next()
+                .unwrap_or("")
+                .chars()
+                .take(200)
+                .collect(),
         }),
     }
 }
@@ -178,7 +184,9 @@ impl PressureGauge {
         psi: Option<PsiSample>,
     ) -> u64 {
         let base = match limits.effective() {
-            Some(limit) => policy.configured.min(limit.saturating_sub(self.reserve(policy))),
+            Some(limit) => policy
+                .configured
+                .min(limit.saturating_sub(self.reserve(policy))),
             None => policy.configured,
         };
         let step = policy.step.clamp(0.0, 1.0);
@@ -326,11 +334,19 @@ mod tests {
         for _ in 0..9 {
             measured.outside(10 << 20);
         }
-        assert_eq!(measured.reserve(&m), 232 << 20, "the largest of ten readings");
+        assert_eq!(
+            measured.reserve(&m),
+            232 << 20,
+            "the largest of ten readings"
+        );
         measured.outside(10 << 20);
         assert_eq!(measured.reserve(&m), 64 << 20, "never under the policy's");
         measured.outside(u64::MAX);
-        assert_eq!(measured.next(&m, limit, calm), 0, "more outside than the limit");
+        assert_eq!(
+            measured.next(&m, limit, calm),
+            0,
+            "more outside than the limit"
+        );
         let mut huge = PressurePolicy::new(u64::MAX);
         huge.reserve = u64::MAX;
         assert_eq!(PressureGauge::default().next(&huge, none, calm), u64::MAX);
