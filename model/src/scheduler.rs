@@ -172,6 +172,9 @@ struct Shared {
     config: SchedulerConfig,
     waiting: Mutex<usize>,
     stats: Mutex<SchedulerStats>,
+    /// Set by [`SchedulerHandle::shutdown`] before its command is sent: a request submitted
+    /// after it is refused at once, not taken by a loop that is stopping.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -214,6 +217,7 @@ impl SchedulerHandle {
             config,
             waiting: Mutex::new(0),
             stats: Mutex::new(SchedulerStats::default()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         });
         (SchedulerHandle { tx, shared }, rx)
     }
@@ -230,6 +234,13 @@ impl SchedulerHandle {
     pub fn submit(&self, request: GenRequest) -> Result<Generation, GenError> {
         let config = &self.shared.config;
         check(&request, config)?;
+        if self
+            .shared
+            .stopping
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Err(GenError::Stopped);
+        }
         let mut waiting = self.shared.waiting();
         if *waiting >= config.max_waiting {
             return Err(GenError::QueueFull { waiting: *waiting });
@@ -252,6 +263,9 @@ impl SchedulerHandle {
     /// Stops taking requests; those in flight have `grace` to finish, then are cancelled
     /// (their sequences closed). The spawned task ends then.
     pub fn shutdown(&self, grace: Duration) {
+        self.shared
+            .stopping
+            .store(true, std::sync::atomic::Ordering::Release);
         let _ = self.tx.send(Command::Drain(grace));
     }
 

@@ -3,7 +3,7 @@
 //! Governor's (`procmem::ledger::admission`): one model check covers both.
 
 use procmem::ledger::admission::{self, Front};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use procmem::ledger::{AuthorityId, Priority, WaitQueue};
 use procmem::metrics as m;
@@ -63,49 +63,14 @@ impl NodeState {
             if round.outstanding.is_some() {
                 continue;
             }
-            // A process waiting here at least as important as the first waiter is the one
-            // the room is for: asking it to give back would hand its own bytes round in a
-            // circle (it counts the free bytes its ask waits for as unused).
-            let queue = self.waiters.get(&aid);
-            let front = queue.and_then(WaitQueue::front_priority);
-            let waiting: BTreeSet<u64> = queue
-                .map(|q| q.items().map(|w| w.token).collect())
-                .unwrap_or_default();
-            // Each process is asked once, least important first and among equals the one
-            // holding most first; only once every process has been asked is one asked again,
-            // and only if what it holds changed since (a busy process whose usage moves all
-            // the time would otherwise be asked again and again, and an idle one holding a
-            // large cache never).
-            let candidates: Vec<(u64, Priority, u64, (u64, u64))> = self
-                .processes
-                .iter()
-                .filter_map(|(token, p)| {
-                    let m = p.members.get(&aid)?;
-                    let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-                    let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
-                    (credit > 0 && p.link.is_some() && !asker).then_some((
-                        *token,
-                        p.priority,
-                        credit,
-                        (credit, m.approved),
-                    ))
-                })
-                .collect();
-            let order = |c: &&(u64, Priority, u64, (u64, u64))| (c.1, std::cmp::Reverse(c.2), c.0);
-            let fresh = candidates
-                .iter()
-                .filter(|c| !round.asked.contains_key(&c.0))
-                .min_by_key(order);
-            let next = fresh
-                .or_else(|| {
-                    candidates
-                        .iter()
-                        .filter(|c| round.asked.get(&c.0) != Some(&c.3))
-                        .min_by_key(order)
-                })
-                .map(|c| ((c.1, c.0), c.3));
-            let Some((key, held)) = next else { continue };
-            round.asked.insert(key.1, held);
+            let Some((token, held)) = self.next_to_ask(aid) else {
+                continue;
+            };
+            self.rounds
+                .entry(aid)
+                .or_default()
+                .asked
+                .insert(token, held);
             let id = self.next_ticket;
             self.next_ticket += 1;
             let timeout = self.config.ticket_timeout;
@@ -115,7 +80,7 @@ impl NodeState {
                 .find(|(_, a)| **a == aid)
                 .map(|(n, _)| n.clone())
                 .unwrap_or_default();
-            let link = self.processes.get(&key.1).and_then(|p| p.link.clone());
+            let link = self.processes.get(&token).and_then(|p| p.link.clone());
             let sent = link.is_some_and(|l| {
                 l.cast(LinkMsg::Notice(Ok(LinkNotice::Ticket {
                     id,
@@ -127,11 +92,58 @@ impl NodeState {
             });
             if sent {
                 let round = self.rounds.entry(aid).or_default();
-                round.outstanding = Some((id, key.1, Instant::now() + timeout));
+                round.outstanding = Some((id, token, Instant::now() + timeout));
                 self.status.tickets += 1;
                 m::NODE_TICKETS_TOTAL.counter(&[&name]).increment(1);
-                tracing::debug!(token = key.1, id, shortfall, "node ticket sent");
+                tracing::debug!(token, id, shortfall, "node ticket sent");
             }
         }
+    }
+
+    /// The process to ask next for room in `aid`, and what it holds (its credit and the
+    /// bytes it reported approved). Each process is asked once, least important first and
+    /// among equals the one holding most first; only once every process has been asked is
+    /// one asked again, and only if what it holds changed since (a busy process whose usage
+    /// moves all the time would otherwise be asked again and again, and an idle one holding
+    /// a large cache never).
+    fn next_to_ask(&self, aid: AuthorityId) -> Option<(u64, (u64, u64))> {
+        let none = BTreeMap::new();
+        let asked = self.rounds.get(&aid).map_or(&none, |r| &r.asked);
+        // A process waiting here at least as important as the first waiter is the one the
+        // room is for: asking it to give back would hand its own bytes round in a circle (it
+        // counts the free bytes its ask waits for as unused).
+        let queue = self.waiters.get(&aid);
+        let front = queue.and_then(WaitQueue::front_priority);
+        let waiting: BTreeSet<u64> = queue
+            .map(|q| q.items().map(|w| w.token).collect())
+            .unwrap_or_default();
+        let candidates: Vec<(u64, Priority, u64, (u64, u64))> = self
+            .processes
+            .iter()
+            .filter_map(|(token, p)| {
+                let m = p.members.get(&aid)?;
+                let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+                let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
+                (credit > 0 && p.link.is_some() && !asker).then_some((
+                    *token,
+                    p.priority,
+                    credit,
+                    (credit, m.approved),
+                ))
+            })
+            .collect();
+        let order = |c: &&(u64, Priority, u64, (u64, u64))| (c.1, std::cmp::Reverse(c.2), c.0);
+        let fresh = candidates
+            .iter()
+            .filter(|c| !asked.contains_key(&c.0))
+            .min_by_key(order);
+        fresh
+            .or_else(|| {
+                candidates
+                    .iter()
+                    .filter(|c| asked.get(&c.0) != Some(&c.3))
+                    .min_by_key(order)
+            })
+            .map(|c| (c.0, c.3))
     }
 }
