@@ -16,7 +16,10 @@
 //! fraction of `concurrency` sequences of the longest conversation), each row in a fresh
 //! process. llama.cpp (`scripts/llama-server.sh` builds it into `target/`) preallocates its KV
 //! per slot: it gets the KV bytes procmem's `0.25x` row at the highest concurrency has, as
-//! slots of the same context, and the rows say how many slots that bought. Each row: requests
+//! slots of the same context (`--no-kv-unified --cache-ram 0`), and the rows say how many
+//! slots that bought; then the same bytes as one KV shared by as many slots as procmem runs
+//! requests (`-kvu --cache-ram 0`), and that with its host prompt cache at its default size
+//! (`-kvu`). Each row names its options (`llama_kv`, `llama_options`). Each row: requests
 //! finished, output tokens/s, time to first token and inter-token latency p50/p99, prompt
 //! tokens from cache, preemptions, peak RSS, peak KV bytes, requests held at once.
 //!
@@ -53,7 +56,7 @@ mod servers;
 mod workload;
 
 use client::Answer;
-use servers::{Kind, Server};
+use servers::{Kind, LlamaKv, Server};
 use workload::{
     conversations, long_prompts, workload, Answers, Workload, ANSWER_TOKENS, LONG_TOKENS,
 };
@@ -379,16 +382,17 @@ struct Llama {
 }
 
 impl Llama {
-    /// One row: a fresh server of `slots` slots.
+    /// One row: a fresh server of `slots` slots and `tokens` tokens of KV in all, kept as
+    /// `kv` says.
     async fn row(
         &self,
         w: &Workload,
         workload: &str,
-        slots: usize,
+        (slots, tokens, kv): (usize, usize, LlamaKv),
         concurrency: usize,
     ) -> Result<(Value, Answers), String> {
         let context = context_for(w, workload);
-        let server = Server::llama(&self.bin, &self.gguf, slots, context).await?;
+        let server = Server::llama(&self.bin, &self.gguf, slots, tokens, kv).await?;
         let d = drive(server, w, workload, concurrency, None).await?;
         let kv_line = d
             .log
@@ -405,10 +409,13 @@ impl Llama {
                 "rate_per_s": null,
                 "slots": slots,
                 "slot_context": context,
+                "kv_tokens": tokens,
+                "llama_kv": kv.name(),
+                "llama_options": kv.args().join(" "),
                 "kv_dtype": "f16",
                 "preemptions": 0,
                 "peak_rss_bytes": d.rss,
-                "peak_kv_bytes": (slots * context) as u64 * self.token_bytes,
+                "peak_kv_bytes": tokens as u64 * self.token_bytes,
                 "kv_log_line": kv_line,
                 "held_at_once": d.peaks.held,
             }),
@@ -442,10 +449,13 @@ fn differing(a: &Answers, b: &Answers) -> usize {
 
 fn print_row(r: &Value) {
     println!(
-        "{:<9} {:<6} {:>6} c={:<3} finished {:>3}/{:<3} {:>7.1} tok/s  ttft p50 {:>8.0} ms p99 {:>8.0} ms  itl p50 {:>6.1} ms p99 {:>7.1} ms  cached {:>6}  preempt {:>4}  rss {:>5} MiB  kv {:>5} MiB  held {:>3}",
+        "{:<9} {:<6} {:>9} c={:<3} finished {:>3}/{:<3} {:>7.1} tok/s  ttft p50 {:>8.0} ms p99 {:>8.0} ms  itl p50 {:>6.1} ms p99 {:>7.1} ms  cached {:>6}  preempt {:>4}  rss {:>5} MiB  kv {:>5} MiB  held {:>3}",
         r["server"].as_str().unwrap_or("?"),
         r["workload"].as_str().unwrap_or("?"),
-        r["budget"].as_str().unwrap_or("-"),
+        r["budget"]
+            .as_str()
+            .or(r["llama_kv"].as_str())
+            .unwrap_or("-"),
         r["concurrency"],
         r["requests_finished"],
         r["requests"],
@@ -594,14 +604,30 @@ async fn run() -> Result<(), String> {
         );
         llama_json = json!({"slots": slots, "slot_context": w.context, "kv_bytes_given": quarter_kv, "token_bytes": token_bytes});
         for &c in &concurrency {
-            let (row, answers) = llama.row(&w, "multi", slots, c).await?;
-            print_row(&row);
-            rows.push(row);
-            by_key.insert((Kind::Llama.name(), "multi", "-".into(), c), answers);
+            // The same KV bytes three ways: a context per slot (its KV buys `slots` of
+            // them), then one KV shared by as many slots as procmem runs requests, without
+            // and with its host prompt cache.
+            let tokens = slots * w.context;
+            for (kv, slots) in [
+                (LlamaKv::PerSlot, slots),
+                (LlamaKv::Unified, c),
+                (LlamaKv::UnifiedCache, c),
+            ] {
+                let (row, answers) = llama.row(&w, "multi", (slots, tokens, kv), c).await?;
+                print_row(&row);
+                rows.push(row);
+                let key = match kv {
+                    LlamaKv::PerSlot => "-".to_string(),
+                    other => other.name().to_string(),
+                };
+                by_key.insert((Kind::Llama.name(), "multi", key, c), answers);
+            }
         }
         if !w.long.is_empty() {
             for &c in &long_concurrency {
-                let (row, answers) = llama.row(&w, "long", c, c).await?;
+                let context = context_for(&w, "long");
+                let shape = (c, c * context, LlamaKv::PerSlot);
+                let (row, answers) = llama.row(&w, "long", shape, c).await?;
                 print_row(&row);
                 rows.push(row);
                 by_key.insert((Kind::Llama.name(), "long", "-".into(), c), answers);

@@ -32,6 +32,37 @@ impl Kind {
     }
 }
 
+/// How llama.cpp's server keeps its KV and its prompt cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlamaKv {
+    /// Each slot its own context (`--no-kv-unified`), no host prompt cache (`--cache-ram 0`).
+    PerSlot,
+    /// One KV shared by the slots (`-kvu`), no host prompt cache.
+    Unified,
+    /// One KV shared by the slots (`-kvu`), the host prompt cache at its default size.
+    UnifiedCache,
+}
+
+impl LlamaKv {
+    /// Its command-line options.
+    pub fn args(self) -> &'static [&'static str] {
+        match self {
+            LlamaKv::PerSlot => &["--no-kv-unified", "--cache-ram", "0"],
+            LlamaKv::Unified => &["-kvu", "--cache-ram", "0"],
+            LlamaKv::UnifiedCache => &["-kvu"],
+        }
+    }
+
+    /// Its name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            LlamaKv::PerSlot => "per_slot",
+            LlamaKv::Unified => "unified",
+            LlamaKv::UnifiedCache => "unified_cache_ram_default",
+        }
+    }
+}
+
 /// A server process, listening.
 pub struct Server {
     pub kind: Kind,
@@ -137,13 +168,14 @@ impl Server {
         })
     }
 
-    /// llama.cpp's server on the same GGUF: `slots` slots of `context` tokens each (its KV,
-    /// f16, preallocated), 2 threads as this machine has, no RAM prompt cache beyond its slots.
+    /// llama.cpp's server on the same GGUF, `tokens` tokens of KV in all (f16, preallocated)
+    /// for `slots` slots, as `kv` says, 2 threads as this machine has.
     pub async fn llama(
         bin: &Path,
         gguf: &Path,
         slots: usize,
-        context: usize,
+        tokens: usize,
+        kv: LlamaKv,
     ) -> Result<Self, String> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -155,17 +187,12 @@ impl Server {
         cmd.arg("-m")
             .arg(gguf)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["-c", &(slots * context).to_string()])
+            .args(["-c", &tokens.to_string()])
             .args(["--parallel", &slots.to_string()])
             .args(["-t", &threads.to_string(), "-tb", &threads.to_string()])
             .args(["--cache-type-k", "f16", "--cache-type-v", "f16"])
-            .args([
-                "--no-kv-unified",
-                "--cache-ram",
-                "0",
-                "--metrics",
-                "--no-webui",
-            ])
+            .args(kv.args())
+            .args(["--metrics", "--no-webui"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
