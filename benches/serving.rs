@@ -58,16 +58,8 @@ mod workload;
 use client::Answer;
 use servers::{Kind, LlamaKv, Server};
 use workload::{
-    conversations, long_prompts, workload, Answers, Workload, ANSWER_TOKENS, LONG_TOKENS,
+    conversations, long_prompts, pct, workload, Answers, Workload, ANSWER_TOKENS, LONG_TOKENS,
 };
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
 
 /// A row's figures from its answers.
 /// The requests that finished, with their conversation and turn.

@@ -56,7 +56,7 @@ mod workload;
 
 use client::Answer;
 use servers::Server;
-use workload::{conversation, text_of, ANSWER_TOKENS};
+use workload::{conversation, pct, text_of, ANSWER_TOKENS};
 
 const SERVERS: usize = 3;
 const CONCURRENCY: usize = 8;
@@ -234,14 +234,6 @@ fn child(spec: &str) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
 /// One request's outcome: its phase and server.

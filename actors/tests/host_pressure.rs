@@ -2,7 +2,7 @@
 //! cgroup made here where the machine lets this test make one (skipped with the reason
 //! otherwise).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -198,23 +198,16 @@ fn make_cgroup(tag: &str) -> Result<(PathBuf, CgroupVersion), String> {
     Ok((child, version))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_real_cgroup_limit_becomes_the_capacity() {
-    let (dir, version) = match make_cgroup("limit") {
-        Ok(c) => c,
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            return;
-        }
-    };
+/// A host Governor following the cgroup `dir` every 5 ms with a policy reserve of 16 MiB;
+/// the limit the kernel kept (rounded to pages).
+async fn follow_cgroup(dir: &Path, version: CgroupVersion) -> (GovernorHandle, HostPressure, u64) {
     let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
         .await
         .unwrap();
     let mut policy = PressurePolicy::new(1 << 30);
     policy.reserve = 16 * MIB;
-    let source = LinuxSource::for_cgroup(Some((dir.clone(), version)));
+    let source = LinuxSource::for_cgroup(Some((dir.to_path_buf(), version)));
     let follow = HostPressure::spawn(g.clone(), policy, source, Duration::from_millis(5));
-    // The kernel rounds the limit to pages: read back what it kept.
     let file = match version {
         CgroupVersion::V2 => "memory.max",
         CgroupVersion::V1 => "memory.limit_in_bytes",
@@ -224,6 +217,19 @@ async fn a_real_cgroup_limit_becomes_the_capacity() {
         .trim()
         .parse()
         .unwrap();
+    (g, follow, limit)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_cgroup_limit_becomes_the_capacity() {
+    let (dir, version) = match make_cgroup("limit") {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+    };
+    let (g, follow, limit) = follow_cgroup(&dir, version).await;
     until("the cgroup's limit less the reserve", async || {
         capacity(&g).await == limit - 16 * MIB
     })
@@ -266,22 +272,7 @@ async fn memory_the_cgroup_holds_outside_the_books_is_kept_free_under_its_limit(
             return;
         }
     };
-    let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 1 << 30))
-        .await
-        .unwrap();
-    let mut policy = PressurePolicy::new(1 << 30);
-    policy.reserve = 16 * MIB;
-    let source = LinuxSource::for_cgroup(Some((dir.clone(), version)));
-    let follow = HostPressure::spawn(g.clone(), policy, source, Duration::from_millis(5));
-    let file = match version {
-        CgroupVersion::V2 => "memory.max",
-        CgroupVersion::V1 => "memory.limit_in_bytes",
-    };
-    let limit: u64 = std::fs::read_to_string(dir.join(file))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let (g, follow, limit) = follow_cgroup(&dir, version).await;
     until("the limit less the policy's reserve", async || {
         capacity(&g).await == limit - 16 * MIB
     })

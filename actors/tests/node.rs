@@ -695,6 +695,24 @@ struct Status {
     foreign: u64,
 }
 
+impl Status {
+    /// The node credit of the server `p` (0 where the node does not list it).
+    fn credit_of(&self, p: &Proc) -> u64 {
+        self.procs
+            .iter()
+            .find(|(pid, _, _)| *pid == p.pid())
+            .map_or(0, |(_, c, _)| *c)
+    }
+}
+
+/// A `BURST r total_ms longest_wait_ms` line of a server's rounds: the two figures.
+fn burst_round(line: &str) -> Vec<u64> {
+    line.split(' ')
+        .skip(2)
+        .map(|v| v.parse().unwrap())
+        .collect()
+}
+
 fn parse(line: &str) -> Status {
     let f: Vec<&str> = line.split(' ').collect();
     let procs = f
@@ -1272,18 +1290,9 @@ fn bursts_that_move_between_three_servers_move_the_credit_with_them() {
         let before = status(&node);
         std::fs::write(go(&format!("{name}.0")), b"").unwrap();
         let line = p.wait("BURST", Duration::from_secs(60), |_| {});
-        let f: Vec<u64> = line
-            .split(' ')
-            .skip(2)
-            .map(|v| v.parse().unwrap())
-            .collect();
+        let f = burst_round(&line);
         let after = status(&node);
-        let credit = |s: &Status| {
-            s.procs
-                .iter()
-                .find(|(pid, _, _)| *pid == p.pid())
-                .map_or(0, |(_, c, _)| *c)
-        };
+        let credit = |s: &Status| s.credit_of(p);
         eprintln!(
             "node_moving_bursts: burst {i} on {name}: 6 sequences in {} ms, longest wait for \
              room {} ms; its credit {} -> {} of {capacity} B; {} tickets",
@@ -1332,18 +1341,9 @@ fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
     let before = status(&node);
     std::fs::write(dir.path().join("go.0"), b"").unwrap();
     let line = burst.wait("BURST", Duration::from_secs(60), |_| {});
-    let f: Vec<u64> = line
-        .split(' ')
-        .skip(2)
-        .map(|v| v.parse().unwrap())
-        .collect();
+    let f = burst_round(&line);
     let after = status(&node);
-    let credit = |s: &Status, p: &Proc| {
-        s.procs
-            .iter()
-            .find(|(pid, _, _)| *pid == p.pid())
-            .map_or(0, |(_, c, _)| *c)
-    };
+    let credit = |s: &Status, p: &Proc| s.credit_of(p);
     eprintln!(
         "node_busy_neighbour: burst of 6 sequences in {} ms, longest wait for room {} ms; \
          credit busy {} -> {}, idle {} -> {}, burst {} -> {} of {capacity} B; {} tickets",

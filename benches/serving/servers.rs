@@ -63,6 +63,16 @@ impl LlamaKv {
     }
 }
 
+/// A `kB` line of `/proc/<pid>/status` (`VmRSS:`, `VmHWM:`), in bytes.
+pub fn status_kb(pid: u32, key: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
 /// A server process, listening.
 pub struct Server {
     pub kind: Kind,
@@ -246,13 +256,7 @@ impl Server {
 
     /// A `kB` line of `/proc/<pid>/status`, in bytes.
     fn status_kb(&self, key: &str) -> Option<u64> {
-        let pid = self.child.id()?;
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()?
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
+        status_kb(self.child.id()?, key)
     }
 
     /// Reads `/metrics` every 100 ms until `stop` is dropped; the peaks.

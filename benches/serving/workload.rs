@@ -26,6 +26,15 @@ const WORDS: &[&str] = &[
     "harvest", "lantern", "harbor", "journey", "silver", "meadow", "castle",
 ];
 
+/// The `p` quantile (0 to 1) of `v`, nearest rank (sorts `v`); NaN where empty.
+pub fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
 pub fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()

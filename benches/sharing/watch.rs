@@ -8,7 +8,7 @@ use procmem_actors::node::NodeHandle;
 use serde_json::{json, Value};
 
 use super::client::{get, metric};
-use super::servers::Server;
+use super::servers::{status_kb, Server};
 
 /// One sample, per server (in the row's order).
 #[derive(Clone, Debug, Default)]
@@ -56,7 +56,8 @@ impl Watcher {
                     s.approved.push(approved.unwrap_or(0.0) as u64);
                     let waiting = metric(&text, "procmem_governor_waiting_requests");
                     s.waiting.push(waiting.unwrap_or(0.0) as u64);
-                    s.rss.push(pid.and_then(rss).unwrap_or(0));
+                    s.rss
+                        .push(pid.and_then(|p| status_kb(p, "VmRSS:")).unwrap_or(0));
                 }
                 if let Some(status) = match &node {
                     Some(n) => n.status().await,
@@ -92,16 +93,6 @@ impl Watcher {
             samples: Vec::new(),
         })
     }
-}
-
-/// `VmRSS` of `pid`, in bytes.
-fn rss(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
 }
 
 impl Seen {
