@@ -17,7 +17,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use procmem_actors::machine::{HostPressure, LinuxSource};
 use procmem_actors::node::{NodeConfig, NodeHandle};
+use procmem_actors::procmem::host::pressure::PressurePolicy;
 
 #[derive(Parser, Debug)]
 #[command(about = "The node Governor: one memory budget for several server processes")]
@@ -44,6 +46,11 @@ struct Args {
     /// before a restart rejoin (and are counted) before a newcomer is served.
     #[arg(long, default_value_t = 1500)]
     rejoin_grace_ms: u64,
+    /// The host authority's capacity follows the memory cgroup this node runs in (start it and
+    /// its servers in one group): the limit less what the group holds outside the books, cut
+    /// further under memory pressure. A lowered capacity asks the servers to give back.
+    #[arg(long)]
+    follow_machine: bool,
     /// Stop after this many seconds (0: run until killed).
     #[arg(long, default_value_t = 0)]
     run_for: u64,
@@ -99,6 +106,25 @@ fn main() -> ExitCode {
                 .map(|a| format!(", metrics on http://{a}/metrics"))
                 .unwrap_or_default()
         );
+        let _follow = match args.authorities.iter().find(|(n, _)| n == "host") {
+            Some((_, capacity)) if args.follow_machine => {
+                let source = LinuxSource::detect();
+                match source.cgroup() {
+                    Some((dir, _)) => println!("host capacity follows {}", dir.display()),
+                    None => {
+                        println!("no memory cgroup found: the host capacity stays {capacity} B")
+                    }
+                }
+                Some(HostPressure::spawn_for_node(
+                    node.clone(),
+                    "host",
+                    PressurePolicy::new(*capacity),
+                    source,
+                    Duration::from_millis(500),
+                ))
+            }
+            _ => None,
+        };
         let start = std::time::Instant::now();
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;

@@ -18,6 +18,48 @@ use procmem::metrics as m;
 use tokio::task::JoinHandle;
 
 use crate::governor::GovernorHandle;
+#[cfg(feature = "cluster")]
+use crate::node::NodeHandle;
+
+/// Whose capacity follows the machine: a process's host Governor, or one authority of a node
+/// Governor (whose cgroup holds the node and its processes).
+#[derive(Debug, Clone)]
+enum Followed {
+    Governor(GovernorHandle),
+    #[cfg(feature = "cluster")]
+    Node {
+        node: NodeHandle,
+        authority: String,
+    },
+}
+
+impl Followed {
+    /// What is approved on the books the capacity bounds: the Governor's approvals, or what the
+    /// node's processes last reported approved to their holders (their credit unused is not
+    /// memory).
+    async fn approved(&self) -> Option<u64> {
+        match self {
+            Followed::Governor(g) => g.snapshot().await.ok().map(|s| s.books.approved()),
+            #[cfg(feature = "cluster")]
+            Followed::Node { node, authority } => node.status().await.map(|s| {
+                s.processes
+                    .iter()
+                    .filter(|p| &p.authority == authority)
+                    .map(|p| p.approved)
+                    .fold(0u64, u64::saturating_add)
+            }),
+        }
+    }
+
+    /// Sets the capacity; false once the Governor is gone.
+    async fn set_capacity(&self, bytes: u64) -> bool {
+        match self {
+            Followed::Governor(g) => g.set_capacity(bytes).await.is_ok(),
+            #[cfg(feature = "cluster")]
+            Followed::Node { node, authority } => node.set_capacity(authority, bytes).await,
+        }
+    }
+}
 
 /// Where the machine's figures come from (a fake one in tests).
 pub trait MachineSource: Send + 'static {
@@ -155,10 +197,10 @@ impl MachineSource for LinuxSource {
     }
 }
 
-/// Reads what the cgroup holds outside `governor`'s books into `gauge` (its working set less
-/// what the Governor approved); nothing where the source has no cgroup or a reading fails.
+/// Reads what the cgroup holds outside `followed`'s books into `gauge` (its working set less
+/// what is approved); nothing where the source has no cgroup or a reading fails.
 async fn measure_outside(
-    governor: &GovernorHandle,
+    followed: &Followed,
     source: &mut impl MachineSource,
     gauge: &mut PressureGauge,
     policy: &PressurePolicy,
@@ -171,10 +213,10 @@ async fn measure_outside(
             return;
         }
     };
-    let Ok(snapshot) = governor.snapshot().await else {
+    let Some(approved) = followed.approved().await else {
         return;
     };
-    let outside = working.saturating_sub(snapshot.books.approved());
+    let outside = working.saturating_sub(approved);
     gauge.outside(outside);
     m::HOST_OUTSIDE_BOOKS_BYTES.gauge(&[]).set(outside as f64);
     m::HOST_RESERVE_BYTES
@@ -194,6 +236,30 @@ impl HostPressure {
     pub fn spawn(
         governor: GovernorHandle,
         policy: PressurePolicy,
+        source: impl MachineSource,
+        interval: Duration,
+    ) -> Self {
+        Self::follow(Followed::Governor(governor), policy, source, interval)
+    }
+
+    /// The same for one authority of a node Governor: `source` is the cgroup that holds the
+    /// node's processes (and the node), what they hold outside the books is their working set
+    /// less what they report approved, and a lowered capacity turns into the node's tickets.
+    #[cfg(feature = "cluster")]
+    pub fn spawn_for_node(
+        node: NodeHandle,
+        authority: impl Into<String>,
+        policy: PressurePolicy,
+        source: impl MachineSource,
+        interval: Duration,
+    ) -> Self {
+        let authority = authority.into();
+        Self::follow(Followed::Node { node, authority }, policy, source, interval)
+    }
+
+    fn follow(
+        followed: Followed,
+        policy: PressurePolicy,
         mut source: impl MachineSource,
         interval: Duration,
     ) -> Self {
@@ -211,7 +277,7 @@ impl HostPressure {
                         continue;
                     }
                 };
-                measure_outside(&governor, &mut source, &mut gauge, &policy).await;
+                measure_outside(&followed, &mut source, &mut gauge, &policy).await;
                 let psi = source.psi().unwrap_or_else(|e| {
                     tracing::warn!(%e, "PSI unreadable");
                     None
@@ -226,7 +292,7 @@ impl HostPressure {
                         limit = limits.effective(),
                         "host capacity follows the machine"
                     );
-                    if governor.set_capacity(capacity).await.is_err() {
+                    if !followed.set_capacity(capacity).await {
                         return;
                     }
                     last = Some(capacity);

@@ -15,8 +15,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use procmem_actors::kv::{KvStoreHandle, PreemptMode};
+use procmem_actors::machine::{CgroupVersion, HostPressure, LinuxSource};
 use procmem_actors::node::wire::{HeldPrefixes, NodeNotice, NodeRequest, WireError, MAX_PAYLOAD};
 use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
+use procmem_actors::procmem::host::pressure::PressurePolicy;
 use procmem_actors::procmem::kv::{prompt_keys, KvShape, PrefixDigest};
 
 const ROLE: &str = "PROCMEM_NODE_ROLE";
@@ -78,6 +80,19 @@ async fn run_node() {
         config.name = name;
     }
     let node = NodeHandle::start(config).await.unwrap();
+    // The capacity follows a cgroup's files where the test gives one (a directory it writes).
+    let _follow = std::env::var("FOLLOW").ok().map(|dir| {
+        let mut policy = PressurePolicy::new(capacity);
+        policy.reserve = MIB;
+        let source = LinuxSource::for_cgroup(Some((dir.into(), CgroupVersion::V2)));
+        HostPressure::spawn_for_node(
+            node.clone(),
+            "host",
+            policy,
+            source,
+            Duration::from_millis(20),
+        )
+    });
     say("READY".into());
     loop {
         if let Some(s) = node.status().await {
@@ -741,9 +756,18 @@ fn parse(line: &str) -> Status {
 /// The node's latest status line (lines queue up while the test does other things); every
 /// line read on the way is checked: approved credit never exceeds the node's capacity.
 fn status(node: &Proc) -> Status {
+    latest_status(node, true)
+}
+
+/// [`status`], checking that the credit is within the capacity only where `within` (a node
+/// whose capacity was lowered holds more until its processes give back).
+fn latest_status(node: &Proc, within: bool) -> Status {
     let check = |line: &str| {
         let s = parse(line);
-        assert!(s.total <= s.capacity, "credit over capacity: {s:?}");
+        assert!(
+            !within || s.total <= s.capacity,
+            "credit over capacity: {s:?}"
+        );
         s
     };
     let mut s = check(&node.wait("STATUS", Duration::from_secs(5), |_| {}));
@@ -757,9 +781,19 @@ fn status(node: &Proc) -> Status {
 
 /// Waits for a status that satisfies `pred`.
 fn status_until(node: &Proc, within: Duration, pred: impl Fn(&Status) -> bool) -> Status {
+    status_until_checked(node, within, true, pred)
+}
+
+/// [`status_until`], the credit checked against the capacity only where `checked`.
+fn status_until_checked(
+    node: &Proc,
+    within: Duration,
+    checked: bool,
+    pred: impl Fn(&Status) -> bool,
+) -> Status {
     let deadline = Instant::now() + within;
     loop {
-        let s = status(node);
+        let s = latest_status(node, checked);
         if pred(&s) {
             return s;
         }
@@ -799,15 +833,17 @@ fn node(capacity: u64) -> (Proc, u16) {
 }
 
 fn node_named(capacity: u64, name: &str) -> (Proc, u16) {
+    node_with(capacity, &[("NODE_NAME", name.to_string())])
+}
+
+fn node_with(capacity: u64, more: &[(&str, String)]) -> (Proc, u16) {
     let port = free_port();
-    let node = Proc::spawn(
-        "node",
-        &[
-            ("PORT", port.to_string()),
-            ("CAPACITY", capacity.to_string()),
-            ("NODE_NAME", name.to_string()),
-        ],
-    );
+    let mut vars = vec![
+        ("PORT", port.to_string()),
+        ("CAPACITY", capacity.to_string()),
+    ];
+    vars.extend(more.iter().cloned());
+    let node = Proc::spawn("node", &vars);
     node.wait("READY", Duration::from_secs(20), |_| {});
     (node, port)
 }
@@ -1372,4 +1408,83 @@ fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
         f[1]
     );
     common::figure("node_busy_neighbour", 1, 1);
+}
+
+/// Issue 46, 3: the machine shrinks under a node. Its capacity follows a cgroup (here files in
+/// a directory, read as the kernel's are: `memory.high` falls from none to 7 MiB, 1 MiB kept
+/// for what is held outside the books); two servers holding its 12 MiB as cached prompts give
+/// back until the books, and the bytes the kernel holds in their memfds, are within the new
+/// capacity. Lifted again, a burst gets its room back.
+#[test]
+fn a_node_following_a_shrinking_cgroup_takes_credit_back_from_its_processes() {
+    let group = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| std::fs::write(group.path().join(name), text).unwrap();
+    file("memory.max", "max\n");
+    file("memory.high", "max\n");
+    file("memory.current", "0\n");
+    file("memory.stat", "anon 0\ninactive_file 0\n");
+    file(
+        "memory.pressure",
+        "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n\
+         full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    );
+    let capacity = 12 * MIB;
+    let dir = group.path().to_string_lossy().into_owned();
+    let (node, port) = node_with(capacity, &[("FOLLOW", dir)]);
+    let go = group.path().join("go");
+    let a = server(port, "a", 0, 6, 0);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let vars = [
+        ("ROUNDS", "1".to_string()),
+        ("GO", go.to_string_lossy().into_owned()),
+    ];
+    let b = server_with(port, "b", 0, 5, 6, &vars);
+    b.wait("CACHED", Duration::from_secs(60), |_| {});
+    let full = status_until(&node, Duration::from_secs(10), |s| s.total >= 10 * MIB);
+    let held_full = shmem(a.pid()) + shmem(b.pid());
+    let start = Instant::now();
+    file("memory.high", &format!("{}\n", 7 * MIB));
+    let shrunk = status_until_checked(&node, Duration::from_secs(10), false, |s| {
+        s.capacity == 6 * MIB && s.total <= s.capacity
+    });
+    let took = start.elapsed();
+    // What the kernel holds follows the books (a store punches out what it evicts).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let held = loop {
+        let held = shmem(a.pid()) + shmem(b.pid());
+        if held <= 6 * MIB || Instant::now() > deadline {
+            break held;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    file("memory.high", "max\n");
+    status_until(&node, Duration::from_secs(5), |s| s.capacity == capacity);
+    std::fs::write(group.path().join("go.0"), b"").unwrap();
+    let line = b.wait("BURST", Duration::from_secs(60), |_| {});
+    let after = status(&node);
+    eprintln!(
+        "node_follows_machine: credit {} B of {} B (memfds {held_full} B); limit 7 MiB: \
+         credit {} B of {} B in {} ms ({} tickets), memfds {held} B; lifted: burst {line:?}, \
+         its credit {} B",
+        full.total,
+        full.capacity,
+        shrunk.total,
+        shrunk.capacity,
+        took.as_millis(),
+        shrunk.tickets - full.tickets,
+        after.credit_of(&b)
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "the books took {took:?} to come under the lowered capacity"
+    );
+    assert!(
+        held <= 6 * MIB,
+        "the kernel still holds {held} B for the two"
+    );
+    assert!(
+        after.credit_of(&b) >= 5 * MIB,
+        "the burst got its room once the limit was lifted: {after:?}"
+    );
+    common::figure("node_follows_machine", 1, 1);
 }

@@ -140,6 +140,19 @@ impl NodeHandle {
         }
     }
 
+    /// Sets an authority's capacity. Lowered below what is lent, nothing is taken: tickets ask
+    /// the processes to give back, least important first, and nothing is approved until the
+    /// books are under it. False where the authority is unknown or the node has stopped.
+    pub async fn set_capacity(&self, authority: &str, bytes: u64) -> bool {
+        let authority = authority.to_string();
+        ractor::call!(self.governor, |reply| NodeMsg::SetCapacity {
+            authority,
+            bytes,
+            reply
+        })
+        .unwrap_or(false)
+    }
+
     /// Stops the Governor and the server.
     pub fn stop(&self) {
         self.governor.stop(None);
@@ -272,6 +285,13 @@ impl Actor for NodeGovernor {
             } => state.request(request, reply),
             NodeMsg::Cast(Ok(notice)) => state.notice(notice),
             NodeMsg::Tick => state.tick(),
+            NodeMsg::SetCapacity {
+                authority,
+                bytes,
+                reply,
+            } => {
+                let _ = reply.send(state.set_capacity(&authority, bytes));
+            }
         }
         state.pump();
         state.drive_tickets();
@@ -298,6 +318,17 @@ fn refuse(reply: RpcReplyPort<Vec<u8>>, reason: &str) {
 }
 
 impl NodeState {
+    fn set_capacity(&mut self, authority: &str, bytes: u64) -> bool {
+        let Some(&aid) = self.authorities.get(authority) else {
+            return false;
+        };
+        let set = self.ledger.set_capacity(aid, bytes).is_ok();
+        if set {
+            tracing::info!(authority, bytes, "node capacity set");
+        }
+        set
+    }
+
     fn rejected(&mut self, e: &WireError) {
         self.status.rejected_frames += 1;
         m::NODE_REJECTED_FRAMES_TOTAL.counter(&[]).increment(1);

@@ -467,6 +467,16 @@ pub enum NodeMsg {
     Cast(Result<NodeNotice, WireError>),
     /// The node's own periodic check (local only).
     Tick,
+    /// Sets an authority's capacity (local only: the machine-following task, an operator's
+    /// handle); replies whether the authority exists.
+    SetCapacity {
+        /// The authority's name.
+        authority: String,
+        /// Its new capacity.
+        bytes: u64,
+        /// Whether it was set.
+        reply: RpcReplyPort<bool>,
+    },
 }
 
 impl ractor::Message for NodeMsg {
