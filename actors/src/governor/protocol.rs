@@ -199,6 +199,9 @@ pub(crate) enum GovernorMsg<G, L, C> {
     },
     /// Looks at the queue again (after the upstream changed).
     Nudge,
+    /// The upstream had no room for what was asked: for a ticket's time the holders are asked
+    /// for the whole shortfall, not only what is held over the capacity.
+    UpstreamRefused,
     /// The books and the queue.
     Snapshot {
         /// The snapshot.

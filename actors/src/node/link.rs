@@ -317,7 +317,9 @@ impl Actor for Link {
                     state.credit = state.credit.saturating_add(bytes);
                     state.set_capacity().await;
                 } else {
+                    // Nobody else could give: this process's own holders make the room.
                     tracing::debug!(?result, "credit ask not granted");
+                    state.governor.upstream_refused();
                 }
             }
             LinkMsg::Notice(Ok(LinkNotice::Ticket {

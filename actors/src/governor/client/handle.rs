@@ -134,6 +134,11 @@ impl GovernorHandle {
             .await
     }
 
+    /// Tells the Governor its upstream refused an ask: its holders make the room for a while.
+    pub(crate) fn upstream_refused(&self) {
+        let _ = self.route().cast(GovernorMsg::UpstreamRefused);
+    }
+
     /// The books and the queue.
     pub async fn snapshot(&self) -> Result<GovernorSnapshot, GovernorError> {
         self.route()

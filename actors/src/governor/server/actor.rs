@@ -87,6 +87,7 @@ impl Actor for Governor {
             } => state.close_credit(holder, line, unused),
             GovernorMsg::SetCapacity { bytes, reply } => state.set_capacity(bytes, reply),
             GovernorMsg::Nudge => state.round.changed(),
+            GovernorMsg::UpstreamRefused => state.upstream_refused(),
             GovernorMsg::Snapshot { reply } => {
                 let _ = reply.send(state.snapshot());
             }

@@ -89,13 +89,17 @@ impl GovernorState {
 
     /// With an upstream, what waiters need beyond the capacity is asked of it (again after a
     /// ticket's time if still short); only bytes held over the capacity are asked of the
-    /// holders. Returns that.
+    /// holders. Returns that. Where the upstream just refused (nobody else could give), the
+    /// holders are asked for the whole shortfall: this process's own cache makes the room.
     fn ask_upstream(&mut self, upstream: &Upstream, shortfall: u64) -> u64 {
+        let now = Instant::now();
+        if now < self.upstream_dry_until {
+            return shortfall;
+        }
         let (capacity, provisional, leased) =
             self.ledger.totals(self.authority).unwrap_or_default();
         let over = provisional.saturating_add(leased).saturating_sub(capacity);
         let need = shortfall.saturating_sub(over);
-        let now = Instant::now();
         if need > 0 && (need != self.upstream_asked.0 || now >= self.upstream_asked.1) {
             self.upstream_asked = (need, now + self.ticket_timeout);
             upstream(need);
@@ -103,6 +107,13 @@ impl GovernorState {
             self.upstream_asked.0 = 0;
         }
         over
+    }
+
+    /// The upstream had no room: for a ticket's time the holders make it.
+    pub(super) fn upstream_refused(&mut self) {
+        self.upstream_dry_until = Instant::now() + self.ticket_timeout;
+        self.upstream_asked.0 = 0;
+        self.round.changed();
     }
 
     /// A holder's answer to a ticket.

@@ -50,6 +50,8 @@ pub(crate) struct GovernorState {
     pub(super) tickets_sent: u64,
     // What was last asked of the upstream, and when to ask again if still short.
     pub(super) upstream_asked: (u64, Instant),
+    // Until when the upstream is taken to have no room (it refused an ask).
+    pub(super) upstream_dry_until: Instant,
     pub(super) counts: Counts,
     pub(super) metrics: GovernorMetrics,
 }
@@ -91,6 +93,7 @@ impl GovernorState {
             next_ticket: 1,
             tickets_sent: 0,
             upstream_asked: (0, Instant::now()),
+            upstream_dry_until: Instant::now(),
             counts: Counts::default(),
             metrics: GovernorMetrics::new(&config.name),
         }

@@ -64,6 +64,7 @@ impl NodeState {
                 continue;
             }
             let Some((token, held)) = self.next_to_ask(aid) else {
+                self.nobody_to_ask(aid);
                 continue;
             };
             self.rounds
@@ -96,6 +97,21 @@ impl NodeState {
                 self.status.tickets += 1;
                 m::NODE_TICKETS_TOTAL.counter(&[&name]).increment(1);
                 tracing::debug!(token, id, shortfall, "node ticket sent");
+            }
+        }
+    }
+
+    /// Every process that could give was asked and gave what it could: the waiters are refused
+    /// now rather than at their deadline (only a give or a reap frees room here), so each
+    /// asker makes room among its own holders (its cache) at once. Not during the rejoin
+    /// grace, when asks wait for the processes to be counted.
+    fn nobody_to_ask(&mut self, aid: AuthorityId) {
+        if Instant::now() < self.serving_from {
+            return;
+        }
+        if let Some(queue) = self.waiters.get_mut(&aid) {
+            for w in queue.drain_where(|_| true) {
+                refuse(w.reply, "no room: no other process can give");
             }
         }
     }
