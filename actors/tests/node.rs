@@ -1488,3 +1488,40 @@ fn a_node_following_a_shrinking_cgroup_takes_credit_back_from_its_processes() {
     );
     common::figure("node_follows_machine", 1, 1);
 }
+
+/// A process holding most of the node's credit as cached prompts needs room for new ones, and
+/// nobody else can give: the node refuses its ask at once and its own store evicts. Before,
+/// its Governor asked only the node for what it lacked (the node decides who gives), the node
+/// had nobody to ask, and each step waited out the ask (a real main job stalled for 10 s).
+#[test]
+fn a_process_alone_on_the_node_makes_room_from_its_own_cache() {
+    let (node, port) = node(6 * MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let vars = [
+        ("ROUNDS", "1".to_string()),
+        ("GO", go.to_string_lossy().into_owned()),
+    ];
+    let a = server_with(port, "alone", 0, 5, 3, &vars);
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status(&node);
+    std::fs::write(dir.path().join("go.0"), b"").unwrap();
+    let line = a.wait("BURST", Duration::from_secs(60), |_| {});
+    let f = burst_round(&line);
+    let after = status(&node);
+    eprintln!(
+        "node_alone: {} B of {} B held as cache; a burst of 3 sequences in {} ms, longest wait \
+         for room {} ms; {} node tickets",
+        before.total,
+        before.capacity,
+        f[0],
+        f[1],
+        after.tickets - before.tickets
+    );
+    assert!(
+        f[1] < 1000,
+        "a step waited {} ms for room its own cache held",
+        f[1]
+    );
+    common::figure("node_alone", 1, 1);
+}
