@@ -68,6 +68,18 @@ fn main() -> ExitCode {
                         age.as_millis()
                     );
                 }
+                for p in &s.processes {
+                    println!(
+                        "{:<24}   process {}[{}] {:<8} credit {:>14} approved {:>14}{}",
+                        s.node,
+                        p.name,
+                        p.pid,
+                        p.authority,
+                        p.credit,
+                        p.approved,
+                        if p.connected { "" } else { " (cut off)" }
+                    );
+                }
                 for m in &s.models {
                     let digests: Vec<String> = m
                         .prefixes

@@ -55,8 +55,11 @@ impl Tmux {
             eprintln!("SKIPPED memtop test: tmux is not installed");
             return None;
         }
+        // One server per test: the tests of this binary run side by side.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Some(Tmux {
-            socket: format!("procmem-memtop-{}", std::process::id()),
+            socket: format!("procmem-memtop-{}-{n}", std::process::id()),
         })
     }
 
@@ -369,4 +372,187 @@ fn memtop_shows_what_the_endpoint_and_the_summary_say() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A child killed when the test ends, however it ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The credit memtop shows for each process on `screen` (`name[pid] host credit 1.00 MiB`).
+fn memtop_credits(screen: &str) -> BTreeMap<String, f64> {
+    screen
+        .lines()
+        .filter_map(|l| {
+            let words: Vec<&str> = l
+                .split(|c: char| c.is_whitespace() || c == '│')
+                .filter(|w| !w.is_empty())
+                .collect();
+            let at = words.iter().position(|w| *w == "credit")?;
+            let name = words.get(at.checked_sub(2)?)?;
+            if !name.contains('[') {
+                return None;
+            }
+            let (v, _) = shown_bytes(words.get(at + 1)?, words.get(at + 2)?);
+            Some((name.to_string(), v))
+        })
+        .collect()
+}
+
+/// The credit `cluster_status` printed for each process, refresh after refresh.
+fn status_credits(text: &str) -> Vec<BTreeMap<String, f64>> {
+    text.split("-- ")
+        .skip(1)
+        .map(|refresh| {
+            refresh
+                .lines()
+                .filter_map(|l| {
+                    let w: Vec<&str> = l.split_whitespace().collect();
+                    let at = w.iter().position(|x| *x == "process")?;
+                    let credit = w.iter().position(|x| *x == "credit")?;
+                    Some((w.get(at + 1)?.to_string(), w.get(credit + 1)?.parse().ok()?))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Issue 46, 5: two main jobs share a node Governor of 16 MiB; the first takes it all (its
+/// cache), the second starts and the node moves credit to it. memtop on the node's endpoint
+/// and `cluster_status` on its watch group both show the first's credit falling and the
+/// second's rising while they run.
+#[test]
+fn memtop_and_cluster_status_show_the_credit_moving_between_two_servers() {
+    let Some(tmux) = Tmux::new() else { return };
+    let metrics = free_port();
+    let port = free_port().port().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let _node = Killed(
+        Command::new(common::example("node_governor"))
+            .args(["--authority", "host=16MiB", "--port", &port])
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(["--rejoin-grace-ms", "0", "--run-for", "300"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the node's endpoint", Duration::from_secs(30), || {
+        TcpStream::connect(metrics).is_ok()
+    });
+    let status_out = dir.path().join("cluster_status.out");
+    let _status = Killed(
+        Command::new(common::example("cluster_status"))
+            .args(["--node", &format!("127.0.0.1:{port}"), "--count", "300"])
+            .stdout(std::fs::File::create(&status_out).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    tmux.run(
+        "top",
+        &format!(
+            "{} {metrics} --interval 0.3; sleep 60",
+            common::example("memtop").display()
+        ),
+    );
+    let job = |name: &str| {
+        let out = std::fs::File::create(dir.path().join(name)).unwrap();
+        Killed(
+            Command::new(common::example("inference_server"))
+                .args(["--node", &format!("127.0.0.1:{port}")])
+                .args([
+                    "--requests",
+                    "2000",
+                    "--concurrency",
+                    "6",
+                    "--prompt-len",
+                    "200",
+                ])
+                .args(["--max-new-tokens", "32", "--linger", "120"])
+                .stdout(out)
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let a = job("a.out");
+    let a_name = format!("inference_server[{}]", a.0.id());
+    // memtop's screens, read every 200 ms: the credit shown per process, in order.
+    let mut seen: Vec<BTreeMap<String, f64>> = Vec::new();
+    let read = |seen: &mut Vec<BTreeMap<String, f64>>| {
+        seen.push(memtop_credits(&tmux.screen("top")));
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let full = 12.0 * 1024.0 * 1024.0;
+    let start = Instant::now();
+    while seen
+        .last()
+        .and_then(|s| s.get(&a_name))
+        .is_none_or(|c| *c < full)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "A never held 12 MiB: {seen:?}"
+        );
+        read(&mut seen);
+    }
+    let b = job("b.out");
+    let b_name = format!("inference_server[{}]", b.0.id());
+    let shown = |s: &BTreeMap<String, f64>, n: &str| s.get(n).copied().unwrap_or(0.0) / 1048576.0;
+    // Moved: B holds 3 MiB and A 1.5 MiB less than the most it held.
+    let moved = |seen: &[BTreeMap<String, f64>]| {
+        let a_peak = seen.iter().map(|s| shown(s, &a_name)).fold(0.0, f64::max);
+        let last = seen.last().unwrap();
+        shown(last, &b_name) >= 3.0 && shown(last, &a_name) <= a_peak - 1.5
+    };
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(15) && !moved(&seen) {
+        read(&mut seen);
+    }
+    let a_line: Vec<String> = seen
+        .iter()
+        .map(|s| format!("{:.1}", shown(s, &a_name)))
+        .collect();
+    let b_line: Vec<String> = seen
+        .iter()
+        .map(|s| format!("{:.1}", shown(s, &b_name)))
+        .collect();
+    eprintln!("memtop, A's credit (MiB): {}", a_line.join(" "));
+    eprintln!("memtop, B's credit (MiB): {}", b_line.join(" "));
+    assert!(moved(&seen), "memtop shows the credit moving from A to B");
+    // cluster_status refreshes once a second: read what it printed until it shows the same
+    // (A's most less 1.5 MiB, B's 3 MiB), 20 s at most.
+    let mib = |r: &BTreeMap<String, f64>, n: &str| r.get(n).copied().unwrap_or(0.0) / 1048576.0;
+    let start = Instant::now();
+    loop {
+        let refreshes = status_credits(&std::fs::read_to_string(&status_out).unwrap());
+        let a_most = refreshes
+            .iter()
+            .map(|r| mib(r, &a_name))
+            .fold(0.0, f64::max);
+        let b_first = refreshes.iter().position(|r| r.contains_key(&b_name));
+        let after = b_first.map_or(&[][..], |i| &refreshes[i..]);
+        let a_least = after
+            .iter()
+            .map(|r| mib(r, &a_name))
+            .fold(f64::MAX, f64::min);
+        let b_most = after.iter().map(|r| mib(r, &b_name)).fold(0.0, f64::max);
+        if a_most >= 12.0 && a_least <= a_most - 1.5 && b_most >= 3.0 {
+            eprintln!(
+                "cluster_status, {} refreshes: A at most {a_most:.1} MiB, after B joined at \
+                 least {a_least:.1}; B at most {b_most:.1}",
+                refreshes.len()
+            );
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "cluster_status never showed the credit moving: {refreshes:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }

@@ -193,6 +193,14 @@ struct Process {
     watch: Watch,
 }
 
+impl Process {
+    /// Its `process` label in the node's metrics: its name and pid (two servers of one name
+    /// are two series).
+    fn label(&self) -> String {
+        format!("{}[{}]", self.name, self.pid)
+    }
+}
+
 /// A waiting ask; its bytes and priority are the queue's.
 struct Pending {
     token: u64,

@@ -258,15 +258,21 @@ pub struct NodeSummary {
     pub models: Vec<ModelSummary>,
     /// Requests waiting for room.
     pub waiting: u64,
+    /// Per process and authority: its credit and what it reported approved (for operators:
+    /// the credit moving between processes).
+    pub processes: Vec<ProcessStatus>,
 }
 
 impl NodeSummary {
-    /// Makes it fit a payload: the digests go first (from the last model on), then the
-    /// models (from the last), then the authorities. A node whose summary did not fit would
-    /// vanish from every watcher's view.
+    /// Makes it fit a payload: the processes go first (from the last), then the digests
+    /// (from the last model on), then the models (from the last), then the authorities. A
+    /// node whose summary did not fit would vanish from every watcher's view.
     pub fn fit(&mut self) {
         let size = |s: &NodeSummary| postcard::to_stdvec(s).map_or(usize::MAX, |b| b.len());
         while size(self) > MAX_PAYLOAD {
+            if self.processes.pop().is_some() {
+                continue;
+            }
             if let Some(m) = self
                 .models
                 .iter_mut()
@@ -659,6 +665,7 @@ mod tests {
             pressure: Some(100.0),
             models: (0..MAX_DIGESTS).map(model).collect(),
             waiting: u64::MAX,
+            processes: Vec::new(),
         };
         let bytes = postcard::to_stdvec(&summary).unwrap();
         assert!(bytes.len() <= MAX_PAYLOAD, "{} bytes", bytes.len());
@@ -683,10 +690,23 @@ mod tests {
             pressure: None,
             models: (0..500).map(model).collect(),
             waiting: 0,
+            processes: (0..1000)
+                .map(|i| ProcessStatus {
+                    token: i,
+                    pid: 1,
+                    name: "p".repeat(MAX_NAME),
+                    authority: "host".into(),
+                    credit: 1,
+                    approved: 1,
+                    os_bytes: 1,
+                    connected: true,
+                })
+                .collect(),
         };
         summary.fit();
         let bytes = postcard::to_stdvec(&summary).unwrap();
         assert!(bytes.len() <= MAX_PAYLOAD, "{} bytes", bytes.len());
+        assert!(summary.processes.is_empty(), "processes go first");
         assert_eq!(summary.authorities.len(), 1, "models go before authorities");
         assert!(!summary.models.is_empty());
         assert!(summary.models.iter().all(|m| m.prefixes.is_empty()));

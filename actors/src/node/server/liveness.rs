@@ -56,7 +56,7 @@ impl NodeState {
             let _ = self.ledger.close_credit(m.holder, m.line);
             let _ = self.ledger.retire_holder(m.holder);
             m::NODE_PROCESS_CREDIT_BYTES
-                .gauge(&[self.authority_name(m.line), &p.name])
+                .gauge(&[self.authority_name(m.line), &p.label()])
                 .set(0.0);
         }
         for queue in self.waiters.values_mut() {

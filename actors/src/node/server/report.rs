@@ -61,14 +61,15 @@ impl NodeState {
                 .set(self.ledger.credit_bytes(*aid) as f64);
         }
         for p in self.processes.values() {
+            let label = p.label();
             for m in p.members.values() {
                 let authority = self.authority_name(m.line);
                 let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
                 m::NODE_PROCESS_CREDIT_BYTES
-                    .gauge(&[authority, &p.name])
+                    .gauge(&[authority, &label])
                     .set(credit as f64);
                 m::NODE_PROCESS_OS_BYTES
-                    .gauge(&[authority, &p.name])
+                    .gauge(&[authority, &label])
                     .set(m.os_bytes as f64);
             }
         }
@@ -98,6 +99,7 @@ impl NodeState {
                 .map(|p| p.some_avg10),
             models,
             waiting: self.waiters.values().map(|q| q.len() as u64).sum(),
+            processes: self.snapshot().processes,
         };
         summary.fit();
         for w in watchers {
