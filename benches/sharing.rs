@@ -14,7 +14,20 @@
 //! - `static`: each server its own budget of M/3 (`--budget`);
 //! - `node`: one node Governor of capacity M (run in this process, as
 //!   `examples/node_governor.rs` runs it), the servers `--node`, all of priority 0;
-//! - `node_priority`: the same, the first server of priority 5 (more important).
+//! - `node_priority`: the same, the first server of priority 5 (more important);
+//! - `node_shrink`: `node`, the node and the servers in a memory cgroup of their own (made
+//!   under the bench's, the bench moved into it) whose soft limit falls 12 s into the load to
+//!   60% of M plus what the group then holds outside the books, and whose hard limit follows
+//!   10 s later to just above it; the node's capacity follows the group (as
+//!   `node_governor --follow-machine`). Reports the group's usage and working set against
+//!   the limits, how soon the working set came under the soft limit, and OOM kills;
+//! - `llama_shrink`: three llama.cpp servers (`scripts/llama-server.sh`), each the KV bytes of
+//!   a static server's budget as slots of the context (`--no-kv-unified --cache-ram 0`), in
+//!   the same shrink (M less what they hold outside their weights and KV);
+//! - `unbounded`: each server the KV of all its 8 sequences at the full context, so nothing
+//!   waits for memory: the compute floor under every row on this machine.
+//!
+//! Where no memory cgroup can be made, the shrinking rows say they skipped and why.
 //!
 //! Each row, per server and overall: requests finished and failed, time to first token p50
 //! and p99 (and p99 of each server's own burst), output tokens/s, preemptions; from samples
@@ -24,7 +37,8 @@
 //! at most during it, and the time until it first held 16 MiB more; pressure tickets (the
 //! node's, and per request); peak RSS; books zero at each server's shutdown.
 //!
-//! `PROCMEM_SHARING_ROWS` (comma-separated: static, node, node_priority) picks rows; the
+//! `PROCMEM_SHARING_ROWS` (comma-separated: static, node, node_priority, node_shrink,
+//! llama_shrink, unbounded) picks rows; the
 //! static row runs first, as it sizes M, unless left out with M given as
 //! `PROCMEM_SHARING_M` (bytes). `RUST_LOG` logs the node (this process) and the servers to
 //! stderr; each server's output lands in `target/reports/sharing-<row>-server<i>.log`. The
@@ -34,7 +48,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use procmem_actors::kv::PreemptMode;
+use procmem_actors::machine::HostPressure;
 use procmem_actors::node::{NodeConfig, NodeHandle};
+use procmem_actors::procmem::host::pressure::PressurePolicy;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::MemoryManager;
 use procmem_model::gguf::Gguf;
@@ -49,13 +65,15 @@ mod client;
 mod common;
 #[path = "serving/servers.rs"]
 mod servers;
+#[path = "sharing/shrink.rs"]
+mod shrink;
 #[path = "sharing/watch.rs"]
 mod watch;
 #[path = "serving/workload.rs"]
 mod workload;
 
 use client::Answer;
-use servers::Server;
+use servers::{LlamaKv, Server};
 use workload::{conversation, pct, text_of, ANSWER_TOKENS};
 
 const SERVERS: usize = 3;
@@ -145,6 +163,14 @@ enum Mode {
     Static,
     Node,
     NodePriority,
+    /// `node`, all of it in one memory cgroup that shrinks during the load, the node's
+    /// capacity following it.
+    NodeShrink,
+    /// Three llama.cpp servers, each slots of M/3 less the weights, in the same shrink.
+    LlamaShrink,
+    /// Each server the KV of all 8 sequences at the full context: nothing ever waits for
+    /// memory, so its times are what the machine's compute allows (the floor of every row).
+    Unbounded,
 }
 
 impl Mode {
@@ -153,7 +179,18 @@ impl Mode {
             Mode::Static => "static",
             Mode::Node => "node",
             Mode::NodePriority => "node_priority",
+            Mode::NodeShrink => "node_shrink",
+            Mode::LlamaShrink => "llama_shrink",
+            Mode::Unbounded => "unbounded",
         }
+    }
+
+    fn node(self) -> bool {
+        matches!(self, Mode::Node | Mode::NodePriority | Mode::NodeShrink)
+    }
+
+    fn shrinks(self) -> bool {
+        matches!(self, Mode::NodeShrink | Mode::LlamaShrink)
     }
 
     fn priority(self, server: usize) -> u32 {
@@ -310,13 +347,33 @@ fn logged(log: &str, key: &str) -> Option<u64> {
 async fn start_servers(mode: Mode, port: u16, fraction: f64) -> Result<Vec<Server>, String> {
     let mut servers = Vec::new();
     for s in 0..SERVERS {
-        let spec = match mode {
-            Mode::Static => format!("{fraction},static"),
-            _ => format!("{fraction},node,{port},{},server{s}", mode.priority(s)),
+        let server = match mode {
+            Mode::Static => {
+                Server::this_bench(&[("PROCMEM_SHARING_CHILD", format!("{fraction},static"))])
+                    .await?
+            }
+            Mode::LlamaShrink => {
+                // The KV bytes of a static server's budget (a fraction of 8 sequences of the
+                // context), as slots of the context each (at least one).
+                let tokens = (fraction * (CONCURRENCY * CONTEXT) as f64) as usize;
+                let slots = (tokens / CONTEXT).max(1);
+                let gguf = fetch_smollm2().ok_or("no SmolLM2 GGUF")?;
+                Server::llama(&llama_bin(), &gguf, slots, tokens, LlamaKv::PerSlot).await?
+            }
+            _ => {
+                let spec = format!("{fraction},node,{port},{},server{s}", mode.priority(s));
+                Server::this_bench(&[("PROCMEM_SHARING_CHILD", spec)]).await?
+            }
         };
-        servers.push(Server::this_bench(&[("PROCMEM_SHARING_CHILD", spec)]).await?);
+        servers.push(server);
     }
     Ok(servers)
+}
+
+/// llama.cpp's server, where `scripts/llama-server.sh` builds it.
+fn llama_bin() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/llama.cpp/build/bin/llama-server")
 }
 
 /// One row: fresh servers (and node), the plan, the figures.
@@ -326,13 +383,29 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
         .port();
-    let node = match mode {
-        Mode::Static => None,
-        _ => {
+    // A shrinking row runs in its own memory cgroup, made before anything of the row starts.
+    let group = match mode.shrinks() {
+        true => Some(shrink::Group::make(mode.name())?),
+        false => None,
+    };
+    let node = match mode.node() {
+        false => None,
+        true => {
             let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
             config.rejoin_grace = Duration::ZERO;
             Some(NodeHandle::start(config).await.map_err(|e| e.to_string())?)
         }
+    };
+    // The node's capacity follows the group (as `node_governor --follow-machine` does).
+    let _follow = match (&group, &node) {
+        (Some(g), Some(n)) => Some(HostPressure::spawn_for_node(
+            n.clone(),
+            "host",
+            PressurePolicy::new(capacity),
+            g.source(),
+            Duration::from_millis(250),
+        )),
+        _ => None,
     };
     let servers = start_servers(mode, port, fraction).await?;
     let addrs: Vec<_> = servers.iter().map(|s| s.addr).collect();
@@ -353,7 +426,23 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
     }
     let watcher = watch::Watcher::start(&servers, node.clone());
     let start = Instant::now();
-    let (done, starts) = drive(&addrs, plan).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let load = async {
+        let driven = drive(&addrs, plan).await;
+        let _ = tx.send(());
+        driven
+    };
+    let ((done, starts), shrunk) = match &group {
+        Some(g) => {
+            let governed = match &node {
+                Some(n) => shrink::Governed::Node(n.clone()),
+                None => shrink::Governed::Fixed(capacity),
+            };
+            let (d, s) = tokio::join!(load, shrink::shrink(g, governed, capacity, rx));
+            (d, Some(s))
+        }
+        None => (load.await, None),
+    };
     let wall = start.elapsed();
     let seen = watcher.stop().await;
     let mut per_server = Vec::new();
@@ -363,7 +452,18 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
             .metric("procmem_kv_preemptions_total")
             .await
             .unwrap_or(0.0);
-        let stopped = server.stop().await?;
+        // A server the OOM killer took (a shrinking row) is counted, not a failed bench.
+        let (stopped, exit) = match server.stop().await {
+            Ok(stopped) => (stopped, None),
+            Err(e) if mode.shrinks() => (
+                servers::Stopped {
+                    log: e.clone(),
+                    rss: 0,
+                },
+                Some(e),
+            ),
+            Err(e) => return Err(e),
+        };
         let logs = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
         let _ = std::fs::create_dir_all(&logs);
         let _ = std::fs::write(
@@ -379,6 +479,7 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         f["peak_rss_bytes"] = json!(stopped.rss);
         f["priority"] = json!(mode.priority(s));
         f["books_zero_after_shutdown"] = json!(stopped.log.contains("books after shutdown: zero"));
+        f["exit_error"] = json!(exit.map(|e| e.lines().next().unwrap_or("").to_string()));
         per_server.push(f);
     }
     let tickets = match &node {
@@ -395,7 +496,11 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         &mut all,
         json!({
             "row": mode.name(),
-            "capacity_m_bytes": if mode == Mode::Static { 3 * budget } else { capacity },
+            "capacity_m_bytes": match mode {
+                Mode::Static | Mode::Unbounded => 3 * budget,
+                _ => capacity,
+            },
+            "shrink": shrunk,
             "wall_s": wall.as_secs_f64(),
             "ttft_p99_ms_in_burst": figures(done.iter().filter(|d| d.server == d.phase), wall)["ttft_p99_ms"],
             "preemptions": per_server.iter().map(|f| f["preemptions"].as_f64().unwrap_or(0.0)).sum::<f64>(),
@@ -433,6 +538,26 @@ fn print_row(r: &Value) {
         r["node_tickets"],
         r["node_tickets_per_request"].as_f64().unwrap_or(0.0),
         r["longest_wait_for_credit_s"].as_f64().unwrap_or(0.0),
+    );
+}
+
+fn print_shrink(r: &Value) {
+    let s = &r["shrink"];
+    let mb = |k: &str| s[k].as_f64().unwrap_or(f64::NAN) / 1e6;
+    println!(
+        "{:<14} soft limit {:.1} MB at {:.1} s (working set {:.1} MB, outside the books {:.1} MB; write {}): working set under it after {} s, usage after {} s; hard limit {:.1} MB ({}); most usage after it {:.1} MB; OOM kills {}",
+        "",
+        mb("soft_limit_bytes"),
+        s["soft_at_s"].as_f64().unwrap_or(f64::NAN),
+        mb("working_set_at_soft_bytes"),
+        mb("outside_books_at_soft_bytes"),
+        s["soft_write"],
+        s["working_set_under_soft_after_s"],
+        s["usage_under_soft_after_s"],
+        mb("hard_limit_bytes"),
+        s["hard_write"],
+        mb("most_usage_after_hard_bytes"),
+        s["oom_kills"],
     );
 }
 
@@ -481,7 +606,7 @@ async fn run() -> Result<(), String> {
         TextCodec::new(&g.tokenizer().map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let plan = plan(&codec);
     let wanted = std::env::var("PROCMEM_SHARING_ROWS")
-        .unwrap_or_else(|_| "static,node,node_priority".into());
+        .unwrap_or_else(|_| "static,node,node_priority,node_shrink,llama_shrink,unbounded".into());
     println!(
         "sharing: {SERVERS} servers, {} conversations of {TURNS} turns in {} phases ({BURST} for the server in its burst, 1 for each other), system prompts {} tokens",
         plan.phases.iter().flatten().map(Vec::len).sum::<usize>(),
@@ -512,6 +637,39 @@ async fn run() -> Result<(), String> {
         print_row(&r);
         checks[mode.name()] = goals(&r, &fixed);
         rows.push(r);
+    }
+    for mode in [Mode::NodeShrink, Mode::LlamaShrink, Mode::Unbounded] {
+        if !wanted.split(',').any(|w| w.trim() == mode.name()) {
+            println!("{}: not in PROCMEM_SHARING_ROWS: skipped", mode.name());
+            continue;
+        }
+        if mode == Mode::LlamaShrink && !llama_bin().is_file() {
+            println!(
+                "{}: no llama-server (scripts/llama-server.sh builds it): skipped",
+                mode.name()
+            );
+            rows.push(json!({"row": mode.name(), "skipped": "no llama-server"}));
+            continue;
+        }
+        match row(mode, &plan, capacity).await {
+            Ok((r, _)) => {
+                print_row(&r);
+                if mode.shrinks() {
+                    print_shrink(&r);
+                }
+                rows.push(r);
+            }
+            Err(e) if e.starts_with("cgroup:") => {
+                println!("{}: {e}: skipped", mode.name());
+                rows.push(json!({"row": mode.name(), "skipped": e}));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    // The floor: with memory never short, how much lower the tail could be on this machine.
+    if let Some(floor) = rows.iter().find(|r| r["row"] == "unbounded") {
+        let p99 = |r: &Value| r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN);
+        checks["ttft_p99_static_over_unbounded"] = json!(p99(&fixed) / p99(floor));
     }
     println!("goals: {checks}");
     let report = json!({
