@@ -352,6 +352,9 @@ async fn start_servers(mode: Mode, port: u16, fraction: f64) -> Result<Vec<Serve
                 Server::this_bench(&[("PROCMEM_SHARING_CHILD", format!("{fraction},static"))])
                     .await?
             }
+            Mode::Unbounded => {
+                Server::this_bench(&[("PROCMEM_SHARING_CHILD", "1.0,static".into())]).await?
+            }
             Mode::LlamaShrink => {
                 // The KV bytes of a static server's budget (a fraction of 8 sequences of the
                 // context), as slots of the context each (at least one).
@@ -512,6 +515,12 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         }),
     );
     merge(&mut all, seen.json(&starts));
+    // Each row on its own as well, so a later row that fails loses nothing.
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+    let _ = std::fs::write(
+        dir.join(format!("sharing-{}.json", mode.name())),
+        serde_json::to_string_pretty(&all).unwrap_or_default(),
+    );
     Ok((all, budget))
 }
 

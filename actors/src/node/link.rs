@@ -10,7 +10,9 @@ use procmem::kv::PrefixDigest;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
-use super::wire::{self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest};
+use super::wire::{
+    self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, NOBODY_CAN_GIVE,
+};
 use super::{link_group, NODE_GROUP, TICK};
 use crate::governor::GovernorHandle;
 
@@ -317,9 +319,12 @@ impl Actor for Link {
                     state.credit = state.credit.saturating_add(bytes);
                     state.set_capacity().await;
                 } else {
-                    // Nobody else could give: this process's own holders make the room.
                     tracing::debug!(?result, "credit ask not granted");
-                    state.governor.upstream_refused();
+                    if matches!(&result, Ok(NodeReply::Refused { reason }) if reason == NOBODY_CAN_GIVE)
+                    {
+                        // Nobody else could give: this process's own holders make the room.
+                        state.governor.upstream_refused();
+                    }
                 }
             }
             LinkMsg::Notice(Ok(LinkNotice::Ticket {

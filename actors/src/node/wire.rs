@@ -22,6 +22,10 @@ pub const MAX_DIGESTS: usize = 12;
 /// The longest name a process or an authority may have.
 pub const MAX_NAME: usize = 128;
 
+/// The reason of a refused ask when no other process holds anything it could give: the asker's
+/// own holders make the room (its link tells its Governor so).
+pub const NOBODY_CAN_GIVE: &str = "no room: no other process can give";
+
 /// A process's request to its node Governor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeRequest {

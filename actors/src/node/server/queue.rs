@@ -10,7 +10,7 @@ use procmem::metrics as m;
 use tokio::time::Instant;
 
 use super::{refuse, NodeState, LIMITS};
-use crate::node::wire::{LinkMsg, LinkNotice};
+use crate::node::wire::{LinkMsg, LinkNotice, NOBODY_CAN_GIVE};
 
 impl NodeState {
     /// Grants waiters in order (priority, then arrival) while the first fits; one that can
@@ -101,17 +101,34 @@ impl NodeState {
         }
     }
 
-    /// Every process that could give was asked and gave what it could: the waiters are refused
-    /// now rather than at their deadline (only a give or a reap frees room here), so each
-    /// asker makes room among its own holders (its cache) at once. Not during the rejoin
-    /// grace, when asks wait for the processes to be counted.
+    /// Every process that could give was asked and gave what it could. Where no other process
+    /// holds anything it could give (credit it does not use, or cached prompt blocks), only
+    /// the askers' own holders can make the room: the waiters are refused now rather than at
+    /// their deadline, with [`NOBODY_CAN_GIVE`], and each asker makes room among its own
+    /// holders (its cache) at once. Where another could give, the waiters wait for it. Not
+    /// during the rejoin grace, when asks wait for the processes to be counted.
     fn nobody_to_ask(&mut self, aid: AuthorityId) {
         if Instant::now() < self.serving_from {
             return;
         }
+        let waiting: BTreeSet<u64> = self
+            .waiters
+            .get(&aid)
+            .map(|q| q.items().map(|w| w.token).collect())
+            .unwrap_or_default();
+        let others_could_give = self.processes.iter().any(|(token, p)| {
+            let Some(m) = p.members.get(&aid).filter(|_| !waiting.contains(token)) else {
+                return false;
+            };
+            let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+            credit > m.approved || m.prefixes.as_ref().is_some_and(|d| d.blocks() > 0)
+        });
+        if others_could_give {
+            return;
+        }
         if let Some(queue) = self.waiters.get_mut(&aid) {
             for w in queue.drain_where(|_| true) {
-                refuse(w.reply, "no room: no other process can give");
+                refuse(w.reply, NOBODY_CAN_GIVE);
             }
         }
     }
