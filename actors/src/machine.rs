@@ -18,46 +18,23 @@ use procmem::metrics as m;
 use tokio::task::JoinHandle;
 
 use crate::governor::GovernorHandle;
-#[cfg(feature = "cluster")]
-use crate::node::NodeHandle;
 
 /// Whose capacity follows the machine: a process's host Governor, or one authority of a node
 /// Governor (whose cgroup holds the node and its processes).
-#[derive(Debug, Clone)]
-enum Followed {
-    Governor(GovernorHandle),
-    #[cfg(feature = "cluster")]
-    Node {
-        node: NodeHandle,
-        authority: String,
-    },
+pub(crate) trait Followed: Send + Sync + 'static {
+    /// What is approved on the books the capacity bounds (the memory they stand for).
+    fn approved(&self) -> impl std::future::Future<Output = Option<u64>> + Send;
+    /// Sets the capacity; false once the books are gone.
+    fn set_capacity(&self, bytes: u64) -> impl std::future::Future<Output = bool> + Send;
 }
 
-impl Followed {
-    /// What is approved on the books the capacity bounds: the Governor's approvals, or what the
-    /// node's processes last reported approved to their holders (their credit unused is not
-    /// memory).
+impl Followed for GovernorHandle {
     async fn approved(&self) -> Option<u64> {
-        match self {
-            Followed::Governor(g) => g.snapshot().await.ok().map(|s| s.books.approved()),
-            #[cfg(feature = "cluster")]
-            Followed::Node { node, authority } => node.status().await.map(|s| {
-                s.processes
-                    .iter()
-                    .filter(|p| &p.authority == authority)
-                    .map(|p| p.approved)
-                    .fold(0u64, u64::saturating_add)
-            }),
-        }
+        self.snapshot().await.ok().map(|s| s.books.approved())
     }
 
-    /// Sets the capacity; false once the Governor is gone.
     async fn set_capacity(&self, bytes: u64) -> bool {
-        match self {
-            Followed::Governor(g) => g.set_capacity(bytes).await.is_ok(),
-            #[cfg(feature = "cluster")]
-            Followed::Node { node, authority } => node.set_capacity(authority, bytes).await,
-        }
+        GovernorHandle::set_capacity(self, bytes).await.is_ok()
     }
 }
 
@@ -200,7 +177,7 @@ impl MachineSource for LinuxSource {
 /// Reads what the cgroup holds outside `followed`'s books into `gauge` (its working set less
 /// what is approved); nothing where the source has no cgroup or a reading fails.
 async fn measure_outside(
-    followed: &Followed,
+    followed: &impl Followed,
     source: &mut impl MachineSource,
     gauge: &mut PressureGauge,
     policy: &PressurePolicy,
@@ -239,26 +216,12 @@ impl HostPressure {
         source: impl MachineSource,
         interval: Duration,
     ) -> Self {
-        Self::follow(Followed::Governor(governor), policy, source, interval)
+        Self::follow(governor, policy, source, interval)
     }
 
-    /// The same for one authority of a node Governor: `source` is the cgroup that holds the
-    /// node's processes (and the node), what they hold outside the books is their working set
-    /// less what they report approved, and a lowered capacity turns into the node's tickets.
-    #[cfg(feature = "cluster")]
-    pub fn spawn_for_node(
-        node: NodeHandle,
-        authority: impl Into<String>,
-        policy: PressurePolicy,
-        source: impl MachineSource,
-        interval: Duration,
-    ) -> Self {
-        let authority = authority.into();
-        Self::follow(Followed::Node { node, authority }, policy, source, interval)
-    }
-
-    fn follow(
-        followed: Followed,
+    /// Keeps `followed`'s capacity following `source` (the node's `spawn_for_node` too).
+    pub(crate) fn follow(
+        followed: impl Followed,
         policy: PressurePolicy,
         mut source: impl MachineSource,
         interval: Duration,

@@ -25,6 +25,7 @@
 //! Peers authenticate with the cluster cookie. Every payload is decoded and validated before it
 //! reaches the books (see [`wire`]).
 
+mod follow;
 mod link;
 mod peer;
 mod server;
