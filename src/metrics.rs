@@ -219,7 +219,7 @@ pub const NODE_PROCESS_CREDIT_BYTES: Metric = metric(
     Kind::Gauge,
     Unit::Bytes,
     NODE_PROCESS,
-    "Credit the node Governor approved to one process.",
+    "Credit the node Governor approved to one process (`process`: its name and pid, `name[pid]`).",
 );
 /// Bytes one process last reported the OS or driver holds for it.
 pub const NODE_PROCESS_OS_BYTES: Metric = metric(
