@@ -1,7 +1,13 @@
 //! What the books say: a denial's reasons, snapshots, the invariants, and the books a
 //! restarted Governor starts from.
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{
+    AuthorityId, AuthoritySnapshot, Claim, Denial, HolderBooks, HolderId, HolderReport,
+    HolderUsage, Ledger, LedgerError,
+};
+use crate::api::MemoryRole;
 
 impl Ledger {
     /// Holders of `authority` by approved bytes, largest first.
