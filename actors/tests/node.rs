@@ -720,6 +720,14 @@ impl Status {
     }
 }
 
+/// A server's variables for one round of bursts, started when the test creates `go.0`.
+fn one_round(go: &std::path::Path) -> [(&'static str, String); 2] {
+    [
+        ("ROUNDS", "1".to_string()),
+        ("GO", go.to_string_lossy().into_owned()),
+    ]
+}
+
 /// A `BURST r total_ms longest_wait_ms` line of a server's rounds: the two figures.
 fn burst_round(line: &str) -> Vec<u64> {
     line.split(' ')
@@ -1312,10 +1320,7 @@ fn bursts_that_move_between_three_servers_move_the_credit_with_them() {
     let servers: Vec<Proc> = ["a", "b", "c"]
         .iter()
         .map(|name| {
-            let vars = [
-                ("ROUNDS", "1".to_string()),
-                ("GO", go(name).to_string_lossy().into_owned()),
-            ];
+            let vars = one_round(&go(name));
             let p = server_with(port, name, 0, 3, 6, &vars);
             p.wait("CACHED", Duration::from_secs(60), |_| {});
             p
@@ -1367,10 +1372,7 @@ fn a_busy_process_does_not_keep_the_node_from_asking_an_idle_one() {
     busy.wait("CACHED", Duration::from_secs(60), |_| {});
     let idle = server(port, "idle", 1, 6, 0);
     idle.wait("CACHED", Duration::from_secs(60), |_| {});
-    let vars = [
-        ("ROUNDS", "1".to_string()),
-        ("GO", go.to_string_lossy().into_owned()),
-    ];
+    let vars = one_round(&go);
     let burst = server_with(port, "burst", 2, 0, 6, &vars);
     burst.wait("JOINED", Duration::from_secs(60), |_| {});
     std::thread::sleep(Duration::from_millis(500));
@@ -1434,10 +1436,7 @@ fn a_node_following_a_shrinking_cgroup_takes_credit_back_from_its_processes() {
     let go = group.path().join("go");
     let a = server(port, "a", 0, 6, 0);
     a.wait("CACHED", Duration::from_secs(60), |_| {});
-    let vars = [
-        ("ROUNDS", "1".to_string()),
-        ("GO", go.to_string_lossy().into_owned()),
-    ];
+    let vars = one_round(&go);
     let b = server_with(port, "b", 0, 5, 6, &vars);
     b.wait("CACHED", Duration::from_secs(60), |_| {});
     let full = status_until(&node, Duration::from_secs(10), |s| s.total >= 10 * MIB);
@@ -1498,10 +1497,7 @@ fn a_process_alone_on_the_node_makes_room_from_its_own_cache() {
     let (node, port) = node(6 * MIB);
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
-    let vars = [
-        ("ROUNDS", "1".to_string()),
-        ("GO", go.to_string_lossy().into_owned()),
-    ];
+    let vars = one_round(&go);
     let a = server_with(port, "alone", 0, 5, 3, &vars);
     a.wait("CACHED", Duration::from_secs(60), |_| {});
     let before = status(&node);

@@ -63,12 +63,16 @@ impl Group {
         LinuxSource::for_cgroup(Some((self.dir.clone(), self.version)))
     }
 
-    fn read(&self, v1: &str, v2: &str) -> io::Result<String> {
-        let file = match self.version {
+    /// Its file of that name in this hierarchy (v1's name, v2's name).
+    fn file(&self, v1: &str, v2: &str) -> PathBuf {
+        self.dir.join(match self.version {
             CgroupVersion::V1 => v1,
             CgroupVersion::V2 => v2,
-        };
-        std::fs::read_to_string(self.dir.join(file))
+        })
+    }
+
+    fn read(&self, v1: &str, v2: &str) -> io::Result<String> {
+        std::fs::read_to_string(self.file(v1, v2))
     }
 
     /// What the kernel charges it, page cache included.
@@ -97,21 +101,15 @@ impl Group {
 
     /// Sets the soft limit (v1 `memory.soft_limit_in_bytes`, v2 `memory.high`).
     pub fn set_soft(&self, bytes: u64) -> io::Result<()> {
-        let file = match self.version {
-            CgroupVersion::V1 => "memory.soft_limit_in_bytes",
-            CgroupVersion::V2 => "memory.high",
-        };
-        std::fs::write(self.dir.join(file), bytes.to_string())
+        let file = self.file("memory.soft_limit_in_bytes", "memory.high");
+        std::fs::write(file, bytes.to_string())
     }
 
     /// Sets the hard limit (v1 `memory.limit_in_bytes`, v2 `memory.max`); v1 refuses a limit
     /// below what it cannot reclaim (EBUSY).
     pub fn set_hard(&self, bytes: u64) -> io::Result<()> {
-        let file = match self.version {
-            CgroupVersion::V1 => "memory.limit_in_bytes",
-            CgroupVersion::V2 => "memory.max",
-        };
-        std::fs::write(self.dir.join(file), bytes.to_string())
+        let file = self.file("memory.limit_in_bytes", "memory.max");
+        std::fs::write(file, bytes.to_string())
     }
 }
 

@@ -111,11 +111,7 @@ impl NodeState {
         if Instant::now() < self.serving_from {
             return;
         }
-        let waiting: BTreeSet<u64> = self
-            .waiters
-            .get(&aid)
-            .map(|q| q.items().map(|w| w.token).collect())
-            .unwrap_or_default();
+        let waiting = self.waiting_tokens(aid);
         let others_could_give = self.processes.iter().any(|(token, p)| {
             let Some(m) = p.members.get(&aid).filter(|_| !waiting.contains(token)) else {
                 return false;
@@ -133,6 +129,14 @@ impl NodeState {
         }
     }
 
+    /// The processes with an ask waiting for room in `aid`.
+    fn waiting_tokens(&self, aid: AuthorityId) -> BTreeSet<u64> {
+        self.waiters
+            .get(&aid)
+            .map(|q| q.items().map(|w| w.token).collect())
+            .unwrap_or_default()
+    }
+
     /// The process to ask next for room in `aid`, and what it holds (its credit and the
     /// bytes it reported approved). Each process is asked once, least important first and
     /// among equals the one holding most first; only once every process has been asked is
@@ -145,11 +149,8 @@ impl NodeState {
         // A process waiting here at least as important as the first waiter is the one the
         // room is for: asking it to give back would hand its own bytes round in a circle (it
         // counts the free bytes its ask waits for as unused).
-        let queue = self.waiters.get(&aid);
-        let front = queue.and_then(WaitQueue::front_priority);
-        let waiting: BTreeSet<u64> = queue
-            .map(|q| q.items().map(|w| w.token).collect())
-            .unwrap_or_default();
+        let front = self.waiters.get(&aid).and_then(WaitQueue::front_priority);
+        let waiting = self.waiting_tokens(aid);
         let candidates: Vec<(u64, Priority, u64, (u64, u64))> = self
             .processes
             .iter()
