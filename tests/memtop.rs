@@ -524,8 +524,9 @@ fn memtop_and_cluster_status_show_the_credit_moving_between_two_servers() {
     eprintln!("memtop, A's credit (MiB): {}", a_line.join(" "));
     eprintln!("memtop, B's credit (MiB): {}", b_line.join(" "));
     assert!(moved(&seen), "memtop shows the credit moving from A to B");
-    // cluster_status refreshes once a second: read what it printed until it shows the same
-    // (A's most less 1.5 MiB, B's 3 MiB), 20 s at most.
+    // cluster_status refreshes once a second, so it may miss A's peak that memtop saw: read
+    // what it printed until A is shown holding at least 6 MiB, then at least 1.5 MiB less
+    // after B joined, and B 3 MiB, 20 s at most.
     let mib = |r: &BTreeMap<String, f64>, n: &str| r.get(n).copied().unwrap_or(0.0) / 1048576.0;
     let start = Instant::now();
     loop {
@@ -541,7 +542,7 @@ fn memtop_and_cluster_status_show_the_credit_moving_between_two_servers() {
             .map(|r| mib(r, &a_name))
             .fold(f64::MAX, f64::min);
         let b_most = after.iter().map(|r| mib(r, &b_name)).fold(0.0, f64::max);
-        if a_most >= 12.0 && a_least <= a_most - 1.5 && b_most >= 3.0 {
+        if a_most >= 6.0 && a_least <= a_most - 1.5 && b_most >= 3.0 {
             eprintln!(
                 "cluster_status, {} refreshes: A at most {a_most:.1} MiB, after B joined at \
                  least {a_least:.1}; B at most {b_most:.1}",
