@@ -28,5 +28,8 @@ pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
 pub use shape::{KvDtype, KvShape, ShapeError};
-pub use table::{first_duplicate, Phase, PreemptMode, SeqId, SeqRecord, SequenceTable, TableError};
+pub use table::{
+    first_duplicate, Lent, Phase, PreemptMode, SeqData, SeqId, SeqState, Sequence, SequenceTable,
+    TableError,
+};
 pub use victims::{choose_victims, PrefixCandidate, SequenceCandidate, Victim};

@@ -11,7 +11,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use procmem::kv::{
-    BlockState, Incarnation, Phase, PreemptMode, PrefixCache, SeqId, SequenceTable, TableError,
+    BlockState, Incarnation, Lent, Phase, PreemptMode, PrefixCache, SeqId, SequenceTable,
+    TableError,
 };
 use proptest::prelude::*;
 
@@ -112,7 +113,7 @@ impl Store {
                 };
                 if !ok {
                     self.cache.abandon(writer);
-                    self.table.end_open(*seq, writer, 0, None);
+                    self.table.forget_open(*seq, writer);
                     return Answer::Done;
                 }
                 let mut filling = Vec::new();
@@ -122,7 +123,7 @@ impl Store {
                         filling.push((*key, (hits + i + 1) * BT));
                     }
                 }
-                if self.table.end_open(*seq, writer, 0, Some(filling)) {
+                if self.table.end_open(*seq, writer, 0, filling, ()).is_ok() {
                     self.tokens.insert(*seq, hits * BT);
                 } else {
                     self.cache.abandon(writer);
@@ -140,15 +141,23 @@ impl Store {
             Op::PrepareDone(ok) => match self.prepares.pop_front() {
                 None => Answer::Nothing,
                 Some(b) => {
-                    self.table.end_growth(&b, *ok);
+                    // Granted: the step's memory is lent (each sequence still waiting);
+                    // refused: they are idle again.
+                    if *ok {
+                        for (seq, writer) in &b {
+                            self.table.lend(*seq, *writer, |_| Lent::default());
+                        }
+                    } else {
+                        self.table.end_growth(&b);
+                    }
                     Answer::Done
                 }
             },
             Op::Step(seq) => {
                 let writer = self.table.get(*seq).map_or(0, |r| r.writer);
                 let tokens = self.tokens.get(seq).copied().unwrap_or(0) + 1;
-                match self.table.end_step(*seq, writer, tokens) {
-                    Err(e) => Answer::Refused(e),
+                match self.table.end_step(*seq, writer, tokens, ()) {
+                    Err((e, ())) => Answer::Refused(e),
                     Ok(done) => {
                         self.tokens.insert(*seq, tokens);
                         let completed = done
@@ -162,7 +171,7 @@ impl Store {
             Op::Pressure(seq) => {
                 let tokens = self.tokens.get(seq).copied().unwrap_or(0);
                 match self.table.preempt(*seq, PreemptMode::Swap, tokens) {
-                    Some(writer) => {
+                    Some((writer, ())) => {
                         self.cache.abandon(writer);
                         Answer::Evicted(true)
                     }
@@ -180,7 +189,9 @@ impl Store {
             Op::RestoreDone(seq, ok) => match self.restores.remove(seq) {
                 None => Answer::Nothing,
                 Some(writer) => {
-                    self.table.end_restore(*seq, writer, *ok);
+                    // The store puts the memory in before the grant lands.
+                    let _ = self.table.restoring_into(*seq, writer, ());
+                    let _ = self.table.end_restore(*seq, writer, *ok);
                     Answer::Done
                 }
             },
@@ -352,21 +363,17 @@ impl Reference {
             Op::PrepareDone(ok) => match self.prepares.pop_front() {
                 None => Answer::Nothing,
                 Some(b) => {
+                    // Granted, a sequence with its memory (idle or growing) steps; refused,
+                    // one still growing is idle again.
                     for (s, inc) in b {
-                        let live = |r: &&mut RefSeq| {
-                            r.incarnation == inc
-                                && matches!(
-                                    r.phase,
-                                    RefPhase::Idle | RefPhase::Growing | RefPhase::Stepping
-                                )
+                        let Some(r) = self.seqs.get_mut(&s).filter(|r| r.incarnation == inc) else {
+                            continue;
                         };
-                        if let Some(r) = self.seqs.get_mut(&s).filter(live) {
-                            r.phase = if *ok {
-                                RefPhase::Stepping
-                            } else {
-                                RefPhase::Idle
-                            };
-                        }
+                        r.phase = match (r.phase, *ok) {
+                            (RefPhase::Idle | RefPhase::Growing, true) => RefPhase::Stepping,
+                            (RefPhase::Growing, false) => RefPhase::Idle,
+                            (phase, _) => phase,
+                        };
                     }
                     Answer::Done
                 }
@@ -472,7 +479,7 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
     prop_assert_eq!(&ids, &reference.seqs.keys().copied().collect::<Vec<_>>());
     for (seq, r) in &reference.seqs {
         let rec = store.table.get(*seq).expect("same ids");
-        prop_assert_eq!(phase_of(rec.phase), r.phase, "seq {}", seq);
+        prop_assert_eq!(phase_of(rec.phase()), r.phase, "seq {}", seq);
         if r.phase != RefPhase::Preempted && r.phase != RefPhase::Restoring {
             prop_assert_eq!(store.tokens.get(seq).copied().unwrap_or(0), r.tokens);
         }
@@ -508,7 +515,10 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
                 prop_assert!(seq.is_some(), "block {:x} filled by a dead writer", key);
                 let rec = store.table.get(*seq.unwrap()).unwrap();
                 prop_assert!(rec.filling.iter().any(|(k, _)| *k == key));
-                let taken = matches!(rec.phase, Phase::Preempted { .. } | Phase::Restoring { .. });
+                let taken = matches!(
+                    rec.phase(),
+                    Phase::Preempted { .. } | Phase::Restoring { .. }
+                );
                 prop_assert!(!taken, "a preempted sequence writes no block");
             }
             BlockState::Claimed { writer } => {

@@ -683,8 +683,8 @@ impl Drop for KvStoreState {
     fn drop(&mut self) {
         // A stopped or panicking store still frees nothing early: every sequence goes through
         // the deferred-free path after its fences, and its leases follow the memory.
-        for entry in self.sequences.drain() {
-            self.retire(entry);
+        for resident in self.sequences.drain() {
+            self.retire(resident);
         }
     }
 }

@@ -42,9 +42,9 @@ impl KvStoreState {
             // (not only from the sequence's first step).
             self.send_after(myself, fence, KvStoreMsg::CopySettled { seq, writer });
         }
-        if let Some(entry) = self.sequences.entries.get_mut(&seq) {
-            entry.last_fence = copy.fence.or(entry.last_fence);
-            entry.copy_in = Some(copy);
+        if let Some(r) = self.sequences.resident_mut(seq) {
+            r.last_fence = copy.fence.or(r.last_fence);
+            r.copy_in = Some(copy);
         }
     }
 
@@ -53,9 +53,8 @@ impl KvStoreState {
     pub(super) fn copy_settled(&mut self, seq: SeqId, writer: Incarnation) {
         let ours = self
             .sequences
-            .entries
-            .get(&seq)
-            .and_then(|e| e.copy_in.as_ref())
+            .resident(seq)
+            .and_then(|r| r.copy_in.as_ref())
             .is_some_and(|c| c.writer == writer);
         if ours {
             self.settle_copy_in(seq);
@@ -79,7 +78,7 @@ impl KvStoreState {
         }
         let idle = |s: &SeqId| {
             let table = &self.sequences.table;
-            table.get(*s).is_some_and(|r| r.phase == Phase::Idle)
+            table.get(*s).is_some_and(|r| r.phase() == Phase::Idle)
         };
         if !ids.iter().all(idle) {
             return Some((seqs, reply));
@@ -87,7 +86,7 @@ impl KvStoreState {
         let timeline = self.stream.timeline();
         let running = seqs
             .iter()
-            .filter_map(|(s, _)| self.sequences.entries.get(s)?.copy_in.as_ref()?.fence)
+            .filter_map(|(s, _)| self.sequences.resident(*s)?.copy_in.as_ref()?.fence)
             .find(|f| timeline.completed() < f.value);
         if let Some(fence) = running {
             self.send_after(myself, fence, KvStoreMsg::Prepare { seqs, reply });
@@ -106,7 +105,7 @@ impl KvStoreState {
     /// The copy in of `seq` is done: the blocks it filled join the cache as whole. False if
     /// it fell short (the sequence keeps it until it is recomputed).
     fn settle_copy_in(&mut self, seq: SeqId) -> bool {
-        let Some(entry) = self.sequences.entries.get_mut(&seq) else {
+        let Some(entry) = self.sequences.resident_mut(seq) else {
             return true;
         };
         let Some(copy) = entry.copy_in.as_mut() else {
@@ -136,11 +135,11 @@ impl KvStoreState {
     /// claimed and did not get leave the cache.
     fn recompute(&mut self, seq: SeqId) {
         let tokens = self.sequences.memory(seq).map_or(0, |m| m.tokens());
-        let Some(writer) = self.sequences.table.lose(seq, tokens) else {
+        let Some((writer, resident)) = self.sequences.table.lose(seq, tokens) else {
             return;
         };
         let mut mode = PreemptMode::Recompute;
-        self.let_go(seq, None, false, &mut mode);
+        self.let_go(seq, resident, None, false, &mut mode);
         self.prefixes.abandon(writer);
         self.stats.preempted_by_recompute += 1;
     }

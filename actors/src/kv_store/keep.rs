@@ -27,7 +27,7 @@ use procmem::SharedMapping;
 use ractor::ActorRef;
 
 use super::prefix::SharedPrefix;
-use super::sequences::SeqEntry;
+use super::sequences::Resident;
 use super::tier::write_block;
 use super::{KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
@@ -56,15 +56,11 @@ impl KvStoreState {
             .sequences
             .table
             .get(seq)
-            .is_some_and(|r| r.phase == Phase::Idle);
+            .is_some_and(|r| r.phase() == Phase::Idle);
         let Some(entry) = self.take_closed(seq) else {
             return;
         };
-        let keepable = idle
-            && self.device.is_host()
-            && entry.memory.is_some()
-            && entry.saved.is_none()
-            && entry.copy_in.is_none();
+        let keepable = idle && self.device.is_host() && entry.copy_in.is_none();
         match keepable {
             true => self.keep(myself, entry, &tokens),
             false => self.retire(entry),
@@ -74,11 +70,11 @@ impl KvStoreState {
     /// Claims the blocks of `tokens` past those `entry` maps, makes them from its charge and
     /// queues the kernel that fills them and frees its memory. Anything short of that
     /// retires it as a plain close would.
-    fn keep(&mut self, myself: &ActorRef<KvStoreMsg>, mut entry: SeqEntry, tokens: &[u32]) {
+    fn keep(&mut self, myself: &ActorRef<KvStoreMsg>, mut entry: Resident, tokens: &[u32]) {
         let shape = self.config.shape;
         let g = self.device.granularity();
         let bt = shape.block_tokens(g);
-        let rows = entry.memory.as_ref().map_or(0, KvSequence::tokens);
+        let rows = entry.memory.tokens();
         let whole = tokens.len().min(rows) / bt.max(1);
         if whole <= entry.prefixes.len() {
             return self.retire(entry);
@@ -158,23 +154,24 @@ impl KvStoreState {
 /// charge freed, then each block made and written (so the OS never holds both). The blocks
 /// made whole go to `made`, in order, up to the first that could not be.
 fn keep_kernel(
-    entry: SeqEntry,
+    entry: Resident,
     (first, bt, per_buffer): (usize, usize, u64),
     parts: Vec<Charge>,
     mapping: Arc<dyn SharedMapping>,
     made: Made,
 ) -> impl FnOnce() + Send + 'static {
     move || {
-        let SeqEntry {
+        let Resident {
             memory,
             charge,
             prefixes,
             ..
         } = entry;
-        let buffers = memory.as_ref().map_or(0, |m| m.shape().buffers());
-        let rows = memory.map(|m| read_rows(&m, first, parts.len(), bt));
+        let buffers = memory.shape().buffers();
+        let rows = read_rows(&memory, first, parts.len(), bt);
+        drop(memory);
         drop((prefixes, charge));
-        let Some(Some(rows)) = rows else {
+        let Some(rows) = rows else {
             return;
         };
         let mut whole = Vec::with_capacity(parts.len());

@@ -10,11 +10,10 @@ use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
 
-use super::sequences::SeqEntry;
+use super::sequences::Resident;
 use super::step::{KvStep, StepMemory, StepSeq};
 use super::transactions::batch_of;
 use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
-use crate::charge::Charge;
 use crate::governor::ReserveRequest;
 
 impl KvStoreState {
@@ -32,7 +31,7 @@ impl KvStoreState {
         let batch = &batch[..];
         if let Some(&(seq, ..)) = plan.iter().find(|(s, w, ..)| !self.sequences.is(*s, *w)) {
             // Closed while its grant was on its way: the step is refused as a whole.
-            self.sequences.table.end_growth(batch, false);
+            self.sequences.table.end_growth(batch);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         }
@@ -41,13 +40,12 @@ impl KvStoreState {
         let views = match self.step_views(plan) {
             Ok(v) => v,
             Err(e) => {
-                self.sequences.table.end_growth(batch, false);
+                self.sequences.table.end_growth(batch);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
         };
         let (lent, ahead) = self.take_lent(plan);
-        self.sequences.table.end_growth(batch, true);
         let id = self.transactions.next_id();
         let step = KvStep::new(
             id,
@@ -71,10 +69,7 @@ impl KvStoreState {
     ) -> Result<Vec<Vec<LayerViews>>, KvError> {
         plan.iter()
             .map(|(seq, _, _, count)| {
-                let memory = self.sequences.entries[seq]
-                    .memory
-                    .as_ref()
-                    .expect("a grown sequence");
+                let memory = self.sequences.memory(*seq).expect("a grown sequence");
                 (0..self.config.shape.layers)
                     .map(|l| memory.views(l, memory.tokens() + count))
                     .collect()
@@ -92,16 +87,17 @@ impl KvStoreState {
         let mut lent = Vec::with_capacity(plan.len());
         let mut ahead = Vec::new();
         for &(seq, writer, _, count) in plan {
-            let entry = self
+            let Resident {
+                memory,
+                prefixes,
+                charge,
+                ahead: mapped_ahead,
+                ..
+            } = self
                 .sequences
-                .entries
-                .get_mut(&seq)
-                .expect("an open sequence has an entry");
-            let memory = entry
-                .memory
-                .take()
-                .expect("a sequence in a step has its memory");
-            entry.away = Some((memory.tokens(), memory.exclusive_bytes()));
+                .table
+                .lend(seq, writer, Resident::lent)
+                .expect("a grown sequence has its memory");
             // The token after this step's needs a new chunk: map it while the step runs.
             let per = memory.growth_for(count + 1);
             let room = memory.tokens() + count < memory.shape().max_tokens;
@@ -113,9 +109,9 @@ impl KvStoreState {
                 writer,
                 count,
                 memory,
-                prefixes: std::mem::take(&mut entry.prefixes),
-                charge: std::mem::replace(&mut entry.charge, Charge::counted(&self.tally)),
-                ahead: entry.ahead.take(),
+                prefixes,
+                charge,
+                ahead: mapped_ahead,
             });
         }
         (lent, ahead)
@@ -285,36 +281,27 @@ impl KvStoreState {
             ahead,
             count,
         } = lent;
-        let ours = self.sequences.is_in(seq, writer, Phase::Stepping);
-        let Some(entry) = self.sequences.entries.get_mut(&seq).filter(|_| ours) else {
-            self.retire(SeqEntry {
-                memory: Some(memory),
-                saved: None,
-                charge,
-                prefixes,
-                last_fence: marker,
-                away: None,
-                ahead,
-                copy_in: None,
-                remap: Vec::new(),
-            });
-            return;
-        };
-        if advance {
+        if advance && self.sequences.is_in(seq, writer, Phase::Stepping) {
             let _ = memory.advance_by(count);
         }
         let tokens = memory.tokens();
-        entry.memory = Some(memory);
-        entry.prefixes = prefixes;
-        entry.charge = charge;
-        entry.last_fence = marker;
-        entry.away = None;
-        entry.ahead = ahead;
-        if let Ok(done) = self.sequences.table.end_step(seq, writer, tokens) {
-            for key in done {
-                // Only the block this sequence filled; nobody else's under the key.
-                self.prefixes.complete(key, writer);
+        let back = Resident {
+            memory,
+            prefixes,
+            charge,
+            last_fence: marker,
+            ahead,
+            copy_in: None,
+        };
+        match self.sequences.table.end_step(seq, writer, tokens, back) {
+            Ok(done) => {
+                for key in done {
+                    // Only the block this sequence filled; nobody else's under the key.
+                    self.prefixes.complete(key, writer);
+                }
             }
+            // Closed while the step had it (maybe opened again): freed after its fence.
+            Err((_, memory)) => self.retire(memory),
         }
     }
 }

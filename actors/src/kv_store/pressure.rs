@@ -13,7 +13,7 @@ use ractor::ActorRef;
 use tracing::Instrument;
 
 use super::prefix::SharedPrefix;
-use super::sequences::{SeqEntry, SeqMemory};
+use super::sequences::{RemapBlock, Resident, SeqMemory};
 use super::swap::Saved;
 use super::{KvStoreMsg, KvStoreState, SeqId, TICKET_RECHECKS};
 use crate::charge::Charge;
@@ -51,17 +51,19 @@ impl Got {
 }
 
 impl KvStoreState {
-    /// Whether a kernel that used `entry` may still be running.
-    pub(super) fn fence_pending(&self, entry: &SeqEntry) -> bool {
-        entry
-            .last_fence
-            .is_some_and(|f| self.stream.timeline().completed() < f.value)
+    /// Whether the kernel of `fence` (a sequence's last) may still be running.
+    fn fence_pending(&self, fence: Option<Fence>) -> bool {
+        fence.is_some_and(|f| self.stream.timeline().completed() < f.value)
     }
 
-    /// Whether only a kernel still on the stream keeps `entry` from being a victim: it will be
+    /// Whether only a kernel still on the stream keeps `seq` from being a victim: it will be
     /// free to go as soon as that kernel's fence completes.
-    pub(super) fn waits_only_for_its_fence(&self, seq: SeqId, entry: &SeqEntry) -> bool {
-        self.sequences.table.evictable(seq) && entry.memory.is_some() && self.fence_pending(entry)
+    fn waits_only_for_its_fence(&self, seq: SeqId) -> bool {
+        self.sequences.table.evictable(seq)
+            && self
+                .sequences
+                .resident(seq)
+                .is_some_and(|r| self.fence_pending(r.last_fence))
     }
 
     /// Answers a pressure ticket with whole units: unreferenced cached prefixes, then whole
@@ -88,17 +90,20 @@ impl KvStoreState {
     /// bytes are freed, releasing what paid for it after the unmap. Returns the bytes freed.
     fn drop_ahead(&mut self, wanted: u64) -> u64 {
         let mut freed = 0;
-        for entry in self.sequences.entries.values_mut() {
+        for (_, s) in self.sequences.table.iter_mut() {
             if freed >= wanted {
                 break;
             }
-            let (Some(memory), Some(growth)) = (entry.memory.as_mut(), entry.ahead.take()) else {
+            let Some(r) = s.resident_mut() else {
+                continue;
+            };
+            let Some(growth) = r.ahead.take() else {
                 continue;
             };
             let bytes = growth.bytes();
             // A tail that fails to unmap stays mapped, and stays paid for by the sequence.
-            if memory.abandon(growth).is_ok() {
-                drop(entry.charge.split(bytes));
+            if r.memory.abandon(growth).is_ok() {
+                drop(r.charge.split(bytes));
                 freed += bytes;
             }
         }
@@ -125,8 +130,8 @@ impl KvStoreState {
             .table
             .iter()
             .filter_map(|(id, r)| {
-                let e = self.sequences.entries.get(&id)?;
-                let memory = e.memory.as_ref()?;
+                let e = r.resident()?;
+                let memory = &e.memory;
                 // Taking it frees its own memory and lets go of the prompt blocks only it maps
                 // (it is their one sharer), which are then evicted like any unreferenced
                 // block. A sequence that maps only shared blocks still gives way this way.
@@ -140,7 +145,8 @@ impl KvStoreState {
                     id,
                     bytes: memory.exclusive_bytes() + sole_blocks,
                     priority: r.priority,
-                    in_flight: !self.sequences.table.evictable(id) || self.fence_pending(e),
+                    in_flight: !self.sequences.table.evictable(id)
+                        || self.fence_pending(e.last_fence),
                     admitted: r.admitted,
                 })
             })
@@ -150,10 +156,10 @@ impl KvStoreState {
     /// The earliest fence after which a sequence waiting only for its kernel can go.
     fn soon_free(&self) -> Option<Fence> {
         self.sequences
-            .entries
+            .table
             .iter()
-            .filter(|(id, e)| self.waits_only_for_its_fence(**id, e))
-            .filter_map(|(_, e)| e.last_fence)
+            .filter(|(id, _)| self.waits_only_for_its_fence(*id))
+            .filter_map(|(_, s)| s.resident()?.last_fence)
             .min_by_key(|f| f.value)
     }
 
@@ -208,7 +214,7 @@ impl KvStoreState {
                 return;
             }
             let mut lent = self.sequences.table.iter().map(|(_, r)| r);
-            if lent.any(|r| r.phase == Phase::Stepping && r.priority < ticket.priority) {
+            if lent.any(|r| r.phase() == Phase::Stepping && r.priority < ticket.priority) {
                 // Everything it could give is lent to a step, and the request waiting
                 // outranks some of what is lent: the store looks again once a step comes
                 // back, before a next prepare can lend those sequences again. (A sequence
@@ -308,9 +314,8 @@ impl KvStoreState {
     /// those it alone maps (it is their one sharer), with their keys; and the complete ones,
     /// from its first up to the first that is not (a block it was still writing, or one
     /// evicted meanwhile), by key and tokens, for a restore to map again.
-    #[allow(clippy::type_complexity)]
-    fn sole_and_remap(&self, id: SeqId) -> (Vec<(u64, Arc<SharedPrefix>)>, Vec<(u64, Vec<u32>)>) {
-        let Some(entry) = self.sequences.entries.get(&id) else {
+    fn sole_and_remap(&self, id: SeqId) -> (Vec<(u64, Arc<SharedPrefix>)>, Vec<RemapBlock>) {
+        let Some(entry) = self.sequences.resident(id) else {
             return (Vec::new(), Vec::new());
         };
         let by_block: HashMap<*const SharedPrefix, (u64, &Arc<SharedPrefix>, BlockState)> = self
@@ -384,7 +389,7 @@ impl KvStoreState {
         let tokens = memory.tokens();
         // On a GPU the copy out is a device-to-host copy made here, so the sequence's last
         // kernel must have finished first (on the host the copy is a kernel queued after it).
-        let fence = self.sequences.entries.get(&id).and_then(|e| e.last_fence);
+        let fence = self.sequences.last_fence(id);
         let idle = match fence {
             Some(f) if !self.device.is_host() => self.device.wait(f, self.config.wait).await,
             _ => true,
@@ -396,9 +401,8 @@ impl KvStoreState {
         // it is recomputed, never swapped.
         let copying = self
             .sequences
-            .entries
-            .get(&id)
-            .is_some_and(|e| e.copy_in.is_some());
+            .resident(id)
+            .is_some_and(|r| r.copy_in.is_some());
         let saved = match self.config.preempt {
             PreemptMode::Swap if tokens > 0 && idle && !copying => {
                 self.reserve_copy(id, tokens).await
@@ -413,15 +417,15 @@ impl KvStoreState {
             .sequences
             .table
             .get(id)
-            .is_some_and(|r| r.phase == Phase::Growing);
-        let Some(writer) = self.sequences.table.preempt(id, mode, tokens) else {
+            .is_some_and(|r| r.phase() == Phase::Growing);
+        let (sole, remap) = self.sole_and_remap(id);
+        let Some((writer, resident)) = self.sequences.table.preempt(id, mode, tokens) else {
             return Taken::default();
         };
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);
-        let (sole, remap) = self.sole_and_remap(id);
-        let (freed, mut pending) = self.let_go(id, saved, idle, &mut mode);
-        if let Some(entry) = self.sequences.entries.get_mut(&id) {
-            entry.remap = remap;
+        let (freed, mut pending) = self.let_go(id, resident, saved, idle, &mut mode);
+        if let Some(to_restore) = self.sequences.to_restore_mut(id) {
+            to_restore.remap = remap;
         }
         // The cached blocks only it mapped were counted as what taking it frees. Where its
         // shares went with its memory at once, they are unreferenced now, and `evict_loose`
@@ -459,24 +463,29 @@ impl KvStoreState {
     }
 
     /// Takes a preempted sequence's memory away: copied out into `saved` first if there is
-    /// one, then freed. Returns the bytes freed now and those freed after the stream's work;
-    /// `mode` becomes `Recompute` if nothing was kept.
+    /// one (kept with the sequence `id`), then freed. Returns the bytes freed now and those
+    /// freed after the stream's work; `mode` becomes `Recompute` if nothing was kept.
     pub(super) fn let_go(
         &mut self,
         id: SeqId,
+        resident: Resident,
         saved: Option<Saved>,
         idle: bool,
         mode: &mut PreemptMode,
     ) -> (u64, u64) {
-        let entry = self.sequences.entries.get_mut(&id).expect("checked above");
-        let memory = entry.memory.take().expect("checked above");
+        let Resident {
+            memory,
+            prefixes,
+            charge,
+            ahead,
+            copy_in,
+            last_fence: _,
+        } = resident;
         // A copy in not yet settled is the recompute's to redo (its blocks leave the cache).
-        entry.copy_in = None;
+        drop(copy_in);
         // Growth mapped ahead is part of this memory, and goes with it.
-        entry.ahead = None;
-        let prefixes = std::mem::take(&mut entry.prefixes);
+        drop(ahead);
         let bytes = memory.exclusive_bytes();
-        let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
         // Dropped, it unmaps the memory and then gives back what paid for it.
         let out = CopyOut {
             memory: SeqMemory {
@@ -485,7 +494,7 @@ impl KvStoreState {
             },
             _charge: charge,
         };
-        match saved {
+        let (got, kept, fence) = match saved {
             Some(saved) if !self.device.is_host() => {
                 // The sequence's kernels have finished: the rows are copied out now, and the
                 // memory goes after the stream's queued work (nothing of it uses this memory).
@@ -493,14 +502,13 @@ impl KvStoreState {
                     self.metrics.swap_out.clone(),
                     Arc::clone(&self.swap_outcomes),
                 )(&out.memory.seq);
-                if saved.copied() {
-                    entry.saved = Some(saved);
-                } else {
+                let kept = saved.copied().then_some(saved);
+                if kept.is_none() {
                     // Nothing kept (the copy counted its failure): the restore recomputes.
                     *mode = PreemptMode::Recompute;
                 }
                 self.stream.after_queued(move || drop(out));
-                (0, bytes)
+                ((0, bytes), kept, None)
             }
             Some(mut saved) => {
                 // The copy out is a kernel on the stream, which frees the memory once the
@@ -513,30 +521,32 @@ impl KvStoreState {
                     copy(&out.memory.seq);
                     drop(out);
                 });
-                let got = match submitted {
+                match submitted {
                     Ok(fence) => {
                         // Counted by the copy once its bytes are written.
                         saved.fence = Some(fence);
-                        entry.last_fence = Some(fence);
-                        (0, bytes)
+                        ((0, bytes), Some(saved), Some(fence))
                     }
                     // A closed stream ran nothing: the kernel (and the memory, then its
                     // charge) is gone already, and the restore will recompute.
-                    Err(_) => (bytes, 0),
-                };
-                entry.saved = Some(saved);
-                got
+                    Err(_) => ((bytes, 0), Some(saved), None),
+                }
             }
             None if idle => {
                 // Nothing to copy and not in flight: freed here and now.
                 drop(out);
-                (bytes, 0)
+                ((bytes, 0), None, None)
             }
             None => {
                 // Its last kernel was not seen to finish: freed after the stream's queued work.
                 self.stream.after_queued(move || drop(out));
-                (0, bytes)
+                ((0, bytes), None, None)
             }
+        };
+        if let Some(k) = self.sequences.to_restore_mut(id) {
+            k.saved = kept;
+            k.last_fence = fence;
         }
+        got
     }
 }

@@ -9,6 +9,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use super::answer::Restored;
 use super::metrics;
 use super::prefix::Mapped;
+use super::sequences::Resident;
 use super::transactions::Pending;
 use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
@@ -30,32 +31,31 @@ impl KvStoreState {
         let mut memory = match self.reserve_memory() {
             Ok(m) => m,
             Err(e) => {
-                self.sequences.table.end_restore(seq, writer, false);
+                let _ = self.sequences.table.end_restore(seq, writer, false);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
         };
-        let entry = self
+        let to_restore = self
             .sequences
-            .entries
-            .get_mut(&seq)
-            .expect("a preempted sequence has an entry");
-        // Kept until the restore is done: one that fails leaves it preempted as it was.
-        let remap = std::mem::take(&mut entry.remap);
-        let saved = entry.saved.take();
+            .to_restore_mut(seq)
+            .expect("a restoring sequence has what it needs to come back");
+        // The saved copy travels with the restore; one that fails puts it back.
+        let remap = std::mem::take(&mut to_restore.remap);
+        let saved = to_restore.saved.take();
         // The cached blocks it mapped that are still cached are mapped again (held from now
         // on, so no ticket evicts them while a restore waits for its grant).
         let (shares, from) = self.map_cached(&mut memory, &remap, tokens);
-        let entry = self.sequences.entries.get_mut(&seq).expect("present above");
+        let mut resident = Resident::new(memory, Charge::counted(&self.tally));
+        resident.prefixes = shares;
         let saved = match (mode, saved) {
             // (A copy out that failed left nothing to bring back.)
             (PreemptMode::Swap, Some(saved)) if tokens > 0 && saved.copied() => saved,
             _ => {
                 // Nothing was kept (or nothing to keep): the sequence starts again from the
                 // cached blocks, the rest to replay.
-                entry.memory = Some(memory);
-                entry.prefixes = shares;
-                self.sequences.table.end_restore(seq, writer, true);
+                self.restore_into(seq, writer, resident);
+                let _ = self.sequences.table.end_restore(seq, writer, true);
                 self.stats.restores_recomputed += 1;
                 self.stats.restore_shared_tokens += from as u64;
                 self.stats.replayed_tokens += (tokens - from) as u64;
@@ -67,10 +67,11 @@ impl KvStoreState {
             }
         };
         // Only the rows after the blocks mapped again come back from the copy.
-        let per_buffer = memory.growth_for(tokens - from);
-        entry.memory = Some(memory);
-        entry.prefixes = shares;
-        entry.remap = remap;
+        let per_buffer = resident.memory.growth_for(tokens - from);
+        self.restore_into(seq, writer, resident);
+        if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
+            to_restore.remap = remap;
+        }
         let priority = self.sequences.table.get(seq).map_or(0, |r| r.priority);
         let bytes = per_buffer * self.config.shape.buffers() as u64;
         let pending = Pending::Restore {
@@ -102,10 +103,9 @@ impl KvStoreState {
     )> {
         let copying = self
             .sequences
-            .entries
-            .get(&seq)
-            .and_then(|e| e.saved.as_ref())
-            .and_then(|s| s.fence)
+            .table
+            .get(seq)
+            .and_then(|s| s.to_restore()?.saved.as_ref()?.fence)
             .filter(|f| self.stream.timeline().completed() < f.value);
         if let Some(fence) = copying {
             // Its copy out is still on the stream: the restore starts once it is done.
@@ -187,21 +187,15 @@ impl KvStoreState {
         };
         // The sequence the restore was for; closed meanwhile (even if its id was opened again)
         // it is gone, and the grant goes back with its saved copy.
-        let ours = self
-            .sequences
-            .table
-            .get(seq)
-            .is_some_and(|r| r.writer == writer && matches!(r.phase, Phase::Restoring { .. }));
-        let Some(entry) = self.sequences.entries.get_mut(&seq).filter(|_| ours) else {
-            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
-            return;
-        };
-        let Some(memory) = entry.memory.as_mut() else {
-            // (Not reached: a restoring sequence has the memory reserved for it.) Preempted
-            // again, with its saved copy.
-            entry.prefixes.clear();
-            entry.saved = Some(saved);
-            self.sequences.table.end_restore(seq, writer, false);
+        let ours =
+            self.sequences.table.get(seq).is_some_and(|r| {
+                r.writer == writer && matches!(r.phase(), Phase::Restoring { .. })
+            });
+        let Some(Resident { memory, charge, .. }) =
+            self.sequences.resident_mut(seq).filter(|_| ours)
+        else {
+            // Closed meanwhile (even if its id was opened again): the grant goes back with
+            // its saved copy.
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         };
@@ -209,7 +203,7 @@ impl KvStoreState {
         let result: Result<u64, KvStoreError> = async {
             let growth = metrics::timed(growth_map, || memory.map_growth(per_buffer))?;
             match grant.commit(growth.bytes()).await {
-                Ok(lease) => entry.charge.add(lease),
+                Ok(lease) => charge.add(lease),
                 Err(refused) => {
                     memory.abandon(growth)?;
                     return Err(refused.error.into());
@@ -226,29 +220,30 @@ impl KvStoreState {
                 self.stats.swap_ins += 1;
                 self.stats.swap_in_bytes += copied;
                 self.stats.restore_shared_tokens += from as u64;
-                if let Some(entry) = self.sequences.entries.get_mut(&seq) {
-                    entry.remap.clear();
-                }
-                // The copy and what pays for it in the swap space go before the answer.
+                // The copy and what pays for it in the swap space go before the answer (what
+                // it kept goes with the restore's end).
                 drop(saved);
-                self.sequences.table.end_restore(seq, writer, true);
+                let _ = self.sequences.table.end_restore(seq, writer, true);
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
             }
             Err(e) => {
                 // Back to preempted with the saved copy; the partial memory is freed, then
-                // what paid for it.
-                let entry = self.sequences.entries.get_mut(&seq).expect("present above");
-                entry.saved = Some(saved);
-                entry.ahead = None;
-                let old = entry.memory.take();
-                let shares = std::mem::take(&mut entry.prefixes);
-                let charge = std::mem::replace(&mut entry.charge, Charge::counted(&self.tally));
-                drop(old);
-                drop(shares);
-                drop(charge);
-                self.sequences.table.end_restore(seq, writer, false);
+                // the blocks it mapped, then what paid for it (`Resident`'s order).
+                let partial = self.sequences.table.end_restore(seq, writer, false);
+                drop(partial);
+                if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
+                    to_restore.saved = Some(saved);
+                }
                 let _ = reply.send(Err(e));
             }
+        }
+    }
+
+    /// Puts the memory `seq` (restoring as `writer`) comes back into in place; a restore
+    /// that is gone frees it after its fences.
+    fn restore_into(&mut self, seq: SeqId, writer: Incarnation, resident: Resident) {
+        if let Err(resident) = self.sequences.table.restoring_into(seq, writer, resident) {
+            self.retire(resident);
         }
     }
 }

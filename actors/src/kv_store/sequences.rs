@@ -1,12 +1,12 @@
-//! Every sequence the store has open: its phase, incarnation and priority (the
-//! [`SequenceTable`]) together with its memory, charge, saved copy and the prompt blocks it
-//! maps (its [`SeqEntry`]). The two change together: a sequence is opened, closed and
-//! counted here as one.
-
-use std::collections::HashMap;
+//! Every sequence the store has open, one value each in the pure [`SequenceTable`]: its
+//! phase carries what is valid in it, the store's [`Resident`] memory (with its charge and
+//! the prompt blocks it maps) while it is in place, its [`ToRestore`] saved copy while it is
+//! preempted. The table's transitions move them.
 
 use procmem::fence::Fence;
-use procmem::kv::{Incarnation, KvSequence, PendingGrowth, Phase, SequenceTable};
+use procmem::kv::{
+    Incarnation, KvSequence, Lent, PendingGrowth, Phase, SeqData, SeqState, Sequence, SequenceTable,
+};
 use procmem::MemoryError;
 
 use super::prefix::Mapped;
@@ -33,60 +33,65 @@ impl DeferredRelease for SeqMemory {
     }
 }
 
-/// A sequence's memory; its phase, incarnation, priority and the blocks it writes are in
-/// the [`SequenceTable`] beside it in [`Sequences`].
-pub(super) struct SeqEntry {
-    /// Its KV memory; `None` while it is preempted.
-    pub(super) memory: Option<KvSequence>,
-    /// Its KV copied out while it is preempted by swap.
-    pub(super) saved: Option<Saved>,
+/// A sequence's memory and what comes with it, while it is in place (idle, growing, or
+/// restoring into it). A step takes it whole, and gives it back. Dropped, the memory is
+/// unmapped first, then the blocks it mapped, then what paid for it (the fields' order).
+pub(super) struct Resident {
+    pub(super) memory: KvSequence,
+    pub(super) prefixes: Vec<Mapped>,
     /// Pays for the sequence's own memory (not the shared prefixes it maps).
     pub(super) charge: Charge,
-    pub(super) prefixes: Vec<Mapped>,
+    /// The last kernel that used the memory.
     pub(super) last_fence: Option<Fence>,
-    /// While a step has its memory: the tokens and bytes it held when lent (for the stats).
-    pub(super) away: Option<(usize, u64)>,
     /// Growth mapped ahead (and paid for by `charge`), published at the next prepare.
     pub(super) ahead: Option<PendingGrowth>,
     /// Its prompt blocks coming from the disk tier, until its first step.
     pub(super) copy_in: Option<CopyIn>,
-    /// While it is preempted: the cached blocks it mapped, from its first, each by its key
-    /// and tokens (a restore maps those still cached again instead of copying their rows
-    /// back, checking the tokens as a lookup does).
-    pub(super) remap: Vec<(u64, Vec<u32>)>,
 }
 
-impl SeqEntry {
-    /// A new sequence's entry: `memory` reserved, nothing mapped, paid for by `charge`.
-    pub(super) fn new(memory: Option<KvSequence>, charge: Charge) -> Self {
-        SeqEntry {
+impl Resident {
+    /// A new sequence's: `memory` reserved, nothing mapped, paid for by `charge`.
+    pub(super) fn new(memory: KvSequence, charge: Charge) -> Self {
+        Resident {
             memory,
-            saved: None,
-            charge,
             prefixes: Vec::new(),
+            charge,
             last_fence: None,
-            away: None,
             ahead: None,
             copy_in: None,
-            remap: Vec::new(),
         }
     }
 
-    /// The tokens it holds (one whose step is out holds those it had when lent).
-    pub(super) fn tokens(&self) -> usize {
-        self.memory
-            .as_ref()
-            .map_or_else(|| self.away.map_or(0, |a| a.0), KvSequence::tokens)
-    }
-
-    /// Its tokens and exclusive bytes, as the stats count them.
-    fn held(&self) -> (usize, u64) {
-        match (&self.memory, self.away) {
-            (Some(m), _) => (m.tokens(), m.exclusive_bytes()),
-            (None, Some(away)) => away,
-            (None, None) => (0, 0),
+    /// What it holds, as a step that takes it counts it.
+    pub(super) fn lent(&self) -> Lent {
+        Lent {
+            tokens: self.memory.tokens(),
+            bytes: self.memory.exclusive_bytes(),
         }
     }
+}
+
+/// One cached block a preempted sequence mapped: its key and the tokens it held (a restore
+/// maps it again if it is still cached with those tokens, as a lookup checks).
+pub(super) type RemapBlock = (u64, Vec<u32>);
+
+/// What a preempted sequence keeps to come back.
+#[derive(Default)]
+pub(super) struct ToRestore {
+    /// Its KV copied out, where it was preempted by swap.
+    pub(super) saved: Option<Saved>,
+    /// The cached blocks it mapped, from its first.
+    pub(super) remap: Vec<RemapBlock>,
+    /// The copy out's kernel, where one runs.
+    pub(super) last_fence: Option<Fence>,
+}
+
+/// The store's payloads in the [`SequenceTable`].
+pub(super) struct StoreSeq;
+
+impl SeqData for StoreSeq {
+    type Resident = Resident;
+    type ToRestore = ToRestore;
 }
 
 /// What the open sequences hold, for the stats.
@@ -102,19 +107,39 @@ pub(super) struct Held {
     pub(super) exclusive_bytes: u64,
 }
 
-/// Every open sequence: its record in the table and its entry, kept together.
+/// Every open sequence: one value each, its phase with what it holds there.
 #[derive(Default)]
 pub(super) struct Sequences {
-    /// Every sequence's phase and bookkeeping.
-    pub(super) table: SequenceTable,
-    /// Every sequence's memory.
-    pub(super) entries: HashMap<SeqId, SeqEntry>,
+    pub(super) table: SequenceTable<StoreSeq>,
 }
 
 impl Sequences {
     /// The memory of `seq`, if it is open and has it now.
     pub(super) fn memory(&self, seq: SeqId) -> Option<&KvSequence> {
-        self.entries.get(&seq).and_then(|e| e.memory.as_ref())
+        self.resident(seq).map(|r| &r.memory)
+    }
+
+    /// What `seq` has in place, if it is open and has it now.
+    pub(super) fn resident(&self, seq: SeqId) -> Option<&Resident> {
+        self.table.get(seq).and_then(Sequence::resident)
+    }
+
+    /// The same, to change in place.
+    pub(super) fn resident_mut(&mut self, seq: SeqId) -> Option<&mut Resident> {
+        self.table.get_mut(seq).and_then(Sequence::resident_mut)
+    }
+
+    /// What `seq` keeps while preempted or restoring, to change in place.
+    pub(super) fn to_restore_mut(&mut self, seq: SeqId) -> Option<&mut ToRestore> {
+        self.table.get_mut(seq).and_then(Sequence::to_restore_mut)
+    }
+
+    /// The last kernel known to use what `seq` holds: its memory's, or its copy out's.
+    pub(super) fn last_fence(&self, seq: SeqId) -> Option<Fence> {
+        let s = self.table.get(seq)?;
+        s.resident()
+            .and_then(|r| r.last_fence)
+            .or_else(|| s.to_restore().and_then(|k| k.last_fence))
     }
 
     /// Whether `seq` is open as incarnation `writer`.
@@ -126,24 +151,31 @@ impl Sequences {
     pub(super) fn is_in(&self, seq: SeqId, writer: Incarnation, phase: Phase) -> bool {
         self.table
             .get(seq)
-            .is_some_and(|r| r.writer == writer && r.phase == phase)
+            .is_some_and(|r| r.writer == writer && r.phase() == phase)
     }
 
-    /// The tokens `seq` holds (0 if it is not open).
+    /// The tokens `seq` holds (0 if it is not open or preempted; one whose step is out
+    /// holds those it had when lent).
     pub(super) fn tokens_of(&self, seq: SeqId) -> usize {
-        self.entries.get(&seq).map_or(0, SeqEntry::tokens)
+        self.table.get(seq).map_or(0, |s| held(s).0)
     }
 
-    /// Closes `seq`: its record and its entry go together. Returns the incarnation closed
-    /// and the entry, whose memory the caller retires.
-    pub(super) fn close(&mut self, seq: SeqId) -> (Option<Incarnation>, Option<SeqEntry>) {
-        let writer = self.table.close(seq).map(|r| r.writer);
-        (writer, self.entries.remove(&seq))
+    /// Closes `seq`: returns the incarnation closed and the memory it held, which the
+    /// caller retires (what a preempted one kept goes now).
+    pub(super) fn close(&mut self, seq: SeqId) -> (Option<Incarnation>, Option<Resident>) {
+        match self.table.close(seq) {
+            Some(s) => (Some(s.writer), into_resident(s)),
+            None => (None, None),
+        }
     }
 
-    /// Takes every entry (the store is going away).
-    pub(super) fn drain(&mut self) -> Vec<SeqEntry> {
-        self.entries.drain().map(|(_, e)| e).collect()
+    /// Takes the memory of every sequence (the store is going away).
+    pub(super) fn drain(&mut self) -> Vec<Resident> {
+        self.table
+            .drain()
+            .into_iter()
+            .filter_map(into_resident)
+            .collect()
     }
 
     /// Counts what the sequences hold.
@@ -152,11 +184,11 @@ impl Sequences {
             sequences: self.table.len(),
             ..Held::default()
         };
-        for (id, r) in self.table.iter() {
-            if matches!(r.phase, Phase::Preempted { .. }) {
+        for (_, s) in self.table.iter() {
+            if matches!(s.phase(), Phase::Preempted { .. }) {
                 held.preempted += 1;
-            } else if let Some(e) = self.entries.get(&id) {
-                let (tokens, bytes) = e.held();
+            } else {
+                let (tokens, bytes) = self::held(s);
                 held.tokens += tokens;
                 held.exclusive_bytes += bytes;
             }
@@ -166,12 +198,30 @@ impl Sequences {
 
     /// Bytes of KV copied out for the preempted sequences.
     pub(super) fn swapped_bytes(&self) -> u64 {
-        self.entries
-            .values()
-            .filter_map(|e| e.saved.as_ref())
+        self.table
+            .iter()
+            .filter_map(|(_, s)| s.to_restore()?.saved.as_ref())
             .filter(|s| s.copied())
             .map(Saved::bytes)
             .sum()
+    }
+}
+
+/// A sequence's tokens and exclusive bytes, as the stats count them.
+fn held(s: &Sequence<StoreSeq>) -> (usize, u64) {
+    match (s.resident(), s.lent()) {
+        (Some(r), _) => (r.memory.tokens(), r.memory.exclusive_bytes()),
+        (None, Some(lent)) => (lent.tokens, lent.bytes),
+        (None, None) => (0, 0),
+    }
+}
+
+/// The memory a closed sequence held, if it held any.
+fn into_resident(s: Sequence<StoreSeq>) -> Option<Resident> {
+    match SequenceTable::into_state(s) {
+        SeqState::Idle(r) | SeqState::Growing(r) => Some(r),
+        SeqState::Restoring { resident, .. } => resident,
+        SeqState::Stepping(_) | SeqState::Preempted { .. } => None,
     }
 }
 
@@ -185,9 +235,21 @@ mod tests {
     fn opened(s: &mut Sequences, seq: SeqId) -> Incarnation {
         let writer = s.table.begin_open(seq).unwrap();
         let tally = Tally::default();
-        assert!(s.table.end_open(seq, writer, 1, Some(Vec::new())));
-        s.entries
-            .insert(seq, SeqEntry::new(None, Charge::counted(&tally)));
+        let shape = procmem::kv::KvShape {
+            layers: 1,
+            q_heads: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            max_tokens: 64,
+            dtype: procmem::kv::KvDtype::F32,
+        };
+        let backing = procmem::host::HostMechanism::new().unwrap().backing();
+        let memory = KvSequence::reserve(backing, shape, 1).unwrap();
+        let resident = Resident::new(memory, Charge::counted(&tally));
+        assert!(s
+            .table
+            .end_open(seq, writer, 1, Vec::new(), resident)
+            .is_ok());
         writer
     }
 
@@ -198,9 +260,9 @@ mod tests {
         assert!(s.is(7, w));
         assert!(s.is_in(7, w, Phase::Idle));
         assert_eq!(s.held().sequences, 1);
-        let (writer, entry) = s.close(7);
+        let (writer, memory) = s.close(7);
         assert_eq!(writer, Some(w));
-        assert!(entry.is_some());
+        assert!(memory.is_some());
         assert!(!s.is(7, w));
         assert_eq!(s.held(), Held::default());
         assert_eq!(s.close(7).0, None);
@@ -210,8 +272,12 @@ mod tests {
     fn a_preempted_sequence_counts_as_preempted() {
         let mut s = Sequences::default();
         opened(&mut s, 1);
-        opened(&mut s, 2);
-        s.entries.get_mut(&2).unwrap().away = Some((5, 100));
+        let w2 = opened(&mut s, 2);
+        let lent = s.table.lend(2, w2, |_| Lent {
+            tokens: 5,
+            bytes: 100,
+        });
+        assert!(lent.is_some());
         assert!(s.table.preempt(1, PreemptMode::Recompute, 0).is_some());
         let held = s.held();
         assert_eq!(held.sequences, 2);
@@ -221,6 +287,6 @@ mod tests {
         assert_eq!(s.tokens_of(3), 0);
         assert!(s.memory(1).is_none());
         assert_eq!(s.swapped_bytes(), 0);
-        assert_eq!(s.drain().len(), 2);
+        assert_eq!(s.drain().len(), 0, "neither has its memory here");
     }
 }

@@ -13,7 +13,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Instant;
 
 use super::metrics::EVERY;
-use super::sequences::{SeqEntry, SeqMemory};
+use super::sequences::{Resident, SeqMemory};
 use super::transactions::{batch_of, Pending};
 use super::{KvStoreError, KvStoreMsg, KvStoreState, KvStoreStats, SeqId};
 use crate::deferred_free::PendingFree;
@@ -30,7 +30,7 @@ impl KvStoreState {
 
     /// Takes `seq` out of the store: its blocks not yet written leave the cache, and its
     /// entry (its memory, if it has one) is returned to be let go of.
-    pub(super) fn take_closed(&mut self, seq: SeqId) -> Option<SeqEntry> {
+    pub(super) fn take_closed(&mut self, seq: SeqId) -> Option<Resident> {
         let (writer, entry) = self.sequences.close(seq);
         if let Some(writer) = writer {
             self.prefixes.abandon(writer);
@@ -41,7 +41,7 @@ impl KvStoreState {
     /// An open that failed: its claims go and the id is free again.
     pub(super) fn forget_open(&mut self, seq: SeqId, writer: Incarnation) {
         self.prefixes.abandon(writer);
-        self.sequences.table.end_open(seq, writer, 0, None);
+        self.sequences.table.forget_open(seq, writer);
     }
 
     /// A new sequence's memory: a reservation per buffer on the device, nothing mapped.
@@ -86,17 +86,14 @@ impl KvStoreState {
     }
 
     /// Sends a sequence's memory to the deferred-free queue with its last fence.
-    pub(super) fn retire(&mut self, entry: SeqEntry) {
-        let SeqEntry {
-            memory,
+    pub(super) fn retire(&mut self, resident: Resident) {
+        let Resident {
+            memory: seq,
             charge,
             prefixes,
             last_fence,
             ..
-        } = entry;
-        let Some(seq) = memory else {
-            return;
-        };
+        } = resident;
         let memory = SeqMemory { seq, prefixes };
         let pending = PendingFree::new(Box::new(memory), Some(charge));
         if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline())) {
@@ -182,7 +179,7 @@ impl KvStoreState {
                 let _ = reply.send(Err(error));
             }
             Pending::Prepare { seqs, reply } => {
-                self.sequences.table.end_growth(&batch_of(&seqs), false);
+                self.sequences.table.end_growth(&batch_of(&seqs));
                 let _ = reply.send(Err(error));
             }
             Pending::Restore {
@@ -192,13 +189,13 @@ impl KvStoreState {
                 reply,
                 ..
             } => {
-                let ours = self.sequences.table.end_restore(seq, writer, false);
-                if let Some(e) = self.sequences.entries.get_mut(&seq).filter(|_| ours) {
-                    // Preempted again, with its saved copy; the empty memory reserved for the
-                    // restore goes.
-                    e.saved = Some(saved);
-                    e.memory = None;
-                    e.prefixes.clear();
+                // Preempted again, with its saved copy; the empty memory reserved for the
+                // restore goes.
+                if let Ok(reserved) = self.sequences.table.end_restore(seq, writer, false) {
+                    drop(reserved);
+                    if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
+                        to_restore.saved = Some(saved);
+                    }
                 }
                 let _ = reply.send(Err(error));
             }

@@ -12,7 +12,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use super::answer::{Left, OpenAnswer, Opened};
 use super::metrics;
 use super::prefix::{Mapped, SharedPrefix};
-use super::sequences::SeqEntry;
+use super::sequences::Resident;
 use super::step::KvStep;
 use super::tier::Incoming;
 use super::transactions::{batch_of, Pending};
@@ -48,7 +48,7 @@ impl KvStoreState {
         let memory = match self.reserve_memory() {
             Ok(s) => s,
             Err(e) => {
-                self.sequences.table.end_open(seq, writer, 0, None);
+                self.sequences.table.forget_open(seq, writer);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
@@ -60,7 +60,7 @@ impl KvStoreState {
         let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
         self.stats.prefix_query_tokens += prompt.len() as u64;
         let new_keys = lookup.claimed;
-        let entry = SeqEntry::new(Some(memory), Charge::counted(&self.tally));
+        let entry = Resident::new(memory, Charge::counted(&self.tally));
         let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
         // Each block found is shared by the sequence from now on: held so no ticket evicts
         // it while the open waits for its grant.
@@ -149,18 +149,17 @@ impl KvStoreState {
             self.fill_claims(writer, &new_keys, fresh, (hit_count, from_disk));
         let cached = hit_count + from_disk;
         entry.prefixes = used;
-        if !self
+        let opened = self
             .sequences
             .table
-            .end_open(seq, writer, priority, Some(filling))
-        {
+            .end_open(seq, writer, priority, filling, *entry);
+        if let Err(entry) = opened {
             // Closed while it was being opened.
             self.prefixes.abandon(writer);
-            self.retire(*entry);
+            self.retire(entry);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
             return;
         }
-        self.sequences.entries.insert(seq, *entry);
         self.start_copy_in(myself, seq, (writer, from_disk), incoming);
         self.answer_open(myself, seq, writer, cached * bt, reply);
     }
@@ -238,7 +237,7 @@ impl KvStoreState {
     #[allow(clippy::type_complexity)]
     fn attach_prefixes(
         &self,
-        entry: &mut SeqEntry,
+        entry: &mut Resident,
         hits: Vec<(u64, Mapped)>,
         fresh: Vec<Arc<SharedPrefix>>,
         cached: usize,
@@ -254,11 +253,10 @@ impl KvStoreState {
         if !used.is_empty() {
             let blocks: Vec<PhysicalBlock> =
                 used.iter().flat_map(|p| p.blocks.iter().cloned()).collect();
-            let Some(memory) = entry.memory.as_mut() else {
-                unreachable!("a sequence being opened has its memory")
-            };
             let mapping: &dyn SharedMapping = self.device.shared.as_ref();
-            memory.attach_prefix(mapping, &blocks, &access, cached * bt)?;
+            entry
+                .memory
+                .attach_prefix(mapping, &blocks, &access, cached * bt)?;
         }
         Ok((used, fresh))
     }
@@ -330,14 +328,9 @@ impl KvStoreState {
         // Growth mapped ahead while the last step ran is published first: what it covers
         // needs no grant and no mapping now.
         for (seq, _) in &batch {
-            if let Some(SeqEntry {
-                memory: Some(memory),
-                ahead,
-                ..
-            }) = self.sequences.entries.get_mut(seq)
-            {
-                if let Some(growth) = ahead.take() {
-                    memory.publish(growth);
+            if let Some(r) = self.sequences.resident_mut(*seq) {
+                if let Some(growth) = r.ahead.take() {
+                    r.memory.publish(growth);
                 }
             }
         }
@@ -393,7 +386,7 @@ impl KvStoreState {
         // grant goes back, and the caller steps the others and restores that one later.
         if let Some((taken, mode)) = self.sequences.table.preempted_in(&batch) {
             drop(grant);
-            self.sequences.table.end_growth(&batch, false);
+            self.sequences.table.end_growth(&batch);
             let _ = reply.send(Err(KvStoreError::Preempted(taken, mode)));
             return;
         }
@@ -423,7 +416,7 @@ impl KvStoreState {
         drop(committed);
         match failure {
             Some(e) => {
-                self.sequences.table.end_growth(&batch, false);
+                self.sequences.table.end_growth(&batch);
                 let _ = reply.send(Err(e));
             }
             None => self.lend(myself, &seqs, reply),
@@ -443,12 +436,7 @@ impl KvStoreState {
             if !self.sequences.is(*seq, *writer) {
                 continue;
             }
-            let Some(memory) = self
-                .sequences
-                .entries
-                .get_mut(seq)
-                .and_then(|e| e.memory.as_mut())
-            else {
+            let Some(memory) = self.sequences.resident_mut(*seq).map(|r| &mut r.memory) else {
                 continue;
             };
             if *per == 0 {
@@ -471,12 +459,7 @@ impl KvStoreState {
         failed: bool,
     ) {
         for (seq, growth) in mapped {
-            let Some(SeqEntry {
-                memory: Some(memory),
-                charge,
-                ..
-            }) = self.sequences.entries.get_mut(&seq)
-            else {
+            let Some(Resident { memory, charge, .. }) = self.sequences.resident_mut(seq) else {
                 continue;
             };
             if failed {

@@ -11,7 +11,7 @@ use tokio::task::AbortHandle;
 
 use super::answer::{OpenAnswer, Restored};
 use super::prefix::Mapped;
-use super::sequences::SeqEntry;
+use super::sequences::Resident;
 use super::step::KvStep;
 use super::swap::Saved;
 use super::{KvStoreError, SeqId};
@@ -22,7 +22,7 @@ pub(super) enum Pending {
         seq: SeqId,
         writer: Incarnation,
         priority: Priority,
-        entry: Box<SeqEntry>,
+        entry: Box<Resident>,
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
         hits: Vec<(u64, Mapped)>,
         new_keys: Vec<u64>,
@@ -143,7 +143,7 @@ mod tests {
 
     #[test]
     fn numbers_go_up_and_a_grant_takes_its_transaction() {
-        let mut table = SequenceTable::new();
+        let mut table = SequenceTable::<()>::new();
         let w = table.begin_open(1).unwrap();
         let mut t = Transactions::default();
         let a = t.begin(prepare(1, w));
@@ -156,7 +156,7 @@ mod tests {
 
     #[tokio::test]
     async fn calling_off_aborts_the_wait() {
-        let mut table = SequenceTable::new();
+        let mut table = SequenceTable::<()>::new();
         let w1 = table.begin_open(1).unwrap();
         let w2 = table.begin_open(2).unwrap();
         let mut t = Transactions::default();
