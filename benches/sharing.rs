@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use procmem_actors::kv::PreemptMode;
 use procmem_actors::machine::HostPressure;
 use procmem_actors::node::{NodeConfig, NodeHandle};
-use procmem_actors::procmem::host::pressure::PressurePolicy;
+use procmem_actors::procmem::host::machine::PressurePolicy;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::MemoryManager;
 use procmem_model::gguf::Gguf;

@@ -19,7 +19,7 @@ use std::time::Duration;
 use clap::Parser;
 use procmem_actors::machine::{HostPressure, LinuxSource};
 use procmem_actors::node::{NodeConfig, NodeHandle};
-use procmem_actors::procmem::host::pressure::PressurePolicy;
+use procmem_actors::procmem::host::machine::PressurePolicy;
 
 #[derive(Parser, Debug)]
 #[command(about = "The node Governor: one memory budget for several server processes")]

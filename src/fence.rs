@@ -6,9 +6,9 @@
 //! woken when it does: a [`Waker`] runs on the thread that completes the value, so nothing
 //! that waits on a fence has to poll.
 
-mod queue;
+mod wakers;
 
-pub use queue::FenceQueue;
+pub use wakers::FenceQueue;
 
 use std::fmt;
 use std::time::{Duration, Instant};

@@ -3,8 +3,8 @@
 
 mod allocator;
 mod file;
+pub mod machine;
 mod mechanism;
-pub mod pressure;
 
 pub use allocator::{allocation_bytes, allocation_bytes_mut, HostAllocator};
 pub use file::unlinked_file;

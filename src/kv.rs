@@ -3,12 +3,12 @@
 //! rules, victim choice, the prefix cache's disk tier with the frequency filter in front
 //! of it, and the digest of held prefixes a node publishes to routers.
 
-pub mod admission;
 pub mod causal;
 pub mod digest;
 #[cfg(target_os = "linux")]
 pub mod disk_tier;
 pub mod elem;
+pub mod frequency;
 pub mod gqa;
 pub mod host_tier;
 pub mod prefix;

@@ -21,17 +21,17 @@
 pub mod admission;
 mod credit;
 mod error;
-mod pressure;
 mod reports;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use error::{Denial, HolderUsage, LedgerError};
-pub use pressure::{PressureRound, WaitQueue};
+pub use waiting::{PressureRound, WaitQueue};
 
 use crate::api::{MemoryRole, MemoryTier, Place};
 

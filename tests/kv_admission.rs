@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use procmem::kv::admission::{Admission, AdmissionFilter, FrequencySketch, MAX_COUNT, ROWS};
+use procmem::kv::frequency::{Admission, AdmissionFilter, FrequencySketch, MAX_COUNT, ROWS};
 use proptest::prelude::*;
 
 /// Exact counts with the sketch's saturation and halving.

@@ -3,10 +3,38 @@
 //! Each sequence has a K and a V buffer per layer, virtually contiguous and backed only as far
 //! as tokens exist. A step grows every sequence in the batch under **one** Governor grant
 //! (reserve → map → publish → commit) and is lent to the server as a [`KvStep`]: views of
-//! the flat buffers and the stream its kernels run on, until it ends with a fence. Whole prompt blocks are shared between sequences read-only; under
-//! pressure the store gives back whole units: unreferenced cached prefixes first (least
-//! recently used), then whole sequences that have no kernel in flight, lowest priority first,
-//! swapped to host memory or dropped for recomputation.
+//! the flat buffers and the stream its kernels run on, until it ends with a fence. Whole
+//! prompt blocks are shared between sequences read-only; under pressure the store gives back
+//! whole units: unreferenced cached prefixes first (least recently used), then whole
+//! sequences that have no kernel in flight, lowest priority first, swapped to host memory or
+//! dropped for recomputation.
+//!
+//! # Map
+//!
+//! This file holds the configuration, the errors, the messages and the actor. The rest, by
+//! what each file owns:
+//!
+//! | file | owns |
+//! |---|---|
+//! | `sequences.rs` | the open sequences (one value each: phase and what it holds), open, close |
+//! | `lending.rs` | a step's memory from prepare to return: growth under one grant, lent, taken back |
+//! | `step.rs` | [`KvStep`], what the server holds: views, submit, complete |
+//! | `transactions.rs` | what waits for a grant (open, growth, restore), and the grant's arrival |
+//! | `prefix.rs` | shared prompt blocks: made, mapped, filled, the digest |
+//! | `eviction.rs` | a pressure ticket's answer: slack, cached blocks, whole sequences preempted |
+//! | `swap.rs`, `restore.rs` | a preempted sequence's saved copy, and bringing it back |
+//! | `keep.rs` | a closed sequence's blocks left to the cache |
+//! | `below.rs`, `disk_tier.rs`, `host_tier.rs`, `copy_in.rs` | the tier below: blocks going down and coming back |
+//! | `device.rs` | host or CUDA memory and stream, messages after fences |
+//! | `handle.rs`, `answer.rs` | the server's handle and the answers that undo themselves |
+//! | `metrics.rs` | the figures and their series |
+//!
+//! One step, through four files: `handle.rs` sends the prepare; `lending.rs` (`prepare`)
+//! checks the batch and asks one grant, `transactions.rs` (`begin`, `granted`) waits for it
+//! off the mailbox, `lending.rs` (`finish_prepare`, `lend`) maps, commits, publishes and lends
+//! the memory; the server reads the views and submits its kernels through `step.rs`
+//! ([`KvStep::complete`]); the step's end comes back to `lending.rs` (`step_ended`,
+//! `take_back`), which takes the memory back after the store's fence.
 
 use std::sync::Arc;
 
@@ -19,8 +47,8 @@ use tokio::time::Duration;
 
 use crate::charge::Tally;
 use crate::governor::{GovernorError, GovernorHandle, Grant};
-use crate::pressure::PressureTicket;
 use crate::stream::StreamError;
+use crate::ticket::PressureTicket;
 
 mod answer;
 mod below;
@@ -32,23 +60,23 @@ mod host_tier;
 mod keep;
 pub use handle::KvStoreHandle;
 pub use host_tier::PrefixHost;
+mod disk_tier;
+mod eviction;
 mod lending;
 mod metrics;
 mod prefix;
-mod pressure;
 mod restore;
 mod sequences;
-mod state;
 mod step;
-mod steps;
 mod swap;
-mod tier;
 mod transactions;
 
 use crate::provider_choice::Provider;
 use below::Below;
 use device::KvDevice;
 pub use device::KvStream;
+pub use disk_tier::PrefixDisk;
+pub use metrics::KvStoreStats;
 use prefix::SharedPrefix;
 use sequences::Sequences;
 use step::StepMemory;
@@ -56,7 +84,6 @@ pub use step::{KvStep, StepEnd, StepKv};
 pub(crate) use swap::default_disk_dir;
 use swap::Space;
 pub use swap::{SwapKind, SwapSpace};
-pub use tier::PrefixDisk;
 use transactions::Transactions;
 
 pub use procmem::kv::{PreemptMode, SeqId};
@@ -273,104 +300,6 @@ pub struct AttendItem {
     pub v: Vec<f32>,
 }
 
-/// The store's books at one moment.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct KvStoreStats {
-    /// Sequences open now (active or preempted).
-    pub sequences: usize,
-    /// Of those, preempted (their KV is saved or dropped; `restore` brings them back).
-    pub preempted: usize,
-    /// Tokens whose K/V the active sequences hold in memory.
-    pub tokens: usize,
-    /// Bytes mapped for active sequences alone (their own chunks, not the shared prompt
-    /// blocks they map). A sequence in a step counts as it was lent: a chunk mapped ahead
-    /// while the step runs shows in `leased_bytes` at once, and here once the step is back.
-    pub exclusive_bytes: u64,
-    /// Shared prompt blocks in the prefix cache (complete or being filled).
-    pub prefix_entries: usize,
-    /// Bytes of those blocks (all layers, K and V).
-    pub prefix_bytes: u64,
-    /// Bytes the store's leases hold with the Governor, memory still waiting for its fences
-    /// included: equals the Governor's leased bytes for this holder.
-    pub leased_bytes: u64,
-    /// Bytes of the store's memory the kernel reports resident (its memfd backing).
-    pub os_resident_bytes: u64,
-    /// Sequences preempted so far, either mode.
-    pub preemptions: u64,
-    /// Of those, preempted with their K/V copied out to the swap space.
-    pub preempted_by_swap: u64,
-    /// Of those, preempted with their K/V dropped (to be recomputed).
-    pub preempted_by_recompute: u64,
-    /// Prompt tokens looked up in the prefix cache at `open`, so far.
-    pub prefix_query_tokens: u64,
-    /// Prompt tokens whose K/V came from shared blocks at `open`, so far.
-    pub prefix_hit_tokens: u64,
-    /// Shared prompt blocks evicted from the prefix cache, so far.
-    pub prefix_blocks_evicted: u64,
-    /// Whole blocks of closed sequences (prompt and answer) left to the prefix cache by
-    /// [`KvStoreHandle::close_keeping`], so far.
-    pub prefix_blocks_kept: u64,
-    /// Prompt blocks the disk tier holds now.
-    pub prefix_disk_blocks: usize,
-    /// Bytes of those blocks.
-    pub prefix_disk_bytes: u64,
-    /// Prompt tokens whose K/V came back from the disk tier at `open`, so far (counted in
-    /// `prefix_hit_tokens` too).
-    pub prefix_disk_hit_tokens: u64,
-    /// Evicted blocks copied to the disk tier, so far.
-    pub prefix_disk_writes: u64,
-    /// Evicted blocks the frequency filter kept off the disk (dropped), so far.
-    pub prefix_disk_refused: u64,
-    /// Copies to or from the disk tier that failed, so far (the block was dropped, or the
-    /// prompt computed).
-    pub prefix_disk_failures: u64,
-    /// Prompt blocks the host tier (under KV on a GPU) holds now.
-    pub prefix_host_blocks: usize,
-    /// Their bytes.
-    pub prefix_host_bytes: u64,
-    /// The host tier's bytes, charged in full from the store's start.
-    pub prefix_host_capacity: u64,
-    /// Prompt tokens whose blocks were copied back from the host tier (counted in
-    /// `prefix_hit_tokens` too).
-    pub prefix_host_hit_tokens: u64,
-    /// Evicted prompt blocks copied to the host tier.
-    pub prefix_host_writes: u64,
-    /// Evicted prompt blocks the host tier's filter kept out (dropped instead).
-    pub prefix_host_refused: u64,
-    /// Host tier copies that could not be queued (the block was dropped, or recomputed).
-    pub prefix_host_failures: u64,
-    /// Pressure tickets answered so far.
-    pub tickets: u64,
-    /// Bytes freed in answer to those tickets, so far.
-    pub freed_by_pressure: u64,
-    /// Where swapped-out KV goes.
-    pub swap: SwapKind,
-    /// Bytes of KV swapped out now (in the host tier's memory or on disk).
-    pub swapped_bytes: u64,
-    /// Swaps that fell back to dropping the KV (recompute) because the swap space had no
-    /// room or failed, so far.
-    pub swap_fallbacks: u64,
-    /// Sequences whose K/V was copied out to the swap space, so far.
-    pub swap_outs: u64,
-    /// Bytes of those copies.
-    pub swap_out_bytes: u64,
-    /// Sequences whose K/V was copied back, so far.
-    pub swap_ins: u64,
-    /// Bytes of those copies.
-    pub swap_in_bytes: u64,
-    /// Tokens restores mapped again from the cached blocks they shared before they were
-    /// preempted, instead of copying their rows back (not counted in `swap_in_bytes`) or
-    /// replaying them (not counted in `replayed_tokens`).
-    pub restore_shared_tokens: u64,
-    /// Restores that copied the K/V back, so far.
-    pub restores_swapped: u64,
-    /// Restores that handed the sequence back to be replayed (from the cached blocks it
-    /// mapped again), so far.
-    pub restores_recomputed: u64,
-    /// Tokens those restores handed back to be recomputed.
-    pub replayed_tokens: u64,
-}
-
 /// How many times at most a pressure ticket is looked at again, each time the kernel a
 /// sequence waits for completes, when nothing could go before.
 const TICKET_RECHECKS: u32 = 4;
@@ -499,7 +428,7 @@ pub(crate) struct KvStoreState {
     /// What is in flight, waiting for grants.
     transactions: Transactions,
     /// Tickets put off until a step comes back: all the store could give was lent to it.
-    after_step: Vec<(crate::pressure::PressureTicket, u32)>,
+    after_step: Vec<(crate::ticket::PressureTicket, u32)>,
     clock: u64,
     stats: KvStoreStats,
     swap_outcomes: Arc<swap::SwapOutcomes>,

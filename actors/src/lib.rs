@@ -101,10 +101,10 @@ mod mailbox;
 mod manager;
 #[cfg(feature = "cluster")]
 pub mod node;
-mod pressure;
 mod provider_choice;
 pub mod residency;
 mod stream;
+mod ticket;
 
 pub use buffer::Buffer;
 pub use manager::{
@@ -154,7 +154,7 @@ pub mod provider {
 pub mod holder {
     pub use crate::__holder_mailbox as holder_mailbox;
     pub use crate::charge::{Charge, Tally};
-    pub use crate::pressure::{PressureReport, PressureTicket, TicketId, TicketInbox};
+    pub use crate::ticket::{PressureReport, PressureTicket, TicketId, TicketInbox};
 }
 
 // The README's embedding example compiles and runs as a doctest of this crate.

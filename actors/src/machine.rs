@@ -1,6 +1,6 @@
 //! The host authority's capacity following the machine: a task reads the cgroup's limits and
 //! memory pressure (PSI) on a timer and sets the host Governor's capacity by
-//! [`procmem::host::pressure`]'s policy. Lowering the capacity makes room by pressure tickets
+//! [`procmem::host::machine`]'s policy. Lowering the capacity makes room by pressure tickets
 //! (the Governor never takes bytes); raising it lets waiters in.
 //!
 //! PSI is polled: a trigger (`POLLPRI` on a written threshold) needs `CAP_SYS_RESOURCE` for
@@ -10,7 +10,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use procmem::host::pressure::{
+use procmem::host::machine::{
     parse_inactive_file, parse_limit, parse_psi, CgroupLimits, PressureGauge, PressurePolicy,
     PsiSample,
 };

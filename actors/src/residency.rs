@@ -31,9 +31,9 @@ use crate::cuda_provider::CudaStreamHandle;
 use crate::execution::ProviderError;
 use crate::governor::GovernorHandle;
 use crate::mailbox::HolderRef;
-use crate::pressure::PressureTicket;
 use crate::provider_choice::Provider;
 use crate::stream::completed_within;
+use crate::ticket::PressureTicket;
 
 mod metrics;
 mod offload;

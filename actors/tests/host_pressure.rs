@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use procmem_actors::machine::{CgroupVersion, HostPressure, LinuxSource, MachineSource};
-use procmem_actors::procmem::host::pressure::{CgroupLimits, PressurePolicy, PsiSample};
+use procmem_actors::procmem::host::machine::{CgroupLimits, PressurePolicy, PsiSample};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{

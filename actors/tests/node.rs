@@ -18,7 +18,7 @@ use procmem_actors::kv::{KvStoreHandle, PreemptMode};
 use procmem_actors::machine::{CgroupVersion, HostPressure, LinuxSource};
 use procmem_actors::node::wire::{HeldPrefixes, NodeNotice, NodeRequest, WireError, MAX_PAYLOAD};
 use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
-use procmem_actors::procmem::host::pressure::PressurePolicy;
+use procmem_actors::procmem::host::machine::PressurePolicy;
 use procmem_actors::procmem::kv::{prompt_keys, KvShape, PrefixDigest};
 
 const ROLE: &str = "PROCMEM_NODE_ROLE";

@@ -17,7 +17,7 @@ use ractor::concurrency::OneshotReceiver;
 use ractor::{MessagingErr, RpcReplyPort};
 use tokio::time::Instant;
 
-use crate::pressure::{PressureReport, TicketId, TicketInbox};
+use crate::ticket::{PressureReport, TicketId, TicketInbox};
 
 /// What a holder asks the Governor for.
 #[derive(Debug, Clone)]

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::client::GovernorMsg;
 use super::*;
-use crate::pressure::PressureTicket;
+use crate::ticket::PressureTicket;
 
 mod credit;
 

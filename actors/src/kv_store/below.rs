@@ -1,19 +1,20 @@
 //! The tier below a store's memory, where evicted prompt blocks go instead of vanishing: a
-//! disk tier under KV in host memory (`tier.rs`), a host tier under KV on a GPU
+//! disk tier under KV in host memory (`disk_tier.rs`), a host tier under KV on a GPU
 //! (`host_tier.rs`). The store asks this one type; each kind copies on the store's stream
-//! its own way.
+//! its own way. A store that stops leaves its whole blocks to a disk tier first.
 
 use std::sync::Arc;
 
-use procmem::kv::{Incarnation, PrefixDigest};
+use procmem::kv::{BlockState, Incarnation, PrefixDigest};
 use tokio::time::Duration;
 
 use super::device::KvDevice;
+use super::disk_tier::{CopyIn, PrefixTier};
 use super::host_tier::HostPrefixTier;
+use super::prefix::KeyedBlock;
 use super::prefix::SharedPrefix;
 use super::swap::Space;
-use super::tier::{CopyIn, Incoming, PrefixTier};
-use super::{KvStoreConfig, KvStoreError, KvStoreStats};
+use super::{KvStoreConfig, KvStoreError, KvStoreState, KvStoreStats};
 
 /// The tier below a store.
 pub(super) enum Below {
@@ -118,7 +119,7 @@ impl Below {
         &mut self,
         device: &KvDevice,
         (writer, promised): (Incarnation, usize),
-        blocks: Vec<Incoming>,
+        blocks: Vec<KeyedBlock>,
     ) -> CopyIn {
         match self {
             Below::Disk(t) => {
@@ -178,4 +179,43 @@ fn open_disk(
     }
     tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, "prefix disk tier opened");
     Ok(Some(tier))
+}
+
+impl KvStoreState {
+    /// Lets go of the tier below. The whole blocks still in memory go down to a disk tier
+    /// first, so a store started again on its directory finds them.
+    pub(super) async fn close_tier(&mut self) {
+        if let Some(super::Below::Disk(tier)) = self.tier.take() {
+            let blocks = self.resident_blocks();
+            let mapping = Arc::clone(&self.device.shared);
+            let wait = self.config.wait.max(std::time::Duration::from_secs(5));
+            let flush = move || tier.flush(blocks, mapping, wait);
+            let flushed = tokio::task::spawn_blocking(flush).await.unwrap_or(0);
+            tracing::debug!(flushed, "prefix blocks sent to the disk tier at stop");
+        }
+    }
+
+    /// The whole blocks in the cache, least recently used first, with what a tier below
+    /// keys each by.
+    pub(super) fn resident_blocks(&self) -> Vec<KeyedBlock> {
+        let mut whole: Vec<_> = self
+            .prefixes
+            .blocks()
+            .filter(|(.., state)| *state == BlockState::Complete)
+            .map(|(key, block, last_used, _)| (last_used, key, block))
+            .collect();
+        whole.sort_unstable_by_key(|(last_used, key, _)| (*last_used, *key));
+        whole
+            .into_iter()
+            .filter_map(|(_, key, block)| {
+                let (parent, tokens) = self.prefixes.prompt_of(key)?;
+                Some(KeyedBlock {
+                    key,
+                    parent,
+                    tokens: tokens.to_vec(),
+                    block: Arc::clone(block),
+                })
+            })
+            .collect()
+    }
 }

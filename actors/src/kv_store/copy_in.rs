@@ -11,7 +11,7 @@
 use procmem::kv::{first_duplicate, Phase, PreemptMode};
 use ractor::{ActorRef, RpcReplyPort};
 
-use super::tier::Incoming;
+use super::prefix::KeyedBlock;
 use super::{KvStep, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use procmem::kv::Incarnation;
 
@@ -31,7 +31,7 @@ impl KvStoreState {
         myself: &ActorRef<KvStoreMsg>,
         seq: SeqId,
         (writer, promised): (Incarnation, usize),
-        blocks: Vec<Incoming>,
+        blocks: Vec<KeyedBlock>,
     ) {
         let Some(tier) = self.tier.as_mut().filter(|_| promised > 0) else {
             return;

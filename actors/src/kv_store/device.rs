@@ -1,20 +1,21 @@
 //! Where a KV store's memory lives and where its steps run: the host provider (memfd blocks
 //! mapped into reservations, kernels as closures on a CPU stream) or a CUDA provider (VMM
 //! handles mapped into device reservations, kernels launched on a CUDA stream by the server).
-//! The store's policy is the same on both; what differs is here.
+//! The store's policy is the same on both; what differs is here, with the one way the store
+//! hears of a fence: a message to itself once the fence completes.
 
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId, Timeline};
 use procmem::host::HostMechanism;
 use procmem::{Place, SharedMapping, VirtualBacking};
+use ractor::ActorRef;
 
+use super::{KvStoreError, KvStoreMsg, KvStoreState};
 use crate::cuda_provider::{CudaStreamHandle, CudaSubmitError};
 use crate::deferred_free::DeferredQueue;
 use crate::provider_choice::Provider;
 use crate::stream::{completed_within, CpuStream, StreamError};
-
-use super::KvStoreError;
 
 /// The stream a KV store's steps run on.
 #[derive(Debug, Clone)]
@@ -185,5 +186,19 @@ impl KvDevice {
             Provider::Cpu(p) => p.mechanism().backing().resident_bytes().unwrap_or(0),
             Provider::Cuda(p) => p.mechanism().backing().mapped_bytes(),
         }
+    }
+}
+
+impl KvStoreState {
+    /// Sends `msg` to the store once `fence` of its stream has completed (at once if it has).
+    /// A store gone by then drops the message.
+    pub(super) fn send_after(&self, myself: &ActorRef<KvStoreMsg>, fence: Fence, msg: KvStoreMsg) {
+        let me = myself.clone();
+        self.stream.timeline().on_complete(
+            fence.value,
+            Box::new(move |_| {
+                let _ = me.cast(msg);
+            }),
+        );
     }
 }

@@ -18,16 +18,17 @@ use std::sync::Arc;
 use ::metrics::Histogram;
 use procmem::cuda::{BlockView, CudaVmmBacking, PinnedHost};
 use procmem::fence::{Fence, Timeline};
-use procmem::kv::admission::{Admission, AdmissionFilter};
+use procmem::kv::frequency::{Admission, AdmissionFilter};
 use procmem::kv::host_tier::HostTierIndex;
 use procmem::kv::{Incarnation, PrefixDigest};
 use procmem::metrics::KV_PREFIX_HOST_SECONDS;
 use procmem::MemoryRole;
 
 use super::device::KvDevice;
+use super::disk_tier::CopyIn;
+use super::prefix::KeyedBlock;
 use super::prefix::SharedPrefix;
 use super::swap::Space;
-use super::tier::{CopyIn, Incoming};
 use super::{KvStoreError, KvStoreStats};
 use crate::cuda_provider::CudaStreamHandle;
 use crate::governor::{Lease, ReserveRequest};
@@ -217,12 +218,18 @@ impl HostPrefixTier {
     pub(super) fn copy_in(
         &mut self,
         (writer, promised): (Incarnation, usize),
-        blocks: Vec<Incoming>,
+        blocks: Vec<KeyedBlock>,
     ) -> CopyIn {
-        let keys = blocks.iter().map(|(key, ..)| *key).collect();
+        let keys = blocks.iter().map(|b| b.key).collect();
         let mut copies: Vec<(usize, BlockView)> = Vec::new();
         let mut tokens = 0;
-        for (key, (parent, t), block) in &blocks {
+        for KeyedBlock {
+            key,
+            parent,
+            tokens: t,
+            block,
+        } in &blocks
+        {
             let Some(slot) = self.index.get(*key, *parent, t) else {
                 break;
             };

@@ -26,9 +26,9 @@ use procmem::kv::{Incarnation, KvSequence, Phase};
 use procmem::SharedMapping;
 use ractor::ActorRef;
 
+use super::disk_tier::write_block;
 use super::prefix::SharedPrefix;
 use super::sequences::Resident;
-use super::tier::write_block;
 use super::{KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
 

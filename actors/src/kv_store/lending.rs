@@ -1,20 +1,23 @@
-//! A step's memory lent to the server and taken back: the views computed before anything
-//! moves, the store's own fence after everything the step's stream took, and each sequence's
-//! memory back (its new token counted if the step was completed) once that fence completes.
+//! A step's memory, from the prepare to its return: every sequence of the batch grown under
+//! one grant (map, commit, publish, all undone on any failure), the views computed before
+//! anything moves, the memory lent to the server as a [`KvStep`](super::KvStep), the store's
+//! own fence after everything the step's stream took, and each sequence's memory back (its
+//! new tokens counted if the step was completed) once that fence completes.
 
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{Incarnation, KvError, LayerViews, Phase};
+use procmem::kv::{Incarnation, KvError, LayerViews, PendingGrowth, Phase};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
 
 use super::sequences::Resident;
 use super::step::{KvStep, StepMemory, StepSeq};
-use super::transactions::batch_of;
-use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
-use crate::governor::ReserveRequest;
+use super::transactions::{batch_of, Pending};
+use super::{metrics, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
+use crate::charge::Charge;
+use crate::governor::{Grant, ReserveRequest};
 
 impl KvStoreState {
     /// Lends the memory of `plan` (grown, each still this incarnation unless closed
@@ -302,6 +305,180 @@ impl KvStoreState {
             }
             // Closed while the step had it (maybe opened again): freed after its fence.
             Err((_, memory)) => self.retire(memory),
+        }
+    }
+
+    pub(super) fn prepare(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seqs: Vec<(SeqId, usize)>,
+        reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
+    ) {
+        if let Some(&(seq, _)) = seqs.iter().find(|(_, n)| *n == 0) {
+            let _ = reply.send(Err(KvStoreError::NoTokens(seq)));
+            return;
+        }
+        let ids: Vec<SeqId> = seqs.iter().map(|(s, _)| *s).collect();
+        let batch = match self.sequences.table.begin_step(&ids) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
+        // Growth mapped ahead while the last step ran is published first: what it covers
+        // needs no grant and no mapping now.
+        for (seq, _) in &batch {
+            if let Some(r) = self.sequences.resident_mut(*seq) {
+                if let Some(growth) = r.ahead.take() {
+                    r.memory.publish(growth);
+                }
+            }
+        }
+        let mut plan = Vec::with_capacity(batch.len());
+        let mut bytes = 0u64;
+        let mut priority = 0;
+        for ((seq, writer), &(_, count)) in batch.iter().zip(&seqs) {
+            let Some(memory) = self.sequences.memory(*seq) else {
+                let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+                return;
+            };
+            let max = memory.shape().max_tokens;
+            if memory
+                .tokens()
+                .checked_add(count)
+                .is_none_or(|end| end > max)
+            {
+                let _ = reply.send(Err(KvError::Full(max).into()));
+                return;
+            }
+            let per = memory.growth_for(count);
+            bytes = bytes.saturating_add(per.saturating_mul(memory.shape().buffers() as u64));
+            priority = priority.max(self.sequences.table.get(*seq).map_or(0, |r| r.priority));
+            plan.push((*seq, *writer, per, count));
+        }
+        if bytes == 0 {
+            self.lend(myself, &plan, reply);
+            return;
+        }
+        self.sequences.table.growing(&batch);
+        self.begin(
+            myself,
+            bytes,
+            priority,
+            Pending::Prepare { seqs: plan, reply },
+        );
+    }
+
+    /// The grow transaction: map every sequence's growth (undoing all on any failure),
+    /// commit the one charge, then publish.
+    pub(super) async fn finish_prepare(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        pending: Pending,
+        grant: Grant,
+    ) {
+        let Pending::Prepare { seqs, reply } = pending else {
+            return;
+        };
+        let batch = batch_of(&seqs);
+        // Pressure may take a newer sequence while the step waits for its grant (when every
+        // holder waits for a grant, someone must give way): the step fails as a whole, its
+        // grant goes back, and the caller steps the others and restores that one later.
+        if let Some((taken, mode)) = self.sequences.table.preempted_in(&batch) {
+            drop(grant);
+            self.sequences.table.end_growth(&batch);
+            let _ = reply.send(Err(KvStoreError::Preempted(taken, mode)));
+            return;
+        }
+        let (mapped, mut failure) = self.map_batch(&seqs);
+        let actual: u64 = mapped.iter().map(|(_, g)| g.bytes()).sum();
+        let mut committed = Charge::counted(&self.tally);
+        if failure.is_none() && actual > 0 {
+            if let Err(e) = procmem::fault::hit("kv.grow.commit") {
+                failure = Some(e.into());
+                drop(grant);
+            } else {
+                match grant.commit(actual).await {
+                    Ok(lease) => committed.add(lease),
+                    Err(refused) => failure = Some(refused.error.into()),
+                }
+            }
+        } else {
+            drop(grant);
+        }
+        if failure.is_none() {
+            if let Err(e) = procmem::fault::hit("kv.grow.publish") {
+                failure = Some(e.into());
+            }
+        }
+        self.settle_growth(mapped, &mut committed, failure.is_some());
+        // On failure everything was unmapped above; only now does the charge go back.
+        drop(committed);
+        match failure {
+            Some(e) => {
+                self.sequences.table.end_growth(&batch);
+                let _ = reply.send(Err(e));
+            }
+            None => self.lend(myself, &seqs, reply),
+        }
+    }
+
+    /// Maps each sequence's growth (those still this incarnation), stopping at the first
+    /// failure. Returns what was mapped and the failure, if any.
+    #[allow(clippy::type_complexity)]
+    fn map_batch(
+        &mut self,
+        seqs: &[(SeqId, Incarnation, u64, usize)],
+    ) -> (Vec<(SeqId, PendingGrowth)>, Option<KvStoreError>) {
+        let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
+        for (seq, writer, per, _) in seqs {
+            // A sequence closed (and maybe opened again) since the prepare is not this one.
+            if !self.sequences.is(*seq, *writer) {
+                continue;
+            }
+            let Some(memory) = self.sequences.resident_mut(*seq).map(|r| &mut r.memory) else {
+                continue;
+            };
+            if *per == 0 {
+                continue;
+            }
+            match metrics::timed(&self.metrics.growth_map, || memory.map_growth(*per)) {
+                Ok(g) => mapped.push((*seq, g)),
+                Err(e) => return (mapped, Some(e.into())),
+            }
+        }
+        (mapped, None)
+    }
+
+    /// Publishes each sequence's growth with the part of `committed` that pays for it, or,
+    /// if the step `failed`, unmaps it (what stays mapped stays paid for by its sequence).
+    fn settle_growth(
+        &mut self,
+        mapped: Vec<(SeqId, PendingGrowth)>,
+        committed: &mut Charge,
+        failed: bool,
+    ) {
+        for (seq, growth) in mapped {
+            let Some(Resident { memory, charge, .. }) = self.sequences.resident_mut(seq) else {
+                continue;
+            };
+            if failed {
+                let bytes = growth.bytes();
+                if memory.abandon(growth).is_err() {
+                    // Not unmapped: the memory stays with the sequence, and so does what
+                    // pays for it (if the commit went through), until the sequence goes.
+                    if let Some(part) = committed.split(bytes) {
+                        charge.absorb(part);
+                    }
+                }
+            } else {
+                // Each sequence keeps the part of the step's lease that pays for its growth.
+                if let Some(part) = committed.split(growth.bytes()) {
+                    charge.absorb(part);
+                }
+                memory.publish(growth);
+            }
         }
     }
 }

@@ -1,7 +1,11 @@
-//! The store's series: gauges and counters mirror [`KvStoreStats`] (so the endpoint and
-//! `KvStoreHandle::stats` agree), published at most every [`EVERY`] and once more after
-//! the last change, and again while the memory figures still move (memory freed after its
-//! fences comes back with no message to the store); latencies are recorded where they happen.
+//! The store's figures: [`KvStoreStats`] counted from the sequences, blocks and tiers, and
+//! the series that mirror them (so the endpoint and `KvStoreHandle::stats` agree), published
+//! at most every [`EVERY`] and once more after the last change, and again while the memory
+//! figures still move (memory freed after its fences comes back with no message to the
+//! store); latencies are recorded where they happen.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use ::metrics::{Counter, Gauge, Histogram};
 use procmem::metrics::{
@@ -16,9 +20,109 @@ use procmem::metrics::{
     KV_SWAPPED_BYTES, KV_SWAP_INS_TOTAL, KV_SWAP_IN_BYTES_TOTAL, KV_SWAP_OUTS_TOTAL,
     KV_SWAP_OUT_BYTES_TOTAL, KV_SWAP_SECONDS, KV_TOKENS,
 };
+use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::{Duration, Instant};
 
-use super::KvStoreStats;
+use super::swap::SwapKind;
+use super::{KvStoreError, KvStoreMsg, KvStoreState};
+
+/// The store's books at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvStoreStats {
+    /// Sequences open now (active or preempted).
+    pub sequences: usize,
+    /// Of those, preempted (their KV is saved or dropped; `restore` brings them back).
+    pub preempted: usize,
+    /// Tokens whose K/V the active sequences hold in memory.
+    pub tokens: usize,
+    /// Bytes mapped for active sequences alone (their own chunks, not the shared prompt
+    /// blocks they map). A sequence in a step counts as it was lent: a chunk mapped ahead
+    /// while the step runs shows in `leased_bytes` at once, and here once the step is back.
+    pub exclusive_bytes: u64,
+    /// Shared prompt blocks in the prefix cache (complete or being filled).
+    pub prefix_entries: usize,
+    /// Bytes of those blocks (all layers, K and V).
+    pub prefix_bytes: u64,
+    /// Bytes the store's leases hold with the Governor, memory still waiting for its fences
+    /// included: equals the Governor's leased bytes for this holder.
+    pub leased_bytes: u64,
+    /// Bytes of the store's memory the kernel reports resident (its memfd backing).
+    pub os_resident_bytes: u64,
+    /// Sequences preempted so far, either mode.
+    pub preemptions: u64,
+    /// Of those, preempted with their K/V copied out to the swap space.
+    pub preempted_by_swap: u64,
+    /// Of those, preempted with their K/V dropped (to be recomputed).
+    pub preempted_by_recompute: u64,
+    /// Prompt tokens looked up in the prefix cache at `open`, so far.
+    pub prefix_query_tokens: u64,
+    /// Prompt tokens whose K/V came from shared blocks at `open`, so far.
+    pub prefix_hit_tokens: u64,
+    /// Shared prompt blocks evicted from the prefix cache, so far.
+    pub prefix_blocks_evicted: u64,
+    /// Whole blocks of closed sequences (prompt and answer) left to the prefix cache by
+    /// [`KvStoreHandle::close_keeping`], so far.
+    pub prefix_blocks_kept: u64,
+    /// Prompt blocks the disk tier holds now.
+    pub prefix_disk_blocks: usize,
+    /// Bytes of those blocks.
+    pub prefix_disk_bytes: u64,
+    /// Prompt tokens whose K/V came back from the disk tier at `open`, so far (counted in
+    /// `prefix_hit_tokens` too).
+    pub prefix_disk_hit_tokens: u64,
+    /// Evicted blocks copied to the disk tier, so far.
+    pub prefix_disk_writes: u64,
+    /// Evicted blocks the frequency filter kept off the disk (dropped), so far.
+    pub prefix_disk_refused: u64,
+    /// Copies to or from the disk tier that failed, so far (the block was dropped, or the
+    /// prompt computed).
+    pub prefix_disk_failures: u64,
+    /// Prompt blocks the host tier (under KV on a GPU) holds now.
+    pub prefix_host_blocks: usize,
+    /// Their bytes.
+    pub prefix_host_bytes: u64,
+    /// The host tier's bytes, charged in full from the store's start.
+    pub prefix_host_capacity: u64,
+    /// Prompt tokens whose blocks were copied back from the host tier (counted in
+    /// `prefix_hit_tokens` too).
+    pub prefix_host_hit_tokens: u64,
+    /// Evicted prompt blocks copied to the host tier.
+    pub prefix_host_writes: u64,
+    /// Evicted prompt blocks the host tier's filter kept out (dropped instead).
+    pub prefix_host_refused: u64,
+    /// Host tier copies that could not be queued (the block was dropped, or recomputed).
+    pub prefix_host_failures: u64,
+    /// Pressure tickets answered so far.
+    pub tickets: u64,
+    /// Bytes freed in answer to those tickets, so far.
+    pub freed_by_pressure: u64,
+    /// Where swapped-out KV goes.
+    pub swap: SwapKind,
+    /// Bytes of KV swapped out now (in the host tier's memory or on disk).
+    pub swapped_bytes: u64,
+    /// Swaps that fell back to dropping the KV (recompute) because the swap space had no
+    /// room or failed, so far.
+    pub swap_fallbacks: u64,
+    /// Sequences whose K/V was copied out to the swap space, so far.
+    pub swap_outs: u64,
+    /// Bytes of those copies.
+    pub swap_out_bytes: u64,
+    /// Sequences whose K/V was copied back, so far.
+    pub swap_ins: u64,
+    /// Bytes of those copies.
+    pub swap_in_bytes: u64,
+    /// Tokens restores mapped again from the cached blocks they shared before they were
+    /// preempted, instead of copying their rows back (not counted in `swap_in_bytes`) or
+    /// replaying them (not counted in `replayed_tokens`).
+    pub restore_shared_tokens: u64,
+    /// Restores that copied the K/V back, so far.
+    pub restores_swapped: u64,
+    /// Restores that handed the sequence back to be replayed (from the cached blocks it
+    /// mapped again), so far.
+    pub restores_recomputed: u64,
+    /// Tokens those restores handed back to be recomputed.
+    pub replayed_tokens: u64,
+}
 
 /// How often at most the gauges and counters are published.
 pub(super) const EVERY: Duration = Duration::from_millis(100);
@@ -214,4 +318,75 @@ pub(super) fn timed<T>(latency: &Histogram, f: impl FnOnce() -> T) -> T {
     let out = f();
     latency.record(start.elapsed().as_secs_f64());
     out
+}
+
+impl KvStoreState {
+    /// After a message: publishes the metrics when due, else makes sure they are soon.
+    pub(super) async fn changed(&mut self, myself: &ActorRef<KvStoreMsg>) {
+        // Not due yet, or published with the memory still moving: once more, soon.
+        let again = !self.metrics.due(tokio::time::Instant::now()) || self.publish().await;
+        if again {
+            self.publish_soon(myself);
+        }
+    }
+
+    /// The publish scheduled by `publish_soon` is due. Memory freed after fences comes back
+    /// with no message to the store: while the figures still move, it looks again.
+    pub(super) async fn scheduled_publish(&mut self, myself: &ActorRef<KvStoreMsg>) {
+        self.metrics.armed = false;
+        if self.publish().await {
+            self.publish_soon(myself);
+        }
+    }
+
+    /// Answers a `Stats` message.
+    pub(super) fn send_stats(&self, reply: RpcReplyPort<Result<KvStoreStats, KvStoreError>>) {
+        let _ = reply.send(Ok(self.stats()));
+    }
+
+    /// Schedules one publish (none if one is scheduled already).
+    pub(super) fn publish_soon(&mut self, myself: &ActorRef<KvStoreMsg>) {
+        if !self.metrics.armed {
+            self.metrics.armed = true;
+            myself.send_after(EVERY, || KvStoreMsg::Publish);
+        }
+    }
+
+    /// Publishes the metrics and the digest now; true if the store's memory moved since the
+    /// last time.
+    pub(super) async fn publish(&mut self) -> bool {
+        self.digest.send_replace(Arc::new(self.prefix_digest()));
+        let stats = self.stats();
+        let capacity = match self.governor.snapshot().await {
+            Ok(s) => s.books.capacity,
+            Err(_) => 0,
+        };
+        self.metrics.publish(&stats, capacity)
+    }
+
+    pub(super) fn stats(&self) -> KvStoreStats {
+        let mut stats = self.stats.clone();
+        stats.preemptions = stats.preempted_by_swap + stats.preempted_by_recompute;
+        // Every swap-in is a restore that copied the K/V back.
+        stats.restores_swapped = stats.swap_ins;
+        let held = self.sequences.held();
+        stats.sequences = held.sequences;
+        stats.preempted = held.preempted;
+        stats.tokens = held.tokens;
+        stats.exclusive_bytes = held.exclusive_bytes;
+        stats.prefix_entries = self.prefixes.blocks().count();
+        stats.prefix_bytes = self.prefixes.blocks().map(|(_, b, _, _)| b.bytes).sum();
+        if let Some(tier) = &self.tier {
+            tier.fill(&mut stats);
+        }
+        stats.leased_bytes = self.tally.bytes();
+        stats.os_resident_bytes = self.device.resident_bytes();
+        stats.swap = self.swap.kind();
+        let outcomes = &self.swap_outcomes;
+        stats.swap_outs = outcomes.outs.load(Ordering::Relaxed);
+        stats.swap_out_bytes = outcomes.out_bytes.load(Ordering::Relaxed);
+        stats.swap_fallbacks += outcomes.failed.load(Ordering::Relaxed);
+        stats.swapped_bytes = self.sequences.swapped_bytes();
+        stats
+    }
 }

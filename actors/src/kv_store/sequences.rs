@@ -2,19 +2,30 @@
 //! phase carries what is valid in it, the store's [`Resident`] memory (with its charge and
 //! the prompt blocks it maps) while it is in place, its [`ToRestore`] saved copy while it is
 //! preempted. The table's transitions move them.
+//!
+//! Here too the store's side of a sequence's life outside its steps: open (a prefix lookup,
+//! the blocks it shares and the ones it claims to write, one grant for those), the answer
+//! that closes it if nobody reads it, and close, which retires its memory to the
+//! deferred-free path after its fences.
 
-use procmem::fence::Fence;
+use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    Incarnation, KvSequence, Lent, PendingGrowth, Phase, SeqData, SeqState, Sequence, SequenceTable,
+    Incarnation, KvError, KvSequence, Lent, PendingGrowth, Phase, SeqData, SeqState, Sequence,
+    SequenceTable,
 };
+use procmem::ledger::Priority;
 use procmem::MemoryError;
+use ractor::{ActorRef, RpcReplyPort};
 
+use super::answer::{OpenAnswer, Opened};
+use super::disk_tier::CopyIn;
 use super::prefix::Mapped;
 use super::swap::Saved;
-use super::tier::CopyIn;
-use super::SeqId;
+use super::transactions::Pending;
+use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
-use crate::deferred_free::DeferredRelease;
+use crate::deferred_free::{DeferredRelease, PendingFree};
+use crate::governor::Grant;
 
 /// A sequence's memory on its way out: freed by its mechanism after its fences; its charge
 /// (the refund of its [`PendingFree`]) goes back after that.
@@ -222,6 +233,236 @@ fn into_resident(s: Sequence<StoreSeq>) -> Option<Resident> {
         SeqState::Idle(r) | SeqState::Growing(r) => Some(r),
         SeqState::Restoring { resident, .. } => resident,
         SeqState::Stepping(_) | SeqState::Preempted { .. } => None,
+    }
+}
+
+impl KvStoreState {
+    /// Closes `seq`: its blocks not yet written leave the cache, its memory goes after its
+    /// fences. An open on its way is forgotten (it finds the id closed when it ends).
+    pub(super) fn close(&mut self, seq: SeqId) {
+        if let Some(entry) = self.take_closed(seq) {
+            self.retire(entry);
+        }
+    }
+
+    /// Takes `seq` out of the store: its blocks not yet written leave the cache, and its
+    /// entry (its memory, if it has one) is returned to be let go of.
+    pub(super) fn take_closed(&mut self, seq: SeqId) -> Option<Resident> {
+        let (writer, entry) = self.sequences.close(seq);
+        if let Some(writer) = writer {
+            self.prefixes.abandon(writer);
+        }
+        entry
+    }
+
+    /// An open that failed: its claims go and the id is free again.
+    pub(super) fn forget_open(&mut self, seq: SeqId, writer: Incarnation) {
+        self.prefixes.abandon(writer);
+        self.sequences.table.forget_open(seq, writer);
+    }
+
+    /// A new sequence's memory: a reservation per buffer on the device, nothing mapped.
+    pub(super) fn reserve_memory(&self) -> Result<KvSequence, KvError> {
+        KvSequence::reserve(
+            self.device.backing.clone(),
+            self.config.shape,
+            self.config.chunk_granules,
+        )
+    }
+
+    /// Sends a sequence's memory to the deferred-free queue with its last fence.
+    pub(super) fn retire(&mut self, resident: Resident) {
+        let Resident {
+            memory: seq,
+            charge,
+            prefixes,
+            last_fence,
+            ..
+        } = resident;
+        let memory = SeqMemory { seq, prefixes };
+        let pending = PendingFree::new(Box::new(memory), Some(charge));
+        if let Some(use_) = last_fence.and_then(|f| TimelineFence::new(f, self.stream.timeline())) {
+            pending.record_use(use_);
+        }
+        // If the queue is gone the message is dropped, and a dropped `PendingFree` still frees
+        // only after its fence, woken by its completion.
+        self.stream.deferred_free().enqueue(pending);
+    }
+
+    pub(super) async fn open(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seq: SeqId,
+        prompt: Vec<u32>,
+        priority: Priority,
+        reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
+    ) {
+        let shape = self.config.shape;
+        let g = self.device.granularity();
+        let bt = shape.block_tokens(g);
+        // A prompt that cannot fit is refused before it claims anything.
+        if prompt.len() > shape.max_tokens {
+            let _ = reply.send(Err(KvError::Full(shape.max_tokens).into()));
+            return;
+        }
+        // A refused id reserves nothing.
+        let writer = match self.sequences.table.begin_open(seq) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
+        let memory = match self.reserve_memory() {
+            Ok(s) => s,
+            Err(e) => {
+                self.sequences.table.forget_open(seq, writer);
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
+        // Complete blocks with the same tokens are shared; the blocks after them that nobody
+        // has are claimed for this sequence to write now, before its grant, so a second open
+        // of the same prompt meanwhile shares nothing from them on instead of making them
+        // again.
+        let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
+        self.stats.prefix_query_tokens += prompt.len() as u64;
+        let new_keys = lookup.claimed;
+        let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
+        // Each block found is shared by the sequence from now on: held so no ticket evicts
+        // it while the open waits for its grant.
+        let mut hits: Vec<(u64, Mapped)> = lookup
+            .hits
+            .into_iter()
+            .map(|(key, block)| (key, Mapped::new(block)))
+            .collect();
+        // The blocks claimed that the disk tier holds are filled from there, not computed.
+        let mut from_disk = self.ask_tier(&hits, &new_keys);
+        // The position rule (see `Opened`): a prompt's last token is always computed, so a
+        // prompt whose every block is cached shares all but its last block.
+        if !prompt.is_empty() && (hits.len() + from_disk) * bt >= prompt.len() {
+            if from_disk > 0 {
+                from_disk -= 1;
+            } else {
+                hits.pop();
+            }
+        }
+        let pending = Pending::Open {
+            seq,
+            writer,
+            priority,
+            memory: Box::new(memory),
+            hits,
+            new_keys,
+            from_disk,
+            bytes,
+            reply,
+        };
+        if bytes == 0 {
+            self.finish_open(myself, pending, None).await;
+        } else {
+            self.begin(myself, bytes, priority, pending);
+        }
+    }
+
+    pub(super) async fn finish_open(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        pending: Pending,
+        grant: Option<Grant>,
+    ) {
+        let Pending::Open {
+            seq,
+            writer,
+            priority,
+            memory,
+            hits,
+            new_keys,
+            from_disk,
+            bytes,
+            reply,
+        } = pending
+        else {
+            return;
+        };
+        let mut entry = Resident::new(*memory, Charge::counted(&self.tally));
+        let mut charge = Charge::counted(&self.tally);
+        if let Some(grant) = grant {
+            match grant.commit(bytes).await {
+                Ok(lease) => charge.add(lease),
+                Err(refused) => {
+                    self.forget_open(seq, writer);
+                    let _ = reply.send(Err(refused.error.into()));
+                    return;
+                }
+            }
+        }
+        let hit_count = hits.len();
+        // The blocks the disk holds count as cached: they are made and mapped as the blocks
+        // the sequence claims to write are, and filled by the copy in queued below, before
+        // any step of the sequence.
+        let shared = self
+            .make_blocks(new_keys.len(), &mut charge)
+            .and_then(|fresh| {
+                self.attach_prefixes(&mut entry.memory, hits, fresh, hit_count + from_disk)
+            });
+        let (used, fresh) = match shared {
+            Ok(shared) => shared,
+            Err(e) => {
+                self.forget_open(seq, writer);
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        let bt = self.config.shape.block_tokens(self.device.granularity());
+        let (filling, incoming) =
+            self.fill_claims(writer, &new_keys, fresh, (hit_count, from_disk));
+        let cached = hit_count + from_disk;
+        entry.prefixes = used;
+        let opened = self
+            .sequences
+            .table
+            .end_open(seq, writer, priority, filling, entry);
+        if let Err(entry) = opened {
+            // Closed while it was being opened.
+            self.prefixes.abandon(writer);
+            self.retire(entry);
+            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            return;
+        }
+        self.start_copy_in(myself, seq, (writer, from_disk), incoming);
+        self.answer_open(myself, seq, writer, cached * bt, reply);
+    }
+
+    /// Answers an open that found `cached` tokens. An answer its caller never reads closes
+    /// the sequence (`Abandon`); one whose caller is gone already closes it here and now.
+    fn answer_open(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        seq: SeqId,
+        writer: Incarnation,
+        cached: usize,
+        reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
+    ) {
+        let opened = Opened {
+            cached_tokens: cached,
+        };
+        let answer = OpenAnswer::new(opened, myself.clone(), seq, writer);
+        match reply.send(Ok(answer)) {
+            Ok(()) => self.stats.prefix_hit_tokens += cached as u64,
+            Err(ractor::MessagingErr::SendErr(Ok(answer))) => {
+                answer.take();
+                self.close(seq);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// An open's answer was dropped unread: closes that incarnation, if it is still open.
+    pub(super) fn abandon(&mut self, seq: SeqId, writer: Incarnation) {
+        if self.sequences.is(seq, writer) {
+            self.close(seq);
+        }
     }
 }
 

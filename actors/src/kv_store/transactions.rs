@@ -1,20 +1,25 @@
 //! What the store has in flight: each transaction waiting for its grant (an open, a
 //! step's growth, a restore), and the task waiting for that grant, kept together so that
-//! calling one off aborts its wait and hands back what it was for.
+//! calling one off aborts its wait and hands back what it was for. The grant is asked off the
+//! mailbox (tickets keep being answered meanwhile) and comes back as a message that finishes
+//! the transaction, or fails it.
 
 use std::collections::HashMap;
 
-use procmem::kv::Incarnation;
+use procmem::kv::{Incarnation, KvSequence, PreemptMode};
 use procmem::ledger::Priority;
-use ractor::RpcReplyPort;
+use procmem::MemoryRole;
+use ractor::{ActorRef, RpcReplyPort};
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
-use super::answer::{OpenAnswer, Restored};
+use super::answer::{Left, OpenAnswer, Restored};
 use super::prefix::Mapped;
-use super::sequences::Resident;
+
 use super::step::KvStep;
 use super::swap::Saved;
-use super::{KvStoreError, SeqId};
+use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
+use crate::governor::{GovernorError, Grant, ReserveRequest};
 
 /// A transaction waiting for its grant: what it does once the grant comes.
 pub(super) enum Pending {
@@ -22,7 +27,8 @@ pub(super) enum Pending {
         seq: SeqId,
         writer: Incarnation,
         priority: Priority,
-        entry: Box<Resident>,
+        /// Its memory, reserved.
+        memory: Box<KvSequence>,
         /// The cached blocks found at open, held so no ticket evicts them meanwhile.
         hits: Vec<(u64, Mapped)>,
         new_keys: Vec<u64>,
@@ -124,6 +130,121 @@ impl Transactions {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.pending.len()
+    }
+}
+
+impl KvStoreState {
+    pub(super) fn begin(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        bytes: u64,
+        priority: Priority,
+        pending: Pending,
+    ) {
+        let txn = self.transactions.begin(pending);
+        let governor = self.governor.clone();
+        let request = ReserveRequest {
+            holder: self.holder,
+            role: MemoryRole::KvCache,
+            bytes,
+            priority,
+            deadline: Some(Instant::now() + self.config.wait),
+        };
+        let me = myself.clone();
+        // Waiting for room happens off the mailbox, so tickets keep being answered meanwhile.
+        let task = tokio::spawn(async move {
+            let grant = governor.reserve(request).await;
+            let _ = me.cast(KvStoreMsg::Granted { txn, grant });
+        });
+        self.transactions.waiting(txn, task.abort_handle());
+    }
+
+    /// A step whose sequence `seq` pressure took while it waited for its grant: the wait is
+    /// called off (the request leaves the Governor's queue; a grant already on its way goes
+    /// back as its handle drops) and the step fails with `Preempted`, so the caller can step
+    /// the others without it at once instead of waiting for room for all of them.
+    /// Returns whether a step was called off.
+    pub(super) fn call_off_step_of(
+        &mut self,
+        seq: SeqId,
+        writer: Incarnation,
+        mode: PreemptMode,
+    ) -> bool {
+        match self.transactions.call_off_step_of(seq, writer) {
+            Some(pending) => {
+                self.fail(pending, KvStoreError::Preempted(seq, mode));
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(super) async fn granted(
+        &mut self,
+        myself: &ActorRef<KvStoreMsg>,
+        txn: u64,
+        grant: Result<Grant, GovernorError>,
+    ) {
+        let Some(pending) = self.transactions.granted(txn) else {
+            // Called off meanwhile: the grant, if any, goes back as it drops here.
+            return;
+        };
+        match grant {
+            Err(e) => self.fail(pending, e.into()),
+            Ok(grant) => match pending {
+                p @ Pending::Open { .. } => self.finish_open(myself, p, Some(grant)).await,
+                p @ Pending::Prepare { .. } => self.finish_prepare(myself, p, grant).await,
+                p @ Pending::Restore { .. } => self.finish_restore(p, grant).await,
+            },
+        }
+    }
+
+    pub(super) fn fail(&mut self, pending: Pending, error: KvStoreError) {
+        match pending {
+            Pending::Open {
+                seq, writer, reply, ..
+            } => {
+                // Its claims go: no block will be made for them.
+                self.forget_open(seq, writer);
+                let _ = reply.send(Err(error));
+            }
+            Pending::Prepare { seqs, reply } => {
+                self.sequences.table.end_growth(&batch_of(&seqs));
+                let _ = reply.send(Err(error));
+            }
+            Pending::Restore {
+                seq,
+                writer,
+                saved,
+                reply,
+                ..
+            } => {
+                // Preempted again, with its saved copy; the empty memory reserved for the
+                // restore goes.
+                if let Ok(reserved) = self.sequences.table.end_restore(seq, writer, false) {
+                    drop(reserved);
+                    if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
+                        to_restore.saved = Some(saved);
+                    }
+                }
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+
+    /// A caller left while its call waited for room: the wait is called off and the call
+    /// fails unread, leaving the sequences as they were (a call already answered is undone
+    /// by its answer instead: an `OpenAnswer`, a `KvStep`).
+    pub(super) fn call_off(&mut self, call: Left) {
+        let called = self.transactions.call_off(|p| match (p, &call) {
+            (Pending::Open { seq, .. }, Left::Open(s))
+            | (Pending::Restore { seq, .. }, Left::Restore(s)) => seq == s,
+            (Pending::Prepare { seqs, .. }, Left::Step(s)) => seqs.iter().any(|(a, ..)| a == s),
+            _ => false,
+        });
+        if let Some(pending) = called {
+            self.fail(pending, KvStoreError::Unavailable);
+        }
     }
 }
 

@@ -177,7 +177,7 @@ impl MemoryManagerBuilder {
             if let Some(governor) = inner.topology.governor(Place::HOST, MemoryTier::Host) {
                 let follow = crate::machine::HostPressure::spawn(
                     governor.clone(),
-                    procmem::host::pressure::PressurePolicy::new(host_budget),
+                    procmem::host::machine::PressurePolicy::new(host_budget),
                     crate::machine::LinuxSource::detect(),
                     std::time::Duration::from_secs(1),
                 );

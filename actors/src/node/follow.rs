@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use procmem::host::pressure::PressurePolicy;
+use procmem::host::machine::PressurePolicy;
 
 use super::NodeHandle;
 use crate::machine::{Followed, HostPressure, MachineSource};

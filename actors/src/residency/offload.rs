@@ -17,9 +17,9 @@ use tokio::time::Instant;
 use super::{idle, Layer, ResidencyError, ResidencyState, Slot};
 use crate::buffer::Buffer;
 use crate::governor::{Lease, ReserveRequest};
-use crate::pressure::PressureTicket;
 use crate::provider_choice::Provider;
 use crate::stream::completed_within;
+use crate::ticket::PressureTicket;
 
 /// How long a reload waits at least for its layer's copy kernel.
 const COPY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);

@@ -22,7 +22,7 @@ use ractor::{ActorRef, Message, MessagingErr};
 
 use super::route::Route;
 use crate::governor::protocol::Recovery;
-use crate::pressure::TicketInbox;
+use crate::ticket::TicketInbox;
 
 #[derive(Debug, Clone)]
 struct HolderEntry {

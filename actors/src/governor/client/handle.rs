@@ -10,7 +10,7 @@ use super::account::Account;
 use super::lease::{GovernorMsg, Grant};
 use super::route::Route;
 use crate::governor::protocol::{GovernorError, GovernorSnapshot, ReserveRequest, Upstream};
-use crate::pressure::TicketInbox;
+use crate::ticket::TicketInbox;
 
 /// A cheap, cloneable handle to one authority's Governor. It reaches whichever Governor
 /// actor serves the authority now: a supervised Governor that died is replaced behind it.

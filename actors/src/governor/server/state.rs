@@ -18,7 +18,7 @@ use super::config::GovernorConfig;
 use super::metrics::GovernorMetrics;
 use crate::governor::client::{Account, GovernorMsg, Grant, Lease};
 use crate::governor::protocol::{GovernorError, GovernorSnapshot, Recovery, ReserveRequest};
-use crate::pressure::{TicketId, TicketInbox};
+use crate::ticket::{TicketId, TicketInbox};
 
 /// A timer that sends the Governor a message.
 pub(super) type Timer = tokio::task::JoinHandle<Result<(), MessagingErr<GovernorMsg>>>;

@@ -95,7 +95,7 @@ impl NodeState {
                 .collect(),
             pressure: std::fs::read_to_string("/proc/pressure/memory")
                 .ok()
-                .and_then(|t| procmem::host::pressure::parse_psi(&t).ok())
+                .and_then(|t| procmem::host::machine::parse_psi(&t).ok())
                 .map(|p| p.some_avg10),
             models,
             waiting: self.waiters.values().map(|q| q.len() as u64).sum(),

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::state::GovernorState;
 use crate::governor::client::GovernorMsg;
 use crate::governor::protocol::Upstream;
-use crate::pressure::{PressureReport, PressureTicket, TicketId};
+use crate::ticket::{PressureReport, PressureTicket, TicketId};
 
 impl GovernorState {
     /// Asks the next holder for the shortfall, one ticket at a time.

@@ -1,6 +1,7 @@
-//! The pressure responder: answers a Governor's ticket with whole units (growth mapped
-//! ahead, unreferenced cached prefixes, then whole sequences with no kernel in flight) and
-//! preempts the sequences it picks.
+//! Answering a Governor's pressure ticket with whole units: growth mapped ahead first, then
+//! unreferenced cached blocks and whole sequences with no kernel in flight in the order the
+//! pure policy gives (`procmem::kv::victims`), each preempted sequence copied out to the swap
+//! space or dropped for recomputation.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use super::sequences::{RemapBlock, Resident, SeqMemory};
 use super::swap::Saved;
 use super::{KvStoreMsg, KvStoreState, SeqId, TICKET_RECHECKS};
 use crate::charge::Charge;
-use crate::pressure::PressureTicket;
+use crate::ticket::PressureTicket;
 
 /// What one preemption did.
 #[derive(Debug, Default, Clone, Copy)]
@@ -494,7 +495,26 @@ impl KvStoreState {
             },
             _charge: charge,
         };
-        let (got, kept, fence) = match saved {
+        let (got, kept, fence) = self.copy_out(out, bytes, saved, idle, mode);
+        if let Some(k) = self.sequences.to_restore_mut(id) {
+            k.saved = kept;
+            k.last_fence = fence;
+        }
+        got
+    }
+
+    /// Sends a preempted sequence's memory `out` (`bytes` of its own) on its way: copied out
+    /// into `saved` first where there is one, then freed, now or after the stream's work.
+    /// Returns the bytes freed now and later, the copy kept, and the copy's fence.
+    fn copy_out(
+        &mut self,
+        out: CopyOut,
+        bytes: u64,
+        saved: Option<Saved>,
+        idle: bool,
+        mode: &mut PreemptMode,
+    ) -> ((u64, u64), Option<Saved>, Option<Fence>) {
+        match saved {
             Some(saved) if !self.device.is_host() => {
                 // The sequence's kernels have finished: the rows are copied out now, and the
                 // memory goes after the stream's queued work (nothing of it uses this memory).
@@ -542,11 +562,6 @@ impl KvStoreState {
                 self.stream.after_queued(move || drop(out));
                 ((0, bytes), None, None)
             }
-        };
-        if let Some(k) = self.sequences.to_restore_mut(id) {
-            k.saved = kept;
-            k.last_fence = fence;
         }
-        got
     }
 }

@@ -20,13 +20,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ::metrics::Histogram;
 use procmem::fence::Fence;
-use procmem::kv::admission::{Admission, AdmissionFilter};
 use procmem::kv::disk_tier::{DiskTier, DiskTierConfig, DiskTierError, OpenReport};
+use procmem::kv::frequency::{Admission, AdmissionFilter};
 use procmem::kv::{chain_hash, Incarnation, KvShape, PrefixDigest};
 use procmem::metrics::KV_PREFIX_DISK_SECONDS;
 use procmem::SharedMapping;
 
-use super::prefix::SharedPrefix;
+use super::prefix::{KeyedBlock, SharedPrefix};
 use super::KvStoreStats;
 
 /// Where a store keeps the prompt blocks it evicts, for itself and for the stores started
@@ -119,10 +119,6 @@ impl CopyIn {
     }
 }
 
-/// One block for a copy in: its key, parent and tokens (checked against the disk's), and the
-/// fresh memory it goes to.
-pub(super) type Incoming = (u64, (u64, Vec<u32>), Arc<SharedPrefix>);
-
 /// Blocks read out of memory and waiting for the writer thread at most: the bytes they hold
 /// are outside every ledger, so the queue is short, and a copy out that finds it full waits
 /// (the stream with it) rather than drop the block or hold more.
@@ -148,9 +144,6 @@ pub(super) struct PrefixTier {
     written: std::sync::mpsc::Receiver<()>,
     copy_in: Histogram,
 }
-
-/// A whole block in memory, for [`PrefixTier::flush`]: its key, parent and tokens, memory.
-pub(super) type Resident = (u64, (u64, Vec<u32>), Arc<SharedPrefix>);
 
 impl PrefixTier {
     /// Opens the tier for a store of `shape` whose prompt blocks hold `block_tokens` tokens
@@ -253,16 +246,22 @@ impl PrefixTier {
     pub(super) fn copy_in(
         &self,
         (writer, promised): (Incarnation, usize),
-        blocks: Vec<Incoming>,
+        blocks: Vec<KeyedBlock>,
         mapping: Arc<dyn SharedMapping>,
     ) -> (impl FnOnce() + Send + 'static, CopyIn) {
         let filled: Arc<AtomicUsize> = Arc::default();
-        let keys = blocks.iter().map(|(key, ..)| *key).collect();
+        let keys = blocks.iter().map(|b| b.key).collect();
         let copy = CopyIn::new(writer, promised, keys, None, Arc::clone(&filled));
         let (disk, outcomes) = (Arc::clone(&self.disk), Arc::clone(&self.outcomes));
         let latency = self.copy_in.clone();
         let kernel = move || {
-            for (key, (parent, tokens), block) in blocks {
+            for KeyedBlock {
+                key,
+                parent,
+                tokens,
+                block,
+            } in blocks
+            {
                 let start = std::time::Instant::now();
                 // A block gone since the open looked (pushed out by a copy out) is a plain
                 // miss; one that fails its checks, or a disk or copy that fails, a failure.
@@ -297,15 +296,21 @@ impl PrefixTier {
     /// the copies out before it), or after `wait`. Returns how many it let in.
     pub(super) fn flush(
         mut self,
-        blocks: Vec<Resident>,
+        blocks: Vec<KeyedBlock>,
         mapping: Arc<dyn SharedMapping>,
         wait: std::time::Duration,
     ) -> usize {
         let mut admitted = 0;
-        for (key, prompt, block) in blocks {
+        for KeyedBlock {
+            key,
+            parent,
+            tokens,
+            block,
+        } in blocks
+        {
             if self.admit(key, block.bytes) {
                 // The copy out an eviction queues on the stream, run here.
-                self.copy_out(key, prompt, block, Arc::clone(&mapping))();
+                self.copy_out(key, (parent, tokens), block, Arc::clone(&mapping))();
                 admitted += 1;
             }
         }
