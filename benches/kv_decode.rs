@@ -56,7 +56,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use procmem::host::HostMechanism;
-use procmem::kv::{gqa_decode, KvDtype, KvSequence, KvShape};
+use procmem::kv::{gqa_decode, Heads, KvDtype, KvSequence, KvShape};
 use procmem::VirtualBacking;
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
@@ -123,7 +123,14 @@ impl Strategy for Virtual {
             self.seq.keys::<f32>(layer).unwrap(),
             self.seq.values::<f32>(layer).unwrap(),
         );
-        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+        gqa_decode(
+            q,
+            k,
+            v,
+            self.tokens,
+            Heads::new(Q_HEADS, KV_HEADS, HEAD_DIM),
+            out,
+        );
     }
     fn growth_copied(&self) -> u64 {
         0
@@ -262,9 +269,7 @@ impl Strategy for StepApi {
                     keys,
                     values.unwrap(),
                     tokens,
-                    Q_HEADS,
-                    KV_HEADS,
-                    HEAD_DIM,
+                    Heads::new(Q_HEADS, KV_HEADS, HEAD_DIM),
                     &mut out,
                 );
             })
@@ -419,7 +424,14 @@ impl Strategy for Preallocated {
     }
     fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
         let (k, v) = &self.kv[layer];
-        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+        gqa_decode(
+            q,
+            k,
+            v,
+            self.tokens,
+            Heads::new(Q_HEADS, KV_HEADS, HEAD_DIM),
+            out,
+        );
     }
     fn growth_copied(&self) -> u64 {
         0
@@ -472,7 +484,14 @@ impl Strategy for VecDoubling {
     }
     fn attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) {
         let (k, v) = &self.kv[layer];
-        gqa_decode(q, k, v, self.tokens, Q_HEADS, KV_HEADS, HEAD_DIM, out);
+        gqa_decode(
+            q,
+            k,
+            v,
+            self.tokens,
+            Heads::new(Q_HEADS, KV_HEADS, HEAD_DIM),
+            out,
+        );
     }
     fn growth_copied(&self) -> u64 {
         self.growth_copied
@@ -525,9 +544,7 @@ impl Strategy for StagingCopy {
             &self.staging.0,
             &self.staging.1,
             self.tokens,
-            Q_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
+            Heads::new(Q_HEADS, KV_HEADS, HEAD_DIM),
             out,
         );
     }

@@ -279,7 +279,7 @@ fn cuda_read_only_sharer_cannot_write() {
 #[test]
 fn cuda_decode_kernel_equals_the_host_operator() {
     use procmem::cuda::{CudaStream, DecodeKernels, DecodeLaunch};
-    use procmem::kv::{f16, gqa_decode, KvDtype};
+    use procmem::kv::{f16, gqa_decode, Heads, KvDtype};
     let Some(m) = gpu("cuda_decode_kernel_equals_the_host_operator") else {
         return;
     };
@@ -366,11 +366,25 @@ fn cuda_decode_kernel_equals_the_host_operator() {
             .collect();
         let mut want = vec![0f32; q.len()];
         if dtype == KvDtype::F32 {
-            gqa_decode(&q, &k, &v, tokens as usize, 32, 8, 128, &mut want);
+            gqa_decode(
+                &q,
+                &k,
+                &v,
+                tokens as usize,
+                Heads::new(32, 8, 128),
+                &mut want,
+            );
         } else {
             let k16: Vec<f16> = k.iter().map(|x| f16::from_f32(*x)).collect();
             let v16: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
-            gqa_decode(&q, &k16, &v16, tokens as usize, 32, 8, 128, &mut want);
+            gqa_decode(
+                &q,
+                &k16,
+                &v16,
+                tokens as usize,
+                Heads::new(32, 8, 128),
+                &mut want,
+            );
         }
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(

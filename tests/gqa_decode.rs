@@ -3,7 +3,7 @@
 //! Outputs are weighted averages of values in [-1, 1]; each must be within 1e-4 relative of
 //! the reference's (relative to the element, and never tighter than 1e-4 absolute).
 
-use procmem::kv::{f16, gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
+use procmem::kv::{f16, gqa_decode, gqa_decode_plain, Heads, SPLIT_TOKENS};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -87,14 +87,14 @@ proptest! {
         let v = values(c.tokens * row, c.seed ^ 2);
         let mut fast = vec![0f32; q_heads * c.head_dim];
         let mut plain = vec![0f32; q_heads * c.head_dim];
-        gqa_decode(&q, &k, &v, c.tokens, q_heads, c.kv_heads, c.head_dim, &mut fast);
-        gqa_decode_plain(&q, &k, &v, c.tokens, q_heads, c.kv_heads, c.head_dim, &mut plain);
+        gqa_decode(&q, &k, &v, c.tokens, Heads::new(q_heads, c.kv_heads, c.head_dim), &mut fast);
+        gqa_decode_plain(&q, &k, &v, c.tokens, Heads::new(q_heads, c.kv_heads, c.head_dim), &mut plain);
         close(&fast, &plain)?;
 
         let k16: Vec<f16> = k.iter().map(|x| f16::from_f32(*x)).collect();
         let v16: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
-        gqa_decode(&q, &k16, &v16, c.tokens, q_heads, c.kv_heads, c.head_dim, &mut fast);
-        gqa_decode_plain(&q, &k16, &v16, c.tokens, q_heads, c.kv_heads, c.head_dim, &mut plain);
+        gqa_decode(&q, &k16, &v16, c.tokens, Heads::new(q_heads, c.kv_heads, c.head_dim), &mut fast);
+        gqa_decode_plain(&q, &k16, &v16, c.tokens, Heads::new(q_heads, c.kv_heads, c.head_dim), &mut plain);
         close(&fast, &plain)?;
     }
 }
@@ -109,14 +109,28 @@ fn the_result_does_not_depend_on_the_thread_count() {
     let k = values(tokens * kv_heads * head_dim, 8);
     let v = values(tokens * kv_heads * head_dim, 9);
     let mut pooled = vec![0f32; q_heads * head_dim];
-    gqa_decode(&q, &k, &v, tokens, q_heads, kv_heads, head_dim, &mut pooled);
+    gqa_decode(
+        &q,
+        &k,
+        &v,
+        tokens,
+        Heads::new(q_heads, kv_heads, head_dim),
+        &mut pooled,
+    );
     let single = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .unwrap()
         .install(|| {
             let mut out = vec![0f32; q_heads * head_dim];
-            gqa_decode(&q, &k, &v, tokens, q_heads, kv_heads, head_dim, &mut out);
+            gqa_decode(
+                &q,
+                &k,
+                &v,
+                tokens,
+                Heads::new(q_heads, kv_heads, head_dim),
+                &mut out,
+            );
             out
         });
     assert_eq!(pooled, single);

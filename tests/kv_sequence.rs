@@ -122,21 +122,10 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
                 seq.keys::<f32>(layer).unwrap(),
                 seq.values::<f32>(layer).unwrap(),
                 step + 1,
-                SHAPE.q_heads,
-                SHAPE.kv_heads,
-                SHAPE.head_dim,
+                SHAPE.heads(),
                 &mut ours,
             );
-            gqa_decode(
-                &q,
-                rk,
-                rv,
-                step + 1,
-                SHAPE.q_heads,
-                SHAPE.kv_heads,
-                SHAPE.head_dim,
-                &mut theirs,
-            );
+            gqa_decode(&q, rk, rv, step + 1, SHAPE.heads(), &mut theirs);
             let same = ours
                 .iter()
                 .zip(&theirs)

@@ -348,20 +348,7 @@ pub(crate) enum KvStoreMsg {
         reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
     },
     /// The fence the store recorded after a step's kernels completed (internal).
-    StepReturned {
-        /// Its number.
-        step: u64,
-        /// Its memory.
-        memory: Arc<StepMemory>,
-        /// The store's fence after the step's kernels.
-        marker: Option<Fence>,
-        /// Whether its new tokens count.
-        advance: bool,
-        /// The server's fence if it was of another stream.
-        foreign: Option<StreamId>,
-        /// Answered now.
-        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
-    },
+    StepReturned(lending::Returned),
     /// Brings a preempted sequence back.
     Restore {
         /// The sequence.
@@ -581,14 +568,7 @@ impl Actor for KvStore {
                 advance,
                 reply,
             } => state.step_ended(&myself, step, memory, fence, advance, reply),
-            KvStoreMsg::StepReturned {
-                step,
-                memory,
-                marker,
-                advance,
-                foreign,
-                reply,
-            } => state.step_returned(&myself, step, memory, marker, advance, foreign, reply),
+            KvStoreMsg::StepReturned(returned) => state.step_returned(&myself, returned),
             KvStoreMsg::Restore { seq, reply } => state.restore(&myself, seq, reply),
             KvStoreMsg::Close { seq, tokens } if tokens.is_empty() => state.close(seq),
             KvStoreMsg::Close { seq, tokens } => state.close_keeping(&myself, seq, tokens),

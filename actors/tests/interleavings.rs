@@ -90,17 +90,31 @@ struct Held {
     pattern: u8,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn holder(
-    index: usize,
+/// What every holder task of one seed shares: the Governor and provider, the live buffers
+/// and the findings.
+#[derive(Clone)]
+struct World {
     seed: u64,
     g: GovernorHandle,
     p: CpuProvider,
     live: Arc<Live>,
     findings: Arc<Findings>,
+}
+
+/// Holder `index`: buffers arrive in `inbox` and are handed on to `next`.
+async fn holder(
+    index: usize,
+    world: World,
     mut inbox: mpsc::UnboundedReceiver<Held>,
     next: mpsc::UnboundedSender<Held>,
 ) {
+    let World {
+        seed,
+        g,
+        p,
+        live,
+        findings,
+    } = world;
     let mut rng = Rng(seed.wrapping_mul(1_000_003) ^ index as u64);
     let me = g
         .register_holder(format!("h{index}"), rng.below(3) as u32, None)
@@ -264,16 +278,14 @@ async fn run_seed(seed: u64) -> (bool, Arc<Findings>) {
         .enumerate()
         .map(|(i, inbox)| {
             let next = senders[(i + 1) % HOLDERS].clone();
-            tokio::spawn(holder(
-                i,
+            let world = World {
                 seed,
-                g.clone(),
-                p.clone(),
-                live.clone(),
-                findings.clone(),
-                inbox,
-                next,
-            ))
+                g: g.clone(),
+                p: p.clone(),
+                live: live.clone(),
+                findings: findings.clone(),
+            };
+            tokio::spawn(holder(i, world, inbox, next))
         })
         .collect();
     drop(senders);

@@ -9,7 +9,7 @@ use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
-use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, KvDtype, KvError, KvShape};
+use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, Heads, KvDtype, KvError, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored},
@@ -65,7 +65,14 @@ async fn chunk_step(step: KvStep, seeds: &[u64]) -> Vec<Vec<Vec<f32>>> {
                 kv.write_rows(i, layer, 0, &k, &v).unwrap();
                 let (keys, values) = (kv.keys::<f32>(i, layer).unwrap(), kv.values(i, layer));
                 let mut out = vec![0f32; q.len()];
-                gqa_causal(&q, keys, values.unwrap(), pos, 4, 2, 16, &mut out);
+                gqa_causal(
+                    &q,
+                    keys,
+                    values.unwrap(),
+                    pos,
+                    Heads::new(4, 2, 16),
+                    &mut out,
+                );
                 tx.send(out).unwrap();
             })
             .unwrap();
@@ -151,7 +158,7 @@ async fn a_chunk_is_row_for_row_the_same_as_one_token_per_step() {
         rows(1, 0, 1, 0, 1),
         rows(1, 0, 1, 0, 2),
     );
-    gqa_decode(&q, &k, &v, 1, 4, 2, 16, &mut first);
+    gqa_decode(&q, &k, &v, 1, Heads::new(4, 2, 16), &mut first);
     assert_eq!(chunked[0][..QW], first[..]);
     let s = settled(&g, &kv).await;
     assert_eq!(s.tokens, 200);

@@ -49,16 +49,7 @@ fn expected() -> HashMap<(u64, usize, usize), Vec<f32>> {
                 k.extend_from_slice(&it.k);
                 v.extend_from_slice(&it.v);
                 let mut o = vec![0f32; it.q.len()];
-                gqa_decode(
-                    &it.q,
-                    &k,
-                    &v,
-                    pos + 1,
-                    SHAPE.q_heads,
-                    SHAPE.kv_heads,
-                    SHAPE.head_dim,
-                    &mut o,
-                );
+                gqa_decode(&it.q, &k, &v, pos + 1, SHAPE.heads(), &mut o);
                 out.insert((seq, pos, layer), o);
             }
         }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
 use procmem_actors::procmem::fence::TimelineFence;
-use procmem_actors::procmem::kv::{f16, gqa_decode, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{f16, gqa_decode, Heads, KvDtype, KvShape};
 use procmem_actors::procmem::Place;
 use procmem_actors::{
     governor::GovernorHandle,
@@ -54,7 +54,7 @@ async fn run_step(step: KvStep, seq: u64, pos: usize) -> Vec<Vec<f32>> {
                 kv.values(0, layer).unwrap(),
             );
             let mut out = vec![0f32; q.len()];
-            gqa_decode(&q, keys, values, pos + 1, 4, 2, 16, &mut out);
+            gqa_decode(&q, keys, values, pos + 1, Heads::new(4, 2, 16), &mut out);
             tx.send(out).unwrap();
         })
         .unwrap();

@@ -50,16 +50,7 @@ impl Reference {
         e.1.extend_from_slice(&it.v);
         let n = e.0.len() / SHAPE.token_elems();
         let mut out = vec![0f32; it.q.len()];
-        gqa_decode(
-            &it.q,
-            &e.0,
-            &e.1,
-            n,
-            SHAPE.q_heads,
-            SHAPE.kv_heads,
-            SHAPE.head_dim,
-            &mut out,
-        );
+        gqa_decode(&it.q, &e.0, &e.1, n, SHAPE.heads(), &mut out);
         out
     }
 }

@@ -317,9 +317,7 @@ fn attend_rows(
                 keys,
                 values,
                 start,
-                shape.q_heads,
-                shape.kv_heads,
-                shape.head_dim,
+                shape.heads(),
                 &mut out[first * qw..(first + n) * qw],
             );
             first += n;

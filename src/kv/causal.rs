@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use super::elem::KvElement;
-use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKENS};
+use super::gqa::{gqa_decode, merge, split_partial, Dims, Heads, Rows, LANES, SPLIT_TOKENS};
 
 /// Rows of a chunk that share one reading of a split's K/V.
 pub const ROW_BLOCK: usize = 16;
@@ -31,17 +31,19 @@ const PARTIALS_BYTES: usize = 8 << 20;
 /// # Panics
 /// As [`gqa_decode`]: if `kv_heads` does not divide `q_heads`, `q` is not whole rows, or a
 /// slice is shorter than the shape says.
-#[allow(clippy::too_many_arguments)]
 pub fn gqa_causal<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
     start: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    heads: Heads,
     out: &mut [f32],
 ) {
+    let Heads {
+        q: q_heads,
+        kv: kv_heads,
+        dim: head_dim,
+    } = heads;
     let width = q_heads
         .checked_mul(head_dim)
         .expect("q_heads x head_dim fits a usize");
@@ -76,9 +78,7 @@ pub fn gqa_causal<T: KvElement>(
             &k[..seen],
             &v[..seen],
             tokens,
-            q_heads,
-            kv_heads,
-            head_dim,
+            Heads::new(q_heads, kv_heads, head_dim),
             o,
         );
     };
@@ -136,9 +136,7 @@ fn blocked_group<T: KvElement>(
         k.len(),
         v.len(),
         total,
-        q_heads,
-        kv_heads,
-        head_dim,
+        Heads::new(q_heads, kv_heads, head_dim),
         &out[..width],
     );
     let stride = kv_heads * head_dim;
@@ -186,7 +184,7 @@ fn blocked_group<T: KvElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::gqa::gqa_decode_plain;
+    use crate::kv::gqa::{gqa_decode_plain, Heads};
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -204,7 +202,7 @@ mod tests {
         let k = data((start + rows) * stride, 2);
         let v = data((start + rows) * stride, 3);
         let mut out = vec![0f32; q.len()];
-        gqa_causal(&q, &k, &v, start, qh, kh, hd, &mut out);
+        gqa_causal(&q, &k, &v, start, Heads::new(qh, kh, hd), &mut out);
         for j in 0..rows {
             let t = start + j + 1;
             let mut want = vec![0f32; qh * hd];
@@ -214,9 +212,7 @@ mod tests {
                 &k[..t * stride],
                 &v[..t * stride],
                 t,
-                qh,
-                kh,
-                hd,
+                Heads::new(qh, kh, hd),
                 &mut want,
             );
             let got = &out[j * qh * hd..(j + 1) * qh * hd];
@@ -230,7 +226,7 @@ mod tests {
             .iter_mut()
             .for_each(|x| *x += 1.0);
         let mut out2 = vec![0f32; q.len()];
-        gqa_causal(&q, &k2, &v, start, qh, kh, hd, &mut out2);
+        gqa_causal(&q, &k2, &v, start, Heads::new(qh, kh, hd), &mut out2);
         let earlier = (rows - 1) * qh * hd;
         assert_eq!(out[..earlier], out2[..earlier]);
         assert_ne!(out[earlier..], out2[earlier..]);
@@ -251,12 +247,19 @@ mod tests {
             };
             let (k, v) = (kv(8), kv(9));
             let mut out = vec![0f32; q.len()];
-            gqa_causal(&q, &k, &v, start, qh, kh, hd, &mut out);
+            gqa_causal(&q, &k, &v, start, Heads::new(qh, kh, hd), &mut out);
             for j in 0..rows {
                 let t = start + j + 1;
                 let mut want = vec![0f32; w];
                 let (kj, vj) = (&k[..t * stride], &v[..t * stride]);
-                gqa_decode(&q[j * w..][..w], kj, vj, t, qh, kh, hd, &mut want);
+                gqa_decode(
+                    &q[j * w..][..w],
+                    kj,
+                    vj,
+                    t,
+                    Heads::new(qh, kh, hd),
+                    &mut want,
+                );
                 assert_eq!(
                     out[j * w..][..w],
                     want[..],
@@ -280,6 +283,6 @@ mod tests {
         let q = vec![0f32; 2 * 4];
         let k = vec![0f32; 4];
         let mut out = vec![0f32; 8];
-        gqa_causal(&q, &k, &k, 3, 1, 1, 4, &mut out);
+        gqa_causal(&q, &k, &k, 3, Heads::new(1, 1, 4), &mut out);
     }
 }

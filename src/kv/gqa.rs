@@ -33,6 +33,25 @@ mod simd;
 
 use simd::{key_lanes, madd};
 
+/// The heads of one attention call: query heads, KV heads (which divide them; each serves a
+/// group of query heads) and the head dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    /// Query heads.
+    pub q: usize,
+    /// KV heads.
+    pub kv: usize,
+    /// Elements of one head.
+    pub dim: usize,
+}
+
+impl Heads {
+    /// `q` query heads over `kv` KV heads, each of `dim` elements.
+    pub const fn new(q: usize, kv: usize, dim: usize) -> Self {
+        Heads { q, kv, dim }
+    }
+}
+
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
 /// thread count (and outputs do not change with it).
 pub const SPLIT_TOKENS: usize = 256;
@@ -52,25 +71,25 @@ const CHUNK: usize = 64;
 ///
 /// # Panics
 /// If `kv_heads` does not divide `q_heads`, or a slice is shorter than the shape says.
-#[allow(clippy::too_many_arguments)]
 pub fn gqa_decode<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
     tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    heads: Heads,
     out: &mut [f32],
 ) {
+    let Heads {
+        q: q_heads,
+        kv: kv_heads,
+        dim: head_dim,
+    } = heads;
     let dims = Dims::checked(
         q,
         k.len(),
         v.len(),
         tokens,
-        q_heads,
-        kv_heads,
-        head_dim,
+        Heads::new(q_heads, kv_heads, head_dim),
         out,
     );
     if tokens == 0 {
@@ -79,7 +98,14 @@ pub fn gqa_decode<T: KvElement>(
     }
     if head_dim % LANES != 0 {
         // The vector kernel works in whole vectors of a head; other shapes take the plain path.
-        return gqa_decode_plain(q, k, v, tokens, q_heads, kv_heads, head_dim, out);
+        return gqa_decode_plain(
+            q,
+            k,
+            v,
+            tokens,
+            Heads::new(q_heads, kv_heads, head_dim),
+            out,
+        );
     }
     let rows = Rows::of(k, v);
     let splits = tokens.div_ceil(SPLIT_TOKENS);
@@ -104,25 +130,25 @@ pub fn gqa_decode<T: KvElement>(
 ///
 /// # Panics
 /// As [`gqa_decode`].
-#[allow(clippy::too_many_arguments)]
 pub fn gqa_decode_plain<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
     tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    heads: Heads,
     out: &mut [f32],
 ) {
+    let Heads {
+        q: q_heads,
+        kv: kv_heads,
+        dim: head_dim,
+    } = heads;
     let dims = Dims::checked(
         q,
         k.len(),
         v.len(),
         tokens,
-        q_heads,
-        kv_heads,
-        head_dim,
+        Heads::new(q_heads, kv_heads, head_dim),
         out,
     );
     let (group, stride) = (dims.group, dims.stride);
@@ -163,17 +189,19 @@ pub(super) struct Dims {
 }
 
 impl Dims {
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn checked(
         q: &[f32],
         k_len: usize,
         v_len: usize,
         tokens: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
+        heads: Heads,
         out: &[f32],
     ) -> Dims {
+        let Heads {
+            q: q_heads,
+            kv: kv_heads,
+            dim: head_dim,
+        } = heads;
         assert!(
             kv_heads > 0 && q_heads % kv_heads == 0,
             "kv_heads ({kv_heads}) must divide q_heads ({q_heads})"
@@ -456,12 +484,18 @@ fn split_values<const FMA: bool>(
             while h < (g + 1) * group {
                 let m = TILE.min((g + 1) * group - h);
                 let out = &mut acc[h * hd..(h + m) * hd];
-                let ps = &scores[h * n + t..];
+                let tile = Tile {
+                    vals,
+                    vstride,
+                    count,
+                    ps: &scores[h * n + t..],
+                    n,
+                };
                 match m {
-                    4 => value_tile::<4, FMA>(out, hd, vals, vstride, count, ps, n),
-                    3 => value_tile::<3, FMA>(out, hd, vals, vstride, count, ps, n),
-                    2 => value_tile::<2, FMA>(out, hd, vals, vstride, count, ps, n),
-                    _ => value_tile::<1, FMA>(out, hd, vals, vstride, count, ps, n),
+                    4 => value_tile::<4, FMA>(out, hd, tile),
+                    3 => value_tile::<3, FMA>(out, hd, tile),
+                    2 => value_tile::<2, FMA>(out, hd, tile),
+                    _ => value_tile::<1, FMA>(out, hd, tile),
                 }
                 h += m;
             }
@@ -535,45 +569,50 @@ fn reduce4(a: &[f32; LANES], b: &[f32; LANES], c: &[f32; LANES], d: &[f32; LANES
     [x[0] + x[4], x[1] + x[5], x[2] + x[6], x[3] + x[7]]
 }
 
-/// Adds `count` tokens' values of one KV head (`vals`, rows `vstride` apart) into the outputs
-/// of `M` query heads (`out`, one after the other), each token weighted by its head's
-/// probability (`ps[j * n + token]`). The outputs of two vectors of every head stay in
-/// registers across all the tokens.
-#[inline(always)]
-fn value_tile<const M: usize, const FMA: bool>(
-    out: &mut [f32],
-    hd: usize,
-    vals: &[f32],
+/// `count` tokens' values of one KV head (`vals`, rows `vstride` apart) and the query heads'
+/// probabilities for them (`ps[j * n + token]` for the tile's `j`-th head).
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    vals: &'a [f32],
     vstride: usize,
     count: usize,
-    ps: &[f32],
+    ps: &'a [f32],
     n: usize,
-) {
+}
+
+/// Adds a tile's values into the outputs of `M` query heads (`out`, one after the other),
+/// each token weighted by its head's probability. The outputs of two vectors of every head
+/// stay in registers across all the tokens.
+#[inline(always)]
+fn value_tile<const M: usize, const FMA: bool>(out: &mut [f32], hd: usize, tile: Tile<'_>) {
     let mut c = 0;
     while c < hd {
         // Two vectors at a time, one where a single one is left.
         let width = if hd - c >= 2 * LANES { 2 } else { 1 };
         if width == 2 {
-            value_columns::<M, 2, FMA>(out, hd, c, vals, vstride, count, ps, n);
+            value_columns::<M, 2, FMA>(out, hd, c, tile);
         } else {
-            value_columns::<M, 1, FMA>(out, hd, c, vals, vstride, count, ps, n);
+            value_columns::<M, 1, FMA>(out, hd, c, tile);
         }
         c += width * LANES;
     }
 }
 
+/// [`value_tile`] for the `W` vectors of every head's output from column `c`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn value_columns<const M: usize, const W: usize, const FMA: bool>(
     out: &mut [f32],
     hd: usize,
     c: usize,
-    vals: &[f32],
-    vstride: usize,
-    count: usize,
-    ps: &[f32],
-    n: usize,
+    tile: Tile<'_>,
 ) {
+    let Tile {
+        vals,
+        vstride,
+        count,
+        ps,
+        n,
+    } = tile;
     let ps: [&[f32]; M] = std::array::from_fn(|j| &ps[j * n..][..count]);
     let mut o = [[[0f32; LANES]; W]; M];
     for (j, o) in o.iter_mut().enumerate() {
@@ -653,7 +692,7 @@ mod tests {
         let v = [1.0, 2.0, 3.0, 4.0];
         let q = [1.0, 0.0, 0.0, 1.0];
         let mut out = [0f32; 4];
-        gqa_decode(&q, &k, &v, 2, q_heads, kv_heads, d, &mut out);
+        gqa_decode(&q, &k, &v, 2, Heads::new(q_heads, kv_heads, d), &mut out);
         assert!(
             (out[0] - 1.0).abs() < 1e-3 && (out[1] - 2.0).abs() < 1e-3,
             "{out:?}"
@@ -679,8 +718,22 @@ mod tests {
         let v16: Vec<half::f16> = v32.iter().map(|x| half::f16::from_f32(*x)).collect();
         let q: Vec<f32> = (0..q_heads * d).map(|i| (i as f32).sin()).collect();
         let (mut a, mut b) = (vec![0f32; q_heads * d], vec![0f32; q_heads * d]);
-        gqa_decode(&q, &k32, &v32, tokens, q_heads, kv_heads, d, &mut a);
-        gqa_decode(&q, &k16, &v16, tokens, q_heads, kv_heads, d, &mut b);
+        gqa_decode(
+            &q,
+            &k32,
+            &v32,
+            tokens,
+            Heads::new(q_heads, kv_heads, d),
+            &mut a,
+        );
+        gqa_decode(
+            &q,
+            &k16,
+            &v16,
+            tokens,
+            Heads::new(q_heads, kv_heads, d),
+            &mut b,
+        );
         assert_eq!(a, b, "same widened values, same operations");
     }
 
@@ -692,9 +745,7 @@ mod tests {
             &[1.0, 1.0],
             &[7.0, -7.0],
             1,
-            2,
-            1,
-            2,
+            Heads::new(2, 1, 2),
             &mut out,
         );
         assert_eq!(out, [7.0, -7.0, 7.0, -7.0]);
@@ -703,7 +754,7 @@ mod tests {
     #[test]
     fn no_tokens_give_zeros() {
         let mut out = [1f32; 16];
-        gqa_decode::<f32>(&[0.5; 16], &[], &[], 0, 2, 1, 8, &mut out);
+        gqa_decode::<f32>(&[0.5; 16], &[], &[], 0, Heads::new(2, 1, 8), &mut out);
         assert_eq!(out, [0.0; 16]);
     }
 
@@ -711,6 +762,13 @@ mod tests {
     #[should_panic(expected = "must divide")]
     fn a_group_that_does_not_divide_is_refused() {
         let mut out = [0f32; 24];
-        gqa_decode::<f32>(&[0.0; 24], &[0.0; 16], &[0.0; 16], 1, 3, 2, 8, &mut out);
+        gqa_decode::<f32>(
+            &[0.0; 24],
+            &[0.0; 16],
+            &[0.0; 16],
+            1,
+            Heads::new(3, 2, 8),
+            &mut out,
+        );
     }
 }

@@ -133,6 +133,11 @@ impl KvShape {
         self.token_elems() as u64 * self.dtype.bytes()
     }
 
+    /// Its heads, as an attention call takes them.
+    pub fn heads(&self) -> super::gqa::Heads {
+        super::gqa::Heads::new(self.q_heads, self.kv_heads, self.head_dim)
+    }
+
     /// Buffers per sequence: a K and a V per layer.
     pub fn buffers(&self) -> usize {
         2 * self.layers

@@ -7,17 +7,32 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{Incarnation, KvError, LayerViews, PendingGrowth, Phase};
+use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
 
 use super::sequences::Resident;
 use super::step::{KvStep, StepMemory, StepSeq};
-use super::transactions::{batch_of, Pending};
+use super::transactions::{batch_of, Growth, Pending};
 use super::{metrics, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
 use crate::governor::{Grant, ReserveRequest};
+
+/// A step's memory on its way back to the store, after the store's fence.
+pub(crate) struct Returned {
+    /// The step's number.
+    pub(super) step: u64,
+    pub(super) memory: Arc<StepMemory>,
+    /// The store's fence after the step's kernels.
+    pub(super) marker: Option<Fence>,
+    /// Whether its new tokens count.
+    pub(super) advance: bool,
+    /// The server's fence, where it was of another stream.
+    pub(super) foreign: Option<StreamId>,
+    /// Answered once the memory is back.
+    pub(super) reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
+}
 
 impl KvStoreState {
     /// Lends the memory of `plan` (grown, each still this incarnation unless closed
@@ -27,12 +42,16 @@ impl KvStoreState {
     pub(super) fn lend(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
-        plan: &[(SeqId, Incarnation, u64, usize)],
+        plan: &[Growth],
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
         let batch = batch_of(plan);
         let batch = &batch[..];
-        if let Some(&(seq, ..)) = plan.iter().find(|(s, w, ..)| !self.sequences.is(*s, *w)) {
+        if let Some(seq) = plan
+            .iter()
+            .find(|g| !self.sequences.is(g.seq, g.writer))
+            .map(|g| g.seq)
+        {
             // Closed while its grant was on its way: the step is refused as a whole.
             self.sequences.table.end_growth(batch);
             let _ = reply.send(Err(KvStoreError::Unknown(seq)));
@@ -66,30 +85,33 @@ impl KvStoreState {
     }
 
     /// Where each sequence of `plan` has its K and V, each layer, with its new tokens.
-    fn step_views(
-        &self,
-        plan: &[(SeqId, Incarnation, u64, usize)],
-    ) -> Result<Vec<Vec<LayerViews>>, KvError> {
+    fn step_views(&self, plan: &[Growth]) -> Result<Vec<Vec<LayerViews>>, KvError> {
         plan.iter()
-            .map(|(seq, _, _, count)| {
-                let memory = self.sequences.memory(*seq).expect("a grown sequence");
-                (0..self.config.shape.layers)
-                    .map(|l| memory.views(l, memory.tokens() + count))
-                    .collect()
-            })
+            .map(
+                |&Growth {
+                     seq, tokens: count, ..
+                 }| {
+                    let memory = self.sequences.memory(seq).expect("a grown sequence");
+                    (0..self.config.shape.layers)
+                        .map(|l| memory.views(l, memory.tokens() + count))
+                        .collect()
+                },
+            )
             .collect()
     }
 
     /// Takes the memory of each sequence of `plan` to lend it. Returns it, and the growth to
-    /// map ahead while the step runs: `(sequence, incarnation, growth per buffer)`.
-    #[allow(clippy::type_complexity)]
-    fn take_lent(
-        &mut self,
-        plan: &[(SeqId, Incarnation, u64, usize)],
-    ) -> (Vec<StepSeq>, Vec<(SeqId, Incarnation, u64)>) {
+    /// map ahead while the step runs (for the one token after the step's).
+    fn take_lent(&mut self, plan: &[Growth]) -> (Vec<StepSeq>, Vec<Growth>) {
         let mut lent = Vec::with_capacity(plan.len());
         let mut ahead = Vec::new();
-        for &(seq, writer, _, count) in plan {
+        for &Growth {
+            seq,
+            writer,
+            tokens: count,
+            ..
+        } in plan
+        {
             let Resident {
                 memory,
                 prefixes,
@@ -105,7 +127,12 @@ impl KvStoreState {
             let per = memory.growth_for(count + 1);
             let room = memory.tokens() + count < memory.shape().max_tokens;
             if self.config.map_ahead && per > 0 && room {
-                ahead.push((seq, writer, per));
+                ahead.push(Growth {
+                    seq,
+                    writer,
+                    per_buffer: per,
+                    tokens: 1,
+                });
             }
             lent.push(StepSeq {
                 seq,
@@ -124,14 +151,20 @@ impl KvStoreState {
     /// a grant of room there is now (no holder is asked to give way for it), committed, then
     /// the mapping under the step's memory (off the async threads: a host kernel may hold
     /// it). A step back in the store by then takes nothing (the lease goes back).
-    fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<(SeqId, Incarnation, u64)>) {
+    fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<Growth>) {
         let governor = self.governor.clone();
         let holder = self.holder;
         let buffers = self.config.shape.buffers() as u64;
         let priority = self.config.priority;
         let latency = self.metrics.growth_map.clone();
         tokio::spawn(async move {
-            for (seq, writer, per) in seqs {
+            for Growth {
+                seq,
+                writer,
+                per_buffer: per,
+                ..
+            } in seqs
+            {
                 let bytes = per.saturating_mul(buffers);
                 // Only where there is room now: a request refused would count as a denial
                 // in the books and metrics, and nobody asked for this.
@@ -191,24 +224,9 @@ impl KvStoreState {
                 .mark()
                 .unwrap_or_else(|| self.stream.last_issued()),
         };
-        self.return_after(myself, step, memory, marker, advance, foreign, reply);
-    }
-
-    /// Sends the step's memory back to the store once `marker` completes.
-    #[allow(clippy::too_many_arguments)]
-    fn return_after(
-        &self,
-        myself: &ActorRef<KvStoreMsg>,
-        step: u64,
-        memory: Arc<StepMemory>,
-        marker: Fence,
-        advance: bool,
-        foreign: Option<StreamId>,
-        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
-    ) {
-        // A store gone by then drops the message: the memory's last share then frees it after
-        // the stream's queued work.
-        let returned = KvStoreMsg::StepReturned {
+        // Sent back once `marker` completes. A store gone by then drops the message: the
+        // memory's last share then frees it after the stream's queued work.
+        let returned = Returned {
             step,
             memory,
             marker: Some(marker),
@@ -216,22 +234,20 @@ impl KvStoreState {
             foreign,
             reply,
         };
-        self.send_after(myself, marker, returned);
+        self.send_after(myself, marker, KvStoreMsg::StepReturned(returned));
     }
 
     /// The store's fence after a step completed: each sequence takes its memory back (and
     /// counts its new token if the step was completed); one closed meanwhile is freed.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn step_returned(
-        &mut self,
-        myself: &ActorRef<KvStoreMsg>,
-        step: u64,
-        memory: Arc<StepMemory>,
-        marker: Option<Fence>,
-        advance: bool,
-        foreign: Option<StreamId>,
-        reply: Option<RpcReplyPort<Result<(), KvStoreError>>>,
-    ) {
+    pub(super) fn step_returned(&mut self, myself: &ActorRef<KvStoreMsg>, returned: Returned) {
+        let Returned {
+            step,
+            memory,
+            marker,
+            advance,
+            foreign,
+            reply,
+        } = returned;
         let seqs = match memory.take() {
             Ok(seqs) => seqs,
             Err(memory) => {
@@ -242,14 +258,14 @@ impl KvStoreState {
                 let me = myself.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(1)).await;
-                    let _ = me.cast(KvStoreMsg::StepReturned {
+                    let _ = me.cast(KvStoreMsg::StepReturned(Returned {
                         step,
                         memory,
                         marker,
                         advance,
                         foreign,
                         reply,
-                    });
+                    }));
                 });
                 return;
             }
@@ -355,7 +371,12 @@ impl KvStoreState {
             let per = memory.growth_for(count);
             bytes = bytes.saturating_add(per.saturating_mul(memory.shape().buffers() as u64));
             priority = priority.max(self.sequences.table.get(*seq).map_or(0, |r| r.priority));
-            plan.push((*seq, *writer, per, count));
+            plan.push(Growth {
+                seq: *seq,
+                writer: *writer,
+                per_buffer: per,
+                tokens: count,
+            });
         }
         if bytes == 0 {
             self.lend(myself, &plan, reply);
@@ -426,13 +447,18 @@ impl KvStoreState {
 
     /// Maps each sequence's growth (those still this incarnation), stopping at the first
     /// failure. Returns what was mapped and the failure, if any.
-    #[allow(clippy::type_complexity)]
     fn map_batch(
         &mut self,
-        seqs: &[(SeqId, Incarnation, u64, usize)],
+        seqs: &[Growth],
     ) -> (Vec<(SeqId, PendingGrowth)>, Option<KvStoreError>) {
         let mut mapped: Vec<(SeqId, PendingGrowth)> = Vec::new();
-        for (seq, writer, per, _) in seqs {
+        for Growth {
+            seq,
+            writer,
+            per_buffer: per,
+            ..
+        } in seqs
+        {
             // A sequence closed (and maybe opened again) since the prepare is not this one.
             if !self.sequences.is(*seq, *writer) {
                 continue;

@@ -124,7 +124,6 @@ impl KvStoreState {
     /// `from_disk` come from the disk (returned for the copy in, complete once it is seen to
     /// have filled them: `copy_in.rs`), the rest the sequence writes (returned with the token
     /// count, past the `hits` blocks found, that completes each).
-    #[allow(clippy::type_complexity)]
     pub(super) fn fill_claims(
         &mut self,
         writer: Incarnation,
@@ -195,7 +194,6 @@ impl KvStoreState {
 
     /// Maps the cached blocks found (read-only) and the fresh ones this sequence writes
     /// (read-write) at the start of its memory. Returns every block it maps, and the fresh.
-    #[allow(clippy::type_complexity)]
     pub(super) fn attach_prefixes(
         &self,
         memory: &mut KvSequence,

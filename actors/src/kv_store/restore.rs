@@ -15,6 +15,18 @@ use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
 use crate::governor::Grant;
 
+/// Where a restore's answer goes.
+type RestoreReply = RpcReplyPort<Result<Restored, KvStoreError>>;
+
+/// A restore that may start: the incarnation it is for, how the sequence was preempted, the
+/// tokens it held, and where the answer goes.
+struct Begun {
+    writer: Incarnation,
+    mode: PreemptMode,
+    tokens: usize,
+    reply: RestoreReply,
+}
+
 impl KvStoreState {
     /// Brings a preempted sequence back: its KV copied back from the swap space under a
     /// grant, or the sequence handed back to be recomputed (from the cached blocks it maps
@@ -25,7 +37,13 @@ impl KvStoreState {
         seq: SeqId,
         reply: RpcReplyPort<Result<Restored, KvStoreError>>,
     ) {
-        let Some((writer, mode, tokens, reply)) = self.begin_restore(myself, seq, reply) else {
+        let Some(Begun {
+            writer,
+            mode,
+            tokens,
+            reply,
+        }) = self.begin_restore(myself, seq, reply)
+        else {
             return;
         };
         let mut memory = match self.reserve_memory() {
@@ -89,18 +107,12 @@ impl KvStoreState {
     /// preempted, the tokens it held, and the reply to answer. `None` where there is nothing
     /// to start now: the restore is put off until the copy is done, or answered (not
     /// preempted, or refused).
-    #[allow(clippy::type_complexity)]
     fn begin_restore(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
         seq: SeqId,
-        reply: RpcReplyPort<Result<Restored, KvStoreError>>,
-    ) -> Option<(
-        Incarnation,
-        PreemptMode,
-        usize,
-        RpcReplyPort<Result<Restored, KvStoreError>>,
-    )> {
+        reply: RestoreReply,
+    ) -> Option<Begun> {
         let copying = self
             .sequences
             .table
@@ -123,7 +135,12 @@ impl KvStoreState {
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
                 None
             }
-            Ok(Some((writer, mode, tokens))) => Some((writer, mode, tokens, reply)),
+            Ok(Some((writer, mode, tokens))) => Some(Begun {
+                writer,
+                mode,
+                tokens,
+                reply,
+            }),
         }
     }
 

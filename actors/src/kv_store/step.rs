@@ -492,16 +492,7 @@ fn attend_all<T: KvElement>(
         let (k, v) = (kv.keys::<T>(i, layer)?, kv.values::<T>(i, layer)?);
         let tokens = k.len() / shape.token_elems();
         let mut out = vec![0f32; item.q.len()];
-        gqa_decode(
-            &item.q,
-            k,
-            v,
-            tokens,
-            shape.q_heads,
-            shape.kv_heads,
-            shape.head_dim,
-            &mut out,
-        );
+        gqa_decode(&item.q, k, v, tokens, shape.heads(), &mut out);
         outputs.push(out);
     }
     Ok(outputs)

@@ -21,6 +21,16 @@ use super::swap::Saved;
 use super::{KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::governor::{GovernorError, Grant, ReserveRequest};
 
+/// One sequence of a step being prepared: its incarnation, the bytes each of its buffers
+/// grows by, and the new tokens the step makes room for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Growth {
+    pub(super) seq: SeqId,
+    pub(super) writer: Incarnation,
+    pub(super) per_buffer: u64,
+    pub(super) tokens: usize,
+}
+
 /// A transaction waiting for its grant: what it does once the grant comes.
 pub(super) enum Pending {
     Open {
@@ -39,7 +49,7 @@ pub(super) enum Pending {
     },
     Prepare {
         /// Each sequence, its incarnation, its growth per buffer and its new tokens.
-        seqs: Vec<(SeqId, Incarnation, u64, usize)>,
+        seqs: Vec<Growth>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
@@ -54,8 +64,8 @@ pub(super) enum Pending {
 }
 
 /// The step's batch: each sequence with its incarnation.
-pub(super) fn batch_of(seqs: &[(SeqId, Incarnation, u64, usize)]) -> Vec<(SeqId, Incarnation)> {
-    seqs.iter().map(|(s, w, ..)| (*s, *w)).collect()
+pub(super) fn batch_of(seqs: &[Growth]) -> Vec<(SeqId, Incarnation)> {
+    seqs.iter().map(|g| (g.seq, g.writer)).collect()
 }
 
 /// Every transaction in flight, and the task waiting for each one's grant.
@@ -120,7 +130,7 @@ impl Transactions {
     pub(super) fn call_off_step_of(&mut self, seq: SeqId, writer: Incarnation) -> Option<Pending> {
         self.call_off(|p| match p {
             Pending::Prepare { seqs, .. } => {
-                seqs.iter().any(|(s, w, ..)| *s == seq && *w == writer)
+                seqs.iter().any(|g| g.seq == seq && g.writer == writer)
             }
             _ => false,
         })
@@ -239,7 +249,7 @@ impl KvStoreState {
         let called = self.transactions.call_off(|p| match (p, &call) {
             (Pending::Open { seq, .. }, Left::Open(s))
             | (Pending::Restore { seq, .. }, Left::Restore(s)) => seq == s,
-            (Pending::Prepare { seqs, .. }, Left::Step(s)) => seqs.iter().any(|(a, ..)| a == s),
+            (Pending::Prepare { seqs, .. }, Left::Step(s)) => seqs.iter().any(|g| g.seq == *s),
             _ => false,
         });
         if let Some(pending) = called {
@@ -257,7 +267,12 @@ mod tests {
     fn prepare(seq: SeqId, writer: Incarnation) -> Pending {
         let (tx, _rx) = tokio::sync::oneshot::channel();
         Pending::Prepare {
-            seqs: vec![(seq, writer, 0, 1)],
+            seqs: vec![Growth {
+                seq,
+                writer,
+                per_buffer: 0,
+                tokens: 1,
+            }],
             reply: RpcReplyPort::from(tx),
         }
     }

@@ -28,6 +28,17 @@ mod liveness;
 mod queue;
 mod report;
 
+/// A process's join, as its frame said it (`NodeRequest::Join`), checked by `join`.
+struct Joining {
+    token: u64,
+    key: u64,
+    pid: u32,
+    name: String,
+    priority: Priority,
+    authority: String,
+    held: u64,
+}
+
 /// The node's wait queues: bounded, and a capacity that never grows (it is the node's own).
 const LIMITS: AdmissionLimits = AdmissionLimits {
     max_waiters: 4096,
@@ -353,7 +364,18 @@ impl NodeState {
                 priority,
                 authority,
                 held,
-            } => self.join((token, key), pid, name, priority, &authority, held, reply),
+            } => {
+                let joining = Joining {
+                    token,
+                    key,
+                    pid,
+                    name,
+                    priority,
+                    authority,
+                    held,
+                };
+                self.join(joining, reply)
+            }
             NodeRequest::Ask {
                 token,
                 key,
@@ -385,17 +407,17 @@ impl NodeState {
         foreign
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn join(
-        &mut self,
-        (token, key): (u64, u64),
-        pid: u32,
-        name: String,
-        priority: Priority,
-        authority: &str,
-        held: u64,
-        reply: RpcReplyPort<Vec<u8>>,
-    ) {
+    fn join(&mut self, joining: Joining, reply: RpcReplyPort<Vec<u8>>) {
+        let Joining {
+            token,
+            key,
+            pid,
+            name,
+            priority,
+            authority,
+            held,
+        } = joining;
+        let authority = authority.as_str();
         let Some(&aid) = self.authorities.get(authority) else {
             return refuse(reply, "unknown authority");
         };
