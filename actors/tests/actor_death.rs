@@ -19,7 +19,7 @@ use crossbeam_channel::{bounded, Sender};
 use procmem_actors::procmem::fault;
 use procmem_actors::procmem::fence::Fence;
 use procmem_actors::procmem::fenced::RecordUse;
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::{AllocationRequest, MemoryRole};
 use procmem_actors::{
@@ -343,14 +343,7 @@ async fn the_other_deferred_free_actor_killed_at_every_step() {
 // scenario and made to panic at every message they handle in it (their own messages, such as
 // a grant arriving for a pending growth, included).
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 128,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(128);
 
 enum Msg {
     Open(u64),

@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::leased;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,10 +24,6 @@ use procmem_actors::{
 use common::{figure, is_mapped};
 
 const BYTES: u64 = 1 << 20;
-
-async fn leased(g: &GovernorHandle) -> u64 {
-    g.snapshot().await.unwrap().books.leased
-}
 
 /// One case: returns true if the buffer stayed mapped, charged and intact for the whole of
 /// B's kernel and was freed and refunded after it.

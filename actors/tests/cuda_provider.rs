@@ -1,6 +1,10 @@
 //! The CUDA execution provider: event fences observed from the host, deferred free after
 //! them. Skipped, saying so, where no CUDA driver or device exists.
 
+mod common;
+
+use common::leased;
+
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -41,10 +45,6 @@ async fn setup(streams: usize) -> (GovernorHandle, HolderId, CudaProvider) {
         ..CudaProviderConfig::default()
     };
     (g, h, CudaProvider::spawn(config).await.unwrap())
-}
-
-async fn leased(g: &GovernorHandle) -> u64 {
-    g.snapshot().await.unwrap().books.leased
 }
 
 async fn freed(p: &CudaProvider, stream: usize) -> u64 {

@@ -15,7 +15,9 @@ use procmem_actors::{
 };
 
 mod common;
+
 use common::is_mapped;
+use common::leased;
 
 const MIB: u64 = 1 << 20;
 
@@ -43,10 +45,6 @@ async fn buffer(
 ) -> Buffer {
     let request = AllocationRequest::new(bytes, MemoryRole::Workspace);
     p.allocate(g, h, &request, 0, None, home).await.unwrap()
-}
-
-async fn leased(g: &GovernorHandle) -> u64 {
-    g.snapshot().await.unwrap().books.leased
 }
 
 fn gate() -> (Sender<()>, Receiver<()>) {

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use procmem_actors::procmem::fault;
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{AttendItem, KvStoreHandle, PreemptMode},
@@ -23,14 +23,7 @@ use common::{another_holder_asks, kv_config, kv_system};
 /// Fault points are process-global: one scenario at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 256,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(256);
 
 fn figure(name: &str, passed: usize, total: usize) {
     let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");

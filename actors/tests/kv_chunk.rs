@@ -9,22 +9,15 @@ use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
-use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, Heads, KvDtype, KvError, KvShape};
+use procmem_actors::procmem::kv::{gqa_causal, gqa_decode, Heads, KvError, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{KvStep, KvStoreError, KvStoreHandle, PreemptMode, Restored},
     provider::CpuProvider,
 };
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 512,
-    dtype: KvDtype::F32,
-};
-const PAGE: u64 = 4096;
+const SHAPE: KvShape = common::shape(512);
+use common::PAGE;
 const QW: usize = SHAPE.q_heads * SHAPE.head_dim;
 
 async fn store(capacity: u64) -> (GovernorHandle, KvStoreHandle) {

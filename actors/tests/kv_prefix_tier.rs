@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use procmem_actors::procmem::kv::disk_tier::DiskTierError;
-use procmem_actors::procmem::kv::{prompt_keys, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{prompt_keys, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{
@@ -19,15 +19,8 @@ use procmem_actors::{
 
 mod common;
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 512,
-    dtype: KvDtype::F32,
-};
-const PAGE: u64 = 4096;
+const SHAPE: KvShape = common::shape(512);
+use common::PAGE;
 const CAPACITY: u64 = 1 << 20;
 
 /// Fault points and the disk are shared by the tests here: they take turns.

@@ -12,7 +12,7 @@ use procmem_actors::kv::StepEnd;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{gqa_decode, KvShape};
 use procmem_actors::{
     governor::GovernorError,
     kv::{AttendItem, KvStoreError, PreemptMode, Restored},
@@ -22,14 +22,7 @@ mod common;
 
 use common::{kv_config, kv_system};
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 256,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(256);
 const REQUESTS: u64 = 16;
 /// Tokens each request decodes: two growth chunks of one page per buffer.
 const TOKENS: usize = 64;

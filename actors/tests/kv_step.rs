@@ -17,14 +17,7 @@ use procmem_actors::{
     provider::{CpuProvider, CpuProviderConfig},
 };
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 512,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(512);
 
 async fn store(shape: KvShape, capacity: u64) -> (GovernorHandle, CpuProvider, KvStoreHandle) {
     let config = kv_config(shape, 2, PreemptMode::Swap, Duration::from_millis(300));
@@ -383,8 +376,9 @@ async fn a_step_outliving_its_store_keeps_its_memory_until_the_stream_ran() {
         .unwrap()
         .submit(&[], move || gate.recv().unwrap())
         .unwrap();
-    kv.actor().kill();
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    let store = kv.actor();
+    store.kill();
+    store.wait(Some(Duration::from_secs(10))).await.unwrap();
     drop(step);
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(

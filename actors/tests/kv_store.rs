@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use procmem_actors::procmem::kv::{gqa_decode, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{gqa_decode, KvShape};
 use procmem_actors::procmem::ledger::HolderId;
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
@@ -19,17 +19,12 @@ use procmem_actors::{
 
 mod common;
 
+use common::{leased, until_waiting};
+
 use common::{another_holder_asks, kv_config, kv_system};
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 512,
-    dtype: KvDtype::F32,
-};
-const PAGE: u64 = 4096;
+const SHAPE: KvShape = common::shape(512);
+use common::PAGE;
 
 /// Deterministic K/V for (sequence, position, layer): replaying a sequence gives the very same
 /// K/V, as a real model would.
@@ -83,10 +78,6 @@ async fn step(
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-async fn leased(g: &GovernorHandle) -> u64 {
-    g.snapshot().await.unwrap().books.leased
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -441,8 +432,9 @@ async fn a_failed_start_names_its_cause() {
         .await
         .unwrap_err();
     assert!(matches!(err, KvStoreError::Kv(_)), "{err:?}");
+    let governor = g.actor();
     g.stop();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    governor.wait(Some(Duration::from_secs(10))).await.unwrap();
     let err = KvStoreHandle::spawn(config(PreemptMode::Swap), g, p)
         .await
         .unwrap_err();
@@ -500,17 +492,14 @@ async fn concurrent_opens_of_one_prompt_never_serve_an_unwritten_block() {
     let bt = SHAPE.block_tokens(PAGE);
     let prompt: Vec<u32> = (0..(2 * bt) as u32).collect();
     let blocker = hold_everything(&g).await;
-    let (a, b, ()) = tokio::join!(
-        kv.open(1, prompt.clone(), 0),
-        async {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            kv.open(2, prompt.clone(), 0).await
-        },
-        async move {
-            tokio::time::sleep(Duration::from_millis(60)).await;
-            drop(blocker);
-        }
-    );
+    // The first open waits for room; the second comes while it waits (it claims nothing the
+    // first claimed, so it needs no grant); only then does the room come.
+    let (a, b) = tokio::join!(kv.open(1, prompt.clone(), 0), async {
+        until_waiting(&g, 1).await;
+        let b = kv.open(2, prompt.clone(), 0).await;
+        drop(blocker);
+        b
+    });
     assert_eq!(a.unwrap().cached_tokens, 0);
     assert_eq!(b.unwrap().cached_tokens, 0);
     // Sequence 1 writes the prompt; sequence 2 writes nothing.
@@ -572,8 +561,8 @@ async fn calls_whose_caller_gave_up_leave_nothing_behind() {
     let blocker = hold_everything(&g).await;
     let gave_up = tokio::time::timeout(Duration::from_millis(20), kv.open(1, prompt.clone(), 0));
     assert!(gave_up.await.is_err(), "the open waits for room");
+    // The caller's leaving reached the store before anything it sends next.
     drop(blocker);
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let retry = kv.open(1, prompt.clone(), 0).await;
     assert!(retry.is_ok(), "{retry:?}");
     // The prompt fills the two blocks it claimed; the next token needs memory of its own.
@@ -587,7 +576,6 @@ async fn calls_whose_caller_gave_up_leave_nothing_behind() {
     let gave_up = tokio::time::timeout(Duration::from_millis(20), kv.prepare(vec![1]));
     assert!(gave_up.await.is_err(), "the prepare waits for room");
     drop(blocker);
-    tokio::time::sleep(Duration::from_millis(100)).await;
     // The wait was called off: the sequence is not in a step, its next step goes through,
     // and pressure may take it.
     step(&kv, &[(1, prompt.len())]).await.unwrap();
@@ -624,7 +612,7 @@ async fn a_restore_pending_across_close_and_reopen_never_touches_the_new_sequenc
         let kv = kv.clone();
         tokio::spawn(async move { kv.restore(1).await })
     };
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    until_waiting(&g, 1).await;
     kv.close(1);
     kv.open(1, vec![], 0).await.unwrap();
     drop(grant);

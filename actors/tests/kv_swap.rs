@@ -4,25 +4,20 @@
 
 mod common;
 
+use common::leased;
+
 use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_item, kv_system, settled, system};
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
     kv::{KvStoreConfig, KvStoreError, KvStoreHandle, PreemptMode, Restored, SwapKind, SwapSpace},
     provider::CpuProvider,
 };
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 512,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(512);
 
 fn config(swap: SwapSpace) -> KvStoreConfig {
     kv_config(SHAPE, 2, PreemptMode::Swap, Duration::from_millis(300)).swap(swap)
@@ -55,10 +50,6 @@ async fn squeeze(g: &GovernorHandle, kv: &KvStoreHandle) -> procmem_actors::gove
         .commit(held.exclusive_bytes)
         .await
         .unwrap()
-}
-
-async fn leased(g: &GovernorHandle) -> u64 {
-    g.snapshot().await.unwrap().books.leased
 }
 
 fn host_tier_bytes(p: &CpuProvider) -> u64 {

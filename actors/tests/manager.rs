@@ -2,10 +2,12 @@
 //! may crash without taking the system down, shutdown that reports the books at zero, and
 //! bad input refused with a clear error.
 
+mod common;
+
 use procmem_actors::kv::StepEnd;
 use std::time::Duration;
 
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::procmem::{AllocationRequest, MemoryError, MemoryRole, MemoryTier, Place};
 use procmem_actors::{
     kv::{AttendItem, KvStoreConfig},
@@ -13,14 +15,7 @@ use procmem_actors::{
     Buffer, ManagerError, MemoryBinding, MemoryManager,
 };
 
-const SHAPE: KvShape = KvShape {
-    layers: 2,
-    q_heads: 4,
-    kv_heads: 2,
-    head_dim: 16,
-    max_tokens: 256,
-    dtype: KvDtype::F32,
-};
+const SHAPE: KvShape = common::shape(256);
 
 fn kv_config() -> KvStoreConfig {
     KvStoreConfig::new("kv", SHAPE).wait(Duration::from_millis(200))

@@ -1,16 +1,51 @@
-//! Helpers shared by the reliability tests.
+//! Helpers shared by the actors' tests: the small attention shape the KV store's tests use,
+//! the Governor's figures, and waits for an event rather than for a time.
 #![allow(dead_code)]
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::MemoryRole;
 use procmem_actors::{
     governor::{GovernorConfig, GovernorError, GovernorHandle, Grant, ReserveRequest},
     kv::{KvStoreConfig, KvStoreHandle, PreemptMode},
     provider::{CpuProvider, CpuProviderConfig},
 };
+
+/// The host page the KV store's tests assume.
+pub const PAGE: u64 = 4096;
+
+/// The small attention shape the KV store's tests share: 2 layers, 4 query heads over 2 KV
+/// heads, head dimension 16, f32, each sequence holding at most `max_tokens`.
+pub const fn shape(max_tokens: usize) -> KvShape {
+    KvShape {
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        max_tokens,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// Bytes the Governor `g` has leased out.
+pub async fn leased(g: &GovernorHandle) -> u64 {
+    g.snapshot().await.unwrap().books.leased
+}
+
+/// Waits (up to 10 s) until `n` requests wait for room at `g`: the event a test orders its
+/// next move after, rather than a sleep.
+pub async fn until_waiting(g: &GovernorHandle, n: usize) {
+    let start = Instant::now();
+    while g.snapshot().await.unwrap().waiting < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{n} requests never waited for room"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
 
 /// A host Governor of `capacity` bytes and a CPU provider with `streams` streams.
 pub async fn system(capacity: u64, streams: usize) -> (GovernorHandle, CpuProvider) {
