@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use procmem_actors::kv::{KvStep, KvStoreHandle, SeqId};
 use tokio::sync::mpsc;
 
+mod policy;
 mod run;
 mod sample;
 mod types;

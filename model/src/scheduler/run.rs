@@ -4,85 +4,25 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use procmem_actors::procmem::{kv::prompt_keys, ledger::LedgerError};
-use procmem_actors::{
-    governor::GovernorError,
-    kv::{KvStoreError, Restored, SeqId},
-    provider::ProviderError,
-    residency::ResidencyError,
-};
+use procmem_actors::governor::GovernorError;
+use procmem_actors::kv::{KvStoreError, Restored, SeqId};
+use procmem_actors::procmem::kv::prompt_keys;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
 
+use super::policy::{refusal, short_of_room, store_refusal, Policy};
 use super::{
     adjust, logprobs, next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest,
     SchedulerStats, Shared, StepInput, StepModel,
 };
 use crate::ModelError;
 
-/// How long, in all, a lone sequence's step is tried again while it finds no room (holders
-/// may still be freeing: a swap's copy, a fence behind a busy stream), before the request
-/// fails: the budget cannot hold it. Time, not a count: on a loaded machine one wait for
-/// room can pass while the memory is still on its way back.
-const LONELY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
-/// The longest pause between two tries of a lone sequence's step.
-const LONELY_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
-/// How long a step waits, in all, for sequences a step given up still holds (the store
-/// hands them back once that step's kernels are done) before the step fails.
-const BUSY_FOR: std::time::Duration = std::time::Duration::from_secs(5);
-/// Steps without pressure after which admission opens again.
-const CALM_STEPS: u32 = 16;
 /// Waiting requests admission looks at, at most, for one that need not wait for another's
 /// prompt blocks.
 const DEFER_SCAN: usize = 64;
 /// Times admission passes over one request, at most, for another's prompt blocks.
 const MAX_PASSES: u32 = 64;
-
-/// The Governor's refusal inside `e`, where the store was refused memory.
-fn store_refusal(e: &KvStoreError) -> Option<&GovernorError> {
-    match e {
-        KvStoreError::Governor(g) => Some(g),
-        _ => None,
-    }
-}
-
-/// The Governor's refusal inside `e`, where a step's memory was refused (its KV, or a
-/// layer's weights brought back from offload).
-fn refusal(e: &ModelError) -> Option<&GovernorError> {
-    match e {
-        ModelError::Prepare(kv) => store_refusal(kv),
-        ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => Some(g),
-        _ => None,
-    }
-}
-
-/// Whether the refusal `g` says memory was not there by its deadline: less, or the same a
-/// little later, may fit. Anything else is a fault no retry mends.
-fn short(g: Option<&GovernorError>) -> bool {
-    matches!(
-        g,
-        Some(
-            GovernorError::DeadlineExpired(_)
-                | GovernorError::Ledger(LedgerError::Denied(_))
-                | GovernorError::Busy { .. }
-        )
-    )
-}
-
-/// Whether a step did not get memory by its deadline ([`short`]).
-fn short_of_room(e: &ModelError) -> bool {
-    short(refusal(e))
-}
-
-/// Whether a lone try refused with `g` may pass later: short of room, and not told at once,
-/// without waiting, that the bytes asked are more than the whole capacity (no wait makes
-/// room for those). A Governor with an upstream lets such a request wait for credit instead;
-/// if its wait runs out, that is `DeadlineExpired`, which a later try may pass.
-fn may_fit_later(g: Option<&GovernorError>) -> bool {
-    short(g)
-        && !matches!(g, Some(GovernorError::Ledger(LedgerError::Denied(d))) if d.asked > d.capacity)
-}
 
 /// A request as submitted.
 pub(super) struct Queued {
@@ -136,17 +76,8 @@ pub(super) struct Loop<'m, M: ?Sized> {
     deadline: Option<Instant>,
     /// Every handle is gone.
     closed: bool,
-    /// Pressure was met: nothing new is admitted while others run, until one finishes or
-    /// `CALM_STEPS` steps go through.
-    hold: bool,
-    calm: u32,
-    /// The lone sequence that has found no room (to open, restore or step), since when, and
-    /// how many times.
-    lonely: Option<(SeqId, Instant, u32)>,
-    /// Since when steps have found a sequence still held by a step given up.
-    busy_since: Option<Instant>,
-    /// A restore refused while others ran waits until one of them finishes.
-    restore_blocked: bool,
+    /// What it decides by: whether restores and admission wait, a lone request's patience.
+    policy: Policy,
     /// Tokens in one of the KV store's prompt blocks.
     block: usize,
 }
@@ -167,11 +98,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             next: 0,
             deadline: None,
             closed: false,
-            hold: false,
-            calm: 0,
-            lonely: None,
-            busy_since: None,
-            restore_blocked: false,
+            policy: Policy::default(),
             block: model.kv().prefix_digest().block_tokens(),
         }
     }
@@ -275,7 +202,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         self.running.retain(|r| !r.gone());
         self.parked.retain(|r| !r.gone());
         if gone > 0 {
-            self.restore_blocked = false;
+            self.policy.cancelled();
             self.shared.stats().cancelled += gone;
         }
     }
@@ -315,7 +242,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
     /// room a preemption just made and get preempted again, round and round.
     async fn restore_parked(&mut self) {
         let most = self.shared.config.max_running;
-        while self.running.len() < most && (!self.restore_blocked || self.running.is_empty()) {
+        while self.policy.may_restore(self.running.len(), most) {
             let Some(mut r) = self.parked.pop_front() else {
                 break;
             };
@@ -324,7 +251,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 Ok(Restored::Recompute { cached, .. }) => r.pos = cached,
                 Err(_) if !self.running.is_empty() => {
                     self.parked.push_front(r);
-                    self.restore_blocked = true;
+                    self.policy.restore_refused();
                     break;
                 }
                 Err(e) => {
@@ -336,7 +263,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     continue;
                 }
             }
-            self.got_room(r.id);
+            self.policy.got_room(r.id);
             self.shared.stats().restores += 1;
             // A restored sequence writes no prompt block for others to wait for.
             r.writes_to = 0;
@@ -384,9 +311,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
     async fn admit(&mut self) {
         let config = &self.shared.config;
         let most = config.max_running.min(config.step_tokens);
-        while self.parked.is_empty()
-            && self.running.len() < most
-            && (!self.hold || self.running.is_empty())
+        while self
+            .policy
+            .may_admit(self.running.len(), self.parked.len(), most)
         {
             let Some((at, mut r)) = self.next_waiting() else {
                 break;
@@ -402,7 +329,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             }
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
                 Ok(opened) => {
-                    self.got_room(r.id);
+                    self.policy.got_room(r.id);
                     if !r.opened {
                         r.figures.cached_tokens = opened.cached_tokens;
                         r.figures.queued = r.q.arrived.elapsed();
@@ -417,7 +344,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 Err(_) if !self.running.is_empty() => {
                     // Back where it was, ahead of those passed over for it.
                     self.waiting.insert(at, r);
-                    self.hold = true;
+                    self.policy.open_refused();
                     break;
                 }
                 Err(e) => {
@@ -460,13 +387,12 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         let inputs = self.plan();
         let outcome = self.model.step(&inputs).await;
         if !matches!(outcome, Err(ModelError::Prepare(KvStoreError::Busy(_)))) {
-            self.busy_since = None;
+            self.policy.not_busy();
         }
         match outcome {
             Ok(logits) => self.stepped(&inputs, logits),
             Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
-                self.pressure();
-                self.restore_blocked = true;
+                self.policy.preempted();
                 self.shared.stats().preemptions += 1;
                 if let Some(i) = self.running.iter().position(|r| r.id == seq) {
                     let mut r = self.running.remove(i);
@@ -478,7 +404,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 // The batch does not fit (its KV, or a layer's weights brought back for it):
                 // the newest request starts over later from the tokens it knows (what it
                 // streamed already is not sent again).
-                self.pressure();
+                self.policy.pressure();
                 let mut r = self.running.pop().expect("more than one");
                 // Its whole blocks stay cached: it opens again from the tokens it knows.
                 self.model.kv().close_keeping(r.id, r.known.clone());
@@ -491,9 +417,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 *self.shared.waiting() += 1;
                 self.waiting.push_front(r);
             }
-            Err(ModelError::Prepare(KvStoreError::Busy(_)))
-                if self.busy_since.get_or_insert_with(Instant::now).elapsed() < BUSY_FOR =>
-            {
+            Err(ModelError::Prepare(KvStoreError::Busy(_))) if self.policy.busy(Instant::now()) => {
                 // A step given up midway (a layer's weights not back in time) hands its
                 // sequences back after its kernels' fence; until then they are busy. The
                 // same step is tried again shortly.
@@ -509,8 +433,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 }
                 // The step's requests cannot go on: each fails with what happened (a lone
                 // request the memory cannot hold, with the store's refusal).
-                self.lonely = None;
-                self.restore_blocked = false;
+                self.policy.step_failed();
                 let mut running = std::mem::take(&mut self.running);
                 tracing::warn!(requests = running.len(), error = %e, "a step failed");
                 let e = match e {
@@ -527,53 +450,20 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         }
     }
 
-    fn pressure(&mut self) {
-        self.hold = true;
-        self.calm = 0;
-    }
-
     /// Whether `seq`, alone (nothing else running) and refused memory with `g`, is tried
-    /// again rather than failed: while the refusal [`may_fit_later`] and `seq` has been
-    /// refused for less than `LONELY_FOR` (counted for that sequence: one that left meanwhile,
-    /// cancelled or parked, leaves nothing behind for the next). The pause before the next
-    /// try, doubling up to `LONELY_PAUSE`, is taken here. Its opening, its restore and its
-    /// steps all count: a lone request short of room waits the same way at each.
+    /// again rather than failed ([`Policy::retry_alone`]); the pause before the next try is
+    /// taken here.
     async fn wait_alone(&mut self, seq: SeqId, g: Option<&GovernorError>) -> bool {
-        if !may_fit_later(g) {
+        let Some(pause) = self.policy.retry_alone(seq, g, Instant::now()) else {
             return false;
-        }
-        let tries = match &mut self.lonely {
-            Some((s, since, n)) if *s == seq => {
-                if since.elapsed() >= LONELY_FOR {
-                    return false;
-                }
-                *n += 1;
-                *n
-            }
-            _ => {
-                self.lonely = Some((seq, Instant::now(), 1));
-                1
-            }
         };
         self.shared.stats().retries += 1;
-        let pause = std::time::Duration::from_millis(1 << tries.min(6));
-        tokio::time::sleep(pause.min(LONELY_PAUSE)).await;
+        tokio::time::sleep(pause).await;
         true
     }
 
-    /// `seq` got memory: a later refusal starts its patience afresh.
-    fn got_room(&mut self, seq: SeqId) {
-        if self.lonely.is_some_and(|(s, ..)| s == seq) {
-            self.lonely = None;
-        }
-    }
-
     fn stepped(&mut self, inputs: &[StepInput], logits: Vec<Vec<f32>>) {
-        self.lonely = None;
-        self.calm += 1;
-        if self.calm >= CALM_STEPS {
-            self.hold = false;
-        }
+        self.policy.stepped();
         let detok = self.shared.config.detokenize.clone();
         let context = self.shared.config.context;
         let mut stats = SchedulerStats::default();
@@ -639,8 +529,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 figures: r.figures.clone(),
             });
             stats.finished += 1;
-            self.restore_blocked = false;
-            self.hold = false;
+            self.policy.finished();
         }
         let mut total = self.shared.stats();
         total.steps += 1;

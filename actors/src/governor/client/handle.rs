@@ -134,8 +134,10 @@ impl GovernorHandle {
             .await
     }
 
-    /// Tells the Governor its upstream refused an ask: its holders make the room for a while.
-    pub(crate) fn upstream_refused(&self) {
+    /// Tells the Governor its upstream ([`set_upstream`](Self::set_upstream))
+    /// refused an ask, nobody there having room to give: for a ticket's time its own holders
+    /// are asked for the whole shortfall, not only for what it holds over its capacity.
+    pub fn upstream_refused(&self) {
         let _ = self.route().cast(GovernorMsg::UpstreamRefused);
     }
 

@@ -1,0 +1,344 @@
+//! The scheduler's decisions, pure: whether preempted requests may come back and new ones
+//! may start, given its queues and what it remembers of pressure; whether a lone request
+//! refused memory is tried again and after what pause; how long a step waits for sequences
+//! a step given up still holds. The async loop (`run.rs`) asks before it acts and tells what
+//! happened; nothing here awaits, sleeps or reads a clock (the time is passed in), so every
+//! rule is tested without a runtime.
+
+use std::time::{Duration, Instant};
+
+use procmem_actors::governor::GovernorError;
+use procmem_actors::kv::{KvStoreError, SeqId};
+use procmem_actors::procmem::ledger::LedgerError;
+use procmem_actors::provider::ProviderError;
+use procmem_actors::residency::ResidencyError;
+
+use crate::ModelError;
+
+/// How long, in all, a lone sequence is tried again while it finds no room (holders may
+/// still be freeing: a swap's copy, a fence behind a busy stream), before the request fails:
+/// the budget cannot hold it. Time, not a count: on a loaded machine one wait for room can
+/// pass while the memory is still on its way back.
+pub(super) const LONELY_FOR: Duration = Duration::from_secs(5);
+/// The longest pause between two tries of a lone sequence.
+pub(super) const LONELY_PAUSE: Duration = Duration::from_millis(50);
+/// How long a step waits, in all, for sequences a step given up still holds (the store
+/// hands them back once that step's kernels are done) before the step fails.
+pub(super) const BUSY_FOR: Duration = Duration::from_secs(5);
+/// Steps without pressure after which admission opens again.
+pub(super) const CALM_STEPS: u32 = 16;
+
+/// The Governor's refusal inside `e`, where the store was refused memory.
+pub(super) fn store_refusal(e: &KvStoreError) -> Option<&GovernorError> {
+    match e {
+        KvStoreError::Governor(g) => Some(g),
+        _ => None,
+    }
+}
+
+/// The Governor's refusal inside `e`, where a step's memory was refused (its KV, or a
+/// layer's weights brought back from offload).
+pub(super) fn refusal(e: &ModelError) -> Option<&GovernorError> {
+    match e {
+        ModelError::Prepare(kv) => store_refusal(kv),
+        ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(g))) => Some(g),
+        _ => None,
+    }
+}
+
+/// Whether the refusal `g` says memory was not there by its deadline: less, or the same a
+/// little later, may fit. Anything else is a fault no retry mends.
+fn short(g: Option<&GovernorError>) -> bool {
+    matches!(
+        g,
+        Some(
+            GovernorError::DeadlineExpired(_)
+                | GovernorError::Ledger(LedgerError::Denied(_))
+                | GovernorError::Busy { .. }
+        )
+    )
+}
+
+/// Whether a step did not get memory by its deadline ([`short`]).
+pub(super) fn short_of_room(e: &ModelError) -> bool {
+    short(refusal(e))
+}
+
+/// Whether a lone try refused with `g` may pass later: short of room, and not told at once,
+/// without waiting, that the bytes asked are more than the whole capacity (no wait makes
+/// room for those). A Governor with an upstream lets such a request wait for credit instead;
+/// if its wait runs out, that is `DeadlineExpired`, which a later try may pass.
+pub(super) fn may_fit_later(g: Option<&GovernorError>) -> bool {
+    short(g)
+        && !matches!(g, Some(GovernorError::Ledger(LedgerError::Denied(d))) if d.asked > d.capacity)
+}
+
+/// The lone sequence that has found no room (to open, restore or step): since when, and how
+/// many times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lonely {
+    seq: SeqId,
+    since: Instant,
+    tries: u32,
+}
+
+/// What the scheduler remembers of pressure, and the rules it decides by.
+#[derive(Debug, Default)]
+pub(super) struct Policy {
+    /// Pressure was met: nothing new is admitted while others run, until one finishes or
+    /// [`CALM_STEPS`] steps go through.
+    hold: bool,
+    calm: u32,
+    lonely: Option<Lonely>,
+    /// Since when steps have found a sequence still held by a step given up.
+    busy_since: Option<Instant>,
+    /// A restore refused while others ran waits until one of them finishes.
+    restore_blocked: bool,
+}
+
+impl Policy {
+    /// Whether a preempted request may come back now, with `running` requests running of
+    /// `most`: once one of those running has finished since the last preemption or refused
+    /// restore (or none runs), so a restore does not take the room a preemption just made
+    /// and get preempted again, round and round.
+    pub(super) fn may_restore(&self, running: usize, most: usize) -> bool {
+        running < most && (!self.restore_blocked || running == 0)
+    }
+
+    /// Whether a new request may start now: nothing is parked (those come back first), there
+    /// is room in the batch, and no pressure holds admission while others run.
+    pub(super) fn may_admit(&self, running: usize, parked: usize, most: usize) -> bool {
+        parked == 0 && running < most && (!self.hold || running == 0)
+    }
+
+    /// A restore was refused while others ran: restores wait for one of them to finish.
+    pub(super) fn restore_refused(&mut self) {
+        self.restore_blocked = true;
+    }
+
+    /// An open was refused while others ran: admission waits.
+    pub(super) fn open_refused(&mut self) {
+        self.hold = true;
+    }
+
+    /// A step met pressure (a sequence shed for room): admission waits until calm.
+    pub(super) fn pressure(&mut self) {
+        self.hold = true;
+        self.calm = 0;
+    }
+
+    /// A sequence of the step was preempted: pressure, and restores wait for a finish.
+    pub(super) fn preempted(&mut self) {
+        self.pressure();
+        self.restore_blocked = true;
+    }
+
+    /// A step went through: the lone sequence's patience ends, and after [`CALM_STEPS`]
+    /// such steps admission opens again.
+    pub(super) fn stepped(&mut self) {
+        self.lonely = None;
+        self.calm += 1;
+        if self.calm >= CALM_STEPS {
+            self.hold = false;
+        }
+    }
+
+    /// A request finished, or was cancelled: its room is back, for restores and new ones.
+    pub(super) fn finished(&mut self) {
+        self.restore_blocked = false;
+        self.hold = false;
+    }
+
+    /// A request whose caller left was closed: restores may try again.
+    pub(super) fn cancelled(&mut self) {
+        self.restore_blocked = false;
+    }
+
+    /// The step's requests failed: nothing lone or blocked is remembered.
+    pub(super) fn step_failed(&mut self) {
+        self.lonely = None;
+        self.restore_blocked = false;
+    }
+
+    /// `seq` got memory: a later refusal starts its patience afresh.
+    pub(super) fn got_room(&mut self, seq: SeqId) {
+        if self.lonely.is_some_and(|l| l.seq == seq) {
+            self.lonely = None;
+        }
+    }
+
+    /// `seq`, alone (nothing else running), was refused memory with `g` at `now`: the pause
+    /// before it is tried again, or `None` where it fails. Tried again while the refusal
+    /// [`may_fit_later`] and `seq` has been refused for less than [`LONELY_FOR`] (counted for
+    /// that sequence: one that left meanwhile leaves nothing behind for the next), the pause
+    /// doubling from 2 ms up to [`LONELY_PAUSE`]. Its opening, its restore and its steps all
+    /// count: a lone request short of room waits the same way at each.
+    pub(super) fn retry_alone(
+        &mut self,
+        seq: SeqId,
+        g: Option<&GovernorError>,
+        now: Instant,
+    ) -> Option<Duration> {
+        if !may_fit_later(g) {
+            return None;
+        }
+        let tries = match &mut self.lonely {
+            Some(l) if l.seq == seq => {
+                if now.saturating_duration_since(l.since) >= LONELY_FOR {
+                    return None;
+                }
+                l.tries += 1;
+                l.tries
+            }
+            _ => {
+                self.lonely = Some(Lonely {
+                    seq,
+                    since: now,
+                    tries: 1,
+                });
+                1
+            }
+        };
+        Some(Duration::from_millis(1 << tries.min(6)).min(LONELY_PAUSE))
+    }
+
+    /// A step found a sequence still held by a step given up, at `now`: whether to try the
+    /// same step again shortly (for [`BUSY_FOR`] in all) rather than fail it.
+    pub(super) fn busy(&mut self, now: Instant) -> bool {
+        let since = *self.busy_since.get_or_insert(now);
+        now.saturating_duration_since(since) < BUSY_FOR
+    }
+
+    /// A step's outcome was not "busy": the next busy one starts its wait afresh.
+    pub(super) fn not_busy(&mut self) {
+        self.busy_since = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use procmem_actors::procmem::ledger::{Denial, Ledger};
+
+    use super::*;
+
+    /// A denial of `asked` bytes by an authority of `capacity`.
+    fn denial(asked: u64, capacity: u64) -> Box<Denial> {
+        let authority = Ledger::new().add_authority("host", capacity);
+        Box::new(Denial {
+            authority,
+            authority_name: "host".into(),
+            asked,
+            capacity,
+            approved: 0,
+            waiting: 0,
+            top_holders: Vec::new(),
+            during_commit: false,
+        })
+    }
+
+    fn deadline() -> GovernorError {
+        GovernorError::DeadlineExpired(denial(1, 1))
+    }
+
+    #[test]
+    fn pressure_holds_admission_until_a_finish_or_calm_steps() {
+        let mut p = Policy::default();
+        assert!(p.may_admit(3, 0, 8));
+        assert!(!p.may_admit(3, 1, 8), "parked requests come back first");
+        assert!(!p.may_admit(8, 0, 8), "the batch is full");
+        p.pressure();
+        assert!(!p.may_admit(3, 0, 8));
+        assert!(
+            p.may_admit(0, 0, 8),
+            "with nothing running, admission is never held"
+        );
+        for _ in 1..CALM_STEPS {
+            p.stepped();
+        }
+        assert!(!p.may_admit(3, 0, 8), "one step short of calm");
+        p.stepped();
+        assert!(p.may_admit(3, 0, 8));
+        p.open_refused();
+        assert!(!p.may_admit(3, 0, 8));
+        p.finished();
+        assert!(p.may_admit(3, 0, 8), "a finish gives its room back");
+    }
+
+    #[test]
+    fn restores_wait_for_a_finish_after_a_preemption() {
+        let mut p = Policy::default();
+        assert!(p.may_restore(2, 8));
+        p.preempted();
+        assert!(!p.may_restore(2, 8));
+        assert!(p.may_restore(0, 8), "alone, a restore always tries");
+        for _ in 0..CALM_STEPS {
+            p.stepped();
+        }
+        assert!(!p.may_restore(2, 8), "calm steps do not unblock restores");
+        p.cancelled();
+        assert!(p.may_restore(2, 8));
+        p.restore_refused();
+        assert!(!p.may_restore(2, 8));
+        p.finished();
+        assert!(p.may_restore(2, 8));
+        assert!(!p.may_restore(8, 8), "the batch is full");
+    }
+
+    #[test]
+    fn a_lone_request_is_retried_with_doubling_pauses_for_a_while_then_fails() {
+        let mut p = Policy::default();
+        let t0 = Instant::now();
+        let g = deadline();
+        let pauses: Vec<_> = (0..8)
+            .map(|i| p.retry_alone(7, Some(&g), t0 + Duration::from_millis(i)))
+            .collect();
+        let ms: Vec<u64> = pauses
+            .iter()
+            .map(|d| d.unwrap().as_millis() as u64)
+            .collect();
+        assert_eq!(ms, [2, 4, 8, 16, 32, 50, 50, 50]);
+        assert_eq!(
+            p.retry_alone(7, Some(&g), t0 + LONELY_FOR),
+            None,
+            "its patience is time"
+        );
+        // Another sequence starts afresh; one that got room too.
+        assert_eq!(
+            p.retry_alone(8, Some(&g), t0 + LONELY_FOR),
+            Some(Duration::from_millis(2))
+        );
+        p.got_room(8);
+        assert_eq!(
+            p.retry_alone(8, Some(&g), t0 + 2 * LONELY_FOR),
+            Some(Duration::from_millis(2))
+        );
+        p.stepped();
+        assert_eq!(
+            p.retry_alone(8, Some(&g), t0 + 3 * LONELY_FOR),
+            Some(Duration::from_millis(2)),
+            "a step that went through ends the count"
+        );
+    }
+
+    #[test]
+    fn a_refusal_no_wait_mends_is_never_retried() {
+        let mut p = Policy::default();
+        let now = Instant::now();
+        let over = GovernorError::Ledger(LedgerError::Denied(denial(10, 5)));
+        assert_eq!(p.retry_alone(1, Some(&over), now), None);
+        assert_eq!(p.retry_alone(1, None, now), None, "not a refusal of room");
+        let within = GovernorError::Ledger(LedgerError::Denied(denial(5, 10)));
+        assert!(p.retry_alone(1, Some(&within), now).is_some());
+    }
+
+    #[test]
+    fn a_busy_step_waits_a_while_from_its_first_busy_answer() {
+        let mut p = Policy::default();
+        let t0 = Instant::now();
+        assert!(p.busy(t0));
+        assert!(p.busy(t0 + BUSY_FOR / 2));
+        assert!(!p.busy(t0 + BUSY_FOR));
+        p.not_busy();
+        assert!(p.busy(t0 + BUSY_FOR), "a new wait starts afresh");
+    }
+}
