@@ -40,16 +40,16 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::{kv::PreemptMode, MemoryManager};
+use procmem_actors::kv::PreemptMode;
 use procmem_model::gguf::Gguf;
+use procmem_model::launch::{Budget, ModelConfig, ModelSource, PrefixDiskConfig};
 use procmem_model::{fetch_smollm2, TextCodec};
 use serde_json::{json, Value};
 
+#[path = "serving/child.rs"]
+mod child;
 #[path = "serving/client.rs"]
 mod client;
-#[path = "../examples/common/mod.rs"]
-mod common;
 #[path = "serving/servers.rs"]
 mod servers;
 #[path = "serving/workload.rs"]
@@ -146,51 +146,20 @@ fn child(spec: &str) -> ExitCode {
         eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context");
         return ExitCode::FAILURE;
     };
-    let run = common::real_model::RealRun {
-        model: "smollm2".into(),
-        requests: concurrency,
-        concurrency,
-        max_new: ANSWER_TOKENS as usize,
-        budget: None,
-        fraction: Some(fraction),
-        preempt: preempt_mode(),
-        dtype: KvDtype::F16,
-        context,
-        listen: Some(procmem_model::http::ServeConfig {
-            addr: ([127, 0, 0, 1], 0).into(),
-            model_name: "smollm2-135m-instruct".into(),
-            max_waiting: 4096,
-            max_running: 64,
-            default_max_tokens: ANSWER_TOKENS as usize,
-            grace: Duration::from_secs(10),
-            limits: procmem_model::http::Limits::default(),
-        }),
-        prefix_disk: std::env::var_os("PROCMEM_SERVING_PREFIX_DISK").map(|dir| {
-            common::real_model::PrefixDiskArgs {
-                dir: dir.into(),
-                capacity: 1 << 30,
-                min_hits: disk_min_hits(),
-            }
-        }),
-        idle_after: None,
-    };
-    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    let served = rt.block_on(common::real_model::serve(run, |budget, _| async move {
-        let memory = MemoryManager::builder()
-            .host_budget(budget)
-            .keep_metrics(true)
-            .build()
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok((memory, None))
-    }));
-    match served {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::FAILURE
-        }
-    }
+    let mut config = ModelConfig::new(ModelSource::Smollm2, context, concurrency);
+    config.budget = Budget::OfPeak(fraction);
+    config.preempt = preempt_mode();
+    config.prefix_disk =
+        std::env::var_os("PROCMEM_SERVING_PREFIX_DISK").map(|dir| PrefixDiskConfig {
+            dir: dir.into(),
+            capacity: 1 << 30,
+            min_hits: disk_min_hits(),
+        });
+    child::serve(
+        config,
+        child::serve_config(64, ANSWER_TOKENS as usize),
+        None,
+    )
 }
 
 /// A number after `key` in the procmem server's budget line.

@@ -47,22 +47,20 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use procmem_actors::kv::PreemptMode;
 use procmem_actors::machine::HostPressure;
 use procmem_actors::node::{NodeConfig, NodeHandle};
 use procmem_actors::procmem::host::machine::PressurePolicy;
-use procmem_actors::procmem::kv::KvDtype;
-use procmem_actors::MemoryManager;
 use procmem_model::gguf::Gguf;
+use procmem_model::launch::{Budget, ModelConfig, ModelSource, NodeJoin};
 use procmem_model::{fetch_smollm2, TextCodec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+#[path = "serving/child.rs"]
+mod child;
 #[path = "serving/client.rs"]
 mod client;
-#[path = "../examples/common/mod.rs"]
-mod common;
 #[path = "serving/servers.rs"]
 mod servers;
 #[path = "sharing/shrink.rs"]
@@ -209,7 +207,7 @@ fn child(spec: &str) -> ExitCode {
     let fraction = parts.first().and_then(|f| f.parse::<f64>().ok());
     let join = match parts[1..] {
         ["node", port, priority, name] => match (port.parse::<u16>(), priority.parse()) {
-            (Ok(port), Ok(priority)) => Some(Some(common::node::NodeJoin {
+            (Ok(port), Ok(priority)) => Some(Some(NodeJoin {
                 addr: ([127, 0, 0, 1], port).into(),
                 cookie: COOKIE.into(),
                 priority,
@@ -226,51 +224,10 @@ fn child(spec: &str) -> ExitCode {
         );
         return ExitCode::FAILURE;
     };
-    let run = common::real_model::RealRun {
-        model: "smollm2".into(),
-        requests: CONCURRENCY,
-        concurrency: CONCURRENCY,
-        max_new: ANSWER_TOKENS as usize,
-        budget: None,
-        fraction: Some(fraction),
-        preempt: PreemptMode::Swap,
-        dtype: KvDtype::F16,
-        context: CONTEXT,
-        listen: Some(procmem_model::http::ServeConfig {
-            addr: ([127, 0, 0, 1], 0).into(),
-            model_name: "smollm2-135m-instruct".into(),
-            max_waiting: 4096,
-            max_running: CONCURRENCY,
-            default_max_tokens: ANSWER_TOKENS as usize,
-            grace: Duration::from_secs(10),
-            limits: procmem_model::http::Limits::default(),
-        }),
-        prefix_disk: None,
-        idle_after: None,
-    };
-    let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    let served = rt.block_on(common::real_model::serve(run, |budget, kv| async move {
-        let memory = MemoryManager::builder()
-            .host_budget(budget)
-            .keep_metrics(true)
-            .build()
-            .await
-            .map_err(|e| e.to_string())?;
-        let link = match &join {
-            Some(j) => {
-                Some(common::node::join_node(&memory, j, false, ("smollm2".into(), kv)).await?)
-            }
-            None => None,
-        };
-        Ok((memory, link))
-    }));
-    match served {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::FAILURE
-        }
-    }
+    let mut config = ModelConfig::new(ModelSource::Smollm2, CONTEXT, CONCURRENCY);
+    config.budget = Budget::OfPeak(fraction);
+    let serve = child::serve_config(CONCURRENCY, ANSWER_TOKENS as usize);
+    child::serve(config, serve, join)
 }
 
 /// One request's outcome: its phase and server.

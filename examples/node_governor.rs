@@ -10,8 +10,6 @@
 //! otherwise). It prints its books once a second: per authority the capacity and the credit
 //! approved, per process its credit and what it last reported the OS holds for it.
 
-mod common;
-
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -63,7 +61,8 @@ fn parse_authority(s: &str) -> Result<(String, u64), String> {
     if name.is_empty() || name.len() > procmem_actors::node::wire::MAX_NAME {
         return Err(format!("'{name}' is not an authority name"));
     }
-    Ok((name.to_string(), common::parse_bytes(bytes)?))
+    let bytes = procmem_model::launch::parse_bytes(bytes).map_err(|e| e.to_string())?;
+    Ok((name.to_string(), bytes))
 }
 
 fn main() -> ExitCode {

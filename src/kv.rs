@@ -21,13 +21,13 @@ pub mod victims;
 pub use causal::gqa_causal;
 pub use digest::{prompt_keys, PrefixDigest};
 pub use elem::{KvElement, KvView, LayerViews};
-pub use gqa::{gqa_decode, gqa_decode_plain, Heads, SPLIT_TOKENS};
+pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.
 pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};
 #[cfg(target_os = "linux")]
 pub use sequence::{KvError, KvSequence, PendingGrowth};
-pub use shape::{KvDtype, KvShape, ShapeError};
+pub use shape::{Heads, KvDtype, KvShape, ShapeError};
 pub use table::{
     first_duplicate, Lent, Phase, PreemptMode, SeqData, SeqId, SeqState, Sequence, SequenceTable,
     TableError,

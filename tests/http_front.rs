@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 fn tiny_model(name: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::Builder::new().prefix(name).tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, procmem_model::fixture::tiny_llama()).unwrap();
+    std::fs::write(&path, procmem_fixture::tiny_llama()).unwrap();
     (dir, path)
 }
 

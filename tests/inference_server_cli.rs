@@ -355,7 +355,7 @@ fn scratch(name: &str) -> PathBuf {
 #[test]
 fn hostile_gguf_files_exit_2_with_a_message() {
     let dir = scratch("hostile-gguf");
-    let variants = procmem_model::fixture::hostile();
+    let variants = procmem_fixture::hostile();
     let mut clean = 0;
     let mut failures = Vec::new();
     for (name, bytes) in &variants {
@@ -390,7 +390,7 @@ fn hostile_gguf_files_exit_2_with_a_message() {
 fn the_real_model_path_takes_the_same_options_as_the_synthetic_one() {
     let dir = scratch("tiny-model");
     let path = dir.join("tiny.gguf");
-    std::fs::write(&path, procmem_model::fixture::tiny_llama()).unwrap();
+    std::fs::write(&path, procmem_fixture::tiny_llama()).unwrap();
     let model = path.to_str().unwrap();
     for budget in ["auto", "1x"] {
         for preempt in ["swap", "recompute"] {

@@ -8,8 +8,9 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use procmem_fixture as fixture;
 use procmem_model::gguf::Gguf;
-use procmem_model::{fixture, Smol, TextCodec};
+use procmem_model::{Smol, TextCodec};
 use proptest::prelude::*;
 
 struct Largest;

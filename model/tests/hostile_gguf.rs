@@ -8,8 +8,9 @@ mod common;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use procmem_actors::kv::PreemptMode;
+use procmem_fixture as fixture;
 use procmem_model::gguf::{Gguf, GgufError};
-use procmem_model::{fixture, Engine, ModelError, Request, Smol, TextCodec};
+use procmem_model::{Engine, ModelError, Request, Smol, TextCodec};
 
 fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let path = dir.join(format!("{name}.gguf"));

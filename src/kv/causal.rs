@@ -16,7 +16,8 @@
 use rayon::prelude::*;
 
 use super::elem::KvElement;
-use super::gqa::{gqa_decode, merge, split_partial, Dims, Heads, Rows, LANES, SPLIT_TOKENS};
+use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKENS};
+use super::shape::Heads;
 
 /// Rows of a chunk that share one reading of a split's K/V.
 pub const ROW_BLOCK: usize = 16;
@@ -184,7 +185,8 @@ fn blocked_group<T: KvElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::gqa::{gqa_decode_plain, Heads};
+    use crate::kv::gqa::gqa_decode_plain;
+    use crate::kv::Heads;
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         (0..n)

@@ -26,31 +26,12 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::elem::KvElement;
-use super::shape::KvDtype;
+use super::shape::{Heads, KvDtype};
 
 #[allow(unsafe_code)]
 mod simd;
 
 use simd::{key_lanes, madd};
-
-/// The heads of one attention call: query heads, KV heads (which divide them; each serves a
-/// group of query heads) and the head dimension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Heads {
-    /// Query heads.
-    pub q: usize,
-    /// KV heads.
-    pub kv: usize,
-    /// Elements of one head.
-    pub dim: usize,
-}
-
-impl Heads {
-    /// `q` query heads over `kv` KV heads, each of `dim` elements.
-    pub const fn new(q: usize, kv: usize, dim: usize) -> Self {
-        Heads { q, kv, dim }
-    }
-}
 
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
 /// thread count (and outputs do not change with it).

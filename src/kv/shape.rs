@@ -51,6 +51,25 @@ pub enum ShapeError {
     Overflow,
 }
 
+/// The heads of one attention call: query heads, KV heads (which divide them; each serves a
+/// group of query heads) and the head dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    /// Query heads.
+    pub q: usize,
+    /// KV heads.
+    pub kv: usize,
+    /// Elements of one head.
+    pub dim: usize,
+}
+
+impl Heads {
+    /// `q` query heads over `kv` KV heads, each of `dim` elements.
+    pub const fn new(q: usize, kv: usize, dim: usize) -> Self {
+        Heads { q, kv, dim }
+    }
+}
+
 /// The attention geometry of a model, as far as KV is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
@@ -134,8 +153,8 @@ impl KvShape {
     }
 
     /// Its heads, as an attention call takes them.
-    pub fn heads(&self) -> super::gqa::Heads {
-        super::gqa::Heads::new(self.q_heads, self.kv_heads, self.head_dim)
+    pub fn heads(&self) -> Heads {
+        Heads::new(self.q_heads, self.kv_heads, self.head_dim)
     }
 
     /// Buffers per sequence: a K and a V per layer.

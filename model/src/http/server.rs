@@ -175,3 +175,25 @@ impl Server {
         stats.map_err(ServeError::Scheduler)
     }
 }
+
+/// Serves `engine` (started by [`Launch::start`](crate::launch::Launch::start) on `memory`)
+/// until the process's stop signals: binds `config.addr`, tells `listening` where it
+/// listens, and runs with `memory`'s metrics at `/metrics`. Returns what the scheduler did
+/// once every request ended and the engine is gone; the caller shuts `memory` down (and
+/// leaves its node) after.
+pub async fn serve_model(
+    (engine, codec): (Engine, TextCodec),
+    memory: &procmem_actors::MemoryManager,
+    config: ServeConfig,
+    idle_after: Option<Duration>,
+    listening: impl FnOnce(SocketAddr),
+) -> Result<SchedulerStats, ServeError> {
+    let server = Server::bind(config).await?.idle_after(idle_after);
+    listening(server.local_addr());
+    let metrics: MetricsText = {
+        let memory = memory.clone();
+        Arc::new(move || memory.metrics_text())
+    };
+    let signals = super::listen::os_signals();
+    server.run(engine, codec, Some(metrics), signals).await
+}

@@ -1,10 +1,13 @@
 //! The main job's synthetic transformer, stepped by the library's scheduler: its weights live
 //! under model residency, its attention runs over the managed KV (the host's GQA operator, or
 //! the decode kernels of `kernels/decode.cu` on a GPU), and every step samples the books, so
-//! the summary can say whether the OS ever held more than the ledger.
+//! the summary can say whether the OS ever held more than the ledger. [`Job`] sizes it under
+//! a budget and runs the main job's workload; its `Gpu` runs where the KV lives on a GPU.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::scheduler::{self, StepFuture, StepModel};
+use crate::{ModelError, StepFault, StepInput};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
@@ -12,8 +15,9 @@ use procmem_actors::{
     residency::ResidencyHandle,
     AuthorityBooks, MemoryManager,
 };
-use procmem_model::scheduler::{self, StepFuture, StepModel};
-use procmem_model::{ModelError, StepFault, StepInput};
+
+mod job;
+pub use job::{Job, JobConfig, JobProgress, JobReport, Size};
 
 /// The synthetic model's sizes; its weights are seeded noise.
 pub struct Model {
@@ -184,7 +188,7 @@ impl Synthetic {
                 Some(gpu) => {
                     tokio::task::block_in_place(|| gpu.attend(&step, m.shape, layer, &rows, &qkv))?
                 }
-                None => procmem_model::smollm::attend(&step, m.shape, layer, qkv).await?,
+                None => crate::smollm::attend(&step, m.shape, layer, qkv).await?,
             };
             let inputs = std::mem::take(&mut xs);
             xs = self
@@ -268,15 +272,11 @@ pub struct Gpu {
 
 impl Gpu {
     /// Kernels and staging for `slots` rows at once on `memory`'s CUDA device.
-    pub fn new(memory: &MemoryManager, shape: KvShape, slots: usize) -> Result<Gpu, String> {
-        let provider = memory.cuda_provider().ok_or("no CUDA provider")?;
+    pub fn new(memory: &MemoryManager, shape: KvShape, slots: usize) -> Result<Gpu, ModelError> {
+        let provider = memory.cuda_provider().ok_or(StepFault::NotOnDevice)?;
         let device = provider.mechanism().device().clone();
-        let kernels = DecodeKernels::load(device.clone()).map_err(|e| e.to_string())?;
-        let f32s = |n: usize| {
-            device
-                .alloc((slots * n) as u64 * 4)
-                .map_err(|e| e.to_string())
-        };
+        let kernels = DecodeKernels::load(device.clone())?;
+        let f32s = |n: usize| device.alloc((slots * n) as u64 * 4);
         let partials = DecodeLaunch {
             q: 0,
             k: 0,
@@ -295,7 +295,7 @@ impl Gpu {
             k: f32s(shape.token_elems())?,
             v: f32s(shape.token_elems())?,
             out: f32s(shape.q_heads * shape.head_dim)?,
-            partials: device.alloc(partials).map_err(|e| e.to_string())?,
+            partials: device.alloc(partials)?,
             slots: slots.max(1),
             kernels,
             device,

@@ -1,15 +1,22 @@
-//! Joining the node Governor: the main job's `--node`, and the sharing bench's servers.
+//! Joining the node Governor (the `cluster` feature): several servers under one budget, the
+//! KV device's authority taking its capacity from the node.
 
 use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
 
 use procmem_actors::kv::KvStoreHandle;
 use procmem_actors::node::{LinkConfig, NodeLink};
 use procmem_actors::procmem::{MemoryTier, Place};
 use procmem_actors::MemoryManager;
 
-use super::real_model::KvSlot;
+use super::LaunchError;
+
+/// The KV store whose prompt blocks the node link reports, set once the store exists (the
+/// link is made before it, with the memory manager).
+pub type KvSlot = Arc<OnceLock<KvStoreHandle>>;
 
 /// Where and as what a server joins the node.
+#[derive(Debug, Clone)]
 pub struct NodeJoin {
     /// The node Governor's cluster address.
     pub addr: SocketAddr,
@@ -29,7 +36,7 @@ pub async fn join_node(
     join: &NodeJoin,
     cuda: bool,
     (model, kv): (String, KvSlot),
-) -> Result<NodeLink, String> {
+) -> Result<NodeLink, LaunchError> {
     let (device, tier, authority) = if cuda {
         (Place::cuda(0), MemoryTier::Device, "cuda:0")
     } else {
@@ -37,7 +44,7 @@ pub async fn join_node(
     };
     let governor = memory
         .governor(device, tier)
-        .ok_or("no Governor for the KV device")?
+        .ok_or_else(|| LaunchError::Usage("no Governor for the KV device".into()))?
         .clone();
     let mut config = LinkConfig::new(join.addr, join.cookie.clone(), join.name.clone());
     config.priority = join.priority;
@@ -48,15 +55,8 @@ pub async fn join_node(
     } else {
         model
     };
-    config.prefixes = Some(std::sync::Arc::new(move || {
-        kv.get().map(KvStoreHandle::prefix_digest)
-    }));
-    let link = NodeLink::join(config, governor)
+    config.prefixes = Some(Arc::new(move || kv.get().map(KvStoreHandle::prefix_digest)));
+    NodeLink::join(config, governor)
         .await
-        .map_err(|e| format!("cannot join the node at {}: {e}", join.addr))?;
-    println!(
-        "joined the node Governor at {} ({authority}, priority {})",
-        join.addr, join.priority
-    );
-    Ok(link)
+        .map_err(|e| LaunchError::Usage(format!("cannot join the node at {}: {e}", join.addr)))
 }
