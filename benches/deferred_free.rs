@@ -9,7 +9,7 @@ use crossbeam_channel::bounded;
 use procmem_actors::procmem::{AllocationRequest, MemoryMechanism, MemoryRole};
 use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
-    provider::{CpuProvider, CpuProviderConfig},
+    provider::{CpuProvider, CpuProviderConfig, CpuStream, DeferredStats},
     Buffer,
 };
 use serde_json::json;
@@ -106,6 +106,99 @@ async fn cuda_section(g: &GovernorHandle) -> serde_json::Value {
     })
 }
 
+/// Buffers whose last kernel already finished, dropped from one thread: how long the drop
+/// calls took, and how long until the last refund reached the Governor.
+async fn throughput(
+    g: &GovernorHandle,
+    p: &CpuProvider,
+    stream: &CpuStream,
+) -> (Duration, Duration) {
+    let buffers = make_buffers(g, p, BUFFERS).await;
+    let mut last = None;
+    for b in &buffers {
+        last = Some(stream.submit(&[b], || {}).unwrap());
+    }
+    stream.host_wait(last.unwrap());
+    let start = Instant::now();
+    drop(buffers);
+    let drop_calls = start.elapsed();
+    wait_refunded(g).await;
+    (drop_calls, start.elapsed())
+}
+
+/// The stream's deferred-free figures.
+async fn stats(s: &CpuStream) -> DeferredStats {
+    s.deferred_free().clone().stats().await.unwrap()
+}
+
+/// Latency, one at a time: a buffer is dropped while its kernel waits on a gate, the drop is
+/// known to be queued, the gate opens, and the fence completion is timed to the refund
+/// reaching the Governor's mailbox. With `host_waiter`, a host thread blocked on the fence
+/// (woken by the same completion) competes for the two cores with the free. Returns the
+/// fence-to-refund and the in-place free times, sorted.
+async fn one_at_a_time(
+    g: &GovernorHandle,
+    p: &CpuProvider,
+    stream: &CpuStream,
+    host_waiter: bool,
+) -> (Vec<u64>, Vec<u64>) {
+    let before = stats(stream).await.fence_to_refund_ns.len();
+    for _ in 0..LATENCY_SAMPLES {
+        let b = make_buffers(g, p, 1).await.pop().unwrap();
+        let (open, wait) = bounded::<()>(0);
+        let fence = stream.submit(&[&b], move || wait.recv().unwrap()).unwrap();
+        drop(b);
+        stats(stream).await;
+        open.send(()).unwrap();
+        if host_waiter {
+            stream.host_wait(fence);
+        }
+        wait_refunded(g).await;
+    }
+    let s = stats(stream).await;
+    let mut l = s.fence_to_refund_ns[before..].to_vec();
+    let mut f = s.free_ns[before..].to_vec();
+    l.sort_unstable();
+    f.sort_unstable();
+    (l, f)
+}
+
+/// The floor: the mechanism's own free of the same allocation (an unmap), timed alone on
+/// this thread. Fence-to-refund cannot be below it: it frees, then refunds.
+fn mechanism_floor(p: &CpuProvider) -> Vec<u64> {
+    let mut floor = Vec::with_capacity(LATENCY_SAMPLES);
+    let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
+    for _ in 0..LATENCY_SAMPLES {
+        let a = p.mechanism().allocator().allocate(&request).unwrap();
+        let start = Instant::now();
+        a.release().unwrap();
+        floor.push(start.elapsed().as_nanos() as u64);
+    }
+    floor.sort_unstable();
+    floor
+}
+
+/// Burst: many buffers waiting behind one gate, all fences completing at once; each waits
+/// for the frees queued ahead of it. Returns their fence-to-refund times, sorted, and the
+/// stream's failures.
+async fn burst(g: &GovernorHandle, p: &CpuProvider, stream: &CpuStream) -> (Vec<u64>, u64) {
+    let buffers = make_buffers(g, p, BUFFERS / 4).await;
+    let (open, wait) = bounded::<()>(0);
+    let first = stream.submit(&[], move || wait.recv().unwrap()).unwrap();
+    for b in &buffers {
+        stream.submit(&[b], || {}).unwrap();
+    }
+    drop(buffers);
+    let before = stats(stream).await.fence_to_refund_ns.len();
+    open.send(()).unwrap();
+    stream.host_wait(first);
+    wait_refunded(g).await;
+    let all = stats(stream).await;
+    let mut burst = all.fence_to_refund_ns[before..].to_vec();
+    burst.sort_unstable();
+    (burst, all.failures)
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -123,85 +216,11 @@ fn main() {
         .await
         .unwrap();
         let stream = p.stream(0).unwrap().clone();
-
-        // Throughput: buffers whose last kernel already finished, dropped from one thread;
-        // timed until the last refund has reached the Governor.
-        let buffers = make_buffers(&g, &p, BUFFERS).await;
-        let mut last = None;
-        for b in &buffers {
-            last = Some(stream.submit(&[b], || {}).unwrap());
-        }
-        stream.host_wait(last.unwrap());
-        let start = Instant::now();
-        drop(buffers);
-        let drop_calls = start.elapsed();
-        wait_refunded(&g).await;
-        let end_to_end = start.elapsed();
-
-        // Latency, one at a time: a buffer is dropped while its kernel waits on a gate, the
-        // drop is known to be queued, the gate opens, and the fence completion is timed to
-        // the refund reaching the Governor's mailbox.
-        let stats = |s: &procmem_actors::provider::CpuStream| {
-            let q = s.deferred_free().clone();
-            async move { q.stats().await.unwrap() }
-        };
-        // Twice: with nobody else waiting for the fence, and with a host thread blocked on it
-        // (woken by the same completion, it competes for the two cores with the free).
-        let one_at_a_time = |host_waiter: bool| {
-            let (g, p, stream) = (&g, &p, &stream);
-            async move {
-                let before = stats(stream).await.fence_to_refund_ns.len();
-                for _ in 0..LATENCY_SAMPLES {
-                    let b = make_buffers(g, p, 1).await.pop().unwrap();
-                    let (open, wait) = bounded::<()>(0);
-                    let fence = stream.submit(&[&b], move || wait.recv().unwrap()).unwrap();
-                    drop(b);
-                    stats(stream).await;
-                    open.send(()).unwrap();
-                    if host_waiter {
-                        stream.host_wait(fence);
-                    }
-                    wait_refunded(g).await;
-                }
-                let s = stats(stream).await;
-                let mut l = s.fence_to_refund_ns[before..].to_vec();
-                let mut f = s.free_ns[before..].to_vec();
-                l.sort_unstable();
-                f.sort_unstable();
-                (l, f)
-            }
-        };
-        let (latencies, in_place_free) = one_at_a_time(false).await;
-        let (with_waiter, _) = one_at_a_time(true).await;
-
-        // The floor: the mechanism's own free of the same allocation (an unmap), timed alone
-        // on this thread. Fence-to-refund cannot be below it: it frees, then refunds.
-        let mut floor = Vec::with_capacity(LATENCY_SAMPLES);
-        let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
-        for _ in 0..LATENCY_SAMPLES {
-            let a = p.mechanism().allocator().allocate(&request).unwrap();
-            let start = Instant::now();
-            a.release().unwrap();
-            floor.push(start.elapsed().as_nanos() as u64);
-        }
-        floor.sort_unstable();
-
-        // Burst: many buffers waiting behind one gate, all fences completing at once; each
-        // waits for the frees queued ahead of it.
-        let buffers = make_buffers(&g, &p, BUFFERS / 4).await;
-        let (open, wait) = bounded::<()>(0);
-        let first = stream.submit(&[], move || wait.recv().unwrap()).unwrap();
-        for b in &buffers {
-            stream.submit(&[b], || {}).unwrap();
-        }
-        drop(buffers);
-        let before = stats(&stream).await.fence_to_refund_ns.len();
-        open.send(()).unwrap();
-        stream.host_wait(first);
-        wait_refunded(&g).await;
-        let all = stats(&stream).await;
-        let mut burst = all.fence_to_refund_ns[before..].to_vec();
-        burst.sort_unstable();
+        let (drop_calls, end_to_end) = throughput(&g, &p, &stream).await;
+        let (latencies, in_place_free) = one_at_a_time(&g, &p, &stream, false).await;
+        let (with_waiter, _) = one_at_a_time(&g, &p, &stream, true).await;
+        let floor = mechanism_floor(&p);
+        let (burst, failures) = burst(&g, &p, &stream).await;
         json!({
             "buffers": BUFFERS,
             "buffer_bytes": BYTES,
@@ -223,7 +242,7 @@ fn main() {
             "burst_buffers": burst.len(),
             "burst_fence_to_refund_p50_ns": percentile(&burst, 0.50),
             "burst_fence_to_refund_p99_ns": percentile(&burst, 0.99),
-            "failures": all.failures,
+            "failures": failures,
             "cuda": cuda_section(&g).await,
         })
     });

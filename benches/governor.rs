@@ -459,7 +459,7 @@ fn cross_process_refill_ns() -> (Vec<u64>, Vec<u64>) {
         .enable_all()
         .build()
         .unwrap();
-    let samples = rt.block_on(async {
+    let (mut samples, rpc) = rt.block_on(async {
         let (g, _) = GovernorHandle::spawn(GovernorConfig::new("host", 0))
             .await
             .unwrap();
@@ -470,55 +470,66 @@ fn cross_process_refill_ns() -> (Vec<u64>, Vec<u64>) {
         );
         config.chunk = 1 << 20;
         let link = NodeLink::join(config, g.clone()).await.unwrap();
-        let h = g.register_holder("bench", 0, None).await.unwrap();
-        let mut held = Vec::with_capacity(REFILLS + 100);
-        let mut samples = Vec::with_capacity(REFILLS);
-        for i in 0..REFILLS + 100 {
-            let start = Instant::now();
-            let grant = g
-                .reserve(ReserveRequest {
-                    holder: h,
-                    role: MemoryRole::KvCache,
-                    bytes: 1 << 20,
-                    priority: 0,
-                    deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
-                })
-                .await
-                .unwrap();
-            let ns = start.elapsed().as_nanos() as u64;
-            held.push(grant.commit(1 << 20).await.unwrap());
-            if i >= 100 {
-                samples.push(ns);
-            }
-        }
-        drop(held);
-        // The floor: a bare call through the same cluster session (the node's books).
-        let node: ractor::ActorRef<NodeMsg> = ractor::pg::get_members(&NODE_GROUP.to_string())
-            .into_iter()
-            .find(|c| !c.get_id().is_local())
-            .unwrap()
-            .into();
-        let mut rpc = Vec::with_capacity(REFILLS);
-        for i in 0..REFILLS + 100 {
-            let start = Instant::now();
-            ractor::call!(node, |reply| NodeMsg::Call {
-                request: Ok(NodeRequest::Status),
-                reply
-            })
-            .unwrap();
-            if i >= 100 {
-                rpc.push(start.elapsed().as_nanos() as u64);
-            }
-        }
+        let samples = refills(&g).await;
+        let rpc = node_rpc_ns().await;
         link.leave().await;
-        rpc.sort_unstable();
         (samples, rpc)
     });
     let _ = node.kill();
     let _ = node.wait();
-    let (mut samples, rpc) = samples;
     samples.sort_unstable();
     (samples, rpc)
+}
+
+/// Nanoseconds of each of `REFILLS` reserves of 1 MiB (after 100 of warm-up), each kept so
+/// the next needs a refill from the node.
+async fn refills(g: &GovernorHandle) -> Vec<u64> {
+    let h = g.register_holder("bench", 0, None).await.unwrap();
+    let mut held = Vec::with_capacity(REFILLS + 100);
+    let mut samples = Vec::with_capacity(REFILLS);
+    for i in 0..REFILLS + 100 {
+        let start = Instant::now();
+        let grant = g
+            .reserve(ReserveRequest {
+                holder: h,
+                role: MemoryRole::KvCache,
+                bytes: 1 << 20,
+                priority: 0,
+                deadline: Some(tokio::time::Instant::now() + Duration::from_secs(2)),
+            })
+            .await
+            .unwrap();
+        let ns = start.elapsed().as_nanos() as u64;
+        held.push(grant.commit(1 << 20).await.unwrap());
+        if i >= 100 {
+            samples.push(ns);
+        }
+    }
+    samples
+}
+
+/// The floor under a refill: a bare call through the same cluster session (the node's books),
+/// sorted.
+async fn node_rpc_ns() -> Vec<u64> {
+    let node: ractor::ActorRef<NodeMsg> = ractor::pg::get_members(&NODE_GROUP.to_string())
+        .into_iter()
+        .find(|c| !c.get_id().is_local())
+        .unwrap()
+        .into();
+    let mut rpc = Vec::with_capacity(REFILLS);
+    for i in 0..REFILLS + 100 {
+        let start = Instant::now();
+        ractor::call!(node, |reply| NodeMsg::Call {
+            request: Ok(NodeRequest::Status),
+            reply
+        })
+        .unwrap();
+        if i >= 100 {
+            rpc.push(start.elapsed().as_nanos() as u64);
+        }
+    }
+    rpc.sort_unstable();
+    rpc
 }
 
 fn main() {

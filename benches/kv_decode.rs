@@ -658,23 +658,193 @@ fn streaming_read_s(buf: &[f32]) -> f64 {
     start.elapsed().as_secs_f64()
 }
 
-fn main() {
-    let names = [
-        "virtual",
-        "virtual_again",
+/// The strategies, in the order every round runs them.
+const NAMES: [&str; 10] = [
+    "virtual",
+    "virtual_again",
+    "step_api",
+    "step_api_queued",
+    "step_api_queued_on_stream_thread",
+    "step_api_growing",
+    "step_api_growing_at_prepare",
+    "preallocated",
+    "staging_copy",
+    "vec_doubling",
+];
+
+/// One token's K and V (every layer writes the same) and the query.
+struct Inputs {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+}
+
+/// Builds every strategy up to the window (the attention before it costs the same for all;
+/// growth and its copies are counted all along).
+fn build_up(strategies: &mut [(&str, Box<dyn Strategy>)], context: usize, x: &Inputs) {
+    for (_, s) in strategies {
+        for _ in 0..context - WINDOW {
+            for layer in 0..LAYERS {
+                s.append(layer, &x.k, &x.v);
+            }
+            s.advance();
+        }
+    }
+}
+
+/// The window's steps, the strategies interleaved round by round so drift on a shared
+/// machine hits them alike: each strategy's steps per second in every round, and beside
+/// them (in the same rounds, so the caches are as cold for it) what a plain read of as many
+/// bytes as the KV reaches here, in GB/s (the median of the rounds).
+fn timed_rounds(
+    strategies: &mut [(&str, Box<dyn Strategy>)],
+    kv_bytes: u64,
+    x: &Inputs,
+) -> (Vec<Vec<f64>>, f64) {
+    let mut out = vec![0f32; Q_HEADS * HEAD_DIM];
+    let plain = vec![0.5f32; (kv_bytes / 4) as usize];
+    let mut reads = Vec::new();
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); strategies.len()];
+    for _ in 0..ROUNDS {
+        for (i, (_, s)) in strategies.iter_mut().enumerate() {
+            let start = Instant::now();
+            for _ in 0..WINDOW / ROUNDS {
+                for layer in 0..LAYERS {
+                    s.append(layer, &x.k, &x.v);
+                    s.attend(layer, &x.q, &mut out);
+                    black_box(&out);
+                }
+                s.advance();
+            }
+            rates[i].push((WINDOW / ROUNDS) as f64 / start.elapsed().as_secs_f64());
+        }
+        reads.push(kv_bytes as f64 / streaming_read_s(&plain) / 1e9);
+    }
+    reads.sort_by(|a, b| a.total_cmp(b));
+    (rates, reads[reads.len() / 2])
+}
+
+/// The median over rounds of `name`'s rate over the operator's in the same round, so drift
+/// on a shared machine (a neighbour's burst over a few rounds) falls on both sides of it.
+fn paired(rates: &[Vec<f64>], name: &str) -> f64 {
+    let of = |n: &str| &rates[NAMES.iter().position(|x| *x == n).unwrap()];
+    let mut r: Vec<f64> = of(name)
+        .iter()
+        .zip(of("virtual"))
+        .map(|(a, b)| a / b)
+        .collect();
+    r.sort_by(|a, b| a.total_cmp(b));
+    r[r.len() / 2]
+}
+
+/// One row per strategy at `context` (its median rate, bytes copied, peak resident); returns
+/// each strategy's tokens per second.
+fn strategy_rows(
+    strategies: &[(&str, Box<dyn Strategy>)],
+    (context, kv_bytes): (usize, u64),
+    before: &[(u64, u64)],
+    rates: &mut [Vec<f64>],
+    rows: &mut Vec<serde_json::Value>,
+) -> Vec<(&'static str, f64)> {
+    let mut per_strategy = Vec::new();
+    for (i, (name, s)) in strategies.iter().enumerate() {
+        rates[i].sort_by(|a, b| a.total_cmp(b));
+        let tokens_per_s = rates[i][rates[i].len() / 2];
+        let (growth_before, gather_before) = before[i];
+        let row = json!({
+            "strategy": name,
+            "context": context,
+            "tokens_per_s": tokens_per_s,
+            // Every step reads every layer's K and V once.
+            "kv_gb_s": kv_bytes as f64 * tokens_per_s / 1e9,
+            // Gathers happen every step; growth copies are amortised over every step.
+            "bytes_copied_per_step": (s.gather_copied() - gather_before) / WINDOW as u64
+                + s.growth_copied() / context as u64,
+            "growth_copies_in_window_bytes": s.growth_copied() - growth_before,
+            "peak_resident_bytes": s.peak_resident(),
+            "kv_bytes": kv_bytes,
+        });
+        eprintln!("{row}");
+        let name = NAMES[NAMES.iter().position(|n| n == name).unwrap()];
+        per_strategy.push((name, tokens_per_s));
+        rows.push(row);
+    }
+    per_strategy
+}
+
+/// One context, measured: its rows go to `rows`; returns its summary and the streaming read.
+/// `steps` is the step API's floor (no kernel, an empty kernel per layer), in ns.
+fn run_context(
+    context: usize,
+    x: &Inputs,
+    steps: (Option<f64>, Option<f64>),
+    rows: &mut Vec<serde_json::Value>,
+) -> (serde_json::Value, f64) {
+    let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
+    let mut strategies: Vec<_> = NAMES.iter().map(|n| (*n, make(n, context))).collect();
+    build_up(&mut strategies, context, x);
+    let before: Vec<_> = strategies
+        .iter()
+        .map(|(_, s)| (s.growth_copied(), s.gather_copied()))
+        .collect();
+    let (mut rates, streaming_read) = timed_rounds(&mut strategies, kv_bytes, x);
+    let [paired_step_api, paired_queued, paired_on_stream_thread, paired_again] = [
         "step_api",
         "step_api_queued",
         "step_api_queued_on_stream_thread",
-        "step_api_growing",
-        "step_api_growing_at_prepare",
-        "preallocated",
-        "staging_copy",
-        "vec_doubling",
-    ];
-    let k = data(TF, 1);
-    let v = data(TF, 2);
-    let q = data(Q_HEADS * HEAD_DIM, 3);
-    let mut out = vec![0f32; Q_HEADS * HEAD_DIM];
+        "virtual_again",
+    ]
+    .map(|n| paired(&rates, n));
+    let per_strategy = strategy_rows(&strategies, (context, kv_bytes), &before, &mut rates, rows);
+    let prepare_p50 = strategies
+        .iter()
+        .find(|(n, _)| *n == "step_api_queued")
+        .and_then(|(_, s)| s.prepare_p50_ns());
+    drop(strategies);
+    let floor = actor_call_p50_ns();
+    let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
+    let operator_gb_s = kv_bytes as f64 * get("virtual") / 1e9;
+    let (step_host, step_empty) = steps;
+    let summary = json!({
+        "context": context,
+        "streaming_read_gb_s": streaming_read,
+        "virtual_kv_gb_s": operator_gb_s,
+        "operator_vs_streaming_read": operator_gb_s / streaming_read,
+        "step_api_vs_virtual": get("step_api") / get("virtual"),
+        "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
+        "step_api_queued_on_stream_thread_vs_virtual":
+            get("step_api_queued_on_stream_thread") / get("virtual"),
+        "step_api_vs_virtual_paired": paired_step_api,
+        "step_api_queued_vs_virtual_paired": paired_queued,
+        "step_api_queued_on_stream_thread_vs_virtual_paired": paired_on_stream_thread,
+        // The operator against itself: how far two runs of the same code are apart here.
+        "virtual_again_vs_virtual_paired": paired_again,
+        "prepare_p50_ns": prepare_p50,
+        "actor_call_p50_ns": floor.0,
+        "actor_call_in_runtime_p50_ns": floor.1,
+        // The step API's least cost (no kernel, then an empty kernel per layer) as a
+        // share of the operator's step here: above 0.02, `step_api_queued` within 2% of
+        // the operator is below what a stream's hand-off costs on this machine.
+        "step_host_vs_operator_step": step_host.map(|ns| ns * get("virtual") / 1e9),
+        "step_empty_kernels_vs_operator_step": step_empty.map(|ns| ns * get("virtual") / 1e9),
+        // Every step of these grows every buffer: mapped while the previous step ran,
+        // or at prepare (on the step's critical path).
+        "growing_vs_step_api": get("step_api_growing") / get("step_api"),
+        "growing_at_prepare_vs_step_api": get("step_api_growing_at_prepare") / get("step_api"),
+        "virtual_vs_preallocated": get("virtual") / get("preallocated"),
+        "virtual_vs_staging_copy": get("virtual") / get("staging_copy"),
+        "virtual_vs_vec_doubling": get("virtual") / get("vec_doubling"),
+    });
+    eprintln!("{summary}");
+    (summary, streaming_read)
+}
+
+fn main() {
+    let x = Inputs {
+        k: data(TF, 1),
+        v: data(TF, 2),
+        q: data(Q_HEADS * HEAD_DIM, 3),
+    };
     let mut rows = Vec::new();
     let mut contexts = Vec::new();
     let mut last_streaming_read = None;
@@ -695,128 +865,8 @@ fn main() {
         }
     };
     for &context in &host_contexts {
-        let kv_bytes = context as u64 * TOKEN_BYTES * 2 * LAYERS as u64;
-        let mut strategies: Vec<_> = names.iter().map(|n| (*n, make(n, context))).collect();
-        // Build every strategy up to the window (the attention before it costs the same for
-        // all; growth and its copies are counted all along).
-        for (_, s) in &mut strategies {
-            for _ in 0..context - WINDOW {
-                for layer in 0..LAYERS {
-                    s.append(layer, &k, &v);
-                }
-                s.advance();
-            }
-        }
-        let before: Vec<_> = strategies
-            .iter()
-            .map(|(_, s)| (s.growth_copied(), s.gather_copied()))
-            .collect();
-        // What a plain read of as many bytes as the KV costs on this machine, measured in the
-        // same rounds (so the caches are as cold for it as for the strategies).
-        let plain = vec![0.5f32; (kv_bytes / 4) as usize];
-        let mut reads = Vec::new();
-        // Interleave the strategies round by round so drift on a shared machine hits them
-        // alike; each keeps the median of its rounds.
-        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); strategies.len()];
-        for _ in 0..ROUNDS {
-            for (i, (_, s)) in strategies.iter_mut().enumerate() {
-                let start = Instant::now();
-                for _ in 0..WINDOW / ROUNDS {
-                    for layer in 0..LAYERS {
-                        s.append(layer, &k, &v);
-                        s.attend(layer, &q, &mut out);
-                        black_box(&out);
-                    }
-                    s.advance();
-                }
-                rates[i].push((WINDOW / ROUNDS) as f64 / start.elapsed().as_secs_f64());
-            }
-            reads.push(kv_bytes as f64 / streaming_read_s(&plain) / 1e9);
-        }
-        drop(plain);
-        reads.sort_by(|a, b| a.total_cmp(b));
-        let streaming_read = reads[reads.len() / 2];
-        last_streaming_read = Some(streaming_read);
-        // Each round's ratio to the operator in that same round, so drift on a shared
-        // machine (a neighbour's burst over a few rounds) falls on both sides of it.
-        let paired = |name: &str| {
-            let of = |n: &str| &rates[names.iter().position(|x| *x == n).unwrap()];
-            let mut r: Vec<f64> = of(name)
-                .iter()
-                .zip(of("virtual"))
-                .map(|(a, b)| a / b)
-                .collect();
-            r.sort_by(|a, b| a.total_cmp(b));
-            r[r.len() / 2]
-        };
-        let [paired_step_api, paired_queued, paired_on_stream_thread, paired_again] = [
-            "step_api",
-            "step_api_queued",
-            "step_api_queued_on_stream_thread",
-            "virtual_again",
-        ]
-        .map(paired);
-        let mut per_strategy = Vec::new();
-        for (i, (name, s)) in strategies.iter().enumerate() {
-            rates[i].sort_by(|a, b| a.total_cmp(b));
-            let tokens_per_s = rates[i][rates[i].len() / 2];
-            let (growth_before, gather_before) = before[i];
-            let row = json!({
-                "strategy": name,
-                "context": context,
-                "tokens_per_s": tokens_per_s,
-                // Every step reads every layer's K and V once.
-                "kv_gb_s": kv_bytes as f64 * tokens_per_s / 1e9,
-                // Gathers happen every step; growth copies are amortised over every step.
-                "bytes_copied_per_step": (s.gather_copied() - gather_before) / WINDOW as u64
-                    + s.growth_copied() / context as u64,
-                "growth_copies_in_window_bytes": s.growth_copied() - growth_before,
-                "peak_resident_bytes": s.peak_resident(),
-                "kv_bytes": kv_bytes,
-            });
-            eprintln!("{row}");
-            per_strategy.push((*name, tokens_per_s));
-            rows.push(row);
-        }
-        let prepare_p50 = strategies
-            .iter()
-            .find(|(n, _)| *n == "step_api_queued")
-            .and_then(|(_, s)| s.prepare_p50_ns());
-        drop(strategies);
-        let floor = actor_call_p50_ns();
-        let get = |n: &str| per_strategy.iter().find(|(x, _)| *x == n).unwrap().1;
-        let operator_gb_s = kv_bytes as f64 * get("virtual") / 1e9;
-        let summary = json!({
-            "context": context,
-            "streaming_read_gb_s": streaming_read,
-            "virtual_kv_gb_s": operator_gb_s,
-            "operator_vs_streaming_read": operator_gb_s / streaming_read,
-            "step_api_vs_virtual": get("step_api") / get("virtual"),
-            "step_api_queued_vs_virtual": get("step_api_queued") / get("virtual"),
-            "step_api_queued_on_stream_thread_vs_virtual":
-                get("step_api_queued_on_stream_thread") / get("virtual"),
-            "step_api_vs_virtual_paired": paired_step_api,
-            "step_api_queued_vs_virtual_paired": paired_queued,
-            "step_api_queued_on_stream_thread_vs_virtual_paired": paired_on_stream_thread,
-            // The operator against itself: how far two runs of the same code are apart here.
-            "virtual_again_vs_virtual_paired": paired_again,
-            "prepare_p50_ns": prepare_p50,
-            "actor_call_p50_ns": floor.0,
-            "actor_call_in_runtime_p50_ns": floor.1,
-            // The step API's least cost (no kernel, then an empty kernel per layer) as a
-            // share of the operator's step here: above 0.02, `step_api_queued` within 2% of
-            // the operator is below what a stream's hand-off costs on this machine.
-            "step_host_vs_operator_step": step_host.map(|ns| ns * get("virtual") / 1e9),
-            "step_empty_kernels_vs_operator_step": step_empty.map(|ns| ns * get("virtual") / 1e9),
-            // Every step of these grows every buffer: mapped while the previous step ran,
-            // or at prepare (on the step's critical path).
-            "growing_vs_step_api": get("step_api_growing") / get("step_api"),
-            "growing_at_prepare_vs_step_api": get("step_api_growing_at_prepare") / get("step_api"),
-            "virtual_vs_preallocated": get("virtual") / get("preallocated"),
-            "virtual_vs_staging_copy": get("virtual") / get("staging_copy"),
-            "virtual_vs_vec_doubling": get("virtual") / get("vec_doubling"),
-        });
-        eprintln!("{summary}");
+        let (summary, read) = run_context(context, &x, (step_host, step_empty), &mut rows);
+        last_streaming_read = Some(read);
         contexts.push(summary);
     }
     write_report(

@@ -330,6 +330,34 @@ fn measure_prefill(path: &std::path::Path, prompt: &[u32], chunk: usize) -> serd
     json!({ "rows": rows, "prefill_speedup": speedup, "same_logits": same })
 }
 
+/// candle's `quantized_llama` with `prompt` taken at once (its fastest way), and its first
+/// token; `None` where the prompt and `new` tokens pass its RoPE tables.
+fn candle_llama(
+    path: &std::path::Path,
+    prompt: &[u32],
+    new: usize,
+) -> Option<(ModelWeights, Measured)> {
+    (prompt.len() + new <= MAX_SEQ_LEN).then(|| {
+        let mut file = std::fs::File::open(path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        let l = candle_logits(&mut model, ModelWeights::forward, prompt, 0);
+        let m = Measured {
+            tokens: vec![argmax(&l)],
+            ..Measured::default()
+        };
+        (model, m)
+    })
+}
+
+/// candle's caches are one K and one V tensor per layer, concatenated anew each step: at the
+/// end every layer holds all `total` tokens, and while the last layer's new tensor is built
+/// its old one is alive too.
+fn candle_peak_kv(total: usize, layers: usize, token_bytes: u64) -> u64 {
+    let (total, layers) = (total as u64, layers as u64);
+    total * token_bytes + (total - 1) * token_bytes / layers
+}
+
 fn measure(
     path: &std::path::Path,
     mistral: &[u8],
@@ -365,17 +393,7 @@ fn measure(
         let mut mine = Measured::default();
         mine.tokens.push(argmax(&logits));
 
-        let mut llama = (prompt.len() + new <= MAX_SEQ_LEN).then(|| {
-            let mut file = std::fs::File::open(path).unwrap();
-            let content = gguf_file::Content::read(&mut file).unwrap();
-            let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-            let l = candle_logits(&mut model, ModelWeights::forward, prompt, 0);
-            let m = Measured {
-                tokens: vec![argmax(&l)],
-                ..Measured::default()
-            };
-            (model, m)
-        });
+        let mut llama = candle_llama(path, prompt, new);
         let mut mist_model = candle_mistral_model(mistral, config, max_tokens);
         for (i, chunk) in prompt.chunks(512).enumerate() {
             logits = candle_logits(&mut mist_model, Mistral::forward, chunk, i * 512);
@@ -404,12 +422,7 @@ fn measure(
         memory.shutdown().await.unwrap();
         // The sequence only grows: its memory at the end is its peak.
         mine.peak_kv_bytes = stats.leased_bytes;
-        // candle's caches are one K and one V tensor per layer, concatenated anew each step:
-        // at the end every layer holds all tokens, and while the last layer's new tensor is
-        // built its old one is alive too.
-        let total = prompt.len() as u64 + new as u64;
-        let layers = config.layers as u64;
-        let theirs = total * token_bytes + (total - 1) * token_bytes / layers;
+        let theirs = candle_peak_kv(prompt.len() + new, config.layers, token_bytes);
         let mut llama = llama.map(|(_, m)| m);
         for m in [Some(&mut mine), llama.as_mut(), Some(&mut mist)]
             .into_iter()
@@ -454,59 +467,13 @@ fn main() {
         let p = prompt(&codec, context);
         let kv_token_bytes = (context + new) as u64 * token_bytes;
         let (mine, llama, mist) = measure(&path, &mistral, &c, &p, new, token_bytes);
-        let row = |rows: &mut Vec<serde_json::Value>, path: &str, m: &Measured, note: String| {
-            println!(
-                "{context:>8} {path:>15} {:>10.2} {:>14} {kv_token_bytes:>14}   {note}",
-                m.tokens_per_s(),
-                m.peak_kv_bytes
-            );
-            rows.push(json!({
-                "path": path, "context": context, "tokens_per_s": m.tokens_per_s(),
-                "peak_kv_bytes": m.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
-            }));
-        };
-        row(&mut rows, "procmem", &mine, String::new());
-        let mut ratio = json!({ "context": context });
-        match &llama {
-            Some(theirs) => {
-                let r = mine.tokens_per_s() / theirs.tokens_per_s();
-                let same = same_prefix(&mine.tokens, &theirs.tokens);
-                row(
-                    &mut rows,
-                    "candle",
-                    theirs,
-                    format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these"),
-                );
-                rows.last_mut().unwrap()["same_tokens_as_procmem"] = json!(same);
-                ratio["tokens_per_s_ratio"] = json!(r);
-            }
-            None => {
-                println!(
-                    "{context:>8} {:>15} {:>10}   (quantized_llama keeps {MAX_SEQ_LEN} positions)",
-                    "candle", "not run"
-                );
-                rows.push(json!({
-                    "path": "candle", "context": context, "tokens_per_s": null,
-                    "peak_kv_bytes": null, "kv_token_bytes": kv_token_bytes,
-                    "not_run": format!("quantized_llama keeps RoPE tables for {MAX_SEQ_LEN} positions"),
-                }));
-            }
-        }
-        let r = mine.tokens_per_s() / mist.tokens_per_s();
-        let same = same_prefix(&mine.tokens, &mist.tokens);
-        let same_llama = llama.as_ref().map(|l| same_prefix(&l.tokens, &mist.tokens));
-        let mut note = format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these");
-        if let Some(n) = same_llama {
-            note += &format!(", quantized_llama's first {n}/{new}");
-        }
-        row(&mut rows, "candle_mistral", &mist, note);
-        let last = rows.last_mut().unwrap();
-        last["same_tokens_as_procmem"] = json!(same);
-        if let Some(n) = same_llama {
-            last["same_tokens_as_candle"] = json!(n);
-        }
-        ratio["tokens_per_s_ratio_mistral"] = json!(r);
-        ratios.push(ratio);
+        ratios.push(record(
+            context,
+            new,
+            kv_token_bytes,
+            (&mine, llama.as_ref(), &mist),
+            &mut rows,
+        ));
     }
     let prefill_tokens: usize = std::env::var("PROCMEM_BENCH_PREFILL")
         .ok()
@@ -525,4 +492,68 @@ fn main() {
     let file = dir.join("real_model.json");
     std::fs::write(&file, serde_json::to_string_pretty(&report).unwrap()).unwrap();
     println!("wrote {}", file.display());
+}
+
+/// One context's rows (procmem, candle's `quantized_llama` where it ran, candle's mistral),
+/// printed and added to `rows`; returns the context's ratios.
+fn record(
+    context: usize,
+    new: usize,
+    kv_token_bytes: u64,
+    (mine, llama, mist): (&Measured, Option<&Measured>, &Measured),
+    rows: &mut Vec<serde_json::Value>,
+) -> serde_json::Value {
+    let row = |rows: &mut Vec<serde_json::Value>, path: &str, m: &Measured, note: String| {
+        println!(
+            "{context:>8} {path:>15} {:>10.2} {:>14} {kv_token_bytes:>14}   {note}",
+            m.tokens_per_s(),
+            m.peak_kv_bytes
+        );
+        rows.push(json!({
+            "path": path, "context": context, "tokens_per_s": m.tokens_per_s(),
+            "peak_kv_bytes": m.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
+        }));
+    };
+    row(rows, "procmem", mine, String::new());
+    let mut ratio = json!({ "context": context });
+    match llama {
+        Some(theirs) => {
+            let r = mine.tokens_per_s() / theirs.tokens_per_s();
+            let same = same_prefix(&mine.tokens, &theirs.tokens);
+            row(
+                rows,
+                "candle",
+                theirs,
+                format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these"),
+            );
+            rows.last_mut().unwrap()["same_tokens_as_procmem"] = json!(same);
+            ratio["tokens_per_s_ratio"] = json!(r);
+        }
+        None => {
+            println!(
+                "{context:>8} {:>15} {:>10}   (quantized_llama keeps {MAX_SEQ_LEN} positions)",
+                "candle", "not run"
+            );
+            rows.push(json!({
+                "path": "candle", "context": context, "tokens_per_s": null,
+                "peak_kv_bytes": null, "kv_token_bytes": kv_token_bytes,
+                "not_run": format!("quantized_llama keeps RoPE tables for {MAX_SEQ_LEN} positions"),
+            }));
+        }
+    }
+    let r = mine.tokens_per_s() / mist.tokens_per_s();
+    let same = same_prefix(&mine.tokens, &mist.tokens);
+    let same_llama = llama.map(|l| same_prefix(&l.tokens, &mist.tokens));
+    let mut note = format!("ratio {r:.2}; procmem's first {same}/{new} tokens equal these");
+    if let Some(n) = same_llama {
+        note += &format!(", quantized_llama's first {n}/{new}");
+    }
+    row(rows, "candle_mistral", mist, note);
+    let last = rows.last_mut().unwrap();
+    last["same_tokens_as_procmem"] = json!(same);
+    if let Some(n) = same_llama {
+        last["same_tokens_as_candle"] = json!(n);
+    }
+    ratio["tokens_per_s_ratio_mistral"] = json!(r);
+    ratio
 }

@@ -460,16 +460,31 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run() -> Result<(), String> {
+/// Each row's answers, by (server, workload, budget or KV mode, concurrency).
+type ByKey = std::collections::HashMap<(&'static str, &'static str, String, usize), Answers>;
+
+/// What every row runs: the model, its workload, and the concurrencies asked.
+struct Setup {
+    gguf: PathBuf,
+    /// f16 K and V of every layer, per token.
+    token_bytes: u64,
+    w: Workload,
+    concurrency: Vec<usize>,
+    /// Long prompts at most 8 at once: the 2,000-token prefills fill a row's time alone.
+    long_concurrency: Vec<usize>,
+    /// The highest concurrency.
+    top: usize,
+}
+
+/// The model, the workload and `PROCMEM_BENCH_CONCURRENCY`; `None` without the model.
+fn setup() -> Result<Option<Setup>, String> {
     let Some(gguf) = fetch_smollm2() else {
-        println!("serving: no SmolLM2 GGUF and it could not be fetched: skipped");
-        return Ok(());
+        return Ok(None);
     };
     let g = Gguf::open(&gguf).map_err(|e| e.to_string())?;
     let codec =
         TextCodec::new(&g.tokenizer().map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let config = g.config().map_err(|e| e.to_string())?;
-    // f16 K and V of every layer, per token.
     let token_bytes = (config.layers * 2 * config.kv_heads * config.head_dim * 2) as u64;
     let w = workload(&codec);
     let concurrency: Vec<usize> = std::env::var("PROCMEM_BENCH_CONCURRENCY")
@@ -478,11 +493,7 @@ async fn run() -> Result<(), String> {
         .filter_map(|c| c.trim().parse().ok())
         .filter(|&c| c > 0)
         .collect();
-    let rate: Option<f64> = std::env::var("PROCMEM_BENCH_RATE")
-        .ok()
-        .and_then(|r| r.parse().ok());
     let top = concurrency.iter().copied().max().unwrap_or(1);
-    // Long prompts at most 8 at once: the 2,000-token prefills fill a row's time on their own.
     let long_concurrency: Vec<usize> = concurrency
         .iter()
         .map(|&c| c.min(8))
@@ -497,11 +508,27 @@ async fn run() -> Result<(), String> {
         w.context,
         w.long.len()
     );
-    let mut rows = Vec::new();
-    let mut by_key = std::collections::HashMap::new();
+    Ok(Some(Setup {
+        gguf,
+        token_bytes,
+        w,
+        concurrency,
+        long_concurrency,
+        top,
+    }))
+}
+
+/// procmem's rows: the conversations at 1x and 0.25x, at a fixed rate where asked, the long
+/// prompts, and the prefix tiers (whose summary is returned).
+async fn procmem_rows(
+    s: &Setup,
+    rows: &mut Vec<Value>,
+    by_key: &mut ByKey,
+) -> Result<Value, String> {
+    let w = &s.w;
     for fraction in [1.0, 0.25] {
-        for &c in &concurrency {
-            let (row, answers) = procmem_row(&w, "multi", fraction, c, None, None).await?;
+        for &c in &s.concurrency {
+            let (row, answers) = procmem_row(w, "multi", fraction, c, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert(
@@ -510,14 +537,17 @@ async fn run() -> Result<(), String> {
             );
         }
     }
+    let rate: Option<f64> = std::env::var("PROCMEM_BENCH_RATE")
+        .ok()
+        .and_then(|r| r.parse().ok());
     if let Some(rate) = rate {
-        let (row, _) = procmem_row(&w, "multi", 1.0, top, Some(rate), None).await?;
+        let (row, _) = procmem_row(w, "multi", 1.0, s.top, Some(rate), None).await?;
         print_row(&row);
         rows.push(row);
     }
     if !w.long.is_empty() {
-        for &c in &long_concurrency {
-            let (row, answers) = procmem_row(&w, "long", 1.0, c, None, None).await?;
+        for &c in &s.long_concurrency {
+            let (row, answers) = procmem_row(w, "long", 1.0, c, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert((Kind::Procmem.name(), "long", "1".into(), c), answers);
@@ -528,16 +558,26 @@ async fn run() -> Result<(), String> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(8);
-    let mut tiers_json = json!(null);
     if tiers_at == 0 {
         println!("prefix tiers: PROCMEM_BENCH_TIERS=0: skipped");
-    } else {
-        let (tier_rows, summary) = tier_rows(&w, tiers_at).await?;
-        println!("prefix tiers: {summary}");
-        rows.extend(tier_rows);
-        tiers_json = summary;
+        return Ok(json!(null));
     }
-    // llama.cpp: the KV bytes of procmem's 0.25x row at the highest concurrency, as slots.
+    let (tier_rows, summary) = tier_rows(w, tiers_at).await?;
+    println!("prefix tiers: {summary}");
+    rows.extend(tier_rows);
+    Ok(summary)
+}
+
+/// llama.cpp's rows, given the KV bytes of procmem's 0.25x row at the highest concurrency:
+/// a context per slot (the bytes buy `slots` of them), then one KV shared by as many slots
+/// as procmem runs requests, without and with its host prompt cache; and the long prompts.
+/// Returns what it was given (`null` where skipped) and the slots.
+async fn llama_rows(
+    s: &Setup,
+    rows: &mut Vec<Value>,
+    by_key: &mut ByKey,
+) -> Result<(Value, usize), String> {
+    let (w, top, token_bytes) = (&s.w, s.top, s.token_bytes);
     let quarter_kv = rows
         .iter()
         .find(|r| r["budget"] == "0.25x" && r["concurrency"] == top && r["workload"] == "multi")
@@ -547,56 +587,56 @@ async fn run() -> Result<(), String> {
     let llama = Llama {
         bin: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("target/llama.cpp/build/bin/llama-server"),
-        gguf: gguf.clone(),
+        gguf: s.gguf.clone(),
         token_bytes,
     };
-    let mut llama_json = json!(null);
     if std::env::var("PROCMEM_BENCH_LLAMA").is_ok_and(|v| v == "0") {
         println!("llama.cpp: PROCMEM_BENCH_LLAMA=0: skipped");
-    } else if !llama.bin.is_file() {
-        println!(
-            "llama.cpp: no {} (scripts/llama-server.sh builds it): skipped",
-            llama.bin.display()
-        );
-    } else {
-        println!(
-            "llama.cpp: {quarter_kv} bytes of KV (procmem's 0.25x row at concurrency {top}) buy {slots} slots of {} tokens",
-            w.context
-        );
-        llama_json = json!({"slots": slots, "slot_context": w.context, "kv_bytes_given": quarter_kv, "token_bytes": token_bytes});
-        for &c in &concurrency {
-            // The same KV bytes three ways: a context per slot (its KV buys `slots` of
-            // them), then one KV shared by as many slots as procmem runs requests, without
-            // and with its host prompt cache.
-            let tokens = slots * w.context;
-            for (kv, slots) in [
-                (LlamaKv::PerSlot, slots),
-                (LlamaKv::Unified, c),
-                (LlamaKv::UnifiedCache, c),
-            ] {
-                let (row, answers) = llama.row(&w, "multi", (slots, tokens, kv), c).await?;
-                print_row(&row);
-                rows.push(row);
-                let key = match kv {
-                    LlamaKv::PerSlot => "-".to_string(),
-                    other => other.name().to_string(),
-                };
-                by_key.insert((Kind::Llama.name(), "multi", key, c), answers);
-            }
-        }
-        if !w.long.is_empty() {
-            for &c in &long_concurrency {
-                let context = context_for(&w, "long");
-                let shape = (c, c * context, LlamaKv::PerSlot);
-                let (row, answers) = llama.row(&w, "long", shape, c).await?;
-                print_row(&row);
-                rows.push(row);
-                by_key.insert((Kind::Llama.name(), "long", "-".into(), c), answers);
-            }
+        return Ok((json!(null), slots));
+    }
+    if !llama.bin.is_file() {
+        let bin = llama.bin.display();
+        println!("llama.cpp: no {bin} (scripts/llama-server.sh builds it): skipped");
+        return Ok((json!(null), slots));
+    }
+    println!(
+        "llama.cpp: {quarter_kv} bytes of KV (procmem's 0.25x row at concurrency {top}) buy {slots} slots of {} tokens",
+        w.context
+    );
+    for &c in &s.concurrency {
+        let tokens = slots * w.context;
+        for (kv, slots) in [
+            (LlamaKv::PerSlot, slots),
+            (LlamaKv::Unified, c),
+            (LlamaKv::UnifiedCache, c),
+        ] {
+            let (row, answers) = llama.row(w, "multi", (slots, tokens, kv), c).await?;
+            print_row(&row);
+            rows.push(row);
+            let key = match kv {
+                LlamaKv::PerSlot => "-".to_string(),
+                other => other.name().to_string(),
+            };
+            by_key.insert((Kind::Llama.name(), "multi", key, c), answers);
         }
     }
+    if !w.long.is_empty() {
+        for &c in &s.long_concurrency {
+            let shape = (c, c * context_for(w, "long"), LlamaKv::PerSlot);
+            let (row, answers) = llama.row(w, "long", shape, c).await?;
+            print_row(&row);
+            rows.push(row);
+            by_key.insert((Kind::Llama.name(), "long", "-".into(), c), answers);
+        }
+    }
+    let given = json!({"slots": slots, "slot_context": w.context, "kv_bytes_given": quarter_kv, "token_bytes": token_bytes});
+    Ok((given, slots))
+}
+
+/// Per concurrency, how many answers at 0.25x (and llama.cpp's) differ from procmem's at 1x.
+fn checks(concurrency: &[usize], by_key: &ByKey) -> Vec<Value> {
     let mut checks = Vec::new();
-    for &c in &concurrency {
+    for &c in concurrency {
         let full = &by_key[&("procmem", "multi", "1".to_string(), c)];
         let quarter = &by_key[&("procmem", "multi", "0.25".to_string(), c)];
         let differ = differing(full, quarter);
@@ -610,6 +650,11 @@ async fn run() -> Result<(), String> {
         }
         checks.push(check);
     }
+    checks
+}
+
+/// procmem at 0.25x over llama.cpp (per slot), per concurrency.
+fn ratios(rows: &[Value], concurrency: &[usize], slots: usize) -> Value {
     let find = |server: &str, budget: Option<&str>, c: usize| {
         rows.iter().find(|r| {
             r["server"] == server
@@ -620,7 +665,7 @@ async fn run() -> Result<(), String> {
         })
     };
     let mut ratios = json!({});
-    for &c in &concurrency {
+    for &c in concurrency {
         if let (Some(p), Some(l)) = (
             find("procmem", Some("0.25x"), c),
             find("llama.cpp", None, c),
@@ -634,31 +679,18 @@ async fn run() -> Result<(), String> {
             });
         }
     }
-    println!("ratios: {ratios}");
-    let report = json!({
-        "bench": "serving",
-        "model": gguf.file_name().map(|n| n.to_string_lossy().into_owned()),
-        "workload": {
-            "conversations": w.conversations.len(),
-            "turns": w.conversations.first().map_or(0, Vec::len),
-            "answer_tokens": ANSWER_TOKENS,
-            "context": w.context,
-            "long_prompts": w.long.len(),
-            "long_prompt_tokens": LONG_TOKENS,
-        },
-        "llama": llama_json,
-        "rows": rows,
-        "checks": checks,
-        "ratios": ratios,
-        "prefix_tiers": tiers_json,
-    });
+    ratios
+}
+
+/// Writes `serving.json`, and every row's answers to see where two runs part
+/// (`serving-answers.json`).
+fn write_reports(report: &Value, by_key: &ByKey) -> Result<(), String> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let path = dir.join("serving.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
+    std::fs::write(&path, serde_json::to_string_pretty(report).unwrap())
         .map_err(|e| e.to_string())?;
     println!("wrote {}", path.display());
-    // Every row's answers, to see where two runs part (serving-answers.json).
     let answers: serde_json::Map<String, Value> = by_key
         .iter()
         .map(|((server, workload, budget, c), a)| {
@@ -679,4 +711,36 @@ async fn run() -> Result<(), String> {
     std::fs::write(&path, serde_json::to_string(&answers).unwrap()).map_err(|e| e.to_string())?;
     println!("wrote {}", path.display());
     Ok(())
+}
+
+async fn run() -> Result<(), String> {
+    let Some(s) = setup()? else {
+        println!("serving: no SmolLM2 GGUF and it could not be fetched: skipped");
+        return Ok(());
+    };
+    let (mut rows, mut by_key) = (Vec::new(), ByKey::new());
+    let tiers = procmem_rows(&s, &mut rows, &mut by_key).await?;
+    let (llama, slots) = llama_rows(&s, &mut rows, &mut by_key).await?;
+    let checks = checks(&s.concurrency, &by_key);
+    let ratios = ratios(&rows, &s.concurrency, slots);
+    println!("ratios: {ratios}");
+    let w = &s.w;
+    let report = json!({
+        "bench": "serving",
+        "model": s.gguf.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "workload": {
+            "conversations": w.conversations.len(),
+            "turns": w.conversations.first().map_or(0, Vec::len),
+            "answer_tokens": ANSWER_TOKENS,
+            "context": w.context,
+            "long_prompts": w.long.len(),
+            "long_prompt_tokens": LONG_TOKENS,
+        },
+        "llama": llama,
+        "rows": rows,
+        "checks": checks,
+        "ratios": ratios,
+        "prefix_tiers": tiers,
+    });
+    write_reports(&report, &by_key)
 }

@@ -337,40 +337,9 @@ fn llama_bin() -> std::path::PathBuf {
 }
 
 /// One row: fresh servers (and node), the plan, the figures.
-async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), String> {
-    let fraction = plan.fraction();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| e.to_string())?
-        .port();
-    // A shrinking row runs in its own memory cgroup, made before anything of the row starts.
-    let group = match mode.shrinks() {
-        true => Some(shrink::Group::make(mode.name())?),
-        false => None,
-    };
-    let node = match mode.node() {
-        false => None,
-        true => {
-            let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
-            config.rejoin_grace = Duration::ZERO;
-            Some(NodeHandle::start(config).await.map_err(|e| e.to_string())?)
-        }
-    };
-    // The node's capacity follows the group (as `node_governor --follow-machine` does).
-    let _follow = match (&group, &node) {
-        (Some(g), Some(n)) => Some(HostPressure::spawn_for_node(
-            n.clone(),
-            "host",
-            PressurePolicy::new(capacity),
-            g.source(),
-            Duration::from_millis(250),
-        )),
-        _ => None,
-    };
-    let servers = start_servers(mode, port, fraction).await?;
-    let addrs: Vec<_> = servers.iter().map(|s| s.addr).collect();
-    // Each server has seen its system prompt once, as a running server has: the row measures
-    // bursts, not a cold start.
+/// Each server has seen its system prompt once, as a running server has: a row measures
+/// bursts, not a cold start.
+async fn warm(addrs: &[std::net::SocketAddr], plan: &Plan) -> Result<(), String> {
     for (addr, system) in addrs.iter().zip(&plan.systems) {
         let msgs = [
             client::Msg {
@@ -384,27 +353,29 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         ];
         client::chat(*addr, &msgs, 1).await?;
     }
-    let watcher = watch::Watcher::start(&servers, node.clone());
-    let start = Instant::now();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let load = async {
-        let driven = drive(&addrs, plan).await;
-        let _ = tx.send(());
-        driven
-    };
-    let ((done, starts), shrunk) = match &group {
-        Some(g) => {
-            let governed = match &node {
-                Some(n) => shrink::Governed::Node(n.clone()),
-                None => shrink::Governed::Fixed(capacity),
-            };
-            let (d, s) = tokio::join!(load, shrink::shrink(g, governed, capacity, rx));
-            (d, Some(s))
-        }
-        None => (load.await, None),
-    };
-    let wall = start.elapsed();
-    let seen = watcher.stop().await;
+    Ok(())
+}
+
+/// The node Governor of a node row, on `port` with `capacity`.
+async fn node_of(mode: Mode, port: u16, capacity: u64) -> Result<Option<NodeHandle>, String> {
+    if !mode.node() {
+        return Ok(None);
+    }
+    let mut config = NodeConfig::new(COOKIE, port, "host", capacity);
+    config.rejoin_grace = Duration::ZERO;
+    Ok(Some(
+        NodeHandle::start(config).await.map_err(|e| e.to_string())?,
+    ))
+}
+
+/// Stops each server and counts its figures over the requests it answered; returns them
+/// and the largest budget a server logged.
+async fn stop_servers(
+    mode: Mode,
+    servers: Vec<servers::Server>,
+    done: &[Done],
+    wall: Duration,
+) -> Result<(Vec<Value>, u64), String> {
     let mut per_server = Vec::new();
     let mut budget = 0;
     for (s, server) in servers.into_iter().enumerate() {
@@ -442,24 +413,38 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
         f["exit_error"] = json!(exit.map(|e| e.lines().next().unwrap_or("").to_string()));
         per_server.push(f);
     }
-    let tickets = match &node {
-        Some(n) => {
-            let t = n.status().await.map_or(0, |s| s.tickets);
-            n.stop();
-            t
-        }
-        None => 0,
-    };
+    Ok((per_server, budget))
+}
+
+/// What a row counts beside its requests: M, the node's tickets, the wall time.
+#[derive(Clone, Copy)]
+struct Sums {
+    capacity: u64,
+    tickets: u64,
+    wall: Duration,
+}
+
+/// A row's figures over every request, with each server's.
+fn row_figures(
+    mode: Mode,
+    done: &[Done],
+    starts: &[Duration],
+    sums: Sums,
+    shrunk: Option<Value>,
+    per_server: Vec<Value>,
+) -> Value {
+    let Sums {
+        capacity,
+        tickets,
+        wall,
+    } = sums;
     let mut all = figures(done.iter(), wall);
     let requests = done.len().max(1) as f64;
     merge(
         &mut all,
         json!({
             "row": mode.name(),
-            "capacity_m_bytes": match mode {
-                Mode::Static | Mode::Unbounded => 3 * budget,
-                _ => capacity,
-            },
+            "capacity_m_bytes": capacity,
             "shrink": shrunk,
             "wall_s": wall.as_secs_f64(),
             "ttft_p99_ms_in_burst": figures(done.iter().filter(|d| d.server == d.phase), wall)["ttft_p99_ms"],
@@ -471,6 +456,74 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
             "servers": per_server,
         }),
     );
+    all
+}
+
+async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), String> {
+    let fraction = plan.fraction();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    // A shrinking row runs in its own memory cgroup, made before anything of the row starts.
+    let group = match mode.shrinks() {
+        true => Some(shrink::Group::make(mode.name())?),
+        false => None,
+    };
+    let node = node_of(mode, port, capacity).await?;
+    // The node's capacity follows the group (as `node_governor --follow-machine` does).
+    let _follow = match (&group, &node) {
+        (Some(g), Some(n)) => Some(HostPressure::spawn_for_node(
+            n.clone(),
+            "host",
+            PressurePolicy::new(capacity),
+            g.source(),
+            Duration::from_millis(250),
+        )),
+        _ => None,
+    };
+    let servers = start_servers(mode, port, fraction).await?;
+    let addrs: Vec<_> = servers.iter().map(|s| s.addr).collect();
+    warm(&addrs, plan).await?;
+    let watcher = watch::Watcher::start(&servers, node.clone());
+    let start = Instant::now();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let load = async {
+        let driven = drive(&addrs, plan).await;
+        let _ = tx.send(());
+        driven
+    };
+    let ((done, starts), shrunk) = match &group {
+        Some(g) => {
+            let governed = match &node {
+                Some(n) => shrink::Governed::Node(n.clone()),
+                None => shrink::Governed::Fixed(capacity),
+            };
+            let (d, s) = tokio::join!(load, shrink::shrink(g, governed, capacity, rx));
+            (d, Some(s))
+        }
+        None => (load.await, None),
+    };
+    let wall = start.elapsed();
+    let seen = watcher.stop().await;
+    let (per_server, budget) = stop_servers(mode, servers, &done, wall).await?;
+    let tickets = match &node {
+        Some(n) => {
+            let t = n.status().await.map_or(0, |s| s.tickets);
+            n.stop();
+            t
+        }
+        None => 0,
+    };
+    let sums = Sums {
+        capacity: match mode {
+            Mode::Static | Mode::Unbounded => 3 * budget,
+            _ => capacity,
+        },
+        tickets,
+        wall,
+    };
+    let mut all = row_figures(mode, &done, &starts, sums, shrunk, per_server);
     merge(&mut all, seen.json(&starts));
     // Each row on its own as well, so a later row that fails loses nothing.
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
@@ -609,28 +662,7 @@ async fn run() -> Result<(), String> {
             println!("{}: not in PROCMEM_SHARING_ROWS: skipped", mode.name());
             continue;
         }
-        if mode == Mode::LlamaShrink && !llama_bin().is_file() {
-            println!(
-                "{}: no llama-server (scripts/llama-server.sh builds it): skipped",
-                mode.name()
-            );
-            rows.push(json!({"row": mode.name(), "skipped": "no llama-server"}));
-            continue;
-        }
-        match row(mode, &plan, capacity).await {
-            Ok((r, _)) => {
-                print_row(&r);
-                if mode.shrinks() {
-                    print_shrink(&r);
-                }
-                rows.push(r);
-            }
-            Err(e) if e.starts_with("cgroup:") => {
-                println!("{}: {e}: skipped", mode.name());
-                rows.push(json!({"row": mode.name(), "skipped": e}));
-            }
-            Err(e) => return Err(e),
-        }
+        rows.push(optional_row(mode, &plan, capacity).await?);
     }
     // The floor: with memory never short, how much lower the tail could be on this machine.
     if let Some(floor) = rows.iter().find(|r| r["row"] == "unbounded") {
@@ -638,7 +670,52 @@ async fn run() -> Result<(), String> {
         checks["ttft_p99_static_over_unbounded"] = json!(p99(&fixed) / p99(floor));
     }
     println!("goals: {checks}");
-    let report = json!({
+    let system_tokens = codec.encode(&plan.systems[0]).map_or(0, |t| t.len());
+    let report = report(&gguf, &plan, system_tokens, capacity, (rows, checks));
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = dir.join("sharing.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
+        .map_err(|e| e.to_string())?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// A row that may not run here (no llama-server, no cgroup to shrink): its figures, or why
+/// it was skipped.
+async fn optional_row(mode: Mode, plan: &Plan, capacity: u64) -> Result<Value, String> {
+    if mode == Mode::LlamaShrink && !llama_bin().is_file() {
+        println!(
+            "{}: no llama-server (scripts/llama-server.sh builds it): skipped",
+            mode.name()
+        );
+        return Ok(json!({"row": mode.name(), "skipped": "no llama-server"}));
+    }
+    match row(mode, plan, capacity).await {
+        Ok((r, _)) => {
+            print_row(&r);
+            if mode.shrinks() {
+                print_shrink(&r);
+            }
+            Ok(r)
+        }
+        Err(e) if e.starts_with("cgroup:") => {
+            println!("{}: {e}: skipped", mode.name());
+            Ok(json!({"row": mode.name(), "skipped": e}))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The bench's report: the model, the workload, M, every row and the goals.
+fn report(
+    gguf: &std::path::Path,
+    plan: &Plan,
+    system_tokens: usize,
+    capacity: u64,
+    (rows, checks): (Vec<Value>, Value),
+) -> Value {
+    json!({
         "bench": "sharing",
         "model": gguf.file_name().map(|n| n.to_string_lossy().into_owned()),
         "workload": {
@@ -648,7 +725,7 @@ async fn run() -> Result<(), String> {
             "burst_conversations": BURST,
             "turns": TURNS,
             "answer_tokens": ANSWER_TOKENS,
-            "system_prompt_tokens": codec.encode(&plan.systems[0]).map_or(0, |t| t.len()),
+            "system_prompt_tokens": system_tokens,
             "longest_conversation_tokens": plan.longest,
             "kv_fraction_of_8_sequences_per_server": plan.fraction(),
             "kv_dtype": "f16",
@@ -656,12 +733,5 @@ async fn run() -> Result<(), String> {
         "capacity_m_bytes": capacity,
         "rows": rows,
         "goals": checks,
-    });
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let path = dir.join("sharing.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap())
-        .map_err(|e| e.to_string())?;
-    println!("wrote {}", path.display());
-    Ok(())
+    })
 }

@@ -394,6 +394,12 @@ fn draw(frame: &mut Frame, view: &View) {
     draw_holders(frame, holder_area, m, &holders);
     let [tickets, procs] =
         Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(bottom);
+    draw_tickets(frame, tickets, view);
+    draw_processes(frame, procs, m, &processes, &node_authorities);
+}
+
+/// The pressure tickets seen between scrapes, newest last.
+fn draw_tickets(frame: &mut Frame, area: Rect, view: &View) {
     let lines: Vec<Line> = view
         .events
         .iter()
@@ -419,11 +425,21 @@ fn draw(frame: &mut Frame, view: &View) {
                 .borders(Borders::ALL)
                 .title(" last pressure tickets "),
         ),
-        tickets,
+        area,
     );
+}
+
+/// From a node Governor each process's credit and OS bytes; from a server, its latencies.
+fn draw_processes(
+    frame: &mut Frame,
+    procs: Rect,
+    m: &Scrape,
+    processes: &[String],
+    node_authorities: &[String],
+) {
     let mut lines: Vec<Line> = Vec::new();
-    for p in &processes {
-        for a in &node_authorities {
+    for p in processes {
+        for a in node_authorities {
             let with = [("authority", a.as_str()), ("process", p.as_str())];
             if let Some(credit) = m.get("procmem_node_process_credit_bytes", &with) {
                 let os = m.get("procmem_node_process_os_bytes", &with).unwrap_or(0.0);
@@ -608,72 +624,9 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
         ]
         .map(|h| Cell::from(h).style(Style::new().add_modifier(Modifier::BOLD))),
     );
-    let rows = holders.iter().map(|(authority, holder)| {
-        let h = [
-            ("authority", authority.as_str()),
-            ("holder", holder.as_str()),
-        ];
-        let kv = [
-            ("store", holder.as_str()),
-            ("authority", authority.as_str()),
-        ];
-        let get = |name: &str, with: &[(&str, &str)]| m.get(name, with);
-        let count = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v}"));
-        let preempt = match (
-            get(
-                "procmem_kv_preemptions_total",
-                &[kv[0], kv[1], ("mode", "swap")],
-            ),
-            get(
-                "procmem_kv_preemptions_total",
-                &[kv[0], kv[1], ("mode", "recompute")],
-            ),
-        ) {
-            (Some(s), Some(r)) => format!("{s}/{r}"),
-            _ => "-".into(),
-        };
-        let hit = match (
-            get("procmem_kv_prefix_hit_tokens_total", &kv),
-            get("procmem_kv_prefix_query_tokens_total", &kv),
-        ) {
-            (Some(hit), Some(q)) if q > 0.0 => format!("{:.1}%", 100.0 * hit / q),
-            (Some(_), Some(_)) => "0.0%".into(),
-            _ => "-".into(),
-        };
-        let r = [
-            ("holder", holder.as_str()),
-            ("authority", authority.as_str()),
-        ];
-        // Layers on the device / offloaded (to the host tier or disk).
-        let placed = |p: &str| get("procmem_residency_layers", &[r[0], r[1], ("placement", p)]);
-        let layers = match (placed("device"), placed("host"), placed("disk")) {
-            (Some(d), host, disk) => format!("{d}/{}", host.unwrap_or(0.0) + disk.unwrap_or(0.0)),
-            _ => "-".into(),
-        };
-        // The prefix cache's tier below (disk under host memory, host memory under a GPU):
-        // blocks and bytes held, where the store has one.
-        let tier = |kind: &str| {
-            let blocks = get(&format!("procmem_kv_prefix_{kind}_blocks"), &kv)?;
-            let held = get(&format!("procmem_kv_prefix_{kind}_bytes"), &kv)?;
-            Some(format!("{kind} {blocks} {}", bytes(held)))
-        };
-        let disk = tier("disk")
-            .or_else(|| tier("host"))
-            .unwrap_or_else(|| "-".into());
-        Row::new(vec![
-            holder.clone(),
-            authority.clone(),
-            get("procmem_holder_approved_bytes", &h).map_or("-".into(), bytes),
-            count(get("procmem_holder_pressure_tickets_total", &h)),
-            get("procmem_holder_pressure_freed_bytes_total", &h).map_or("-".into(), bytes),
-            count(get("procmem_kv_sequences", &kv)),
-            count(get("procmem_kv_tokens", &kv)),
-            preempt,
-            hit,
-            layers,
-            disk,
-        ])
-    });
+    let rows = holders
+        .iter()
+        .map(|(authority, holder)| holder_row(m, authority, holder));
     let widths = [
         Constraint::Length(16),
         Constraint::Length(9),
@@ -693,6 +646,65 @@ fn draw_holders(frame: &mut Frame, area: Rect, m: &Scrape, holders: &[(String, S
             .block(Block::new().borders(Borders::ALL).title(" holders ")),
         area,
     );
+}
+
+/// One holder's row: its books, and a KV store's or a residency's figures.
+fn holder_row(m: &Scrape, authority: &str, holder: &str) -> Row<'static> {
+    let h = [("authority", authority), ("holder", holder)];
+    let kv = [("store", holder), ("authority", authority)];
+    let get = |name: &str, with: &[(&str, &str)]| m.get(name, with);
+    let count = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v}"));
+    let preempt = match (
+        get(
+            "procmem_kv_preemptions_total",
+            &[kv[0], kv[1], ("mode", "swap")],
+        ),
+        get(
+            "procmem_kv_preemptions_total",
+            &[kv[0], kv[1], ("mode", "recompute")],
+        ),
+    ) {
+        (Some(s), Some(r)) => format!("{s}/{r}"),
+        _ => "-".into(),
+    };
+    let hit = match (
+        get("procmem_kv_prefix_hit_tokens_total", &kv),
+        get("procmem_kv_prefix_query_tokens_total", &kv),
+    ) {
+        (Some(hit), Some(q)) if q > 0.0 => format!("{:.1}%", 100.0 * hit / q),
+        (Some(_), Some(_)) => "0.0%".into(),
+        _ => "-".into(),
+    };
+    let r = [("holder", holder), ("authority", authority)];
+    // Layers on the device / offloaded (to the host tier or disk).
+    let placed = |p: &str| get("procmem_residency_layers", &[r[0], r[1], ("placement", p)]);
+    let layers = match (placed("device"), placed("host"), placed("disk")) {
+        (Some(d), host, disk) => format!("{d}/{}", host.unwrap_or(0.0) + disk.unwrap_or(0.0)),
+        _ => "-".into(),
+    };
+    // The prefix cache's tier below (disk under host memory, host memory under a GPU):
+    // blocks and bytes held, where the store has one.
+    let tier = |kind: &str| {
+        let blocks = get(&format!("procmem_kv_prefix_{kind}_blocks"), &kv)?;
+        let held = get(&format!("procmem_kv_prefix_{kind}_bytes"), &kv)?;
+        Some(format!("{kind} {blocks} {}", bytes(held)))
+    };
+    let disk = tier("disk")
+        .or_else(|| tier("host"))
+        .unwrap_or_else(|| "-".into());
+    Row::new(vec![
+        holder.to_string(),
+        authority.to_string(),
+        get("procmem_holder_approved_bytes", &h).map_or("-".into(), bytes),
+        count(get("procmem_holder_pressure_tickets_total", &h)),
+        get("procmem_holder_pressure_freed_bytes_total", &h).map_or("-".into(), bytes),
+        count(get("procmem_kv_sequences", &kv)),
+        count(get("procmem_kv_tokens", &kv)),
+        preempt,
+        hit,
+        layers,
+        disk,
+    ])
 }
 
 /// Why the loop ended.

@@ -105,57 +105,67 @@ fn main() -> ExitCode {
                 .map(|a| format!(", metrics on http://{a}/metrics"))
                 .unwrap_or_default()
         );
-        let _follow = match args.authorities.iter().find(|(n, _)| n == "host") {
-            Some((_, capacity)) if args.follow_machine => {
-                let source = LinuxSource::detect();
-                match source.cgroup() {
-                    Some((dir, _)) => println!("host capacity follows {}", dir.display()),
-                    None => {
-                        println!("no memory cgroup found: the host capacity stays {capacity} B")
-                    }
-                }
-                Some(HostPressure::spawn_for_node(
-                    node.clone(),
-                    "host",
-                    PressurePolicy::new(*capacity),
-                    source,
-                    Duration::from_millis(500),
-                ))
-            }
-            _ => None,
-        };
+        let _follow = follow(&args, &node);
         let start = std::time::Instant::now();
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            if let Some(s) = node.status().await {
-                for (name, capacity, credit) in &s.authorities {
-                    let procs: Vec<String> = s
-                        .processes
-                        .iter()
-                        .filter(|p| &p.authority == name)
-                        .map(|p| {
-                            format!(
-                                "{}[{}] credit {} os {}{}",
-                                p.name,
-                                p.pid,
-                                p.credit,
-                                p.os_bytes,
-                                if p.connected { "" } else { " (cut off)" }
-                            )
-                        })
-                        .collect();
-                    println!(
-                        "{name}: capacity {capacity} credit {credit} waiting {} tickets {} | {}",
-                        s.waiting,
-                        s.tickets,
-                        procs.join(" | ")
-                    );
-                }
-            }
+            print_status(&node).await;
             if args.run_for > 0 && start.elapsed() >= Duration::from_secs(args.run_for) {
                 node.stop();
                 return ExitCode::SUCCESS;
             }
         }
     })
+}
+
+/// With `--follow-machine`, the host authority's capacity follows this process's cgroup.
+fn follow(args: &Args, node: &NodeHandle) -> Option<HostPressure> {
+    match args.authorities.iter().find(|(n, _)| n == "host") {
+        Some((_, capacity)) if args.follow_machine => {
+            let source = LinuxSource::detect();
+            match source.cgroup() {
+                Some((dir, _)) => println!("host capacity follows {}", dir.display()),
+                None => {
+                    println!("no memory cgroup found: the host capacity stays {capacity} B")
+                }
+            }
+            Some(HostPressure::spawn_for_node(
+                node.clone(),
+                "host",
+                PressurePolicy::new(*capacity),
+                source,
+                Duration::from_millis(500),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// A line per authority: capacity, credit, and each process's credit.
+async fn print_status(node: &NodeHandle) {
+    if let Some(s) = node.status().await {
+        for (name, capacity, credit) in &s.authorities {
+            let procs: Vec<String> = s
+                .processes
+                .iter()
+                .filter(|p| &p.authority == name)
+                .map(|p| {
+                    format!(
+                        "{}[{}] credit {} os {}{}",
+                        p.name,
+                        p.pid,
+                        p.credit,
+                        p.os_bytes,
+                        if p.connected { "" } else { " (cut off)" }
+                    )
+                })
+                .collect();
+            println!(
+                "{name}: capacity {capacity} credit {credit} waiting {} tickets {} | {}",
+                s.waiting,
+                s.tickets,
+                procs.join(" | ")
+            );
+        }
+    }
 }

@@ -359,6 +359,30 @@ fn no_library_function_is_over_80_lines() {
     assert!(long.is_empty(), "over {MAX_FN_LINES} lines: {long:?}");
 }
 
+/// Every source file of the examples and the benches: a newcomer reads them as the
+/// project's own code, so the same limit holds there.
+fn example_and_bench_files() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["examples", "benches"] {
+        rust_files(&root.join(dir), &mut files);
+    }
+    files
+}
+
+#[test]
+fn no_function_in_the_examples_or_benches_is_over_80_lines() {
+    let mut long = Vec::new();
+    for file in example_and_bench_files() {
+        for (name, line, n) in functions(&code(&file)) {
+            if n > MAX_FN_LINES {
+                long.push(format!("{}:{line} {name} ({n} lines)", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "over {MAX_FN_LINES} lines: {long:?}");
+}
+
 #[test]
 fn the_function_finder_measures_bodies_not_declarations() {
     let code: Vec<String> = [

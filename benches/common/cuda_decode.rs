@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use procmem::cuda::{
-    driver_present, CudaDevice, CudaMechanism, CudaStream, DecodeKernels, DecodeLaunch,
+    driver_present, CudaDevice, CudaMechanism, CudaStream, CudaVmmBacking, DecodeKernels,
+    DecodeLaunch,
 };
 use procmem::kv::KvDtype;
 use procmem::{MemoryRole, VirtualBacking, VirtualBuffer};
@@ -170,37 +171,52 @@ fn flat(device: &Arc<CudaDevice>, bytes: u64) -> (u64, u64) {
     (device.alloc(bytes).unwrap(), device.alloc(bytes).unwrap())
 }
 
-/// The `cuda` section, or why it was skipped.
-pub fn section() -> serde_json::Value {
-    if !driver_present() {
-        return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});
+/// What every context's run shares on the device: its mechanism, kernels and stream, and the
+/// query, output and source row every step uses.
+struct Gpu {
+    device: Arc<CudaDevice>,
+    backing: Arc<CudaVmmBacking>,
+    granule: u64,
+    kernels: DecodeKernels,
+    stream: CudaStream,
+    q: u64,
+    out: u64,
+    src: u64,
+}
+
+impl Gpu {
+    fn new(mechanism: &CudaMechanism) -> Gpu {
+        let device = mechanism.device().clone();
+        let backing = mechanism.backing();
+        let granule = VirtualBacking::granularity(backing.as_ref());
+        let kernels = DecodeKernels::load(device.clone()).unwrap();
+        let stream = CudaStream::new(device.clone()).unwrap();
+        let q = device.alloc(u64::from(Q_HEADS * HEAD_DIM) * 4).unwrap();
+        let out = device.alloc(u64::from(Q_HEADS * HEAD_DIM) * 4).unwrap();
+        let src = device.alloc(ROW).unwrap();
+        // SAFETY: allocated just above with these sizes.
+        unsafe {
+            stream
+                .memset_async(q, 0x3c, u64::from(Q_HEADS * HEAD_DIM) * 4)
+                .unwrap();
+            stream.memset_async(src, 0x3c, ROW).unwrap();
+        }
+        Gpu {
+            device,
+            backing,
+            granule,
+            kernels,
+            stream,
+            q,
+            out,
+            src,
+        }
     }
-    if CudaDevice::count() == 0 {
-        return json!({"skipped": "a CUDA driver is present but reports no device"});
-    }
-    let mechanism = CudaMechanism::new(0, 64).unwrap();
-    let device = mechanism.device().clone();
-    let backing = mechanism.backing();
-    let granule = VirtualBacking::granularity(backing.as_ref());
-    let kernels = DecodeKernels::load(device.clone()).unwrap();
-    let stream = CudaStream::new(device.clone()).unwrap();
-    let q = device.alloc(u64::from(Q_HEADS * HEAD_DIM) * 4).unwrap();
-    let out = device.alloc(u64::from(Q_HEADS * HEAD_DIM) * 4).unwrap();
-    let src = device.alloc(ROW).unwrap();
-    // SAFETY: allocated just above with these sizes.
-    unsafe {
-        stream
-            .memset_async(q, 0x3c, u64::from(Q_HEADS * HEAD_DIM) * 4)
-            .unwrap();
-        stream.memset_async(src, 0x3c, ROW).unwrap();
-    }
-    let mut rows = Vec::new();
-    let mut d2d = 0.0;
-    for &context in &CONTEXTS {
-        let bytes = context * ROW;
-        let kv_bytes = bytes * 2 * LAYERS as u64;
-        let window = (ROUNDS * STEPS_PER_ROUND) as u64;
-        let mut strategies: Vec<(&str, Box<dyn Kv>)> = vec![
+
+    /// The three strategies, each with `bytes` of KV per buffer.
+    fn strategies(&self, bytes: u64) -> Vec<(&'static str, Box<dyn Kv>)> {
+        let (device, backing) = (&self.device, &self.backing);
+        vec![
             (
                 "virtual",
                 Box::new(Virtual {
@@ -213,14 +229,14 @@ pub fn section() -> serde_json::Value {
                             (b(), b())
                         })
                         .collect(),
-                    chunk: granule * 4,
+                    chunk: self.granule * 4,
                 }),
             ),
             (
                 "preallocated",
                 Box::new(Flat {
                     device: device.clone(),
-                    bufs: (0..LAYERS).map(|_| flat(&device, bytes)).collect(),
+                    bufs: (0..LAYERS).map(|_| flat(device, bytes)).collect(),
                 }),
             ),
             (
@@ -228,33 +244,43 @@ pub fn section() -> serde_json::Value {
                 Box::new(Staging {
                     device: device.clone(),
                     pages: vec![(Vec::new(), Vec::new()); LAYERS],
-                    staging: flat(&device, bytes),
+                    staging: flat(device, bytes),
                 }),
             ),
-        ];
-        let partials = device
-            .alloc(
-                DecodeLaunch {
-                    q,
-                    k: 0,
-                    v: 0,
-                    dtype: KvDtype::F32,
-                    tokens: context as u32,
-                    q_heads: Q_HEADS,
-                    kv_heads: KV_HEADS,
-                    head_dim: HEAD_DIM,
-                    partials: 0,
-                    out,
-                }
-                .partials_bytes(),
-            )
-            .unwrap();
-        // Fill every strategy to the window's start (rows written by the copy kernel).
-        let start = context - window;
-        for (_, s) in &mut strategies {
+        ]
+    }
+
+    /// The decode of `tokens` over `k` and `v`, with `partials` for the splits.
+    fn launch(&self, k: u64, v: u64, tokens: u32, partials: u64) -> DecodeLaunch {
+        DecodeLaunch {
+            q: self.q,
+            k,
+            v,
+            dtype: KvDtype::F32,
+            tokens,
+            q_heads: Q_HEADS,
+            kv_heads: KV_HEADS,
+            head_dim: HEAD_DIM,
+            partials,
+            out: self.out,
+        }
+    }
+
+    /// Every strategy filled to the window's start of `context` (rows written by the copy
+    /// kernel), then the window's steps in interleaved rounds: each strategy's steps per
+    /// second in every round.
+    fn timed(
+        &self,
+        strategies: &mut [(&str, Box<dyn Kv>)],
+        context: u64,
+        partials: u64,
+    ) -> Vec<Vec<f64>> {
+        let (kernels, stream, src) = (&self.kernels, &self.stream, self.src);
+        let start = context - (ROUNDS * STEPS_PER_ROUND) as u64;
+        for (_, s) in strategies.iter_mut() {
             for pos in 0..start {
                 for layer in 0..LAYERS {
-                    write_rows(&kernels, &stream, s.as_mut(), layer, pos, src);
+                    write_rows(kernels, stream, s.as_mut(), layer, pos, src);
                 }
             }
             stream.synchronize().unwrap();
@@ -267,22 +293,11 @@ pub fn section() -> serde_json::Value {
                 for step in 0..STEPS_PER_ROUND as u64 {
                     let at = pos + step;
                     for layer in 0..LAYERS {
-                        write_rows(&kernels, &stream, s.as_mut(), layer, at, src);
-                        let (k, v) = s.prepare(&stream, layer, at + 1);
-                        let launch = DecodeLaunch {
-                            q,
-                            k,
-                            v,
-                            dtype: KvDtype::F32,
-                            tokens: (at + 1) as u32,
-                            q_heads: Q_HEADS,
-                            kv_heads: KV_HEADS,
-                            head_dim: HEAD_DIM,
-                            partials,
-                            out,
-                        };
+                        write_rows(kernels, stream, s.as_mut(), layer, at, src);
+                        let (k, v) = s.prepare(stream, layer, at + 1);
+                        let launch = self.launch(k, v, (at + 1) as u32, partials);
                         // SAFETY: every address is live device memory of this device.
-                        unsafe { kernels.decode(&stream, &launch).unwrap() };
+                        unsafe { kernels.decode(stream, &launch).unwrap() };
                     }
                 }
                 stream.synchronize().unwrap();
@@ -290,19 +305,36 @@ pub fn section() -> serde_json::Value {
             }
             pos += STEPS_PER_ROUND as u64;
         }
-        // The device's copy speed over as many bytes as the KV.
-        let (a, b) = flat(&device, kv_bytes / 2);
+        rates
+    }
+
+    /// The device's copy speed over `kv_bytes`, in GB/s.
+    fn d2d_gb_s(&self, kv_bytes: u64) -> f64 {
+        let (a, b) = flat(&self.device, kv_bytes / 2);
         let t0 = Instant::now();
         // SAFETY: two fresh allocations of this size.
-        unsafe { stream.copy_async(b, a, kv_bytes / 2).unwrap() };
-        stream.synchronize().unwrap();
-        d2d = kv_bytes as f64 / t0.elapsed().as_secs_f64() / 1e9;
+        unsafe { self.stream.copy_async(b, a, kv_bytes / 2).unwrap() };
+        self.stream.synchronize().unwrap();
+        let d2d = kv_bytes as f64 / t0.elapsed().as_secs_f64() / 1e9;
         // SAFETY: allocated above; the stream is idle.
         unsafe {
-            device.free(a).unwrap();
-            device.free(b).unwrap();
-            device.free(partials).unwrap();
+            self.device.free(a).unwrap();
+            self.device.free(b).unwrap();
         }
+        d2d
+    }
+
+    /// One context's rows (each strategy's, then the ratios); returns the copy speed.
+    fn context(&self, context: u64, rows: &mut Vec<serde_json::Value>) -> f64 {
+        let bytes = context * ROW;
+        let kv_bytes = bytes * 2 * LAYERS as u64;
+        let mut strategies = self.strategies(bytes);
+        let partials_bytes = self.launch(0, 0, context as u32, 0).partials_bytes();
+        let partials = self.device.alloc(partials_bytes).unwrap();
+        let mut rates = self.timed(&mut strategies, context, partials);
+        let d2d = self.d2d_gb_s(kv_bytes);
+        // SAFETY: allocated above; the stream is idle.
+        unsafe { self.device.free(partials).unwrap() };
         let mut get = Vec::new();
         for (i, (name, _)) in strategies.iter().enumerate() {
             rates[i].sort_by(|x, y| x.total_cmp(y));
@@ -323,15 +355,38 @@ pub fn section() -> serde_json::Value {
             "virtual_vs_staging_copy": rate("virtual") / rate("staging_copy"),
             "virtual_kv_vs_d2d_copy": kv_bytes as f64 * rate("virtual") / 1e9 / d2d,
         }));
-        drop(strategies);
+        d2d
     }
-    stream.synchronize().unwrap();
-    // SAFETY: allocated above; the stream is idle.
-    unsafe {
-        device.free(q).unwrap();
-        device.free(out).unwrap();
-        device.free(src).unwrap();
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        // SAFETY: allocated in `new`; the stream is idle.
+        unsafe {
+            let _ = self.device.free(self.q);
+            let _ = self.device.free(self.out);
+            let _ = self.device.free(self.src);
+        }
     }
+}
+
+/// The `cuda` section, or why it was skipped.
+pub fn section() -> serde_json::Value {
+    if !driver_present() {
+        return json!({"skipped": "no CUDA driver (libcuda cannot be loaded on this machine)"});
+    }
+    if CudaDevice::count() == 0 {
+        return json!({"skipped": "a CUDA driver is present but reports no device"});
+    }
+    let mechanism = CudaMechanism::new(0, 64).unwrap();
+    let gpu = Gpu::new(&mechanism);
+    let mut rows = Vec::new();
+    let mut d2d = 0.0;
+    for &context in &CONTEXTS {
+        d2d = gpu.context(context, &mut rows);
+    }
+    drop(gpu);
     json!({
         "shape": {"layers": LAYERS, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "dtype": "f32"},
