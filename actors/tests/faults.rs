@@ -171,7 +171,11 @@ async fn a_fault_during_eviction_or_deferred_free_loses_nothing() {
         }
         fault::arm("deferred.release", 0);
         w.kv.close(1);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The close's free reaches the release, which fails once.
+        let start = std::time::Instant::now();
+        while fault::pending() && start.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let fired = !fault::disarm();
         // The next completion on the stream retries the queued free.
         w.p.stream(0).unwrap().submit(&[], || {}).unwrap();

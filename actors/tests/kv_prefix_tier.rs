@@ -603,8 +603,10 @@ async fn a_sequence_filled_from_disk_gives_way_to_pressure_before_its_first_step
         3 * bt()
     );
     // The copy has run (its blocks counted as filled from disk), and settled meanwhile.
-    until(&kv, |s| s.prefix_disk_hit_tokens >= 3 * bt() as u64).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until(&kv, |s| {
+        s.prefix_disk_hit_tokens >= 3 * bt() as u64 && s.copies_in == 0
+    })
+    .await;
     // Its memory is the three blocks, mapped by it alone: taking it by swap must let them
     // go too (they stayed cached, and the ask got nothing in 5 s, before 2026-12-04).
     gives_way(&g, &kv, "a sequence filled from disk").await;

@@ -416,7 +416,16 @@ async fn a_step_ending_while_its_stream_shuts_down_waits_for_what_was_queued() {
         let p = p.clone();
         tokio::spawn(async move { p.shutdown().await })
     };
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The step ends once its stream takes no more work (an empty kernel until then).
+    let stream = p.stream(0).unwrap().clone();
+    let start = std::time::Instant::now();
+    while stream.submit(&[], || {}).is_ok() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the stream never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let ending = tokio::spawn(step.complete(StepEnd::Submitted));
     tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::leased;
+use common::{leased, until_waiting};
 
 use procmem_actors::kv::StepEnd;
 use std::time::Duration;
@@ -75,7 +75,8 @@ async fn a_swap_is_charged_to_the_host_tier_and_comes_back_intact() {
     kv.open(2, vec![], 0).await.unwrap();
     steps(&kv, 2, 0, 40).await;
     kv.close(2);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Its memory is back before the squeeze (settled: the store, the books and the OS agree).
+    settled(&device, &kv).await;
     let squeezed = squeeze(&device, &kv).await;
     let s = kv.stats().await.unwrap();
     assert_eq!(
@@ -294,7 +295,8 @@ async fn a_swap_to_a_full_disk_is_counted_as_a_fallback() {
         }
     );
     kv.close(1);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Its memory goes after its fences, then its lease.
+    assert_eq!(settled(&g, &kv).await.leased_bytes, 0);
     assert_eq!(leased(&g).await, 0, "the books are back at zero");
 }
 
@@ -419,7 +421,8 @@ async fn a_restore_refused_or_closed_while_it_waits_loses_nothing() {
         let kv = kv.clone();
         tokio::spawn(async move { kv.restore(2).await })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Closed while its restore waits for room.
+    until_waiting(&g, 1).await;
     kv.close(2);
     let closed = waiting.await.unwrap();
     assert!(closed.is_err(), "{closed:?}");

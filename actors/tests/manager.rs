@@ -106,8 +106,9 @@ async fn a_crashed_holder_does_not_take_the_system_down() {
     let kv = memory.kv_store(kv_config()).await.unwrap();
     kv.open(1, vec![], 0).await.unwrap();
     decode(&kv, 1, 20).await;
+    let store = kv.actor();
     kv.crash();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.wait(Some(Duration::from_secs(10))).await.unwrap();
     assert!(kv.stats().await.is_err(), "the crashed store is gone");
     // The rest goes on: a new store works, and the crashed one's bytes came back.
     let again = memory.kv_store(kv_config()).await.unwrap();

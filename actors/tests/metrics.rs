@@ -127,13 +127,37 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         kv.restore(1).await.unwrap(),
         Restored::Swapped { tokens: 64 }
     ));
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let text = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
-        .await
-        .unwrap()
-        .unwrap();
+    // The series are published at most every 100 ms, and again while the memory figures
+    // move, the manager's drift every 500 ms: read the endpoint until it shows the restore,
+    // the store's own books and the drift.
+    let start = std::time::Instant::now();
+    let (text, stats) = loop {
+        let text = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
+            .await
+            .unwrap()
+            .unwrap();
+        let stats = kv.stats().await.unwrap();
+        let kv = |name: &str, extra: &str| {
+            value(
+                &text,
+                &format!("{name}{{store=\"kv\",authority=\"host\"{extra}}}"),
+            )
+        };
+        let shown = kv("procmem_kv_restores_total", ",mode=\"swap\"") == Some(1.0)
+            && kv("procmem_kv_leased_bytes", "") == Some(stats.leased_bytes as f64)
+            && kv("procmem_kv_os_resident_bytes", "") == Some(stats.os_resident_bytes as f64)
+            // The manager's drift, sampled every 500 ms.
+            && value(&text, "procmem_authority_drift_bytes{authority=\"host\"}").is_some();
+        if shown {
+            break (text, stats);
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the endpoint never showed the store's books: {stats:?}\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     let snapshot = memory.books().await.remove(0).snapshot;
-    let stats = kv.stats().await.unwrap();
     assert_eq!(
         (stats.preempted_by_swap, stats.swap_ins),
         (1, 1),

@@ -422,7 +422,15 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
     let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let first = handle.submit(request(9, 1, 4)).unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Dropped once it has been tried again.
+    let start = std::time::Instant::now();
+    while handle.stats().retries == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "never tried again"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     drop(first);
     tokio::time::sleep(Duration::from_millis(5_200)).await;
     let (tokens, end) = drain(handle.submit(request(9, 2, 4)).unwrap()).await;

@@ -72,6 +72,9 @@ pub struct KvStoreStats {
     pub prefix_disk_hit_tokens: u64,
     /// Evicted blocks copied to the disk tier, so far.
     pub prefix_disk_writes: u64,
+    /// Sequences whose prompt blocks coming from a tier below are not settled yet (the copy
+    /// in still queued, or run and not yet seen by the store).
+    pub copies_in: usize,
     /// Evicted blocks the frequency filter kept off the disk (dropped), so far.
     pub prefix_disk_refused: u64,
     /// Copies to or from the disk tier that failed, so far (the block was dropped, or the
@@ -387,6 +390,7 @@ impl KvStoreState {
         stats.swap_out_bytes = outcomes.out_bytes.load(Ordering::Relaxed);
         stats.swap_fallbacks += outcomes.failed.load(Ordering::Relaxed);
         stats.swapped_bytes = self.sequences.swapped_bytes();
+        stats.copies_in = self.sequences.copies_in();
         stats
     }
 }

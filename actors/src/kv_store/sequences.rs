@@ -207,6 +207,14 @@ impl Sequences {
         held
     }
 
+    /// Sequences whose copy in from a tier below is not settled.
+    pub(super) fn copies_in(&self) -> usize {
+        self.table
+            .iter()
+            .filter(|(_, s)| s.resident().is_some_and(|r| r.copy_in.is_some()))
+            .count()
+    }
+
     /// Bytes of KV copied out for the preempted sequences.
     pub(super) fn swapped_bytes(&self) -> u64 {
         self.table
