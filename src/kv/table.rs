@@ -386,7 +386,10 @@ impl<D: SeqData> SequenceTable<D> {
 
     /// The step's idle sequences wait for their grant.
     pub fn growing(&mut self, batch: &[(SeqId, Incarnation)]) {
-        for r in self.ours_mut(batch) {
+        for (seq, writer) in batch {
+            let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) else {
+                continue;
+            };
             if let SeqState::Idle(_) = r.state {
                 let SeqState::Idle(resident) = r.take_state() else {
                     unreachable!()
@@ -399,7 +402,10 @@ impl<D: SeqData> SequenceTable<D> {
     /// The step's grant or growth failed, or its caller left: its sequences still waiting are
     /// idle again. Sequences closed or preempted meanwhile are skipped.
     pub fn end_growth(&mut self, batch: &[(SeqId, Incarnation)]) {
-        for r in self.ours_mut(batch) {
+        for (seq, writer) in batch {
+            let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) else {
+                continue;
+            };
             if let SeqState::Growing(_) = r.state {
                 let SeqState::Growing(resident) = r.take_state() else {
                     unreachable!()
@@ -407,16 +413,6 @@ impl<D: SeqData> SequenceTable<D> {
                 r.state = SeqState::Idle(resident);
             }
         }
-    }
-
-    /// The sequences of `batch` still open as the incarnation named.
-    fn ours_mut(&mut self, batch: &[(SeqId, Incarnation)]) -> Vec<&mut Sequence<D>> {
-        let wanted: HashMap<SeqId, Incarnation> = batch.iter().copied().collect();
-        self.seqs
-            .iter_mut()
-            .filter(|(seq, r)| wanted.get(seq) == Some(&r.writer))
-            .map(|(_, r)| r)
-            .collect()
     }
 
     /// A step's memory is lent: `seq` as `writer` (growing, or idle where no grant was
