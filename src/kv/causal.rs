@@ -68,20 +68,13 @@ pub fn gqa_causal<T: KvElement>(
         "K and V hold {needed} elements at least"
     );
     if rows > 1 && head_dim % LANES == 0 {
-        return blocked(q, k, v, start, (q_heads, kv_heads, head_dim), out);
+        return blocked(q, k, v, start, heads, out);
     }
     let row = |(j, o): (usize, &mut [f32])| {
         let tokens = start + j + 1;
         let seen = tokens * stride;
         let qj = &q[j * width..(j + 1) * width];
-        gqa_decode(
-            qj,
-            &k[..seen],
-            &v[..seen],
-            tokens,
-            Heads::new(q_heads, kv_heads, head_dim),
-            o,
-        );
+        gqa_decode(qj, &k[..seen], &v[..seen], tokens, heads, o);
     };
     if rows == 1 {
         row((0, out));
@@ -94,15 +87,12 @@ pub fn gqa_causal<T: KvElement>(
 /// are its context), so that the partials held at once stay near [`PARTIALS_BYTES`] however
 /// long the chunk: or a block's, [`ROW_BLOCK`] rows, where one row's alone are more (16 rows
 /// of 32 heads of 128 at a 64K context hold 68 MB).
-fn blocked<T: KvElement>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    start: usize,
-    heads: (usize, usize, usize),
-    out: &mut [f32],
-) {
-    let (q_heads, _, head_dim) = heads;
+fn blocked<T: KvElement>(q: &[f32], k: &[T], v: &[T], start: usize, heads: Heads, out: &mut [f32]) {
+    let Heads {
+        q: q_heads,
+        dim: head_dim,
+        ..
+    } = heads;
     let width = q_heads * head_dim;
     let rows = q.len() / width;
     // A row's partials: one per split of the longest context, each `q_heads × (head_dim + 2)`.
@@ -126,20 +116,18 @@ fn blocked_group<T: KvElement>(
     k: &[T],
     v: &[T],
     start: usize,
-    (q_heads, kv_heads, head_dim): (usize, usize, usize),
+    heads: Heads,
     out: &mut [f32],
 ) {
+    let Heads {
+        q: q_heads,
+        kv: kv_heads,
+        dim: head_dim,
+    } = heads;
     let width = q_heads * head_dim;
     let rows = q.len() / width;
     let total = start + rows;
-    let dims = Dims::checked(
-        &q[..width],
-        k.len(),
-        v.len(),
-        total,
-        Heads::new(q_heads, kv_heads, head_dim),
-        &out[..width],
-    );
+    let dims = Dims::checked(&q[..width], k.len(), v.len(), total, heads, &out[..width]);
     let stride = kv_heads * head_dim;
     let part = dims.partial_len();
     let splits = total.div_ceil(SPLIT_TOKENS);
