@@ -390,7 +390,7 @@ impl KvStoreState {
         let tokens = memory.tokens();
         // On a GPU the copy out is a device-to-host copy made here, so the sequence's last
         // kernel must have finished first (on the host the copy is a kernel queued after it).
-        let fence = self.sequences.last_fence(id);
+        let fence = self.sequences.resident(id).and_then(|r| r.last_fence);
         let idle = match fence {
             Some(f) if !self.device.is_host() => self.device.wait(f, self.config.wait).await,
             _ => true,
@@ -495,17 +495,16 @@ impl KvStoreState {
             },
             _charge: charge,
         };
-        let (got, kept, fence) = self.copy_out(out, bytes, saved, idle, mode);
+        let (got, kept) = self.copy_out(out, bytes, saved, idle, mode);
         if let Some(k) = self.sequences.to_restore_mut(id) {
             k.saved = kept;
-            k.last_fence = fence;
         }
         got
     }
 
     /// Sends a preempted sequence's memory `out` (`bytes` of its own) on its way: copied out
     /// into `saved` first where there is one, then freed, now or after the stream's work.
-    /// Returns the bytes freed now and later, the copy kept, and the copy's fence.
+    /// Returns the bytes freed now and later, and the copy kept (with its kernel's fence).
     fn copy_out(
         &mut self,
         out: CopyOut,
@@ -513,7 +512,7 @@ impl KvStoreState {
         saved: Option<Saved>,
         idle: bool,
         mode: &mut PreemptMode,
-    ) -> ((u64, u64), Option<Saved>, Option<Fence>) {
+    ) -> ((u64, u64), Option<Saved>) {
         match saved {
             Some(saved) if !self.device.is_host() => {
                 // The sequence's kernels have finished: the rows are copied out now, and the
@@ -528,7 +527,7 @@ impl KvStoreState {
                     *mode = PreemptMode::Recompute;
                 }
                 self.stream.after_queued(move || drop(out));
-                ((0, bytes), kept, None)
+                ((0, bytes), kept)
             }
             Some(mut saved) => {
                 // The copy out is a kernel on the stream, which frees the memory once the
@@ -545,22 +544,22 @@ impl KvStoreState {
                     Ok(fence) => {
                         // Counted by the copy once its bytes are written.
                         saved.fence = Some(fence);
-                        ((0, bytes), Some(saved), Some(fence))
+                        ((0, bytes), Some(saved))
                     }
                     // A closed stream ran nothing: the kernel (and the memory, then its
                     // charge) is gone already, and the restore will recompute.
-                    Err(_) => ((bytes, 0), Some(saved), None),
+                    Err(_) => ((bytes, 0), Some(saved)),
                 }
             }
             None if idle => {
                 // Nothing to copy and not in flight: freed here and now.
                 drop(out);
-                ((bytes, 0), None, None)
+                ((bytes, 0), None)
             }
             None => {
                 // Its last kernel was not seen to finish: freed after the stream's queued work.
                 self.stream.after_queued(move || drop(out));
-                ((0, bytes), None, None)
+                ((0, bytes), None)
             }
         }
     }

@@ -93,8 +93,6 @@ pub(super) struct ToRestore {
     pub(super) saved: Option<Saved>,
     /// The cached blocks it mapped, from its first.
     pub(super) remap: Vec<RemapBlock>,
-    /// The copy out's kernel, where one runs.
-    pub(super) last_fence: Option<Fence>,
 }
 
 /// The store's payloads in the [`SequenceTable`].
@@ -143,14 +141,6 @@ impl Sequences {
     /// What `seq` keeps while preempted or restoring, to change in place.
     pub(super) fn to_restore_mut(&mut self, seq: SeqId) -> Option<&mut ToRestore> {
         self.table.get_mut(seq).and_then(Sequence::to_restore_mut)
-    }
-
-    /// The last kernel known to use what `seq` holds: its memory's, or its copy out's.
-    pub(super) fn last_fence(&self, seq: SeqId) -> Option<Fence> {
-        let s = self.table.get(seq)?;
-        s.resident()
-            .and_then(|r| r.last_fence)
-            .or_else(|| s.to_restore().and_then(|k| k.last_fence))
     }
 
     /// Whether `seq` is open as incarnation `writer`.
