@@ -224,7 +224,7 @@ impl<D: SeqData> Sequence<D> {
     }
 
     /// Preempted holding `tokens`, keeping nothing yet; returns its memory.
-    fn become_preempted(&mut self, mode: PreemptMode, tokens: usize) -> Option<D::Resident> {
+    fn become_preempted(&mut self, mode: PreemptMode, tokens: usize) -> D::Resident {
         let (SeqState::Idle(r) | SeqState::Growing(r)) = self.take_state() else {
             unreachable!("checked by the caller")
         };
@@ -234,7 +234,12 @@ impl<D: SeqData> Sequence<D> {
             to_restore: D::ToRestore::default(),
         };
         self.filling.clear();
-        Some(r)
+        r
+    }
+
+    /// Its state, taken whole: a closed sequence's, to free what it holds.
+    pub fn into_state(self) -> SeqState<D> {
+        self.state
     }
 }
 
@@ -520,7 +525,7 @@ impl<D: SeqData> SequenceTable<D> {
             return None;
         }
         let r = self.seqs.get_mut(&seq)?;
-        let resident = r.become_preempted(mode, tokens)?;
+        let resident = r.become_preempted(mode, tokens);
         Some((r.writer, resident))
     }
 
@@ -533,7 +538,7 @@ impl<D: SeqData> SequenceTable<D> {
         if r.phase() != Phase::Idle {
             return None;
         }
-        let resident = r.become_preempted(PreemptMode::Recompute, tokens)?;
+        let resident = r.become_preempted(PreemptMode::Recompute, tokens);
         Some((r.writer, resident))
     }
 
@@ -635,11 +640,6 @@ impl<D: SeqData> SequenceTable<D> {
     pub fn drain(&mut self) -> Vec<Sequence<D>> {
         self.opening.clear();
         self.seqs.drain().map(|(_, r)| r).collect()
-    }
-
-    /// Takes the state of a closed sequence, to free what it holds.
-    pub fn into_state(seq: Sequence<D>) -> SeqState<D> {
-        seq.state
     }
 }
 
@@ -759,10 +759,7 @@ mod tests {
         t.close(2);
         assert_eq!(t.end_open(2, w2, 0, vec![], 3), Err(3));
         let closed = t.close(1).unwrap();
-        assert!(matches!(
-            SequenceTable::into_state(closed),
-            SeqState::Idle(9)
-        ));
+        assert!(matches!(closed.into_state(), SeqState::Idle(9)));
     }
 
     #[test]

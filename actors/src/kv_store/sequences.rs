@@ -227,7 +227,7 @@ fn held(s: &Sequence<StoreSeq>) -> (usize, u64) {
 
 /// The memory a closed sequence held, if it held any.
 fn into_resident(s: Sequence<StoreSeq>) -> Option<Resident> {
-    match SequenceTable::into_state(s) {
+    match s.into_state() {
         SeqState::Idle(r) | SeqState::Growing(r) => Some(r),
         SeqState::Restoring { resident, .. } => resident,
         SeqState::Stepping(_) | SeqState::Preempted { .. } => None,
