@@ -240,36 +240,32 @@ impl KvStoreState {
     /// The store's fence after a step completed: each sequence takes its memory back (and
     /// counts its new token if the step was completed); one closed meanwhile is freed.
     pub(super) fn step_returned(&mut self, myself: &ActorRef<KvStoreMsg>, returned: Returned) {
-        let Returned {
-            step,
-            memory,
-            marker,
-            advance,
-            foreign,
-            reply,
-        } = returned;
-        let seqs = match memory.take() {
+        let seqs = match returned.memory.take() {
             Ok(seqs) => seqs,
             Err(memory) => {
                 // The task mapping ahead holds it for a moment (a kernel's share goes before
                 // its fence completes, and none can be submitted after the end): look again
                 // a little later rather than free anything under it.
-                tracing::debug!(step, "step memory still shared after its fence");
+                tracing::debug!(
+                    step = returned.step,
+                    "step memory still shared after its fence"
+                );
+                let again = KvStoreMsg::StepReturned(Returned { memory, ..returned });
                 let me = myself.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(1)).await;
-                    let _ = me.cast(KvStoreMsg::StepReturned(Returned {
-                        step,
-                        memory,
-                        marker,
-                        advance,
-                        foreign,
-                        reply,
-                    }));
+                    let _ = me.cast(again);
                 });
                 return;
             }
         };
+        let Returned {
+            marker,
+            advance,
+            foreign,
+            reply,
+            ..
+        } = returned;
         let advance = advance && foreign.is_none();
         for lent in seqs {
             self.take_back(lent, marker, advance);
