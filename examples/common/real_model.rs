@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use procmem_actors::node::NodeLink;
 use procmem_actors::{AuthorityBooks, MemoryManager};
-use procmem_model::launch::{builtin_prompts, KvSlot, Launch, ModelConfig, PROMPTS};
+use procmem_model::launch::{KvSlot, Launch, ModelConfig, PROMPTS};
 use procmem_model::{Completion, Request, RunStats, TextCodec};
 
 /// What the run is asked to do beyond the model's configuration.
@@ -90,12 +90,12 @@ async fn listen_until_stopped(
 
 /// Completes the built-in prompts with a progress line a second, then prints the summary.
 async fn builtin(
-    launch: Launch,
+    mut launch: Launch,
     memory: &MemoryManager,
     slot: &KvSlot,
     run: &RealRun,
 ) -> Result<(), String> {
-    let prompts = builtin_prompts(&launch.codec, run.requests).map_err(|e| e.to_string())?;
+    let prompts = std::mem::take(&mut launch.prompts);
     let (engine, codec) = launch.start(memory).await.map_err(|e| e.to_string())?;
     let _ = slot.set(engine.kv.clone());
     let requests: Vec<Request> = prompts
@@ -119,7 +119,8 @@ async fn builtin(
     let kv = engine.kv.stats().await.map_err(|e| e.to_string())?;
     let books = memory.books().await;
     drop(engine);
-    summary(&done, &stats, &kv, &books, elapsed);
+    let disk = run.model.prefix_disk.is_some();
+    summary(&done, &stats, (&kv, disk), &books, elapsed);
     completions(&done, &codec)
 }
 
@@ -146,7 +147,7 @@ async fn progress(memory: MemoryManager, start: Instant) {
 fn summary(
     done: &[Completion],
     stats: &RunStats,
-    kv: &procmem_actors::kv::KvStoreStats,
+    (kv, disk): (&procmem_actors::kv::KvStoreStats, bool),
     books: &[AuthorityBooks],
     elapsed: Duration,
 ) {
@@ -174,15 +175,17 @@ fn summary(
             "store preempted: swap / recompute",
             format!("{} / {}", kv.preempted_by_swap, kv.preempted_by_recompute),
         ),
-        (
+    ] {
+        row(k, v);
+    }
+    if disk {
+        row(
             "disk tier: blocks / in tokens / failed",
             format!(
                 "{} / {} / {}",
                 kv.prefix_disk_blocks, kv.prefix_disk_hit_tokens, kv.prefix_disk_failures
             ),
-        ),
-    ] {
-        row(k, v);
+        );
     }
     for b in books {
         let s = &b.snapshot;

@@ -302,6 +302,9 @@ pub struct Launch {
     pub shape: KvShape,
     /// What it takes.
     pub sizing: Sizing,
+    /// The built-in prompts, encoded, where the job completes them ([`ModelConfig::builtin`]);
+    /// empty for a server.
+    pub prompts: Vec<Vec<u32>>,
     preempt: PreemptMode,
     prefix_disk: Option<PrefixDiskConfig>,
 }
@@ -314,11 +317,12 @@ impl Launch {
         let context = config.context;
         let loaded = Smol::load(&path, context)?;
         let codec = TextCodec::new(&loaded.tokenizer)?;
+        let prompts = match config.builtin {
+            Some(b) => builtin_prompts(&codec, b.requests)?,
+            None => Vec::new(),
+        };
         let longest = match config.builtin {
-            Some(b) => {
-                let prompts = builtin_prompts(&codec, b.requests)?;
-                prompts.iter().map(Vec::len).max().unwrap_or(0) + b.max_new
-            }
+            Some(b) => prompts.iter().map(Vec::len).max().unwrap_or(0) + b.max_new,
             None => context,
         };
         if longest > context {
@@ -344,6 +348,7 @@ impl Launch {
             codec,
             shape,
             sizing,
+            prompts,
             preempt: config.preempt,
             prefix_disk: config.prefix_disk.clone(),
         })
