@@ -1,11 +1,12 @@
 // Decode kernels over the flat per-layer K/V views of the step API (procmem::kv::KvView):
-// `tokens` rows, position-major, each row `kv_heads` heads of `head_dim` elements, `f32` or
-// `f16`. Compiled to PTX by scripts/gen-ptx.py with NVRTC (no CUDA toolkit needed to build);
+// `tokens` rows, position-major, each row `kv_heads` heads of `head_dim` elements, `f32`,
+// `f16` or `q8_0` (blocks of 32 values: an f16 scale `d`, little-endian, then 32 signed bytes
+// `q`; a value is `q * d`; a head is whole blocks). Compiled to PTX by scripts/gen-ptx.py with NVRTC (no CUDA toolkit needed to build);
 // the PTX is checked in (kernels/decode.ptx) and loaded with cuModuleLoadData, so the driver
 // compiles it for whatever GPU it finds. No headers: f16 conversions are single PTX `cvt`s.
 //
 // Split-KV decode, as flash-decoding:
-//   gqa_split_{f32,f16}: grid (splits, kv_heads), block 32 * group threads. Each warp is one
+//   gqa_split_{f32,f16,q8_0}: grid (splits, kv_heads), block 32 * group threads. Each warp is one
 //     query head of the KV head's group; the group's warps read the same K/V rows (one read
 //     from memory, the rest from cache). Each warp keeps an online softmax over its split
 //     (running max, running sum, weighted values), TILE tokens at a time, and writes it as a
@@ -13,6 +14,9 @@
 //     partials[(split * q_heads + h) * (head_dim + 2) + {0: max, 1: sum, 2..: values}].
 //   gqa_merge: grid q_heads, block up to head_dim threads: merges the splits in order.
 //   kv_write_{f32,f16}: writes one token's row (`n` elements, from f32) at `dst`.
+//   kv_write_q8_0: quantizes a row (`n` a multiple of 32) one warp a block: the scale is the
+//     block's largest magnitude over 127, each value the nearest step (halves away from zero),
+//     as the host's row write does.
 
 typedef unsigned short half_bits;
 
@@ -28,6 +32,32 @@ __device__ __forceinline__ float load_elem(const half_bits* p) {
     return f;
 }
 
+__device__ __forceinline__ float half_to_float(half_bits h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Readers of KV value `i` (counted in values from the view's first row), one per type.
+struct F32Kv {
+    const float* p;
+    __device__ __forceinline__ float at(unsigned long long i) const { return p[i]; }
+};
+
+struct F16Kv {
+    const half_bits* p;
+    __device__ __forceinline__ float at(unsigned long long i) const { return load_elem(p + i); }
+};
+
+struct Q8Kv {
+    const unsigned char* p;
+    __device__ __forceinline__ float at(unsigned long long i) const {
+        const unsigned char* b = p + (i / 32) * 34;
+        const half_bits d = (half_bits)(b[0] | (b[1] << 8));
+        return (float)(signed char)b[2 + i % 32] * half_to_float(d);
+    }
+};
+
 __device__ __forceinline__ void store_elem(float* p, float x) { *p = x; }
 
 __device__ __forceinline__ void store_elem(half_bits* p, float x) {
@@ -36,9 +66,9 @@ __device__ __forceinline__ void store_elem(half_bits* p, float x) {
     *p = h;
 }
 
-template <typename T>
+template <typename R>
 __device__ __forceinline__ void split_partial(
-    const float* q, const T* k, const T* v, unsigned tokens, unsigned split_tokens,
+    const float* q, R k, R v, unsigned tokens, unsigned split_tokens,
     unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
     const unsigned split = blockIdx.x;
     const unsigned g = blockIdx.y;
@@ -70,11 +100,11 @@ __device__ __forceinline__ void split_partial(
         for (unsigned j = 0; j < TILE; ++j) {
             s[j] = 0.0f;
             if (t0 + j < last) {
-                const T* kr = k + (t0 + j) * stride + g * head_dim;
+                const unsigned long long kr = (t0 + j) * stride + g * head_dim;
 #pragma unroll
                 for (unsigned i = 0; i < MAX_PER_LANE; ++i) {
                     const unsigned d = lane + 32 * i;
-                    if (d < head_dim) s[j] = fmaf(qr[i], load_elem(kr + d), s[j]);
+                    if (d < head_dim) s[j] = fmaf(qr[i], k.at(kr + d), s[j]);
                 }
             }
         }
@@ -106,7 +136,7 @@ __device__ __forceinline__ void split_partial(
 #pragma unroll
                 for (unsigned j = 0; j < TILE; ++j) {
                     if (t0 + j < last) {
-                        a = fmaf(p[j], load_elem(v + (t0 + j) * stride + g * head_dim + d), a);
+                        a = fmaf(p[j], v.at((t0 + j) * stride + g * head_dim + d), a);
                     }
                 }
                 acc[i] = a;
@@ -130,16 +160,24 @@ __device__ __forceinline__ void split_partial(
 extern "C" __global__ void __launch_bounds__(1024) gqa_split_f32(
     const float* q, const float* k, const float* v, unsigned tokens, unsigned split_tokens,
     unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
-    split_partial<float>(q, k, v, tokens, split_tokens, q_heads, kv_heads, head_dim, scale,
-                         partials);
+    split_partial<F32Kv>(q, F32Kv{k}, F32Kv{v}, tokens, split_tokens, q_heads, kv_heads,
+                         head_dim, scale, partials);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) gqa_split_f16(
     const float* q, const half_bits* k, const half_bits* v, unsigned tokens,
     unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
     float* partials) {
-    split_partial<half_bits>(q, k, v, tokens, split_tokens, q_heads, kv_heads, head_dim, scale,
-                             partials);
+    split_partial<F16Kv>(q, F16Kv{k}, F16Kv{v}, tokens, split_tokens, q_heads, kv_heads,
+                         head_dim, scale, partials);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) gqa_split_q8_0(
+    const float* q, const unsigned char* k, const unsigned char* v, unsigned tokens,
+    unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
+    float* partials) {
+    split_partial<Q8Kv>(q, Q8Kv{k}, Q8Kv{v}, tokens, split_tokens, q_heads, kv_heads, head_dim,
+                        scale, partials);
 }
 
 extern "C" __global__ void gqa_merge(
@@ -175,4 +213,27 @@ extern "C" __global__ void kv_write_f32(float* dst, const float* src, unsigned n
 
 extern "C" __global__ void kv_write_f16(half_bits* dst, const float* src, unsigned n) {
     write_row<half_bits>(dst, src, n);
+}
+
+// One warp a block of 32 values; `n` is a multiple of 32 (the launch checks it).
+extern "C" __global__ void kv_write_q8_0(unsigned char* dst, const float* src, unsigned n) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned lane = threadIdx.x % 32;
+    // Whole warps run past `n` together: the shuffles need every lane of the warp.
+    if (i - lane >= n) return;
+    const float x = src[i];
+    float amax = fabsf(x);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float inv = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    unsigned char* block = dst + (unsigned long long)(i / 32) * 34;
+    if (lane == 0) {
+        half_bits h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(d));
+        block[0] = (unsigned char)(h & 0xff);
+        block[1] = (unsigned char)(h >> 8);
+    }
+    const float r = fminf(fmaxf(roundf(__fmul_rn(x, inv)), -127.0f), 127.0f);
+    block[2 + lane] = (unsigned char)(signed char)(int)r;
 }

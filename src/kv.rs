@@ -12,16 +12,18 @@ pub mod frequency;
 pub mod gqa;
 pub mod host_tier;
 pub mod prefix;
+#[allow(unsafe_code)]
+pub mod q8_0;
 #[cfg(target_os = "linux")]
 pub mod sequence;
 pub mod shape;
 pub mod table;
 pub mod victims;
 
-pub use causal::gqa_causal;
+pub use causal::{gqa_causal, gqa_causal_rows};
 pub use digest::{prompt_keys, PrefixDigest};
-pub use elem::{KvElement, KvView, LayerViews};
-pub use gqa::{gqa_decode, gqa_decode_plain, SPLIT_TOKENS};
+pub use elem::{KvElement, KvRows, KvView, LayerViews};
+pub use gqa::{gqa_decode, gqa_decode_plain, gqa_decode_rows, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.
 pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
-use procmem_actors::procmem::kv::{gqa_causal, KvDtype, KvShape};
+use procmem_actors::procmem::kv::{gqa_causal_rows, KvDtype, KvShape};
 use procmem_actors::{
     kv::{KvStep, KvStoreHandle, SeqId, StepKv},
     provider::fence_completed,
@@ -283,51 +283,39 @@ fn attend_rows(
     layer: usize,
     qkv: &Qkv,
 ) -> Result<Vec<f32>, ModelError> {
-    fn run<T: procmem_actors::procmem::kv::KvElement>(
-        kv: &mut StepKv<'_>,
-        shape: KvShape,
-        layer: usize,
-        qkv: &Qkv,
-    ) -> Result<Vec<f32>, ModelError> {
-        let narrow = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
-        let (qw, kw) = (shape.q_heads * shape.head_dim, shape.token_elems());
-        let rows = qkv.q.len() / qw.max(1);
-        let counted: usize = (0..kv.len()).filter_map(|i| kv.count(i)).sum();
-        if rows != counted || qkv.k.len() != rows * kw || qkv.v.len() != rows * kw {
-            return Err(StepFault::Mismatch {
-                what: "attention rows for the step's new tokens",
-                got: rows,
-                expected: counted,
-            }
-            .into());
+    let (qw, kw) = (shape.q_heads * shape.head_dim, shape.token_elems());
+    let rows = qkv.q.len() / qw.max(1);
+    let counted: usize = (0..kv.len()).filter_map(|i| kv.count(i)).sum();
+    if rows != counted || qkv.k.len() != rows * kw || qkv.v.len() != rows * kw {
+        return Err(StepFault::Mismatch {
+            what: "attention rows for the step's new tokens",
+            got: rows,
+            expected: counted,
         }
-        let mut out = vec![0f32; qkv.q.len()];
-        let mut first = 0;
-        for i in 0..kv.len() {
-            let (start, n) = (kv.position(i).unwrap_or(0), kv.count(i).unwrap_or(0));
-            let (k, v) = (
-                &qkv.k[first * kw..(first + n) * kw],
-                &qkv.v[first * kw..(first + n) * kw],
-            );
-            kv.write_rows(i, layer, 0, &narrow(k), &narrow(v))?;
-            let keys = kv.keys::<T>(i, layer)?;
-            let values = kv.values::<T>(i, layer)?;
-            gqa_causal(
-                &qkv.q[first * qw..(first + n) * qw],
-                keys,
-                values,
-                start,
-                shape.heads(),
-                &mut out[first * qw..(first + n) * qw],
-            );
-            first += n;
-        }
-        Ok(out)
+        .into());
     }
-    match shape.dtype {
-        KvDtype::F32 => run::<f32>(kv, shape, layer, qkv),
-        KvDtype::F16 => run::<procmem_actors::procmem::kv::f16>(kv, shape, layer, qkv),
+    let mut out = vec![0f32; qkv.q.len()];
+    let mut first = 0;
+    for i in 0..kv.len() {
+        let (start, n) = (kv.position(i).unwrap_or(0), kv.count(i).unwrap_or(0));
+        let (k, v) = (
+            &qkv.k[first * kw..(first + n) * kw],
+            &qkv.v[first * kw..(first + n) * kw],
+        );
+        // Rounded or quantized into the type the store keeps, then read back as kept.
+        kv.write_rows_f32(i, layer, 0, k, v)?;
+        let (keys, values) = kv.rows(i, layer)?;
+        gqa_causal_rows(
+            &qkv.q[first * qw..(first + n) * qw],
+            keys,
+            values,
+            start,
+            shape.heads(),
+            &mut out[first * qw..(first + n) * qw],
+        );
+        first += n;
     }
+    Ok(out)
 }
 
 /// Writes each new token's K/V into the step's flat buffers and runs the causal operator over

@@ -80,6 +80,9 @@ impl DecodeLaunch {
         if self.head_dim == 0 || self.head_dim > CUDA_MAX_HEAD_DIM {
             return bad("head_dim must be 1..=256");
         }
+        if self.head_dim as usize % self.dtype.block_values() != 0 {
+            return bad("a q8_0 head is whole blocks of 32");
+        }
         if self.tokens == 0 {
             return bad("no tokens to attend over");
         }
@@ -93,9 +96,11 @@ pub struct DecodeKernels {
     module: sys::CUmodule,
     split_f32: sys::CUfunction,
     split_f16: sys::CUfunction,
+    split_q8_0: sys::CUfunction,
     merge: sys::CUfunction,
     write_f32: sys::CUfunction,
     write_f16: sys::CUfunction,
+    write_q8_0: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread with their
@@ -139,21 +144,27 @@ impl DecodeKernels {
             Ok::<_, MemoryError>((
                 function("gqa_split_f32")?,
                 function("gqa_split_f16")?,
+                function("gqa_split_q8_0")?,
                 function("gqa_merge")?,
                 function("kv_write_f32")?,
                 function("kv_write_f16")?,
+                function("kv_write_q8_0")?,
             ))
         })();
         match found {
-            Ok((split_f32, split_f16, merge, write_f32, write_f16)) => Ok(DecodeKernels {
-                device,
-                module,
-                split_f32,
-                split_f16,
-                merge,
-                write_f32,
-                write_f16,
-            }),
+            Ok((split_f32, split_f16, split_q8_0, merge, write_f32, write_f16, write_q8_0)) => {
+                Ok(DecodeKernels {
+                    device,
+                    module,
+                    split_f32,
+                    split_f16,
+                    split_q8_0,
+                    merge,
+                    write_f32,
+                    write_f16,
+                    write_q8_0,
+                })
+            }
             Err(e) => {
                 // SAFETY: loaded above, no function of it was handed out.
                 let _ = unsafe { sys::cuModuleUnload(module) };
@@ -195,6 +206,7 @@ impl DecodeKernels {
         let split = match launch.dtype {
             KvDtype::F32 => self.split_f32,
             KvDtype::F16 => self.split_f16,
+            KvDtype::Q8_0 => self.split_q8_0,
         };
         // SAFETY: the caller's contract covers the memory; the argument array matches the
         // kernel's parameters in order and type, and lives across the call (the driver
@@ -228,7 +240,8 @@ impl DecodeKernels {
     }
 
     /// Queues a write of one token's row: `n` `f32`s at `src` converted to `dtype` at `dst`
-    /// (a [`KvView::row_addr`](crate::kv::KvView::row_addr)).
+    /// (a [`KvView::row_addr`](crate::kv::KvView::row_addr)); `q8_0` quantizes whole blocks
+    /// of 32 (`n` a multiple of 32, refused otherwise).
     ///
     /// # Safety
     /// `dst` holds `n` elements of `dtype` and `src` `n` `f32`s of this device, both mapped
@@ -248,6 +261,13 @@ impl DecodeKernels {
         let f = match dtype {
             KvDtype::F32 => self.write_f32,
             KvDtype::F16 => self.write_f16,
+            KvDtype::Q8_0 if n % 32 == 0 => self.write_q8_0,
+            KvDtype::Q8_0 => {
+                return Err(MemoryError::Driver {
+                    op: "kv_write_q8_0",
+                    code: "a q8_0 row is whole blocks of 32".into(),
+                })
+            }
         };
         let mut args: [*mut c_void; 3] = [
             &dst as *const u64 as *mut c_void,
@@ -346,5 +366,14 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
+        let q8 = |head_dim| DecodeLaunch {
+            dtype: KvDtype::Q8_0,
+            ..launch(16, 9, 3, head_dim)
+        };
+        assert!(q8(64).validate().is_ok());
+        assert!(
+            q8(48).validate().is_err(),
+            "a head of 48 is not whole blocks"
+        );
     }
 }

@@ -3,7 +3,7 @@
 //! A step that writes `rows` new tokens of one sequence after `start` held ones attends each
 //! new row `j` to the first `start + j + 1` rows of the same flat buffers: the row sees its
 //! own sequence up to and including itself, never a later row of the chunk. Each row is the
-//! [`gqa_decode`] of that prefix, so a chunk gives, row for row, the same bits as the same
+//! [`gqa_decode`](super::gqa_decode) of that prefix, so a chunk gives, row for row, the same bits as the same
 //! tokens decoded one step at a time, and the result does not depend on how many threads run
 //! it.
 //!
@@ -12,11 +12,12 @@
 //! partials merged in split order. A chunk runs a split for a block of [`ROW_BLOCK`] rows at
 //! once: the split's K/V rows are read (and `f16` widened) once for the block, not once per
 //! row, while each row's partial is computed exactly as its own decode step computes it.
+//! K and V may be of any type ([`gqa_causal_rows`]); `q8_0` rows are widened once a block.
 
 use rayon::prelude::*;
 
-use super::elem::KvElement;
-use super::gqa::{gqa_decode, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKENS};
+use super::elem::{KvElement, KvRows};
+use super::gqa::{gqa_decode_rows, merge, split_partial, Dims, Rows, LANES, SPLIT_TOKENS};
 use super::shape::Heads;
 
 /// Rows of a chunk that share one reading of a split's K/V.
@@ -30,12 +31,27 @@ const PARTIALS_BYTES: usize = 8 << 20;
 /// head_dim`. Row `j` attends to K/V rows `0..=start + j`. With no row it does nothing.
 ///
 /// # Panics
-/// As [`gqa_decode`]: if `kv_heads` does not divide `q_heads`, `q` is not whole rows, or a
+/// As [`gqa_decode`](super::gqa_decode): if `kv_heads` does not divide `q_heads`, `q` is not whole rows, or a
 /// slice is shorter than the shape says.
 pub fn gqa_causal<T: KvElement>(
     q: &[f32],
     k: &[T],
     v: &[T],
+    start: usize,
+    heads: Heads,
+    out: &mut [f32],
+) {
+    gqa_causal_rows(q, T::rows(k), T::rows(v), start, heads, out);
+}
+
+/// [`gqa_causal`] over rows of any type, K and V each as it is kept ([`KvRows`]).
+///
+/// # Panics
+/// As [`gqa_causal`].
+pub fn gqa_causal_rows(
+    q: &[f32],
+    k: KvRows<'_>,
+    v: KvRows<'_>,
     start: usize,
     heads: Heads,
     out: &mut [f32],
@@ -74,7 +90,7 @@ pub fn gqa_causal<T: KvElement>(
         let tokens = start + j + 1;
         let seen = tokens * stride;
         let qj = &q[j * width..(j + 1) * width];
-        gqa_decode(qj, &k[..seen], &v[..seen], tokens, heads, o);
+        gqa_decode_rows(qj, k.slice(0..seen), v.slice(0..seen), tokens, heads, o);
     };
     if rows == 1 {
         row((0, out));
@@ -87,7 +103,7 @@ pub fn gqa_causal<T: KvElement>(
 /// are its context), so that the partials held at once stay near [`PARTIALS_BYTES`] however
 /// long the chunk: or a block's, [`ROW_BLOCK`] rows, where one row's alone are more (16 rows
 /// of 32 heads of 128 at a 64K context hold 68 MB).
-fn blocked<T: KvElement>(q: &[f32], k: &[T], v: &[T], start: usize, heads: Heads, out: &mut [f32]) {
+fn blocked(q: &[f32], k: KvRows, v: KvRows, start: usize, heads: Heads, out: &mut [f32]) {
     let Heads {
         q: q_heads,
         dim: head_dim,
@@ -111,14 +127,7 @@ fn blocked<T: KvElement>(q: &[f32], k: &[T], v: &[T], start: usize, heads: Heads
 /// [`blocked`] for one group: the partial softmax of split `s` for row `j` is
 /// `partials[((b * splits + s) * ROW_BLOCK + j % ROW_BLOCK) * part..]`, `b` the row's block;
 /// then each row merges its own, in split order.
-fn blocked_group<T: KvElement>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    start: usize,
-    heads: Heads,
-    out: &mut [f32],
-) {
+fn blocked_group(q: &[f32], k: KvRows, v: KvRows, start: usize, heads: Heads, out: &mut [f32]) {
     let Heads {
         q: q_heads,
         kv: kv_heads,
@@ -131,7 +140,7 @@ fn blocked_group<T: KvElement>(
     let stride = kv_heads * head_dim;
     let part = dims.partial_len();
     let splits = total.div_ceil(SPLIT_TOKENS);
-    let kept = Rows::of(k, v);
+    let kept = Rows { k, v };
     let mut partials = vec![0f32; rows.div_ceil(ROW_BLOCK) * splits * ROW_BLOCK * part];
     let unit = |(u, chunk): (usize, &mut [f32])| {
         let (block, first) = (u / splits * ROW_BLOCK, u % splits * SPLIT_TOKENS);
@@ -173,7 +182,7 @@ fn blocked_group<T: KvElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::gqa::gqa_decode_plain;
+    use crate::kv::gqa::{gqa_decode, gqa_decode_plain};
     use crate::kv::Heads;
 
     fn data(n: usize, seed: u32) -> Vec<f32> {

@@ -111,6 +111,9 @@ pub struct OpenReport {
     pub bytes: u64,
     /// Files not trusted, and why (each was left out; temporary files were removed).
     pub skipped: Vec<(PathBuf, String)>,
+    /// Block files of other identities (another model, or the same model's KV in another
+    /// shape or element type): left alone, never read as this one's.
+    pub others: usize,
 }
 
 /// The disk tier of one model in one directory.
@@ -427,8 +430,12 @@ fn reconcile(
             .strip_prefix(&prefix)
             .and_then(|rest| rest.strip_suffix(".kv"))
             .and_then(|hex| u64::from_str_radix(hex, 16).ok());
-        if let Some(key) = key {
-            on_disk.insert(key, path);
+        match key {
+            Some(key) => {
+                on_disk.insert(key, path);
+            }
+            None if name.ends_with(".kv") => report.others += 1,
+            None => {}
         }
     }
     entries.retain(|key, e| {

@@ -3,8 +3,9 @@
 //! The operator knows nothing of blocks or mappings: it reads `tokens × kv_heads × head_dim`
 //! elements per buffer, laid out position-major, exactly as an ONNX GroupQueryAttention's
 //! past inputs. The same code runs over a virtual buffer and over a `Vec`, so their outputs
-//! can be compared bit for bit. K and V may be kept as `f32` or `f16` ([`KvElement`]); the
-//! query and the output are `f32`, and `f16` rows are widened to `f32` as they are read.
+//! can be compared bit for bit. K and V may be kept as `f32`, `f16` or `q8_0`, each its own
+//! ([`KvRows`]; [`KvElement`] slices for the typed calls); the query and the output are
+//! `f32`, and `f16` and `q8_0` rows are widened to `f32` as they are read.
 //!
 //! [`gqa_decode`] is built to run at the speed memory delivers the KV:
 //! - **Each KV row is read once** for all the query heads that share it: a KV head's key is
@@ -16,17 +17,18 @@
 //!   threads, so the result is the same bits on one thread or many.
 //! - **Vector code chosen at run time:** compiled for the baseline and again for AVX2 with
 //!   FMA, the version picked once by what the CPU supports (the `multiversion` crate does the
-//!   detection and the dispatch); `f16` rows are widened with F16C where present (the `half`
+//!   detection and the dispatch); `q8_0` blocks are widened with AVX2 where the build has it
+//!   ([`q8_0::dequantize`]), `f16` rows with F16C where present (the `half`
 //!   crate's slice conversion).
 //!
 //! [`gqa_decode_plain`] is the same mathematics written as plainly as possible (one thread,
 //! one element at a time, a whole-context softmax); tests hold the fast path to it.
 
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::elem::KvElement;
-use super::shape::{Heads, KvDtype};
+use super::elem::{KvElement, KvRows};
+use super::q8_0;
+use super::shape::Heads;
 
 #[allow(unsafe_code)]
 mod simd;
@@ -60,35 +62,35 @@ pub fn gqa_decode<T: KvElement>(
     heads: Heads,
     out: &mut [f32],
 ) {
-    let Heads {
-        q: q_heads,
-        kv: kv_heads,
-        dim: head_dim,
-    } = heads;
-    let dims = Dims::checked(
-        q,
-        k.len(),
-        v.len(),
-        tokens,
-        Heads::new(q_heads, kv_heads, head_dim),
-        out,
-    );
+    gqa_decode_rows(q, T::rows(k), T::rows(v), tokens, heads, out);
+}
+
+/// [`gqa_decode`] over rows of any type ([`KvRows`]), K and V each as it is kept: `f16` and
+/// `q8_0` rows are widened to `f32` a split at a time as they are read.
+///
+/// # Panics
+/// As [`gqa_decode`] (a row count in values, for `q8_0` too).
+pub fn gqa_decode_rows(
+    q: &[f32],
+    k: KvRows<'_>,
+    v: KvRows<'_>,
+    tokens: usize,
+    heads: Heads,
+    out: &mut [f32],
+) {
+    let dims = Dims::checked(q, k.len(), v.len(), tokens, heads, out);
     if tokens == 0 {
         out.fill(0.0);
         return;
     }
-    if head_dim % LANES != 0 {
+    if heads.dim % LANES != 0 {
         // The vector kernel works in whole vectors of a head; other shapes take the plain path.
-        return gqa_decode_plain(
-            q,
-            k,
-            v,
-            tokens,
-            Heads::new(q_heads, kv_heads, head_dim),
-            out,
-        );
+        return match (k, v) {
+            (KvRows::F32(k), KvRows::F32(v)) => gqa_decode_plain(q, k, v, tokens, heads, out),
+            _ => gqa_decode_plain(q, &k.to_f32_vec(), &v.to_f32_vec(), tokens, heads, out),
+        };
     }
-    let rows = Rows::of(k, v);
+    let rows = Rows { k, v };
     let splits = tokens.div_ceil(SPLIT_TOKENS);
     let width = dims.partial_len();
     let mut partials = vec![0f32; splits * width];
@@ -217,24 +219,35 @@ impl Dims {
     }
 }
 
-/// The KV rows, in the element type they are kept in.
-pub(super) enum Rows<'a> {
-    F32(&'a [f32], &'a [f32]),
-    F16(&'a [half::f16], &'a [half::f16]),
+/// The KV rows of one call, K and V each in the type it is kept in.
+pub(super) struct Rows<'a> {
+    pub(super) k: KvRows<'a>,
+    pub(super) v: KvRows<'a>,
+}
+
+/// Values `range` of `side` as `f32`: borrowed where kept as `f32`, else widened into `buf`
+/// (exactly for `f16`; `q * d` for `q8_0`: the same numbers every time they are read, so a
+/// split over them gives the same bits).
+#[inline(always)]
+fn widened<'b>(side: KvRows<'b>, range: std::ops::Range<usize>, buf: &'b mut [f32]) -> &'b [f32] {
+    match side {
+        KvRows::F32(x) => &x[range],
+        other => {
+            let dst = &mut buf[..range.len()];
+            other.slice(range).widen_into(dst);
+            dst
+        }
+    }
 }
 
 impl<'a> Rows<'a> {
-    pub(super) fn of<T: KvElement>(k: &'a [T], v: &'a [T]) -> Rows<'a> {
-        // `T` is `f32` or `f16` as its `DTYPE` says: the casts are identities.
-        match T::DTYPE {
-            KvDtype::F32 => Rows::F32(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
-            KvDtype::F16 => Rows::F16(bytemuck::cast_slice(k), bytemuck::cast_slice(v)),
-        }
+    /// Whether any row must be widened before it is read.
+    fn widens(&self) -> bool {
+        !matches!((self.k, self.v), (KvRows::F32(_), KvRows::F32(_)))
     }
 
     /// Rows `first..first + n` of K and V as `f32` rows numbered from 0: borrowed where they
-    /// are kept as `f32`, widened into `k_buf` and `v_buf` where `f16` (exactly: the same
-    /// numbers, so a split over them gives the same bits).
+    /// are kept as `f32`, widened into `k_buf` and `v_buf` otherwise.
     pub(super) fn split<'b>(
         &'b self,
         first: usize,
@@ -244,15 +257,15 @@ impl<'a> Rows<'a> {
         v_buf: &'b mut Vec<f32>,
     ) -> Rows<'b> {
         let range = first * stride..(first + n) * stride;
-        match self {
-            Rows::F32(k, v) => Rows::F32(&k[range.clone()], &v[range]),
-            Rows::F16(k, v) => {
-                k_buf.resize(n * stride, 0.0);
-                v_buf.resize(n * stride, 0.0);
-                k[range.clone()].convert_to_f32_slice(k_buf);
-                v[range].convert_to_f32_slice(v_buf);
-                Rows::F32(k_buf, v_buf)
+        let side = |x: KvRows<'b>, buf: &'b mut Vec<f32>| {
+            if !matches!(x, KvRows::F32(_)) {
+                buf.resize(n * stride, 0.0);
             }
+            KvRows::F32(widened(x, range.clone(), buf))
+        };
+        Rows {
+            k: side(self.k, k_buf),
+            v: side(self.v, v_buf),
         }
     }
 
@@ -267,15 +280,8 @@ impl<'a> Rows<'a> {
         stride: usize,
         buf: &'b mut [f32],
     ) -> &'b [f32] {
-        match self {
-            Rows::F32(k, v) => &(if value { v } else { k })[t * stride..][..count * stride],
-            Rows::F16(k, v) => {
-                let src = &(if value { v } else { k })[t * stride..][..count * stride];
-                let dst = &mut buf[..count * stride];
-                src.convert_to_f32_slice(dst);
-                dst
-            }
-        }
+        let side = if value { self.v } else { self.k };
+        widened(side, t * stride..(t + count) * stride, buf)
     }
 
     /// Reads one element of every cache line of V elements `from..from + len`, so
@@ -285,15 +291,22 @@ impl<'a> Rows<'a> {
     /// the bits read, for the caller to keep (so the reads are not optimised away).
     #[inline(always)]
     fn touch_values(&self, from: usize, len: usize) -> u32 {
-        match self {
-            Rows::F32(_, v) => v[from..][..len]
+        match self.v {
+            KvRows::F32(v) => v[from..][..len]
                 .iter()
                 .step_by(16)
                 .fold(0u32, |a, x| a ^ x.to_bits()),
-            Rows::F16(_, v) => v[from..][..len]
+            KvRows::F16(v) => v[from..][..len]
                 .iter()
                 .step_by(32)
                 .fold(0u32, |a, x| a ^ u32::from(x.to_bits())),
+            KvRows::Q8_0(v) => {
+                let at = |x: usize| x / q8_0::BLOCK * q8_0::BLOCK_BYTES;
+                v[at(from)..at(from + len)]
+                    .iter()
+                    .step_by(64)
+                    .fold(0u32, |a, x| a ^ u32::from(*x))
+            }
         }
     }
 
@@ -310,12 +323,12 @@ impl<'a> Rows<'a> {
         buf: &'b mut [f32],
     ) -> (&'b [f32], usize) {
         let span = (count - 1) * stride + hd;
-        match self {
-            Rows::F32(_, v) => (&v[t * stride + g * hd..][..span], stride),
-            Rows::F16(_, v) => {
-                let src = &v[t * stride + g * hd..][..span];
+        match self.v {
+            KvRows::F32(v) => (&v[t * stride + g * hd..][..span], stride),
+            other => {
                 for (i, dst) in buf[..count * hd].chunks_exact_mut(hd).enumerate() {
-                    src[i * stride..][..hd].convert_to_f32_slice(dst);
+                    let at = (t + i) * stride + g * hd;
+                    other.slice(at..at + hd).widen_into(dst);
                 }
                 (&buf[..count * hd], hd)
             }
@@ -363,7 +376,7 @@ fn split_body<const FMA: bool, const HD: usize>(
     // Scores of this split, query head major: `scores[h * n + t]`.
     let mut scores = vec![0f32; d.q_heads * n];
     // f16 rows are widened into this: two whole key rows, or a chunk of one head's values.
-    let widened = if matches!(rows, Rows::F16(..)) {
+    let widened = if rows.widens() {
         (2 * d.stride).max(CHUNK * hd)
     } else {
         0

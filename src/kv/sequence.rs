@@ -8,7 +8,7 @@
 
 use thiserror::Error;
 
-use super::elem::{KvElement, KvView, LayerViews};
+use super::elem::{narrow_into, KvElement, KvRows, KvView, LayerViews};
 use super::shape::{mapped_bytes_for, KvDtype, KvShape, ShapeError};
 use std::sync::Arc;
 
@@ -294,21 +294,55 @@ impl KvSequence {
         k: &[T],
         v: &[T],
     ) -> Result<(), KvError> {
+        self.check_type::<T>()?;
+        let (start, end) = self.writable_rows(layer, pos, k.len(), v.len())?;
+        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
+            let bytes = self.buffers[b].bytes_mut(start..end)?;
+            bytes.copy_from_slice(bytemuck::cast_slice(data));
+        }
+        Ok(())
+    }
+
+    /// [`KvSequence::write_rows`] from `f32` rows, whatever the type KV is kept in: copied,
+    /// rounded to `f16`, or quantized to `q8_0` blocks as they are written.
+    pub fn write_rows_f32(
+        &mut self,
+        layer: usize,
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let (start, end) = self.writable_rows(layer, pos, k.len(), v.len())?;
+        let dtype = self.shape.dtype;
+        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
+            narrow_into(dtype, data, self.buffers[b].bytes_mut(start..end)?);
+        }
+        Ok(())
+    }
+
+    /// The byte range of `layer`'s buffers that rows of `k_len` and `v_len` values from `pos`
+    /// take, once checked: whole rows, mapped, none in a read-only shared block.
+    fn writable_rows(
+        &self,
+        layer: usize,
+        pos: usize,
+        k_len: usize,
+        v_len: usize,
+    ) -> Result<(u64, u64), KvError> {
         if layer >= self.shape.layers {
             return Err(KvError::NoSuchLayer(layer));
         }
-        self.check_type::<T>()?;
         let elems = self.shape.token_elems();
-        if k.is_empty() || k.len() % elems != 0 || v.len() != k.len() {
-            let rows = (k.len() / elems).max(1);
-            let got = if v.len() != k.len() { v.len() } else { k.len() };
+        if k_len == 0 || k_len % elems != 0 || v_len != k_len {
+            let rows = (k_len / elems).max(1);
+            let got = if v_len != k_len { v_len } else { k_len };
             return Err(KvError::WrongLength {
                 expected: rows * elems,
                 got,
             });
         }
         let tb = self.shape.token_bytes();
-        let rows = (k.len() / elems) as u64;
+        let rows = (k_len / elems) as u64;
         let start = (pos as u64).saturating_mul(tb);
         let end = start.saturating_add(rows.saturating_mul(tb));
         if end > self.mapped() {
@@ -326,11 +360,7 @@ impl KvSequence {
                 return Err(KvError::SharedBlock((at / tb) as usize));
             }
         }
-        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
-            let bytes = self.buffers[b].bytes_mut(start..end)?;
-            bytes.copy_from_slice(bytemuck::cast_slice(data));
-        }
-        Ok(())
+        Ok((start, end))
     }
 
     /// Counts one more token, once every layer's K and V for it are written.
@@ -379,6 +409,27 @@ impl KvSequence {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
         Ok(())
+    }
+
+    /// Layer `layer`'s K and V for the first `tokens` positions as they are kept, whatever the
+    /// type: what the attention operators read ([`gqa_causal_rows`](super::gqa_causal_rows)).
+    pub fn rows_upto(
+        &self,
+        layer: usize,
+        tokens: usize,
+    ) -> Result<(KvRows<'_>, KvRows<'_>), KvError> {
+        self.check_upto(layer, tokens)?;
+        let len = tokens as u64 * self.shape.token_bytes();
+        let dtype = self.shape.dtype;
+        let side = |b: usize| -> Result<KvRows<'_>, KvError> {
+            let bytes = self.buffers[b].bytes(0..len)?;
+            // Buffers are page-aligned and hold whole rows: the bytes are always whole values.
+            KvRows::from_bytes(dtype, bytes).ok_or(KvError::WrongLength {
+                expected: len as usize,
+                got: bytes.len(),
+            })
+        };
+        Ok((side(2 * layer)?, side(2 * layer + 1)?))
     }
 
     /// Layer `layer`'s past keys: `tokens × kv_heads × head_dim` elements, one flat slice.
@@ -468,7 +519,7 @@ impl KvSequence {
             tokens,
             dtype: self.shape.dtype,
             token_stride: self.shape.token_bytes(),
-            head_stride: self.shape.head_dim as u64 * self.shape.dtype.bytes(),
+            head_stride: self.shape.head_bytes(),
             place: b.allocation().place(),
         };
         Ok(LayerViews {

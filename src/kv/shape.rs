@@ -11,15 +11,63 @@ pub enum KvDtype {
     F32,
     /// 16-bit IEEE float (`half::f16`), as servers usually keep KV.
     F16,
+    /// Eight bits a value in blocks of 32 with an `f16` scale (llama.cpp's `q8_0`, see
+    /// [`q8_0`](super::q8_0)): 34 bytes for 32 values. Rows are written from `f32` and read
+    /// back widened; a head must be whole blocks.
+    Q8_0,
 }
 
 impl KvDtype {
-    /// Bytes of one element.
-    pub const fn bytes(self) -> u64 {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+    /// Every type, in the order `--kv-dtype` lists them.
+    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Q8_0];
+
+    /// Bytes of `values` values in this type: `None` when they overflow, or for `q8_0` when
+    /// they are not whole blocks of 32.
+    pub const fn row_bytes(self, values: usize) -> Option<u64> {
+        let bytes = match self {
+            KvDtype::F32 => values.checked_mul(4),
+            KvDtype::F16 => values.checked_mul(2),
+            KvDtype::Q8_0 => super::q8_0::bytes_for(values),
+        };
+        match bytes {
+            Some(b) => Some(b as u64),
+            None => None,
         }
+    }
+
+    /// Values that are written and read together: 1, or 32 for `q8_0`'s blocks.
+    pub const fn block_values(self) -> usize {
+        match self {
+            KvDtype::F32 | KvDtype::F16 => 1,
+            KvDtype::Q8_0 => super::q8_0::BLOCK,
+        }
+    }
+
+    /// The name llama.cpp and the flags use: `f32`, `f16`, `q8_0`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    /// Parses a [`KvDtype::name`] (any case).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KvDtype::ALL
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| format!("unknown KV type {s:?}: one of f32, f16, q8_0"))
     }
 }
 
@@ -49,6 +97,17 @@ pub enum ShapeError {
     /// The sizes overflow.
     #[error("the KV buffer size overflows")]
     Overflow,
+    /// A head is not whole blocks of the element type (`q8_0` needs a head dimension that is a
+    /// multiple of 32).
+    #[error("{dtype} keeps values in blocks of {block}: a head of {head_dim} is not whole blocks")]
+    PartialBlock {
+        /// The element type.
+        dtype: KvDtype,
+        /// Its block.
+        block: usize,
+        /// The shape's head dimension.
+        head_dim: usize,
+    },
 }
 
 /// The heads of one attention call: query heads, KV heads (which divide them; each serves a
@@ -110,12 +169,19 @@ impl KvShape {
         if granularity == 0 {
             return Err(ShapeError::Zero("granularity"));
         }
+        let block = self.dtype.block_values();
+        if self.head_dim % block != 0 {
+            return Err(ShapeError::PartialBlock {
+                dtype: self.dtype,
+                block,
+                head_dim: self.head_dim,
+            });
+        }
         // Every product the store computes from the shape, checked once here.
         let token_bytes = self
             .kv_heads
             .checked_mul(self.head_dim)
-            .and_then(|f| u64::try_from(f).ok())
-            .and_then(|f| f.checked_mul(self.dtype.bytes()))
+            .and_then(|f| self.dtype.row_bytes(f))
             .ok_or(ShapeError::Overflow)?;
         self.q_heads
             .checked_mul(self.head_dim)
@@ -147,9 +213,14 @@ impl KvShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Bytes per token in one K (or V) buffer.
+    /// Bytes per token in one K (or V) buffer (of a shape that [`KvShape::validate`] passed).
     pub fn token_bytes(&self) -> u64 {
-        self.token_elems() as u64 * self.dtype.bytes()
+        self.dtype.row_bytes(self.token_elems()).unwrap_or(u64::MAX)
+    }
+
+    /// Bytes of one head of one token, from one head to the next within a row.
+    pub fn head_bytes(&self) -> u64 {
+        self.dtype.row_bytes(self.head_dim).unwrap_or(u64::MAX)
     }
 
     /// Its heads, as an attention call takes them.
@@ -305,6 +376,44 @@ mod tests {
         assert_eq!(mapped_bytes_for(33, 128, 16384, 1 << 20), 16384);
         assert_eq!(mapped_bytes_for(129, 128, 16384, 1 << 20), 32768);
         assert_eq!(mapped_bytes_for(129, 128, 16384, 20000), 20000);
+    }
+
+    /// `q8_0` keeps 32 values in 34 bytes: SmolLM2's 3 KV heads of 64 take 204 bytes a token,
+    /// and whole tokens fill whole pages only 1,024 at a time (51 pages).
+    #[test]
+    fn q8_0_rows_are_whole_blocks() {
+        let smol = KvShape {
+            kv_heads: 3,
+            q_heads: 9,
+            head_dim: 64,
+            dtype: KvDtype::Q8_0,
+            ..shape()
+        };
+        assert_eq!(smol.validate(4096), Ok(()));
+        assert_eq!((smol.token_bytes(), smol.head_bytes()), (204, 68));
+        assert_eq!(
+            (smol.block_tokens(4096), smol.block_bytes(4096)),
+            (1024, 51 * 4096)
+        );
+        assert_eq!(
+            KvShape {
+                head_dim: 48,
+                ..smol
+            }
+            .validate(4096),
+            Err(ShapeError::PartialBlock {
+                dtype: KvDtype::Q8_0,
+                block: 32,
+                head_dim: 48
+            })
+        );
+        assert_eq!(KvDtype::Q8_0.row_bytes(usize::MAX / 32 * 32), None);
+        assert_eq!(KvDtype::F32.row_bytes(usize::MAX), None);
+        for d in KvDtype::ALL {
+            assert_eq!(d.name().parse::<KvDtype>(), Ok(d));
+        }
+        assert_eq!("Q8_0".parse::<KvDtype>(), Ok(KvDtype::Q8_0));
+        assert!("q4_0".parse::<KvDtype>().is_err());
     }
 
     #[test]

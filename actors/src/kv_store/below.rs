@@ -177,7 +177,7 @@ fn open_disk(
     for (file, why) in &report.skipped {
         tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
     }
-    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, "prefix disk tier opened");
+    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, others = report.others, "prefix disk tier opened");
     Ok(Some(tier))
 }
 

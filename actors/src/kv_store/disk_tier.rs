@@ -22,7 +22,7 @@ use ::metrics::Histogram;
 use procmem::fence::Fence;
 use procmem::kv::disk_tier::{DiskTier, DiskTierConfig, DiskTierError, OpenReport};
 use procmem::kv::frequency::{Admission, AdmissionFilter};
-use procmem::kv::{chain_hash, Incarnation, KvShape, PrefixDigest};
+use procmem::kv::{chain_hash, Incarnation, KvDtype, KvShape, PrefixDigest};
 use procmem::metrics::KV_PREFIX_DISK_SECONDS;
 use procmem::SharedMapping;
 
@@ -399,11 +399,21 @@ fn model_identity(model: u64, shape: &KvShape, block_tokens: usize) -> u64 {
         shape.q_heads,
         shape.kv_heads,
         shape.head_dim,
-        shape.dtype.bytes() as usize,
+        dtype_code(shape.dtype),
         block_tokens,
     ]
     .map(|x| x as u32);
     chain_hash(model, &geometry)
+}
+
+/// The element type as the identity records it: the byte widths it always recorded for
+/// `f32` and `f16` (so their tiers stay readable), a code no width takes for `q8_0`.
+fn dtype_code(dtype: KvDtype) -> usize {
+    match dtype {
+        KvDtype::F32 => 4,
+        KvDtype::F16 => 2,
+        KvDtype::Q8_0 => 0x108,
+    }
 }
 
 /// A block's bytes, buffer after buffer (`None` if the mechanism cannot read it).

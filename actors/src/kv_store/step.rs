@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    gqa_decode, Incarnation, KvDtype, KvElement, KvError, KvSequence, KvShape, LayerViews,
+    gqa_decode_rows, Incarnation, KvElement, KvError, KvRows, KvSequence, KvShape, LayerViews,
     PendingGrowth,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
@@ -179,6 +179,32 @@ impl StepKv<'_> {
         }
         let pos = s.memory.tokens() + first;
         s.memory.write_rows(layer, pos, k, v)
+    }
+
+    /// [`StepKv::write_rows`] from `f32` rows, whatever the type KV is kept in (rounded to
+    /// `f16`, or quantized to `q8_0` blocks, as they are written).
+    pub fn write_rows_f32(
+        &mut self,
+        i: usize,
+        layer: usize,
+        first: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let s = self.seqs.get_mut(i).ok_or(KvError::BadIndex(i))?;
+        let rows = k.len() / s.memory.token_elems().max(1);
+        if first.checked_add(rows).is_none_or(|end| end > s.count) {
+            return Err(KvError::NotMapped(s.memory.tokens().saturating_add(first)));
+        }
+        let pos = s.memory.tokens() + first;
+        s.memory.write_rows_f32(layer, pos, k, v)
+    }
+
+    /// Layer `layer`'s K and V of sequence `i` as they are kept, whatever the type, the
+    /// step's new rows included: what [`gqa_causal_rows`](procmem::kv::gqa_causal_rows) reads.
+    pub fn rows(&self, i: usize, layer: usize) -> Result<(KvRows<'_>, KvRows<'_>), KvError> {
+        let s = self.get(i)?;
+        s.memory.rows_upto(layer, s.memory.tokens() + s.count)
     }
 
     /// Layer `layer`'s keys of sequence `i`, the step's new rows included.
@@ -391,11 +417,7 @@ impl KvStep {
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.submit(move |kv| {
-            let result = match shape.dtype {
-                KvDtype::F32 => attend_all::<f32>(kv, shape, layer, &index, &items),
-                KvDtype::F16 => attend_all::<procmem::kv::f16>(kv, shape, layer, &index, &items),
-            };
-            let _ = tx.send(result);
+            let _ = tx.send(attend_all(kv, shape, layer, &index, &items));
         })?;
         rx.await
             .map_err(|_| KvStoreError::KernelFailed)?
@@ -478,21 +500,20 @@ impl Drop for KvStep {
     }
 }
 
-fn attend_all<T: KvElement>(
+fn attend_all(
     kv: &mut StepKv<'_>,
     shape: KvShape,
     layer: usize,
     index: &[usize],
     items: &[AttendItem],
 ) -> Result<Vec<Vec<f32>>, KvError> {
-    let convert = |x: &[f32]| x.iter().map(|v| T::from_f32(*v)).collect::<Vec<T>>();
     let mut outputs = Vec::with_capacity(items.len());
     for (&i, item) in index.iter().zip(items) {
-        kv.write(i, layer, &convert(&item.k), &convert(&item.v))?;
-        let (k, v) = (kv.keys::<T>(i, layer)?, kv.values::<T>(i, layer)?);
+        kv.write_rows_f32(i, layer, 0, &item.k, &item.v)?;
+        let (k, v) = kv.rows(i, layer)?;
         let tokens = k.len() / shape.token_elems();
         let mut out = vec![0f32; item.q.len()];
-        gqa_decode(&item.q, k, v, tokens, shape.heads(), &mut out);
+        gqa_decode_rows(&item.q, k, v, tokens, shape.heads(), &mut out);
         outputs.push(out);
     }
     Ok(outputs)

@@ -160,15 +160,17 @@ fn another_models_files_are_never_returned() {
     )
     .unwrap();
     let (mut b, report) = tier(dir.path(), 0xb, 1 << 20);
-    assert_eq!(report.blocks, 0);
+    assert_eq!((report.blocks, report.others), (0, 1));
     assert!(
         report.skipped[0].1.starts_with("another model's"),
         "{report:?}"
     );
     assert_eq!(b.get(1, 0, &[1]).unwrap(), None);
     drop(b);
-    let (mut a, _) = tier(dir.path(), 0xa, 1 << 20);
+    let (mut a, report) = tier(dir.path(), 0xa, 1 << 20);
     assert_eq!(a.get(1, 0, &[1]).unwrap(), Some(payload(1, 100)));
+    // Model b's copy is another identity's file to a: counted, left alone.
+    assert_eq!((report.blocks, report.others), (1, 1));
 }
 
 #[test]
