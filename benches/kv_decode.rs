@@ -107,7 +107,7 @@ impl Strategy for Virtual {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         if layer == 0 {
             let per = self.seq.growth_for(1);
-            if per > 0 {
+            if !per.is_empty() {
                 let g = self.seq.map_growth(per).unwrap();
                 self.seq.publish(g);
             }
@@ -316,7 +316,8 @@ fn step_floor_p50_ns(steps: usize) -> (f64, f64) {
         head_dim: HEAD_DIM,
         // Every step, of both kinds, adds a token.
         max_tokens: 2 * steps,
-        dtype: KvDtype::F32,
+        k_dtype: KvDtype::F32,
+        v_dtype: KvDtype::F32,
     };
     let api = StepApi::new(shape, CHUNK_GRANULES, true, Drive::Queued);
     let time = |kernels: usize| {
@@ -577,7 +578,8 @@ fn make(name: &str, max_tokens: usize) -> Box<dyn Strategy> {
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
         max_tokens,
-        dtype: KvDtype::F32,
+        k_dtype: KvDtype::F32,
+        v_dtype: KvDtype::F32,
     };
     let filled = |n: usize| vec![0.5f32; n];
     match name {

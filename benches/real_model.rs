@@ -241,7 +241,8 @@ async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usiz
             kv_heads: 1,
             head_dim: 1,
             max_tokens,
-            dtype: KvDtype::F32,
+            k_dtype: KvDtype::F32,
+            v_dtype: KvDtype::F32,
         },
     )
     .chunk_granules(16)

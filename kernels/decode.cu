@@ -6,7 +6,7 @@
 // compiles it for whatever GPU it finds. No headers: f16 conversions are single PTX `cvt`s.
 //
 // Split-KV decode, as flash-decoding:
-//   gqa_split_{f32,f16,q8_0}: grid (splits, kv_heads), block 32 * group threads. Each warp is one
+//   gqa_split_<k>_<v> (each of f32, f16, q8_0 for K and for V): grid (splits, kv_heads), block 32 * group threads. Each warp is one
 //     query head of the KV head's group; the group's warps read the same K/V rows (one read
 //     from memory, the rest from cache). Each warp keeps an online softmax over its split
 //     (running max, running sum, weighted values), TILE tokens at a time, and writes it as a
@@ -66,9 +66,9 @@ __device__ __forceinline__ void store_elem(half_bits* p, float x) {
     *p = h;
 }
 
-template <typename R>
+template <typename RK, typename RV>
 __device__ __forceinline__ void split_partial(
-    const float* q, R k, R v, unsigned tokens, unsigned split_tokens,
+    const float* q, RK k, RV v, unsigned tokens, unsigned split_tokens,
     unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
     const unsigned split = blockIdx.x;
     const unsigned g = blockIdx.y;
@@ -157,28 +157,21 @@ __device__ __forceinline__ void split_partial(
 }
 
 // Up to 32 query heads per KV head: blocks of up to 1024 threads must fit the registers.
-extern "C" __global__ void __launch_bounds__(1024) gqa_split_f32(
-    const float* q, const float* k, const float* v, unsigned tokens, unsigned split_tokens,
-    unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) {
-    split_partial<F32Kv>(q, F32Kv{k}, F32Kv{v}, tokens, split_tokens, q_heads, kv_heads,
-                         head_dim, scale, partials);
-}
-
-extern "C" __global__ void __launch_bounds__(1024) gqa_split_f16(
-    const float* q, const half_bits* k, const half_bits* v, unsigned tokens,
-    unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
-    float* partials) {
-    split_partial<F16Kv>(q, F16Kv{k}, F16Kv{v}, tokens, split_tokens, q_heads, kv_heads,
-                         head_dim, scale, partials);
-}
-
-extern "C" __global__ void __launch_bounds__(1024) gqa_split_q8_0(
-    const float* q, const unsigned char* k, const unsigned char* v, unsigned tokens,
-    unsigned split_tokens, unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale,
-    float* partials) {
-    split_partial<Q8Kv>(q, Q8Kv{k}, Q8Kv{v}, tokens, split_tokens, q_heads, kv_heads, head_dim,
-                        scale, partials);
-}
+// One kernel per pair of K and V types: gqa_split_<k>_<v>.
+#define GQA_SPLIT(KN, KR, KT, VN, VR, VT)                                                       \
+    extern "C" __global__ void __launch_bounds__(1024) gqa_split_##KN##_##VN(                  \
+        const float* q, const KT* k, const VT* v, unsigned tokens, unsigned split_tokens,      \
+        unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) { \
+        split_partial<KR, VR>(q, KR{k}, VR{v}, tokens, split_tokens, q_heads, kv_heads,        \
+                              head_dim, scale, partials);                                      \
+    }
+#define GQA_SPLIT_V(KN, KR, KT)                     \
+    GQA_SPLIT(KN, KR, KT, f32, F32Kv, float)        \
+    GQA_SPLIT(KN, KR, KT, f16, F16Kv, half_bits)    \
+    GQA_SPLIT(KN, KR, KT, q8_0, Q8Kv, unsigned char)
+GQA_SPLIT_V(f32, F32Kv, float)
+GQA_SPLIT_V(f16, F16Kv, half_bits)
+GQA_SPLIT_V(q8_0, Q8Kv, unsigned char)
 
 extern "C" __global__ void gqa_merge(
     const float* partials, unsigned splits, unsigned q_heads, unsigned head_dim, float* out) {

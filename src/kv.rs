@@ -28,8 +28,8 @@ pub use gqa::{gqa_decode, gqa_decode_plain, gqa_decode_rows, SPLIT_TOKENS};
 pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};
 #[cfg(target_os = "linux")]
-pub use sequence::{KvError, KvSequence, PendingGrowth};
-pub use shape::{Heads, KvDtype, KvShape, ShapeError};
+pub use sequence::{GrowthSize, KvError, KvSequence, PendingGrowth};
+pub use shape::{Heads, KvDtype, KvPart, KvShape, ShapeError};
 pub use table::{
     first_duplicate, Lent, Phase, PreemptMode, SeqData, SeqId, SeqState, Sequence, SequenceTable,
     TableError,

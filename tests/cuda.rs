@@ -274,12 +274,14 @@ fn cuda_read_only_sharer_cannot_write() {
 }
 
 /// The CUDA decode kernels (split-KV, GQA groups sharing one KV read) against the host
-/// operator on the same inputs, `f32` and `f16` KV, with the new token's row written by the
-/// copy kernel.
+/// operator on the same inputs, for every pair of K and V types (`f32`, `f16`, `q8_0`), with
+/// the new token's row written (rounded or quantized) by the row kernel. The host operator
+/// reads the very bytes the GPU holds, read back; the row the GPU quantized is held to the
+/// host's quantization of the same values within one step of its block.
 #[test]
 fn cuda_decode_kernel_equals_the_host_operator() {
     use procmem::cuda::{CudaStream, DecodeKernels, DecodeLaunch};
-    use procmem::kv::{f16, gqa_decode, Heads, KvDtype};
+    use procmem::kv::{elem::narrow_into, gqa_decode_rows, Heads, KvDtype, KvRows};
     let Some(m) = gpu("cuda_decode_kernel_equals_the_host_operator") else {
         return;
     };
@@ -297,29 +299,28 @@ fn cuda_decode_kernel_equals_the_host_operator() {
     let k = vals(tokens as usize * row, 2);
     let v = vals(tokens as usize * row, 3);
     let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
-    for dtype in [KvDtype::F32, KvDtype::F16] {
-        let elem = if dtype == KvDtype::F32 { 4 } else { 2 };
-        let kv_bytes = tokens as u64 * row as u64 * elem;
+    let kept = |dtype: KvDtype, x: &[f32]| {
+        let mut out = vec![0u8; dtype.row_bytes(x.len()).unwrap() as usize];
+        narrow_into(dtype, x, &mut out);
+        out
+    };
+    for (k_dtype, v_dtype) in KvDtype::ALL
+        .iter()
+        .flat_map(|a| KvDtype::ALL.map(|b| (*a, b)))
+    {
+        let row_bytes = |d: KvDtype| d.row_bytes(row).unwrap();
+        let (k_host, v_host) = (kept(k_dtype, &k), kept(v_dtype, &v));
         let (dq, dk, dv) = (
             device.alloc(q.len() as u64 * 4).unwrap(),
-            device.alloc(kv_bytes).unwrap(),
-            device.alloc(kv_bytes).unwrap(),
+            device.alloc(k_host.len() as u64).unwrap(),
+            device.alloc(v_host.len() as u64).unwrap(),
         );
-        let (k_host, v_host): (Vec<u8>, Vec<u8>) = if dtype == KvDtype::F32 {
-            (bytes(&k), bytes(&v))
-        } else {
-            let h = |x: &[f32]| {
-                x.iter()
-                    .flat_map(|f| f16::from_f32(*f).to_le_bytes())
-                    .collect::<Vec<u8>>()
-            };
-            (h(&k), h(&v))
-        };
         let mut launch = DecodeLaunch {
             q: dq,
             k: dk,
             v: dv,
-            dtype,
+            k_dtype,
+            v_dtype,
             tokens,
             q_heads,
             kv_heads,
@@ -328,28 +329,28 @@ fn cuda_decode_kernel_equals_the_host_operator() {
             out: device.alloc(q.len() as u64 * 4).unwrap(),
         };
         launch.partials = device.alloc(launch.partials_bytes()).unwrap();
-        let last = (tokens as usize - 1) * row;
+        let last = tokens as u64 - 1;
         let staging = device.alloc(row as u64 * 4 * 2).unwrap();
         // SAFETY: every address was allocated above on this device with the sizes written.
         unsafe {
             device.copy_to_device(dq, &bytes(&q)).unwrap();
             // Everything but the last row by copy; the last row by the write kernel.
-            let head = last * elem as usize;
-            device.copy_to_device(dk, &k_host[..head]).unwrap();
-            device.copy_to_device(dv, &v_host[..head]).unwrap();
-            device.copy_to_device(staging, &bytes(&k[last..])).unwrap();
+            let (kl, vl) = (last * row_bytes(k_dtype), last * row_bytes(v_dtype));
+            device.copy_to_device(dk, &k_host[..kl as usize]).unwrap();
+            device.copy_to_device(dv, &v_host[..vl as usize]).unwrap();
+            let at = last as usize * row;
+            device.copy_to_device(staging, &bytes(&k[at..])).unwrap();
             device
-                .copy_to_device(staging + row as u64 * 4, &bytes(&v[last..]))
+                .copy_to_device(staging + row as u64 * 4, &bytes(&v[at..]))
                 .unwrap();
-            let at = last as u64 * elem;
             kernels
-                .write_row(&stream, dtype, dk + at, staging, row as u32)
+                .write_row(&stream, k_dtype, dk + kl, staging, row as u32)
                 .unwrap();
             kernels
                 .write_row(
                     &stream,
-                    dtype,
-                    dv + at,
+                    v_dtype,
+                    dv + vl,
                     staging + row as u64 * 4,
                     row as u32,
                 )
@@ -357,39 +358,47 @@ fn cuda_decode_kernel_equals_the_host_operator() {
             kernels.decode(&stream, &launch).unwrap();
         }
         stream.synchronize().unwrap();
-        let mut out = vec![0u8; q.len() * 4];
-        // SAFETY: allocated above; the stream is idle.
-        unsafe { device.copy_to_host(&mut out, launch.out).unwrap() };
-        let got: Vec<f32> = out
+        let read = |addr: u64, len: usize| {
+            let mut out = vec![0u8; len];
+            // SAFETY: allocated above with at least `len` bytes; the stream is idle.
+            unsafe { device.copy_to_host(&mut out, addr).unwrap() };
+            out
+        };
+        let got: Vec<f32> = read(launch.out, q.len() * 4)
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        let mut want = vec![0f32; q.len()];
-        if dtype == KvDtype::F32 {
-            gqa_decode(
-                &q,
-                &k,
-                &v,
-                tokens as usize,
-                Heads::new(32, 8, 128),
-                &mut want,
-            );
-        } else {
-            let k16: Vec<f16> = k.iter().map(|x| f16::from_f32(*x)).collect();
-            let v16: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
-            gqa_decode(
-                &q,
-                &k16,
-                &v16,
-                tokens as usize,
-                Heads::new(32, 8, 128),
-                &mut want,
-            );
+        let (k_gpu, v_gpu) = (read(dk, k_host.len()), read(dv, v_host.len()));
+        let pair = format!("K {k_dtype} V {v_dtype}");
+        // The row the GPU wrote reads back as the host's within one step of its block.
+        for (dtype, gpu, host) in [(k_dtype, &k_gpu, &k_host), (v_dtype, &v_gpu, &v_host)] {
+            let from = (last * row_bytes(dtype)) as usize;
+            let g = KvRows::from_bytes(dtype, &gpu[from..])
+                .unwrap()
+                .to_f32_vec();
+            let h = KvRows::from_bytes(dtype, &host[from..])
+                .unwrap()
+                .to_f32_vec();
+            for (i, (a, b)) in g.iter().zip(&h).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1.0 / 127.0 + 1e-6,
+                    "{pair}: written value {i}: {a} vs {b}"
+                );
+            }
         }
+        let mut want = vec![0f32; q.len()];
+        gqa_decode_rows(
+            &q,
+            KvRows::from_bytes(k_dtype, &k_gpu).unwrap(),
+            KvRows::from_bytes(v_dtype, &v_gpu).unwrap(),
+            tokens as usize,
+            Heads::new(32, 8, 128),
+            &mut want,
+        );
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-3 * b.abs().max(1.0),
-                "{dtype:?} element {i}: GPU {a} vs host {b}"
+                "{pair} element {i}: GPU {a} vs host {b}"
             );
         }
         for p in [dq, dk, dv, launch.out, launch.partials, staging] {

@@ -5,9 +5,10 @@
 
 use procmem::host::HostMechanism;
 use procmem::kv::{
-    gqa_causal_rows, gqa_decode, gqa_decode_rows, q8_0, Heads, KvDtype, KvError, KvRows,
+    gqa_causal_rows, gqa_decode, gqa_decode_rows, q8_0, Heads, KvDtype, KvError, KvPart, KvRows,
     KvSequence, KvShape, ShapeError, SPLIT_TOKENS,
 };
+use procmem::MemoryMechanism;
 
 /// Deterministic pseudo-random floats in [-1, 1), some rows far larger than others (so a
 /// block's scale matters).
@@ -153,7 +154,8 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 3,
     head_dim: 64,
     max_tokens: 2048,
-    dtype: KvDtype::Q8_0,
+    k_dtype: KvDtype::Q8_0,
+    v_dtype: KvDtype::Q8_0,
 };
 
 /// A sequence kept in q8_0 takes 204 bytes a token per buffer; a row written from `f32` is
@@ -164,7 +166,7 @@ fn a_q8_0_sequence_quantizes_rows_as_they_are_written() {
     let host = HostMechanism::new().unwrap();
     let mut seq = KvSequence::reserve(host.backing(), SHAPE, 64).unwrap();
     let elems = SHAPE.token_elems();
-    assert_eq!(SHAPE.token_bytes(), 204);
+    assert_eq!(SHAPE.token_bytes(KvPart::K), 204);
     let rows = 300;
     let grow = seq.growth_for(rows);
     let growth = seq.map_growth(grow).unwrap();
@@ -224,9 +226,124 @@ fn a_head_of_partial_blocks_refuses_q8_0() {
         other => panic!("expected a partial-block refusal, got {other:?}"),
     }
     assert!(KvShape {
-        dtype: KvDtype::F16,
+        k_dtype: KvDtype::F16,
+        v_dtype: KvDtype::F16,
         ..bad
     }
     .validate(4096)
     .is_ok());
+}
+
+/// K kept in f16 and V in q8_0 (llama.cpp's `-ctk f16 -ctv q8_0`): each part grows by its own
+/// rows, prefix blocks of the two sizes attach and share, copy on write takes a block of each,
+/// and the kernel counts exactly the pages the sequence says it holds.
+#[test]
+fn k_and_v_of_different_types_grow_share_and_copy_by_their_own_rows() {
+    let host = HostMechanism::new().unwrap();
+    let backing = host.backing();
+    let mapping = host.shared_mapping().unwrap();
+    let g = procmem::granularity();
+    let shape = KvShape {
+        k_dtype: KvDtype::F16,
+        ..SHAPE
+    };
+    let (tk, tv) = (shape.token_bytes(KvPart::K), shape.token_bytes(KvPart::V));
+    assert_eq!((tk, tv), (384, 204));
+    let bt = shape.block_tokens(g);
+    assert_eq!(bt, 1024, "whole pages in K (96) and in V (51)");
+    let elems = shape.token_elems();
+
+    // Growth maps each part by its own rows.
+    let mut seq = KvSequence::reserve(backing.clone(), shape, 1).unwrap();
+    let growth = seq.growth_for(100);
+    assert_eq!(
+        (growth.k, growth.v),
+        (
+            (100 * tk).next_multiple_of(g),
+            (100 * tv).next_multiple_of(g)
+        )
+    );
+    assert_eq!(growth.bytes(), 2 * (growth.k + growth.v));
+    let pending = seq.map_growth(growth).unwrap();
+    assert_eq!(pending.bytes(), growth.bytes());
+    seq.publish(pending);
+    assert_eq!(
+        seq.mapped_tokens(),
+        (growth.v / tv) as usize,
+        "V runs out first"
+    );
+    let (k, v) = (data(100 * elems, 9), data(100 * elems, 10));
+    for layer in 0..shape.layers {
+        seq.write_rows_f32(layer, 0, &k, &v).unwrap();
+    }
+    seq.advance_by(100).unwrap();
+    let (kr, vr) = seq.rows_upto(0, 100).unwrap();
+    assert_eq!(kr.dtype(), KvDtype::F16);
+    assert_eq!(vr, KvRows::Q8_0(&quantized(&v)));
+    let f16s: Vec<f32> = k.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect();
+    assert_eq!(kr.to_f32_vec(), f16s);
+    assert_eq!(backing.resident_bytes().unwrap(), seq.exclusive_bytes());
+    assert_eq!(seq.exclusive_bytes(), growth.bytes());
+    drop(seq);
+
+    // One block of the prefix: a K block and a V block per layer, of their own sizes.
+    let blocks: Vec<_> = (0..shape.buffers())
+        .map(|b| {
+            let part = KvPart::of_buffer(b);
+            mapping.create_block(shape.block_bytes(part, g)).unwrap()
+        })
+        .collect();
+    let mut writer = KvSequence::reserve(backing.clone(), shape, 1).unwrap();
+    writer
+        .attach_prefix(mapping, &blocks, &[procmem::MapAccess::ReadWrite], 0)
+        .unwrap();
+    let (pk, pv) = (data(bt * elems, 11), data(bt * elems, 12));
+    for layer in 0..shape.layers {
+        writer.write_rows_f32(layer, 0, &pk, &pv).unwrap();
+    }
+    writer.advance_by(bt).unwrap();
+    let mut reader = KvSequence::reserve(backing.clone(), shape, 1).unwrap();
+    reader
+        .attach_prefix(mapping, &blocks, &[procmem::MapAccess::ReadOnly], bt)
+        .unwrap();
+    assert_eq!(
+        reader.rows_upto(1, bt).unwrap(),
+        writer.rows_upto(1, bt).unwrap()
+    );
+    let shared = shape.block_bytes_all(g);
+    assert_eq!(
+        backing.resident_bytes().unwrap(),
+        shared,
+        "one copy for both"
+    );
+    // Blocks of one size for both parts are refused: V's would not hold the tokens said.
+    let same: Vec<_> = (0..shape.buffers())
+        .map(|_| {
+            mapping
+                .create_block(shape.block_bytes(KvPart::V, g))
+                .unwrap()
+        })
+        .collect();
+    let mut bad = KvSequence::reserve(backing.clone(), shape, 1).unwrap();
+    assert!(matches!(
+        bad.attach_prefix(mapping, &same, &[procmem::MapAccess::ReadOnly], bt),
+        Err(KvError::BadPrefix)
+    ));
+    drop((bad, same));
+    // Copy on write takes a private copy of the K block and the V block of every layer.
+    assert!(matches!(
+        reader.write_rows_f32(0, 5, &pk[..elems], &pv[..elems]),
+        Err(KvError::SharedBlock(5))
+    ));
+    assert_eq!(reader.copy_on_write_bytes(5), shared);
+    assert_eq!(reader.copy_on_write(5).unwrap(), shared);
+    reader
+        .write_rows_f32(0, 5, &pk[..elems], &pv[..elems])
+        .unwrap();
+    assert_eq!(backing.resident_bytes().unwrap(), 2 * shared);
+    assert_eq!(
+        writer.rows_upto(1, bt).unwrap(),
+        reader.rows_upto(1, bt).unwrap(),
+        "layer 1 of the copy is the same bytes"
+    );
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use procmem::host::HostMechanism;
-use procmem::kv::{gqa_decode, KvDtype, KvError, KvSequence, KvShape};
+use procmem::kv::{gqa_decode, KvDtype, KvError, KvPart, KvSequence, KvShape};
 use procmem::{
     CommitResult, DecommitResult, HostBacking, MapAccess, MechanismId, MemoryError,
     MemoryMechanism, Place, VirtualAllocation, VirtualBacking, VirtualRequest,
@@ -20,7 +20,8 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 16,
     max_tokens: 1100,
-    dtype: KvDtype::F32,
+    k_dtype: KvDtype::F32,
+    v_dtype: KvDtype::F32,
 };
 
 /// Deterministic pseudo-random floats in [-1, 1).
@@ -84,7 +85,7 @@ impl VirtualBacking for FailingBacking {
 
 fn append(seq: &mut KvSequence, kv: &[(Vec<f32>, Vec<f32>)]) -> Result<(), KvError> {
     let per = seq.growth_for(1);
-    if per > 0 {
+    if !per.is_empty() {
         let g = seq.map_growth(per)?;
         seq.publish(g);
     }
@@ -136,9 +137,10 @@ fn a_thousand_decode_steps_match_a_plain_vec_bit_for_bit() {
     let now: Vec<u64> = seq.buffers().iter().map(|b| b.addr()).collect();
     assert_eq!(base, now, "no buffer ever moved");
     let chunk = 4 * procmem::granularity();
-    let tokens_bytes = 1000 * SHAPE.token_bytes();
+    let tokens_bytes = 1000 * SHAPE.token_bytes(KvPart::K);
+    let per_buffer = seq.mapped_bytes() / SHAPE.buffers() as u64;
     assert!(
-        seq.mapped_bytes() >= tokens_bytes && seq.mapped_bytes() < tokens_bytes + chunk,
+        per_buffer >= tokens_bytes && per_buffer < tokens_bytes + chunk,
         "at most one chunk ahead"
     );
     assert_eq!(
@@ -221,7 +223,11 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
 
     // The first sequence fills new blocks through read-write mappings.
     let blocks: Vec<_> = (0..blocks_n * SHAPE.buffers())
-        .map(|_| mapping.create_block(SHAPE.block_bytes(g)).unwrap())
+        .map(|_| {
+            mapping
+                .create_block(SHAPE.block_bytes(KvPart::K, g))
+                .unwrap()
+        })
         .collect();
     let mut writer = KvSequence::reserve(backing.clone(), SHAPE, 1).unwrap();
     writer
@@ -233,7 +239,7 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
         }
         writer.advance().unwrap();
     }
-    let block_bytes_total = (blocks_n * SHAPE.buffers()) as u64 * SHAPE.block_bytes(g);
+    let block_bytes_total = (blocks_n * SHAPE.buffers()) as u64 * SHAPE.block_bytes(KvPart::K, g);
     assert_eq!(backing.resident_bytes().unwrap(), block_bytes_total);
 
     // Readers map the same blocks read-only: no new physical memory for the prefix.
@@ -278,7 +284,10 @@ fn shared_prefixes_cost_only_the_unshared_part_and_copy_on_write_isolates() {
         Err(KvError::SharedBlock(_))
     ));
     let expected_copy = readers[0].copy_on_write_bytes(pos);
-    assert_eq!(expected_copy, SHAPE.buffers() as u64 * SHAPE.block_bytes(g));
+    assert_eq!(
+        expected_copy,
+        SHAPE.buffers() as u64 * SHAPE.block_bytes(KvPart::K, g)
+    );
     let before = backing.resident_bytes().unwrap();
     assert_eq!(readers[0].copy_on_write(pos).unwrap(), expected_copy);
     assert_eq!(backing.resident_bytes().unwrap(), before + expected_copy);
@@ -335,7 +344,7 @@ fn swap_copies_refuse_wrong_buffers_lengths_and_rows() {
     for row in &rows {
         append(&mut seq, std::slice::from_ref(row)).unwrap();
     }
-    let tb = SHAPE.token_bytes() as usize;
+    let tb = SHAPE.token_bytes(KvPart::K) as usize;
     let mut out = vec![0u8; 3 * tb];
     seq.read_buffer(1, 3, &mut out).unwrap();
     let mut wrong = vec![0u8; 3 * tb - 1];
@@ -358,7 +367,7 @@ fn swap_copies_refuse_wrong_buffers_lengths_and_rows() {
         "not whole rows"
     );
     assert!(seq.write_buffer_bytes(usize::MAX, &out).is_err());
-    let too_many = vec![0u8; seq.mapped_bytes() as usize + tb];
+    let too_many = vec![0u8; (seq.mapped_bytes() / SHAPE.buffers() as u64) as usize + tb];
     assert!(
         seq.write_buffer_bytes(0, &too_many).is_err(),
         "past what is mapped"

@@ -101,7 +101,9 @@ async fn a_fault_at_every_step_of_growth_leaves_nothing_behind() {
         w.kv.open(1, vec![], 0).await.unwrap();
         w.kv.open(2, vec![], 0).await.unwrap();
         // Fill exactly one granule per buffer, so the next token needs a growth.
-        let per_granule = (procmem_actors::procmem::granularity() / SHAPE.token_bytes()) as usize;
+        let per_granule = (procmem_actors::procmem::granularity()
+            / SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K))
+            as usize;
         for pos in 0..per_granule {
             step(&w, &[1, 2], pos).await.unwrap();
         }

@@ -29,7 +29,8 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 2,
     head_dim: 64,
     max_tokens: 8192,
-    dtype: KvDtype::F32,
+    k_dtype: KvDtype::F32,
+    v_dtype: KvDtype::F32,
 };
 
 fn have_gpu(test: &str) -> bool {
@@ -100,7 +101,11 @@ impl Server {
         for layer in 0..SHAPE.layers {
             let views = step.views(i, layer).unwrap();
             for (kind, view) in [(1, views.k), (2, views.v)] {
-                let mut got = vec![0u8; tokens * SHAPE.token_bytes() as usize];
+                let mut got =
+                    vec![
+                        0u8;
+                        tokens * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K) as usize
+                    ];
                 // SAFETY: the step holds the memory; every row below its position is mapped.
                 unsafe { self.device.copy_to_host(&mut got, view.addr).unwrap() };
                 for pos in 0..tokens {
@@ -158,7 +163,9 @@ async fn on_gpu(blocks: u64, host_tier: Option<u64>) -> OnGpu {
         .unwrap();
     let server = Server {
         kernels: DecodeKernels::load(device.clone()).unwrap(),
-        staging: device.alloc(SHAPE.token_bytes()).unwrap(),
+        staging: device
+            .alloc(SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K))
+            .unwrap(),
         device: device.clone(),
     };
     OnGpu {

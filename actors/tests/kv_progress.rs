@@ -66,7 +66,8 @@ struct Request {
 
 /// Bytes a request's KV takes at `tokens` tokens (whole pages per buffer).
 fn tokens_bytes(tokens: usize) -> u64 {
-    let per_buffer = (tokens as u64 * SHAPE.token_bytes()).next_multiple_of(4096);
+    let per_buffer = (tokens as u64 * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K))
+        .next_multiple_of(4096);
     per_buffer * SHAPE.buffers() as u64
 }
 

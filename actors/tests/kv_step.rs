@@ -76,7 +76,10 @@ async fn views_point_at_the_memory_the_kernel_reads() {
     for (i, _, v) in &views {
         assert_eq!(v.k.tokens, step.positions()[*i] + 1);
         assert_eq!(v.k.dtype, KvDtype::F32);
-        assert_eq!(v.k.token_stride, SHAPE.token_bytes());
+        assert_eq!(
+            v.k.token_stride,
+            SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K)
+        );
         assert_eq!(v.k.head_stride, 16 * 4);
         assert_eq!(v.k.place, Place::HOST);
         assert_ne!(v.k.addr, v.v.addr);
@@ -271,7 +274,8 @@ async fn a_kernel_that_panics_fails_its_call_and_the_step_still_ends_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_bit_kv_steps_swaps_and_comes_back_bit_for_bit() {
     let shape = KvShape {
-        dtype: KvDtype::F16,
+        k_dtype: KvDtype::F16,
+        v_dtype: KvDtype::F16,
         ..SHAPE
     };
     let (g, _p, kv) = store(shape, 1 << 30).await;
@@ -503,7 +507,7 @@ fn mapping_ahead() -> (usize, u64, procmem_actors::kv::KvStoreConfig) {
     let page = procmem_actors::procmem::granularity();
     let mut config = kv_config(SHAPE, 1, PreemptMode::Swap, Duration::from_millis(300));
     config.map_ahead = true;
-    let per_chunk = (page / SHAPE.token_bytes()) as usize;
+    let per_chunk = (page / SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K)) as usize;
     (per_chunk, page * SHAPE.buffers() as u64, config)
 }
 

@@ -115,7 +115,8 @@ async fn decoding_through_the_store_matches_a_plain_vec_bit_for_bit() {
         "and so does the Governor"
     );
     let chunk = 2 * PAGE;
-    let per_seq_tokens = 300 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    let per_seq_tokens =
+        300 * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K) * SHAPE.buffers() as u64;
     assert!(stats.exclusive_bytes <= 2 * (per_seq_tokens + chunk * SHAPE.buffers() as u64));
 }
 
@@ -125,7 +126,8 @@ async fn a_denied_step_leaves_the_old_view_and_the_books_unchanged() {
     let (g, _p, kv) = setup(per_chunk, PreemptMode::Swap).await;
     kv.open(1, vec![], 5).await.unwrap();
     let mut reference = Reference::default();
-    let tokens_per_chunk = (2 * PAGE / SHAPE.token_bytes()) as usize;
+    let tokens_per_chunk =
+        (2 * PAGE / SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K)) as usize;
     for pos in 0..tokens_per_chunk {
         let out = step(&kv, &[(1, pos)]).await.unwrap();
         for layer in 0..SHAPE.layers {
@@ -171,7 +173,7 @@ async fn shared_prompts_cost_only_their_unshared_part() {
         step(&kv, &[(1, pos)]).await.unwrap();
     }
     let after_first = kv.stats().await.unwrap();
-    let block_bytes = 3 * SHAPE.buffers() as u64 * SHAPE.block_bytes(PAGE);
+    let block_bytes = 3 * SHAPE.block_bytes_all(PAGE);
     assert_eq!(after_first.prefix_bytes, block_bytes);
     assert_eq!(
         after_first.os_resident_bytes,

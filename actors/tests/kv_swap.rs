@@ -92,7 +92,7 @@ async fn a_swap_is_charged_to_the_host_tier_and_comes_back_intact() {
         (s.preempted, s.swap, s.swap_fallbacks),
         (1, SwapKind::Host, 0)
     );
-    assert!(s.swapped_bytes >= 40 * SHAPE.token_bytes() * 4);
+    assert!(s.swapped_bytes >= 40 * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K) * 4);
     // The host tier's ledger holds the copy, and the kernel agrees with it.
     assert_eq!(leased(&host).await, host_tier_bytes(&p));
     assert!(leased(&host).await >= s.swapped_bytes);
@@ -170,7 +170,10 @@ async fn kv_in_host_memory_swaps_to_disk_and_never_into_its_own_authority() {
     let squeezed = squeeze(&g, &kv).await;
     let s = kv.stats().await.unwrap();
     assert_eq!((s.preempted, s.swap), (1, SwapKind::Disk));
-    assert_eq!(s.swapped_bytes, 40 * SHAPE.token_bytes() * 4);
+    assert_eq!(
+        s.swapped_bytes,
+        40 * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K) * 4
+    );
     assert_eq!(s.exclusive_bytes, 0, "the KV's memory was given back");
     assert_eq!(
         std::fs::read_dir(&dir).unwrap().count(),
@@ -471,7 +474,9 @@ async fn restore_after_sharing(preempt: PreemptMode, evict_meanwhile: bool) {
     g.set_capacity(1 << 30).await.unwrap();
     let shared = if evict_meanwhile { 0 } else { 2 * bt };
     let restored = kv.restore(2).await.unwrap();
-    let own = (tokens - shared) as u64 * SHAPE.token_bytes() * SHAPE.buffers() as u64;
+    let own = (tokens - shared) as u64
+        * SHAPE.token_bytes(procmem_actors::procmem::kv::KvPart::K)
+        * SHAPE.buffers() as u64;
     if preempt == PreemptMode::Swap {
         assert_eq!(restored, Restored::Swapped { tokens });
     } else {

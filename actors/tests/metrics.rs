@@ -83,7 +83,8 @@ async fn metrics_are_valid_match_the_ledger_and_a_real_prometheus_scrapes_them()
         kv_heads: 2,
         head_dim: 16,
         max_tokens: 256,
-        dtype: KvDtype::F32,
+        k_dtype: KvDtype::F32,
+        v_dtype: KvDtype::F32,
     };
     let kv = memory
         .kv_store(KvStoreConfig::new("kv", shape).wait(Duration::from_millis(200)))

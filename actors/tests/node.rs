@@ -32,7 +32,8 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 4,
     head_dim: 128,
     max_tokens: 256,
-    dtype: procmem_actors::procmem::kv::KvDtype::F32,
+    k_dtype: procmem_actors::procmem::kv::KvDtype::F32,
+    v_dtype: procmem_actors::procmem::kv::KvDtype::F32,
 };
 const PROMPT: usize = 64;
 

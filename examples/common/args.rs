@@ -34,6 +34,10 @@ pub enum Dtype {
     F32,
     /// 16-bit floats, as servers usually keep KV.
     F16,
+    /// Eight bits a value in blocks of 32 with an f16 scale (llama.cpp's q8_0): 0.53x the
+    /// bytes of f16. The head dimension must be a multiple of 32.
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -67,9 +71,15 @@ pub struct Args {
     /// Model size.
     #[arg(long, value_enum, default_value_t = ModelSize::Small)]
     pub model_size: ModelSize,
-    /// Element type of the KV cache.
+    /// Element type of the KV cache (K and V both, unless one of the next two says).
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     pub kv_dtype: Dtype,
+    /// Element type of K alone (llama.cpp's -ctk).
+    #[arg(long, value_enum)]
+    pub kv_dtype_k: Option<Dtype>,
+    /// Element type of V alone (llama.cpp's -ctv).
+    #[arg(long, value_enum)]
+    pub kv_dtype_v: Option<Dtype>,
     /// Prompt length in tokens (half the requests share its first three quarters).
     #[arg(long, default_value_t = 64)]
     pub prompt_len: usize,
@@ -175,6 +185,12 @@ const MAX_CONCURRENCY: usize = 65_536;
 const MAX_TOKENS: usize = 1 << 20;
 
 impl Args {
+    /// The types K and V are kept in: `--kv-dtype`, where `--kv-dtype-k`/`-v` do not say.
+    pub fn kv_dtypes(&self) -> (KvDtype, KvDtype) {
+        let or_both = |d: Option<Dtype>| kv_dtype(d.unwrap_or(self.kv_dtype));
+        (or_both(self.kv_dtype_k), or_both(self.kv_dtype_v))
+    }
+
     /// Refuses figures that are zero, or so large that a size derived from them could
     /// overflow or an allocation made up front be immodest: a usage error, never a panic.
     pub fn validate(&self) -> Result<(), String> {
@@ -228,7 +244,7 @@ impl Args {
         let concurrency = self.concurrency.min(64).min(requests);
         let mut config = ModelConfig::new(source, context, concurrency);
         config.budget = budget;
-        config.dtype = kv_dtype(self.kv_dtype);
+        (config.k_dtype, config.v_dtype) = self.kv_dtypes();
         config.preempt = preempt_mode(self.preempt);
         config.builtin = listen.is_none().then_some(Builtin { requests, max_new });
         config.prefix_disk = match &self.prefix_disk {
@@ -265,7 +281,8 @@ impl Args {
                 ModelSize::Medium => Size::Medium,
                 ModelSize::Large => Size::Large,
             },
-            dtype: kv_dtype(self.kv_dtype),
+            k_dtype: self.kv_dtypes().0,
+            v_dtype: self.kv_dtypes().1,
             requests: self.requests,
             concurrency: self.concurrency,
             prompt_len: self.prompt_len,
@@ -335,6 +352,7 @@ pub fn kv_dtype(d: Dtype) -> KvDtype {
     match d {
         Dtype::F32 => KvDtype::F32,
         Dtype::F16 => KvDtype::F16,
+        Dtype::Q8_0 => KvDtype::Q8_0,
     }
 }
 

@@ -10,7 +10,6 @@
 use std::path::{Path, PathBuf};
 
 use procmem_actors::kv::{KvStoreConfig, PreemptMode, PrefixDisk};
-use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::MemoryManager;
 
@@ -263,8 +262,10 @@ pub struct ModelConfig {
     pub builtin: Option<Builtin>,
     /// Sequences that may run at once.
     pub concurrency: usize,
-    /// The KV's element type.
-    pub dtype: KvDtype,
+    /// The element type K is kept in (`--kv-dtype-k`).
+    pub k_dtype: KvDtype,
+    /// The element type V is kept in (`--kv-dtype-v`).
+    pub v_dtype: KvDtype,
     /// What preemption does.
     pub preempt: PreemptMode,
     /// The host authority's budget ([`Budget::OfPeak`] counts the weights as its base).
@@ -282,7 +283,8 @@ impl ModelConfig {
             context,
             builtin: None,
             concurrency,
-            dtype: KvDtype::F16,
+            k_dtype: KvDtype::F16,
+            v_dtype: KvDtype::F16,
             preempt: PreemptMode::Swap,
             budget: Budget::OfPeak(1.0),
             prefix_disk: None,
@@ -337,10 +339,13 @@ impl Launch {
             .iter()
             .map(|l| (l.len() as u64).next_multiple_of(page))
             .sum();
-        let shape = loaded.model.kv_shape(config.dtype, context);
-        let chunk = page * CHUNK_GRANULES;
-        let per_seq = shape.buffers() as u64
-            * mapped_bytes_for(longest, shape.token_bytes(), chunk, u64::MAX);
+        let shape = loaded
+            .model
+            .kv_shape(config.k_dtype, config.v_dtype, context);
+        shape
+            .validate(page)
+            .map_err(|e| LaunchError::Usage(format!("--kv-dtype: {e}")))?;
+        let per_seq = shape.mapped_bytes(longest, page * CHUNK_GRANULES);
         let sizing = Sizing::new(weights, per_seq, config.concurrency, config.budget)?;
         Ok(Launch {
             path,

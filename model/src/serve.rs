@@ -94,9 +94,13 @@ impl Engine {
         mut kv_config: KvStoreConfig,
         eos: Option<u32>,
     ) -> Result<Self, ModelError> {
-        let shape = loaded
-            .model
-            .kv_shape(kv_config.shape.dtype, kv_config.shape.max_tokens);
+        let KvShape {
+            k_dtype,
+            v_dtype,
+            max_tokens,
+            ..
+        } = kv_config.shape;
+        let shape = loaded.model.kv_shape(k_dtype, v_dtype, max_tokens);
         kv_config.shape = shape;
         let weights = memory.residency(ResidencyConfig::new("weights")).await?;
         for (layer, bytes) in loaded.layers.into_iter().enumerate() {

@@ -117,15 +117,16 @@ impl Smol {
         })
     }
 
-    /// The KV shape of this model for `max_tokens` in `dtype`.
-    pub fn kv_shape(&self, dtype: KvDtype, max_tokens: usize) -> KvShape {
+    /// The KV shape of this model for `max_tokens`, K kept in `k_dtype` and V in `v_dtype`.
+    pub fn kv_shape(&self, k_dtype: KvDtype, v_dtype: KvDtype, max_tokens: usize) -> KvShape {
         KvShape {
             layers: self.config.layers,
             q_heads: self.config.q_heads,
             kv_heads: self.config.kv_heads,
             head_dim: self.config.head_dim,
             max_tokens,
-            dtype,
+            k_dtype,
+            v_dtype,
         }
     }
 

@@ -281,7 +281,8 @@ impl Gpu {
             q: 0,
             k: 0,
             v: 0,
-            dtype: shape.dtype,
+            k_dtype: shape.k_dtype,
+            v_dtype: shape.v_dtype,
             tokens: shape.max_tokens as u32,
             q_heads: shape.q_heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -376,13 +377,16 @@ impl Gpu {
                     views.k.row_addr(pos).ok_or(no_row)?,
                     views.v.row_addr(pos).ok_or(no_row)?,
                 );
-                self.kernels.write_row(stream, shape.dtype, k_row, ki, n)?;
-                self.kernels.write_row(stream, shape.dtype, v_row, vi, n)?;
+                self.kernels
+                    .write_row(stream, shape.k_dtype, k_row, ki, n)?;
+                self.kernels
+                    .write_row(stream, shape.v_dtype, v_row, vi, n)?;
                 let launch = DecodeLaunch {
                     q: qi,
                     k: views.k.addr,
                     v: views.v.addr,
-                    dtype: shape.dtype,
+                    k_dtype: shape.k_dtype,
+                    v_dtype: shape.v_dtype,
                     tokens: (pos + 1) as u32,
                     q_heads: shape.q_heads as u32,
                     kv_heads: shape.kv_heads as u32,

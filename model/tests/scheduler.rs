@@ -25,7 +25,8 @@ const SHAPE: KvShape = KvShape {
     kv_heads: 1,
     head_dim: 8,
     max_tokens: 256,
-    dtype: KvDtype::F32,
+    k_dtype: KvDtype::F32,
+    v_dtype: KvDtype::F32,
 };
 
 /// Each new row's K holds its token; the logits of a sequence's last new row are one-hot at

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use procmem_actors::kv::{KvStoreError, PreemptMode};
+use procmem_actors::procmem::kv::KvDtype;
 use procmem_model::{decode_step, Engine, ModelError, Smol, TextCodec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,10 +107,13 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
     let weights: u64 = loaded.layers.iter().map(|l| l.len() as u64).sum();
     let shape = loaded
         .model
-        .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, MAX_TOKENS);
+        .kv_shape(KvDtype::F32, KvDtype::F32, MAX_TOKENS);
     // Peak KV demand: 4 sequences of prompt + new tokens at once.
     let longest = prompts.iter().map(Vec::len).max().unwrap() + 32;
-    let peak_kv = 4 * longest as u64 * shape.token_bytes() * shape.buffers() as u64;
+    let peak_kv = 4
+        * longest as u64
+        * shape.token_bytes(procmem_actors::procmem::kv::KvPart::K)
+        * shape.buffers() as u64;
     // The weights and half the peak KV demand of 4 sequences (room for two; 3/8, room for
     // one and a half, once failed a step's grant under a loaded machine): cached prefixes are
     // evicted and sequences preempted. Then three quarters of the weights beside it: layers

@@ -33,8 +33,10 @@ pub struct DecodeLaunch {
     pub k: u64,
     /// The layer's V view, laid out as K.
     pub v: u64,
-    /// The element type of K and V.
-    pub dtype: KvDtype,
+    /// The element type of K.
+    pub k_dtype: KvDtype,
+    /// The element type of V.
+    pub v_dtype: KvDtype,
     /// Rows to attend over.
     pub tokens: u32,
     /// Query heads.
@@ -80,7 +82,8 @@ impl DecodeLaunch {
         if self.head_dim == 0 || self.head_dim > CUDA_MAX_HEAD_DIM {
             return bad("head_dim must be 1..=256");
         }
-        if self.head_dim as usize % self.dtype.block_values() != 0 {
+        let block = self.k_dtype.block_values().max(self.v_dtype.block_values());
+        if self.head_dim as usize % block != 0 {
             return bad("a q8_0 head is whole blocks of 32");
         }
         if self.tokens == 0 {
@@ -94,9 +97,8 @@ impl DecodeLaunch {
 pub struct DecodeKernels {
     device: Arc<CudaDevice>,
     module: sys::CUmodule,
-    split_f32: sys::CUfunction,
-    split_f16: sys::CUfunction,
-    split_q8_0: sys::CUfunction,
+    /// `gqa_split_<k>_<v>`, by K's then V's index in [`KvDtype::ALL`].
+    split: [[sys::CUfunction; 3]; 3],
     merge: sys::CUfunction,
     write_f32: sys::CUfunction,
     write_f16: sys::CUfunction,
@@ -141,10 +143,14 @@ impl DecodeKernels {
             Ok(unsafe { f.assume_init() })
         };
         let found = (|| {
+            let mut split = [[std::ptr::null_mut(); 3]; 3];
+            for (k, row) in KvDtype::ALL.iter().zip(split.iter_mut()) {
+                for (v, f) in KvDtype::ALL.iter().zip(row.iter_mut()) {
+                    *f = function(&format!("gqa_split_{k}_{v}"))?;
+                }
+            }
             Ok::<_, MemoryError>((
-                function("gqa_split_f32")?,
-                function("gqa_split_f16")?,
-                function("gqa_split_q8_0")?,
+                split,
                 function("gqa_merge")?,
                 function("kv_write_f32")?,
                 function("kv_write_f16")?,
@@ -152,19 +158,15 @@ impl DecodeKernels {
             ))
         })();
         match found {
-            Ok((split_f32, split_f16, split_q8_0, merge, write_f32, write_f16, write_q8_0)) => {
-                Ok(DecodeKernels {
-                    device,
-                    module,
-                    split_f32,
-                    split_f16,
-                    split_q8_0,
-                    merge,
-                    write_f32,
-                    write_f16,
-                    write_q8_0,
-                })
-            }
+            Ok((split, merge, write_f32, write_f16, write_q8_0)) => Ok(DecodeKernels {
+                device,
+                module,
+                split,
+                merge,
+                write_f32,
+                write_f16,
+                write_q8_0,
+            }),
             Err(e) => {
                 // SAFETY: loaded above, no function of it was handed out.
                 let _ = unsafe { sys::cuModuleUnload(module) };
@@ -203,11 +205,8 @@ impl DecodeKernels {
             &scale as *const f32 as *mut c_void,
             &launch.partials as *const u64 as *mut c_void,
         ];
-        let split = match launch.dtype {
-            KvDtype::F32 => self.split_f32,
-            KvDtype::F16 => self.split_f16,
-            KvDtype::Q8_0 => self.split_q8_0,
-        };
+        let index = |d: KvDtype| KvDtype::ALL.iter().position(|x| *x == d).unwrap_or(0);
+        let split = self.split[index(launch.k_dtype)][index(launch.v_dtype)];
         // SAFETY: the caller's contract covers the memory; the argument array matches the
         // kernel's parameters in order and type, and lives across the call (the driver
         // copies the values when it queues the launch).
@@ -337,7 +336,8 @@ mod tests {
             q: 0,
             k: 0,
             v: 0,
-            dtype: KvDtype::F16,
+            k_dtype: KvDtype::F16,
+            v_dtype: KvDtype::F16,
             tokens,
             q_heads,
             kv_heads,
@@ -367,7 +367,7 @@ mod tests {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
         let q8 = |head_dim| DecodeLaunch {
-            dtype: KvDtype::Q8_0,
+            v_dtype: KvDtype::Q8_0,
             ..launch(16, 9, 3, head_dim)
         };
         assert!(q8(64).validate().is_ok());

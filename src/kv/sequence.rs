@@ -9,7 +9,8 @@
 use thiserror::Error;
 
 use super::elem::{narrow_into, KvElement, KvRows, KvView, LayerViews};
-use super::shape::{mapped_bytes_for, KvDtype, KvShape, ShapeError};
+use super::shape::{mapped_bytes_for, KvDtype, KvPart, KvShape, ShapeError};
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::api::{
@@ -63,17 +64,51 @@ pub enum KvError {
     BadPrefix,
 }
 
+/// Bytes a growth maps at the end of each K buffer and of each V buffer (they differ where K
+/// and V are kept in different types): what [`KvSequence::growth_for`] asks and
+/// [`KvSequence::map_growth`] maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GrowthSize {
+    /// Bytes at the end of each K buffer.
+    pub k: u64,
+    /// Bytes at the end of each V buffer.
+    pub v: u64,
+    /// Layers: buffers of each part.
+    pub layers: usize,
+}
+
+impl GrowthSize {
+    /// Bytes over every buffer: what the growth must be paid for with.
+    pub fn bytes(&self) -> u64 {
+        (self.layers as u64).saturating_mul(self.k.saturating_add(self.v))
+    }
+
+    /// True when nothing is to be mapped.
+    pub fn is_empty(&self) -> bool {
+        self.bytes() == 0
+    }
+
+    /// Bytes at the end of each buffer of `part`.
+    pub fn of(&self, part: KvPart) -> u64 {
+        match part {
+            KvPart::K => self.k,
+            KvPart::V => self.v,
+        }
+    }
+}
+
 /// A growth mapped but not yet visible. Publish it or abandon it.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "publish or abandon a mapped growth"]
 pub struct PendingGrowth {
-    tails: Vec<MappedTail>,
+    /// Each buffer that grew, with its new tail.
+    tails: Vec<(usize, MappedTail)>,
 }
 
 impl PendingGrowth {
     /// Physical bytes this growth mapped, over all buffers.
     pub fn bytes(&self) -> u64 {
-        self.tails.iter().map(MappedTail::bytes).sum()
+        self.tails.iter().map(|(_, t)| t.bytes()).sum()
     }
 }
 
@@ -82,7 +117,7 @@ impl PendingGrowth {
 pub struct KvSequence {
     shape: KvShape,
     chunk: u64,
-    /// K then V for each layer; all of the same length.
+    /// K then V for each layer; every K of one length, every V of one length.
     buffers: Vec<VirtualBuffer>,
     tokens: usize,
 }
@@ -96,9 +131,11 @@ impl KvSequence {
     ) -> Result<Self, KvError> {
         let g = backing.granularity();
         shape.validate(g)?;
-        let bytes = shape.buffer_bytes(g);
         let buffers = (0..shape.buffers())
-            .map(|_| VirtualBuffer::new(Arc::clone(&backing), bytes, MemoryRole::KvCache))
+            .map(|b| {
+                let bytes = shape.buffer_bytes(KvPart::of_buffer(b), g);
+                VirtualBuffer::new(Arc::clone(&backing), bytes, MemoryRole::KvCache)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(KvSequence {
             shape,
@@ -108,9 +145,14 @@ impl KvSequence {
         })
     }
 
-    /// Bytes backed from the start of every buffer.
-    fn mapped(&self) -> u64 {
-        self.buffers[0].len()
+    /// Bytes per token in buffer `b`.
+    fn tb(&self, b: usize) -> u64 {
+        self.shape.token_bytes(KvPart::of_buffer(b))
+    }
+
+    /// The first buffer of `part` (every other of its part has its length).
+    fn first(&self, part: KvPart) -> &VirtualBuffer {
+        &self.buffers[part as usize]
     }
 
     /// The shape.
@@ -123,14 +165,19 @@ impl KvSequence {
         self.tokens
     }
 
-    /// Bytes backed from the start of each buffer (shared blocks and own memory).
+    /// Bytes backed from the start of the buffers, over all of them (shared blocks and own
+    /// memory).
     pub fn mapped_bytes(&self) -> u64 {
-        self.mapped()
+        self.buffers.iter().map(VirtualBuffer::len).sum()
     }
 
-    /// Tokens that fit in what is mapped.
+    /// Tokens that fit in what is mapped (in K and in V).
     pub fn mapped_tokens(&self) -> usize {
-        (self.mapped() / self.shape.token_bytes()) as usize
+        KvPart::BOTH
+            .iter()
+            .map(|p| self.first(*p).len() / self.shape.token_bytes(*p))
+            .min()
+            .unwrap_or(0) as usize
     }
 
     /// Bytes of physical memory this sequence owns alone (not shared blocks), all buffers.
@@ -146,33 +193,48 @@ impl KvSequence {
         &self.buffers
     }
 
-    /// Bytes per buffer that must be mapped before `more` tokens can be appended.
-    pub fn growth_for(&self, more: usize) -> u64 {
-        let capacity = self.buffers[0].capacity();
-        mapped_bytes_for(
-            self.tokens + more,
-            self.shape.token_bytes(),
-            self.chunk,
-            capacity,
-        )
-        .saturating_sub(self.mapped())
+    /// Bytes each K and each V buffer must map before `more` tokens can be appended.
+    pub fn growth_for(&self, more: usize) -> GrowthSize {
+        let part = |p: KvPart| {
+            let b = self.first(p);
+            mapped_bytes_for(
+                self.tokens + more,
+                self.shape.token_bytes(p),
+                self.chunk,
+                b.capacity(),
+            )
+            .saturating_sub(b.len())
+        };
+        GrowthSize {
+            k: part(KvPart::K),
+            v: part(KvPart::V),
+            layers: self.shape.layers,
+        }
     }
 
-    /// Maps `per_buffer` more bytes at the end of every buffer. If any mapping fails, the
-    /// ones this call made are unmapped and the sequence is unchanged.
-    pub fn map_growth(&mut self, per_buffer: u64) -> Result<PendingGrowth, KvError> {
-        if self.mapped().saturating_add(per_buffer) > self.buffers[0].capacity() {
-            return Err(KvError::Full(self.shape.max_tokens));
+    /// Maps `growth` at the end of every buffer (its K bytes on each K, its V bytes on each
+    /// V). If any mapping fails, the ones this call made are unmapped and the sequence is
+    /// unchanged.
+    pub fn map_growth(&mut self, growth: GrowthSize) -> Result<PendingGrowth, KvError> {
+        for p in KvPart::BOTH {
+            let b = self.first(p);
+            if b.len().saturating_add(growth.of(p)) > b.capacity() {
+                return Err(KvError::Full(self.shape.max_tokens));
+            }
         }
         let mut tails = Vec::with_capacity(self.buffers.len());
         for i in 0..self.buffers.len() {
-            match self.buffers[i].map_tail(per_buffer) {
-                Ok(t) => tails.push(t),
+            let bytes = growth.of(KvPart::of_buffer(i));
+            if bytes == 0 {
+                continue;
+            }
+            match self.buffers[i].map_tail(bytes) {
+                Ok(t) => tails.push((i, t)),
                 Err(e) => {
                     // Every tail mapped so far is unmapped, even past one that fails to.
                     let mut undo = Ok(());
-                    for (done, tail) in self.buffers.iter_mut().zip(tails) {
-                        if let Err(u) = done.unmap_tail(tail) {
+                    for (done, tail) in tails {
+                        if let Err(u) = self.buffers[done].unmap_tail(tail) {
                             undo = undo.and(Err(u));
                         }
                     }
@@ -186,8 +248,8 @@ impl KvSequence {
 
     /// Makes a mapped growth visible.
     pub fn publish(&mut self, growth: PendingGrowth) {
-        for (b, tail) in self.buffers.iter_mut().zip(growth.tails) {
-            b.publish(tail);
+        for (b, tail) in growth.tails {
+            self.buffers[b].publish(tail);
         }
     }
 
@@ -196,8 +258,8 @@ impl KvSequence {
     /// returned; that tail stays mapped beyond the published length).
     pub fn abandon(&mut self, growth: PendingGrowth) -> Result<(), KvError> {
         let mut result = Ok(());
-        for (b, tail) in self.buffers.iter_mut().zip(growth.tails) {
-            if let Err(e) = b.unmap_tail(tail) {
+        for (b, tail) in growth.tails {
+            if let Err(e) = self.buffers[b].unmap_tail(tail) {
                 result = result.and(Err(e.into()));
             }
         }
@@ -205,9 +267,9 @@ impl KvSequence {
     }
 
     /// Maps shared prefix blocks at the start of an empty sequence: `blocks[i * buffers + b]`
-    /// is block `i` of buffer `b`, mapped with `access[i]`. The sequence then holds `tokens`
-    /// tokens (at most what the blocks cover). If any mapping fails, the ones made by this call
-    /// are undone.
+    /// is block `i` of buffer `b`, mapped with `access[i]` (every K block of one size, every V
+    /// block of one size). The sequence then holds `tokens` tokens (at most what the blocks
+    /// cover in K and in V). If any mapping fails, the ones made by this call are undone.
     pub fn attach_prefix(
         &mut self,
         mapping: &dyn SharedMapping,
@@ -216,15 +278,16 @@ impl KvSequence {
         tokens: usize,
     ) -> Result<(), KvError> {
         let n = self.buffers.len();
-        if self.mapped() != 0 || blocks.is_empty() || blocks.len() != access.len() * n {
+        if self.mapped_bytes() != 0 || blocks.is_empty() || blocks.len() != access.len() * n {
             return Err(KvError::BadPrefix);
         }
-        let block_bytes = blocks[0].bytes();
-        if blocks.iter().any(|b| b.bytes() != block_bytes) {
+        // The first K and V blocks set each part's size; every other must match its part's.
+        let size = |i: usize| blocks[KvPart::of_buffer(i % n) as usize].bytes();
+        if blocks.iter().enumerate().any(|(i, b)| b.bytes() != size(i)) {
             return Err(KvError::BadPrefix);
         }
-        let covered = access.len() as u64 * block_bytes;
-        if tokens as u64 * self.shape.token_bytes() > covered {
+        let covered = |b: usize| access.len() as u64 * size(b) / self.tb(b);
+        if tokens as u64 > covered(0).min(covered(1)) {
             return Err(KvError::BadPrefix);
         }
         for (i, block) in blocks.iter().enumerate() {
@@ -248,7 +311,8 @@ impl KvSequence {
         if layer >= self.shape.layers {
             return Err(KvError::NoSuchLayer(layer));
         }
-        self.check_type::<T>()?;
+        self.check_type::<T>(KvPart::K)?;
+        self.check_type::<T>(KvPart::V)?;
         for x in [k.len(), v.len()] {
             if x != self.shape.token_elems() {
                 return Err(KvError::WrongLength {
@@ -260,12 +324,13 @@ impl KvSequence {
         Ok(())
     }
 
-    fn check_type<T: KvElement>(&self) -> Result<(), KvError> {
-        if T::DTYPE == self.shape.dtype {
+    fn check_type<T: KvElement>(&self, part: KvPart) -> Result<(), KvError> {
+        let kept = self.shape.dtype(part);
+        if T::DTYPE == kept {
             Ok(())
         } else {
             Err(KvError::WrongType {
-                kept: self.shape.dtype,
+                kept,
                 asked: T::DTYPE,
             })
         }
@@ -294,10 +359,11 @@ impl KvSequence {
         k: &[T],
         v: &[T],
     ) -> Result<(), KvError> {
-        self.check_type::<T>()?;
-        let (start, end) = self.writable_rows(layer, pos, k.len(), v.len())?;
-        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
-            let bytes = self.buffers[b].bytes_mut(start..end)?;
+        self.check_type::<T>(KvPart::K)?;
+        self.check_type::<T>(KvPart::V)?;
+        let ranges = self.writable_rows(layer, pos, k.len(), v.len())?;
+        for ((b, data), range) in [(2 * layer, k), (2 * layer + 1, v)].into_iter().zip(ranges) {
+            let bytes = self.buffers[b].bytes_mut(range)?;
             bytes.copy_from_slice(bytemuck::cast_slice(data));
         }
         Ok(())
@@ -312,23 +378,23 @@ impl KvSequence {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
-        let (start, end) = self.writable_rows(layer, pos, k.len(), v.len())?;
-        let dtype = self.shape.dtype;
-        for (b, data) in [(2 * layer, k), (2 * layer + 1, v)] {
-            narrow_into(dtype, data, self.buffers[b].bytes_mut(start..end)?);
+        let ranges = self.writable_rows(layer, pos, k.len(), v.len())?;
+        for ((b, data), range) in [(2 * layer, k), (2 * layer + 1, v)].into_iter().zip(ranges) {
+            let dtype = self.shape.dtype(KvPart::of_buffer(b));
+            narrow_into(dtype, data, self.buffers[b].bytes_mut(range)?);
         }
         Ok(())
     }
 
-    /// The byte range of `layer`'s buffers that rows of `k_len` and `v_len` values from `pos`
-    /// take, once checked: whole rows, mapped, none in a read-only shared block.
+    /// The byte ranges of `layer`'s K and V buffers that rows of `k_len` and `v_len` values
+    /// from `pos` take, once checked: whole rows, mapped, none in a read-only shared block.
     fn writable_rows(
         &self,
         layer: usize,
         pos: usize,
         k_len: usize,
         v_len: usize,
-    ) -> Result<(u64, u64), KvError> {
+    ) -> Result<[Range<u64>; 2], KvError> {
         if layer >= self.shape.layers {
             return Err(KvError::NoSuchLayer(layer));
         }
@@ -341,14 +407,17 @@ impl KvSequence {
                 got,
             });
         }
-        let tb = self.shape.token_bytes();
         let rows = (k_len / elems) as u64;
-        let start = (pos as u64).saturating_mul(tb);
-        let end = start.saturating_add(rows.saturating_mul(tb));
-        if end > self.mapped() {
-            return Err(KvError::NotMapped(pos));
-        }
-        for b in [2 * layer, 2 * layer + 1] {
+        let range = |b: usize| {
+            let start = (pos as u64).saturating_mul(self.tb(b));
+            start..start.saturating_add(rows.saturating_mul(self.tb(b)))
+        };
+        let ranges = [range(2 * layer), range(2 * layer + 1)];
+        for (b, Range { start, end }) in [2 * layer, 2 * layer + 1].into_iter().zip(ranges.clone())
+        {
+            if end > self.buffers[b].len() {
+                return Err(KvError::NotMapped(pos));
+            }
             let read_only = self.buffers[b]
                 .allocation()
                 .shared_views()
@@ -357,10 +426,10 @@ impl KvSequence {
                     (overlaps && v.access != MapAccess::ReadWrite).then_some(o.max(start))
                 });
             if let Some(at) = read_only {
-                return Err(KvError::SharedBlock((at / tb) as usize));
+                return Err(KvError::SharedBlock((at / self.tb(b)) as usize));
             }
         }
-        Ok((start, end))
+        Ok(ranges)
     }
 
     /// Counts one more token, once every layer's K and V for it are written.
@@ -382,8 +451,8 @@ impl KvSequence {
     }
 
     fn elems<T: KvElement>(&self, buffer: usize, tokens: usize) -> Result<&[T], KvError> {
-        self.check_type::<T>()?;
-        let len = tokens as u64 * self.shape.token_bytes();
+        self.check_type::<T>(KvPart::of_buffer(buffer))?;
+        let len = tokens as u64 * self.tb(buffer);
         let bytes = self.buffers[buffer].bytes(0..len)?;
         Ok(bytemuck::cast_slice(bytes))
     }
@@ -419,9 +488,11 @@ impl KvSequence {
         tokens: usize,
     ) -> Result<(KvRows<'_>, KvRows<'_>), KvError> {
         self.check_upto(layer, tokens)?;
-        let len = tokens as u64 * self.shape.token_bytes();
-        let dtype = self.shape.dtype;
         let side = |b: usize| -> Result<KvRows<'_>, KvError> {
+            let (len, dtype) = (
+                tokens as u64 * self.tb(b),
+                self.shape.dtype(KvPart::of_buffer(b)),
+            );
             let bytes = self.buffers[b].bytes(0..len)?;
             // Buffers are page-aligned and hold whole rows: the bytes are always whole values.
             KvRows::from_bytes(dtype, bytes).ok_or(KvError::WrongLength {
@@ -451,7 +522,7 @@ impl KvSequence {
         if tokens > self.mapped_tokens() {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
-        Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.shape.token_bytes())?)
+        Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.tb(buffer))?)
     }
 
     /// Copies buffer `buffer`'s first `tokens` rows into `dst` (exactly that many bytes),
@@ -464,7 +535,7 @@ impl KvSequence {
         if tokens > self.mapped_tokens() {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
-        let len = tokens as u64 * self.shape.token_bytes();
+        let len = tokens as u64 * self.tb(buffer);
         if dst.len() as u64 != len {
             return Err(KvError::WrongLength {
                 expected: len as usize,
@@ -489,10 +560,10 @@ impl KvSequence {
         from: usize,
         bytes: &[u8],
     ) -> Result<(), KvError> {
-        let tb = self.shape.token_bytes();
         if buffer >= self.buffers.len() {
             return Err(KvError::NoSuchLayer(buffer / 2));
         }
+        let tb = self.tb(buffer);
         if bytes.len() as u64 % tb != 0 {
             return Err(KvError::WrongLength {
                 expected: (bytes.len() as u64).next_multiple_of(tb) as usize,
@@ -504,8 +575,9 @@ impl KvSequence {
         let (Some(at), Some(end)) = (at, end) else {
             return Err(KvError::NotMapped(from));
         };
-        if end > self.mapped() {
-            return Err(KvError::NotMapped((self.mapped() / tb) as usize));
+        let mapped = self.buffers[buffer].len();
+        if end > mapped {
+            return Err(KvError::NotMapped((mapped / tb) as usize));
         }
         Ok(self.buffers[buffer].write_from(at, bytes)?)
     }
@@ -514,17 +586,20 @@ impl KvSequence {
     /// mapped): the reservations' own addresses, valid while the sequence keeps its memory.
     pub fn views(&self, layer: usize, tokens: usize) -> Result<LayerViews, KvError> {
         self.check_upto(layer, tokens)?;
-        let view = |b: &VirtualBuffer| KvView {
-            addr: b.addr(),
-            tokens,
-            dtype: self.shape.dtype,
-            token_stride: self.shape.token_bytes(),
-            head_stride: self.shape.head_bytes(),
-            place: b.allocation().place(),
+        let view = |part: KvPart| {
+            let b = &self.buffers[2 * layer + part as usize];
+            KvView {
+                addr: b.addr(),
+                tokens,
+                dtype: self.shape.dtype(part),
+                token_stride: self.shape.token_bytes(part),
+                head_stride: self.shape.head_bytes(part),
+                place: b.allocation().place(),
+            }
         };
         Ok(LayerViews {
-            k: view(&self.buffers[2 * layer]),
-            v: view(&self.buffers[2 * layer + 1]),
+            k: view(KvPart::K),
+            v: view(KvPart::V),
         })
     }
 
@@ -532,9 +607,9 @@ impl KvSequence {
     /// copy, so it can be written without other sequences seeing the write. Returns the bytes
     /// of private memory this took. Other mappings of the block are untouched.
     pub fn copy_on_write(&mut self, pos: usize) -> Result<u64, KvError> {
-        let start = pos as u64 * self.shape.token_bytes();
         let mut taken = 0;
-        for buffer in &mut self.buffers {
+        for (b, buffer) in self.buffers.iter_mut().enumerate() {
+            let start = pos as u64 * self.shape.token_bytes(KvPart::of_buffer(b));
             let view = buffer
                 .allocation()
                 .shared_views()
@@ -548,10 +623,11 @@ impl KvSequence {
 
     /// Bytes of private memory [`KvSequence::copy_on_write`] at `pos` would take.
     pub fn copy_on_write_bytes(&self, pos: usize) -> u64 {
-        let start = pos as u64 * self.shape.token_bytes();
         self.buffers
             .iter()
-            .filter_map(|b| {
+            .enumerate()
+            .filter_map(|(i, b)| {
+                let start = pos as u64 * self.tb(i);
                 b.allocation()
                     .shared_views()
                     .find(|(o, v)| *o <= start && start < o + v.block.bytes())

@@ -129,6 +129,29 @@ impl Heads {
     }
 }
 
+/// K or V: which of a layer's two buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvPart {
+    /// The keys (buffer `2 × layer`).
+    K,
+    /// The values (buffer `2 × layer + 1`).
+    V,
+}
+
+impl KvPart {
+    /// Both, K first.
+    pub const BOTH: [KvPart; 2] = [KvPart::K, KvPart::V];
+
+    /// What buffer `buffer` of a sequence holds (K then V for each layer).
+    pub const fn of_buffer(buffer: usize) -> KvPart {
+        if buffer % 2 == 0 {
+            KvPart::K
+        } else {
+            KvPart::V
+        }
+    }
+}
+
 /// The attention geometry of a model, as far as KV is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
@@ -142,11 +165,22 @@ pub struct KvShape {
     pub head_dim: usize,
     /// Longest sequence, in tokens: the address space each buffer reserves.
     pub max_tokens: usize,
-    /// The element type of K and V.
-    pub dtype: KvDtype,
+    /// The element type of K (llama.cpp's `-ctk`).
+    pub k_dtype: KvDtype,
+    /// The element type of V (llama.cpp's `-ctv`).
+    pub v_dtype: KvDtype,
 }
 
 impl KvShape {
+    /// The same shape with K and V both kept as `dtype`.
+    pub const fn with_dtype(self, dtype: KvDtype) -> Self {
+        KvShape {
+            k_dtype: dtype,
+            v_dtype: dtype,
+            ..self
+        }
+    }
+
     /// Checks the shape against a mapping granularity.
     pub fn validate(&self, granularity: u64) -> Result<(), ShapeError> {
         for (name, v) in [
@@ -169,43 +203,63 @@ impl KvShape {
         if granularity == 0 {
             return Err(ShapeError::Zero("granularity"));
         }
-        let block = self.dtype.block_values();
-        if self.head_dim % block != 0 {
-            return Err(ShapeError::PartialBlock {
-                dtype: self.dtype,
-                block,
-                head_dim: self.head_dim,
-            });
-        }
-        // Every product the store computes from the shape, checked once here.
-        let token_bytes = self
-            .kv_heads
-            .checked_mul(self.head_dim)
-            .and_then(|f| self.dtype.row_bytes(f))
-            .ok_or(ShapeError::Overflow)?;
         self.q_heads
             .checked_mul(self.head_dim)
             .and_then(|_| self.layers.checked_mul(2))
             .ok_or(ShapeError::Overflow)?;
-        // A shareable block is the smallest run of whole tokens that fills whole granules;
-        // refused when that takes more than `MAX_BLOCK_GRANULES` granules.
-        let block = lcm(token_bytes, granularity).ok_or(ShapeError::Overflow)?;
-        if block / granularity > MAX_BLOCK_GRANULES {
-            return Err(ShapeError::Unaligned {
-                token_bytes,
-                granularity,
-            });
+        let mut block_tokens = 1u64;
+        let mut buffers = 0u64;
+        for part in KvPart::BOTH {
+            let dtype = self.dtype(part);
+            let block = dtype.block_values();
+            if self.head_dim % block != 0 {
+                return Err(ShapeError::PartialBlock {
+                    dtype,
+                    block,
+                    head_dim: self.head_dim,
+                });
+            }
+            // Every product the store computes from the shape, checked once here.
+            let token_bytes = self
+                .kv_heads
+                .checked_mul(self.head_dim)
+                .and_then(|f| dtype.row_bytes(f))
+                .ok_or(ShapeError::Overflow)?;
+            let own = lcm(token_bytes, granularity).ok_or(ShapeError::Overflow)? / token_bytes;
+            block_tokens = lcm(block_tokens, own).ok_or(ShapeError::Overflow)?;
+            let buffer = (self.max_tokens as u64)
+                .checked_mul(token_bytes)
+                .and_then(|b| b.checked_next_multiple_of(granularity))
+                .ok_or(ShapeError::Overflow)?;
+            buffers = buffers.checked_add(buffer).ok_or(ShapeError::Overflow)?;
         }
-        let buffer = (self.max_tokens as u64)
-            .checked_mul(token_bytes)
-            .and_then(|b| b.checked_next_multiple_of(granularity))
-            .ok_or(ShapeError::Overflow)?;
+        // A shareable block is the smallest run of whole tokens that fills whole granules in K
+        // and in V; refused when that takes more than `MAX_BLOCK_GRANULES` granules in either.
+        for part in KvPart::BOTH {
+            let token_bytes = self.token_bytes(part);
+            let block = block_tokens
+                .checked_mul(token_bytes)
+                .ok_or(ShapeError::Overflow)?;
+            if block / granularity > MAX_BLOCK_GRANULES {
+                return Err(ShapeError::Unaligned {
+                    token_bytes,
+                    granularity,
+                });
+            }
+        }
         // A sequence reserves one buffer per K and V of every layer.
         (self.layers as u64)
-            .checked_mul(2)
-            .and_then(|n| n.checked_mul(buffer))
+            .checked_mul(buffers)
             .ok_or(ShapeError::Overflow)?;
         Ok(())
+    }
+
+    /// The element type of `part`.
+    pub const fn dtype(&self, part: KvPart) -> KvDtype {
+        match part {
+            KvPart::K => self.k_dtype,
+            KvPart::V => self.v_dtype,
+        }
     }
 
     /// Elements per token in one K (or V) buffer.
@@ -213,14 +267,23 @@ impl KvShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Bytes per token in one K (or V) buffer (of a shape that [`KvShape::validate`] passed).
-    pub fn token_bytes(&self) -> u64 {
-        self.dtype.row_bytes(self.token_elems()).unwrap_or(u64::MAX)
+    /// Bytes per token in one buffer of `part` (of a shape that [`KvShape::validate`] passed).
+    pub fn token_bytes(&self, part: KvPart) -> u64 {
+        self.dtype(part)
+            .row_bytes(self.token_elems())
+            .unwrap_or(u64::MAX)
     }
 
-    /// Bytes of one head of one token, from one head to the next within a row.
-    pub fn head_bytes(&self) -> u64 {
-        self.dtype.row_bytes(self.head_dim).unwrap_or(u64::MAX)
+    /// Bytes one token takes over every buffer of a sequence: a K and a V row per layer.
+    pub fn token_bytes_all(&self) -> u64 {
+        self.layers as u64 * (self.token_bytes(KvPart::K) + self.token_bytes(KvPart::V))
+    }
+
+    /// Bytes of one head of one token in `part`, from one head to the next within a row.
+    pub fn head_bytes(&self, part: KvPart) -> u64 {
+        self.dtype(part)
+            .row_bytes(self.head_dim)
+            .unwrap_or(u64::MAX)
     }
 
     /// Its heads, as an attention call takes them.
@@ -233,26 +296,45 @@ impl KvShape {
         2 * self.layers
     }
 
-    /// Address space one buffer reserves: `max_tokens` rounded up to the granularity.
-    pub fn buffer_bytes(&self, granularity: u64) -> u64 {
-        (self.max_tokens as u64 * self.token_bytes()).next_multiple_of(granularity)
+    /// Address space one buffer of `part` reserves: `max_tokens` rounded up to the granularity.
+    pub fn buffer_bytes(&self, part: KvPart, granularity: u64) -> u64 {
+        (self.max_tokens as u64 * self.token_bytes(part)).next_multiple_of(granularity)
     }
 
-    /// Tokens in one shareable block: the smallest whole number of tokens filling whole granules
-    /// (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages).
+    /// Tokens in one shareable block: the smallest whole number of tokens filling whole
+    /// granules in K and in V (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages; 204-byte
+    /// `q8_0` tokens: 1,024 in 51 pages).
     pub fn block_tokens(&self, granularity: u64) -> usize {
-        let t = self.token_bytes();
-        lcm(t, granularity).map_or(1, |b| (b / t).max(1) as usize)
+        let own = |part| {
+            let t = self.token_bytes(part);
+            lcm(t, granularity).map_or(1, |b| (b / t).max(1))
+        };
+        lcm(own(KvPart::K), own(KvPart::V)).map_or(1, |b| b as usize)
     }
 
-    /// Bytes of one shareable block in one buffer.
-    pub fn block_bytes(&self, granularity: u64) -> u64 {
-        self.block_tokens(granularity) as u64 * self.token_bytes()
+    /// Bytes of one shareable block in one buffer of `part`.
+    pub fn block_bytes(&self, part: KvPart, granularity: u64) -> u64 {
+        self.block_tokens(granularity) as u64 * self.token_bytes(part)
+    }
+
+    /// Bytes every buffer of a sequence maps to hold `tokens` tokens, growing `chunk` bytes at
+    /// a time (K and V each by their own rows), over all the buffers.
+    pub fn mapped_bytes(&self, tokens: usize, chunk: u64) -> u64 {
+        let per_layer: u64 = KvPart::BOTH
+            .iter()
+            .map(|p| mapped_bytes_for(tokens, self.token_bytes(*p), chunk, u64::MAX))
+            .sum();
+        per_layer.saturating_mul(self.layers as u64)
+    }
+
+    /// Bytes of one shareable block over every buffer of a sequence.
+    pub fn block_bytes_all(&self, granularity: u64) -> u64 {
+        self.block_tokens(granularity) as u64 * self.token_bytes_all()
     }
 }
 
 /// The most granules one shareable block may span.
-pub const MAX_BLOCK_GRANULES: u64 = 64;
+pub const MAX_BLOCK_GRANULES: u64 = 128;
 
 /// Least common multiple, `None` on overflow or a zero.
 fn lcm(a: u64, b: u64) -> Option<u64> {
@@ -323,7 +405,7 @@ mod tests {
         };
         assert_eq!(smol.validate(4096), Ok(()));
         assert_eq!(
-            (smol.block_tokens(4096), smol.block_bytes(4096)),
+            (smol.block_tokens(4096), smol.block_bytes(KvPart::K, 4096)),
             (16, 12288)
         );
         // A prime token size would need thousands of pages per block: refused.
@@ -346,22 +428,27 @@ mod tests {
             kv_heads: 2,
             head_dim: 16,
             max_tokens: 1000,
-            dtype: KvDtype::F32,
+            k_dtype: KvDtype::F32,
+            v_dtype: KvDtype::F32,
         }
     }
 
     #[test]
     fn geometry_follows_the_shape() {
         let s = shape();
-        assert_eq!(s.token_bytes(), 128);
-        assert_eq!(s.buffer_bytes(4096), 128_000u64.next_multiple_of(4096));
+        assert_eq!(s.token_bytes(KvPart::K), 128);
+        assert_eq!(
+            s.buffer_bytes(KvPart::K, 4096),
+            128_000u64.next_multiple_of(4096)
+        );
         assert_eq!(s.block_tokens(4096), 32);
-        assert_eq!(s.block_bytes(4096), 4096);
+        assert_eq!(s.block_bytes(KvPart::K, 4096), 4096);
         let half = KvShape {
-            dtype: KvDtype::F16,
+            k_dtype: KvDtype::F16,
+            v_dtype: KvDtype::F16,
             ..s
         };
-        assert_eq!(half.token_bytes(), 64);
+        assert_eq!(half.token_bytes(KvPart::K), 64);
         assert_eq!(half.block_tokens(4096), 64);
         let wide = KvShape {
             kv_heads: 8,
@@ -386,13 +473,17 @@ mod tests {
             kv_heads: 3,
             q_heads: 9,
             head_dim: 64,
-            dtype: KvDtype::Q8_0,
+            k_dtype: KvDtype::Q8_0,
+            v_dtype: KvDtype::Q8_0,
             ..shape()
         };
         assert_eq!(smol.validate(4096), Ok(()));
-        assert_eq!((smol.token_bytes(), smol.head_bytes()), (204, 68));
         assert_eq!(
-            (smol.block_tokens(4096), smol.block_bytes(4096)),
+            (smol.token_bytes(KvPart::K), smol.head_bytes(KvPart::K)),
+            (204, 68)
+        );
+        assert_eq!(
+            (smol.block_tokens(4096), smol.block_bytes(KvPart::K, 4096)),
             (1024, 51 * 4096)
         );
         assert_eq!(
@@ -407,6 +498,23 @@ mod tests {
                 head_dim: 48
             })
         );
+        // f16 K beside q8_0 V: 384- and 204-byte rows; a block is 1,024 tokens for both (96
+        // pages of K, 51 of V).
+        let mixed = KvShape {
+            k_dtype: KvDtype::F16,
+            ..smol
+        };
+        assert_eq!(mixed.validate(4096), Ok(()));
+        assert_eq!(mixed.block_tokens(4096), 1024);
+        assert_eq!(
+            (
+                mixed.block_bytes(KvPart::K, 4096),
+                mixed.block_bytes(KvPart::V, 4096)
+            ),
+            (96 * 4096, 51 * 4096)
+        );
+        assert_eq!(mixed.token_bytes_all(), 2 * (384 + 204));
+        assert_eq!(mixed.block_bytes_all(4096), 2 * (96 + 51) * 4096);
         assert_eq!(KvDtype::Q8_0.row_bytes(usize::MAX / 32 * 32), None);
         assert_eq!(KvDtype::F32.row_bytes(usize::MAX), None);
         for d in KvDtype::ALL {
@@ -440,8 +548,11 @@ mod tests {
             ..shape()
         };
         assert_eq!(s24.validate(4096), Ok(()));
-        assert_eq!(s24.block_bytes(4096) % 4096, 0);
-        assert_eq!(s24.block_bytes(4096) % s24.token_bytes(), 0);
+        assert_eq!(s24.block_bytes(KvPart::K, 4096) % 4096, 0);
+        assert_eq!(
+            s24.block_bytes(KvPart::K, 4096) % s24.token_bytes(KvPart::K),
+            0
+        );
         assert!(matches!(
             KvShape {
                 max_tokens: usize::MAX,

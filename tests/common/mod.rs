@@ -133,9 +133,11 @@ pub fn library_completion(
             .build()
             .await
             .unwrap();
-        let shape = loaded
-            .model
-            .kv_shape(procmem_actors::procmem::kv::KvDtype::F32, context);
+        let shape = loaded.model.kv_shape(
+            procmem::kv::KvDtype::F32,
+            procmem::kv::KvDtype::F32,
+            context,
+        );
         let config = procmem_actors::kv::KvStoreConfig::new("kv", shape)
             .chunk_granules(3)
             .wait(std::time::Duration::from_secs(5));

@@ -36,7 +36,7 @@ impl Below {
         use procmem::kv::disk_tier::DiskTierError;
         let shape = config.shape;
         let g = device.granularity();
-        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        let block_bytes = shape.block_bytes_all(g);
         if let Some(host) = &config.prefix_host {
             // One tier below at most: the one of the other kind is refused.
             if config.prefix_disk.is_some() {

@@ -391,18 +391,22 @@ fn spawn_writer(
     Ok((tx, written))
 }
 
-/// The identity blocks are kept under: the caller's model id, the store's geometry and its
-/// block size (a block of another shape is never the same K/V).
+/// The identity blocks are kept under: the caller's model id, the store's geometry, its
+/// element types and its block size (a block of another shape or type is never the same
+/// K/V). K and V of one type are recorded as one, as they always were.
 fn model_identity(model: u64, shape: &KvShape, block_tokens: usize) -> u64 {
-    let geometry = [
+    let mut geometry = vec![
         shape.layers,
         shape.q_heads,
         shape.kv_heads,
         shape.head_dim,
-        dtype_code(shape.dtype),
+        dtype_code(shape.k_dtype),
         block_tokens,
-    ]
-    .map(|x| x as u32);
+    ];
+    if shape.v_dtype != shape.k_dtype {
+        geometry.push(dtype_code(shape.v_dtype) << 16);
+    }
+    let geometry: Vec<u32> = geometry.into_iter().map(|x| x as u32).collect();
     chain_hash(model, &geometry)
 }
 
@@ -419,11 +423,13 @@ fn dtype_code(dtype: KvDtype) -> usize {
 /// A block's bytes, buffer after buffer (`None` if the mechanism cannot read it).
 fn read_block(block: &SharedPrefix, mapping: &dyn SharedMapping) -> Option<Vec<u8>> {
     let mut payload = vec![0u8; usize::try_from(block.bytes).ok()?];
-    let per = payload.len() / block.blocks.len().max(1);
-    for (b, dst) in block.blocks.iter().zip(payload.chunks_mut(per.max(1))) {
+    let mut rest = &mut payload[..];
+    for b in &block.blocks {
+        let (dst, after) = rest.split_at_mut_checked(usize::try_from(b.bytes()).ok()?)?;
         mapping.read_block(b, dst).ok()?;
+        rest = after;
     }
-    Some(payload)
+    rest.is_empty().then_some(payload)
 }
 
 /// Writes `payload` (as [`read_block`] laid it out) into `block`.
@@ -435,10 +441,16 @@ pub(super) fn write_block(
     if payload.len() as u64 != block.bytes || block.blocks.is_empty() {
         return false;
     }
-    let per = payload.len() / block.blocks.len();
-    block
-        .blocks
-        .iter()
-        .zip(payload.chunks(per.max(1)))
-        .all(|(b, src)| mapping.write_block(b, src).is_ok())
+    // Each physical block takes its own bytes in turn (K and V blocks may differ).
+    let mut rest = payload;
+    block.blocks.iter().all(|b| {
+        let Some((src, after)) = usize::try_from(b.bytes())
+            .ok()
+            .and_then(|n| rest.split_at_checked(n))
+        else {
+            return false;
+        };
+        rest = after;
+        mapping.write_block(b, src).is_ok()
+    }) && rest.is_empty()
 }

@@ -22,7 +22,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use procmem::kv::{Incarnation, KvSequence, Phase};
+use procmem::kv::{Incarnation, KvPart, KvSequence, Phase};
 use procmem::SharedMapping;
 use ractor::ActorRef;
 
@@ -93,7 +93,7 @@ impl KvStoreState {
                 .all(|(m, (_, hit))| std::ptr::eq::<SharedPrefix>(&**m, &**hit));
         let first = lookup.hits.len();
         let keys = lookup.claimed;
-        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        let block_bytes = shape.block_bytes_all(g);
         // Each block is paid for by its part of the sequence's charge, split off now and
         // handed to the kernel with the memory.
         let paid = entry.charge.bytes() >= keys.len() as u64 * block_bytes;
@@ -116,7 +116,7 @@ impl KvStoreState {
         let made: Made = Arc::default();
         let kernel = keep_kernel(
             entry,
-            (first, bt, shape.block_bytes(g)),
+            (first, bt, g),
             parts,
             Arc::clone(&self.device.shared),
             Arc::clone(&made),
@@ -155,7 +155,7 @@ impl KvStoreState {
 /// made whole go to `made`, in order, up to the first that could not be.
 fn keep_kernel(
     entry: Resident,
-    (first, bt, per_buffer): (usize, usize, u64),
+    (first, bt, g): (usize, usize, u64),
     parts: Vec<Charge>,
     mapping: Arc<dyn SharedMapping>,
     made: Made,
@@ -167,7 +167,7 @@ fn keep_kernel(
             prefixes,
             ..
         } = entry;
-        let buffers = memory.shape().buffers();
+        let shape = *memory.shape();
         let rows = read_rows(&memory, first, parts.len(), bt);
         drop(memory);
         drop((prefixes, charge));
@@ -177,7 +177,7 @@ fn keep_kernel(
         let mut whole = Vec::with_capacity(parts.len());
         for (part, payload) in parts.into_iter().zip(rows) {
             // Made only now, after the memory went: a host block is allocated as it is made.
-            let block = SharedPrefix::create(mapping.as_ref(), buffers, per_buffer, part);
+            let block = SharedPrefix::create(mapping.as_ref(), &shape, g, part);
             match block {
                 Ok(block) if write_block(&block, mapping.as_ref(), &payload) => {
                     whole.push(Arc::new(block))
@@ -193,16 +193,19 @@ fn keep_kernel(
 /// a row cannot be read). The memory is freed as this returns.
 fn read_rows(memory: &KvSequence, first: usize, count: usize, bt: usize) -> Option<Vec<Vec<u8>>> {
     let shape = memory.shape();
-    let per = bt * shape.token_bytes() as usize;
     let end = (first + count) * bt;
-    let buffers: Vec<&[u8]> = (0..shape.buffers())
-        .map(|b| memory.buffer_bytes(b, end).ok())
+    // Each buffer's rows, and the bytes of one block of them (K and V may differ).
+    let buffers: Vec<(&[u8], usize)> = (0..shape.buffers())
+        .map(|b| {
+            let per = bt * shape.token_bytes(KvPart::of_buffer(b)) as usize;
+            memory.buffer_bytes(b, end).ok().map(|rows| (rows, per))
+        })
         .collect::<Option<_>>()?;
     let blocks = (first..first + count)
         .map(|j| {
             buffers
                 .iter()
-                .flat_map(|rows| &rows[j * per..(j + 1) * per])
+                .flat_map(|(rows, per)| &rows[j * per..(j + 1) * per])
                 .copied()
                 .collect()
         })

@@ -126,11 +126,11 @@ impl KvStoreState {
             // The token after this step's needs a new chunk: map it while the step runs.
             let per = memory.growth_for(count + 1);
             let room = memory.tokens() + count < memory.shape().max_tokens;
-            if self.config.map_ahead && per > 0 && room {
+            if self.config.map_ahead && !per.is_empty() && room {
                 ahead.push(Growth {
                     seq,
                     writer,
-                    per_buffer: per,
+                    size: per,
                     tokens: 1,
                 });
             }
@@ -154,18 +154,17 @@ impl KvStoreState {
     fn map_ahead(&self, memory: std::sync::Weak<StepMemory>, seqs: Vec<Growth>) {
         let governor = self.governor.clone();
         let holder = self.holder;
-        let buffers = self.config.shape.buffers() as u64;
         let priority = self.config.priority;
         let latency = self.metrics.growth_map.clone();
         tokio::spawn(async move {
             for Growth {
                 seq,
                 writer,
-                per_buffer: per,
+                size: per,
                 ..
             } in seqs
             {
-                let bytes = per.saturating_mul(buffers);
+                let bytes = per.bytes();
                 // Only where there is room now: a request refused would count as a denial
                 // in the books and metrics, and nobody asked for this.
                 match governor.snapshot().await {
@@ -365,12 +364,12 @@ impl KvStoreState {
                 return;
             }
             let per = memory.growth_for(count);
-            bytes = bytes.saturating_add(per.saturating_mul(memory.shape().buffers() as u64));
+            bytes = bytes.saturating_add(per.bytes());
             priority = priority.max(self.sequences.table.get(*seq).map_or(0, |r| r.priority));
             plan.push(Growth {
                 seq: *seq,
                 writer: *writer,
-                per_buffer: per,
+                size: per,
                 tokens: count,
             });
         }
@@ -451,7 +450,7 @@ impl KvStoreState {
         for Growth {
             seq,
             writer,
-            per_buffer: per,
+            size: per,
             ..
         } in seqs
         {
@@ -462,7 +461,7 @@ impl KvStoreState {
             let Some(memory) = self.sequences.resident_mut(*seq).map(|r| &mut r.memory) else {
                 continue;
             };
-            if *per == 0 {
+            if per.is_empty() {
                 continue;
             }
             match metrics::timed(&self.metrics.growth_map, || memory.map_growth(*per)) {

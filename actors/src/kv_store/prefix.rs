@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use procmem::kv::{BlockState, Incarnation, KvSequence, PrefixDigest};
+use procmem::kv::{BlockState, Incarnation, KvPart, KvSequence, KvShape, PrefixDigest};
 use procmem::{MapAccess, MemoryError, PhysicalBlock, SharedMapping};
 
 use super::{KvStoreError, KvStoreState};
@@ -51,18 +51,23 @@ impl SharedPrefix {
         }
     }
 
-    /// A new block of `buffers` physical blocks of `per_buffer` bytes each, made by
-    /// `mapping`, mapped by nobody yet, paid for by `charge` (released if making fails).
+    /// A new block of `shape`: a physical block per buffer, of that buffer's block bytes on
+    /// `granularity` (K and V may differ), made by `mapping`, mapped by nobody yet, paid for
+    /// by `charge` (released if making fails).
     pub(super) fn create(
         mapping: &dyn SharedMapping,
-        buffers: usize,
-        per_buffer: u64,
+        shape: &KvShape,
+        granularity: u64,
         charge: Charge,
     ) -> Result<Self, MemoryError> {
-        let blocks = (0..buffers)
-            .map(|_| mapping.create_block(per_buffer))
+        let blocks = (0..shape.buffers())
+            .map(|b| mapping.create_block(shape.block_bytes(KvPart::of_buffer(b), granularity)))
             .collect::<Result<_, _>>()?;
-        Ok(Self::new(blocks, per_buffer * buffers as u64, charge))
+        Ok(Self::new(
+            blocks,
+            shape.block_bytes_all(granularity),
+            charge,
+        ))
     }
 
     /// How many sequences map it now (an open holding it to map it included).
@@ -181,12 +186,11 @@ impl KvStoreState {
         let shape = self.config.shape;
         let g = self.device.granularity();
         let mapping: &dyn SharedMapping = self.device.shared.as_ref();
-        let block_bytes = shape.buffers() as u64 * shape.block_bytes(g);
+        let block_bytes = shape.block_bytes_all(g);
         let mut fresh = Vec::with_capacity(count);
         for _ in 0..count {
             let charge = charge.split(block_bytes).unwrap_or_default();
-            let block =
-                SharedPrefix::create(mapping, shape.buffers(), shape.block_bytes(g), charge)?;
+            let block = SharedPrefix::create(mapping, &shape, g, charge)?;
             fresh.push(Arc::new(block));
         }
         Ok(fresh)

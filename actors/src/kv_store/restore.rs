@@ -85,17 +85,17 @@ impl KvStoreState {
             }
         };
         // Only the rows after the blocks mapped again come back from the copy.
-        let per_buffer = resident.memory.growth_for(tokens - from);
+        let size = resident.memory.growth_for(tokens - from);
         self.restore_into(seq, writer, resident);
         if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
             to_restore.remap = remap;
         }
         let priority = self.sequences.table.get(seq).map_or(0, |r| r.priority);
-        let bytes = per_buffer * self.config.shape.buffers() as u64;
+        let bytes = size.bytes();
         let pending = Pending::Restore {
             seq,
             writer,
-            per_buffer,
+            size,
             tokens: (from, tokens),
             saved,
             reply,
@@ -194,7 +194,7 @@ impl KvStoreState {
         let Pending::Restore {
             seq,
             writer,
-            per_buffer,
+            size,
             tokens: (from, tokens),
             saved,
             reply,
@@ -218,7 +218,7 @@ impl KvStoreState {
         };
         let (growth_map, swap_in) = (&self.metrics.growth_map, &self.metrics.swap_in);
         let result: Result<u64, KvStoreError> = async {
-            let growth = metrics::timed(growth_map, || memory.map_growth(per_buffer))?;
+            let growth = metrics::timed(growth_map, || memory.map_growth(size))?;
             match grant.commit(growth.bytes()).await {
                 Ok(lease) => charge.add(lease),
                 Err(refused) => {

@@ -326,7 +326,7 @@ impl KvStoreState {
         let lookup = self.prefixes.lookup(&prompt, bt, writer, self.clock);
         self.stats.prefix_query_tokens += prompt.len() as u64;
         let new_keys = lookup.claimed;
-        let bytes = new_keys.len() as u64 * shape.buffers() as u64 * shape.block_bytes(g);
+        let bytes = new_keys.len() as u64 * shape.block_bytes_all(g);
         // Each block found is shared by the sequence from now on: held so no ticket evicts
         // it while the open waits for its grant.
         let mut hits: Vec<(u64, Mapped)> = lookup
@@ -480,7 +480,8 @@ mod tests {
             kv_heads: 1,
             head_dim: 4,
             max_tokens: 64,
-            dtype: procmem::kv::KvDtype::F32,
+            k_dtype: procmem::kv::KvDtype::F32,
+            v_dtype: procmem::kv::KvDtype::F32,
         };
         let backing = procmem::host::HostMechanism::new().unwrap().backing();
         let memory = KvSequence::reserve(backing, shape, 1).unwrap();

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    gqa_decode_rows, Incarnation, KvElement, KvError, KvRows, KvSequence, KvShape, LayerViews,
-    PendingGrowth,
+    gqa_decode_rows, GrowthSize, Incarnation, KvElement, KvError, KvRows, KvSequence, KvShape,
+    LayerViews, PendingGrowth,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
@@ -62,7 +62,7 @@ impl StepMemory {
         self.seqs.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Maps `per` bytes per buffer at the end of sequence `seq` (this incarnation) for the token
+    /// Maps `per` (bytes per K and per V buffer) at the end of sequence `seq` (this incarnation) for the token
     /// after the step's, paid for by `lease`, unless that was done already or the sequence's
     /// growth changed meanwhile (then the lease goes back). Blocks while a host kernel holds
     /// the memory.
@@ -70,7 +70,7 @@ impl StepMemory {
         &self,
         seq: SeqId,
         writer: Incarnation,
-        per: u64,
+        per: GrowthSize,
         lease: Lease,
         latency: &::metrics::Histogram,
     ) {

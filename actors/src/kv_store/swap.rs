@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use procmem::fence::Fence;
 
 use procmem::host::{allocation_bytes, allocation_bytes_mut, unlinked_file, HostMechanism};
-use procmem::kv::{KvError, KvSequence};
+use procmem::kv::{KvError, KvPart, KvSequence, KvShape};
 use procmem::ledger::{HolderId, Priority};
 use procmem::{Allocation, AllocationRequest, Allocator, MemoryError, MemoryRole};
 
@@ -93,11 +93,10 @@ pub(super) struct SwapOutcomes {
 }
 
 /// A swapped-out sequence's rows: each buffer's first `tokens` rows, one buffer after the
-/// other, `per_buffer` bytes each. The copy itself is a kernel on the store's stream
+/// other (K and V rows may differ in bytes). The copy itself is a kernel on the store's stream
 /// ([`Saved::copy`]); until its fence completes the rows are not there yet.
 pub(super) struct Saved {
-    per_buffer: u64,
-    buffers: usize,
+    layout: Layout,
     /// Shared with the copy kernel, which keeps it alive while it writes.
     place: Arc<Mutex<SwapPlace>>,
     copied: Arc<AtomicBool>,
@@ -124,9 +123,8 @@ impl Saved {
         memory: &KvSequence,
         tokens: usize,
     ) -> Option<Saved> {
-        let buffers = memory.shape().buffers();
-        let per_buffer = tokens as u64 * memory.shape().token_bytes();
-        let total = per_buffer.checked_mul(buffers as u64)?;
+        let layout = Layout::of(memory.shape(), tokens)?;
+        let total = layout.bytes();
         let place = match space {
             Space::Disk(dir) => SwapPlace::Disk(
                 unlinked_file(dir)
@@ -160,8 +158,7 @@ impl Saved {
             }
         };
         Some(Saved {
-            per_buffer,
-            buffers,
+            layout,
             place: Arc::new(Mutex::new(place)),
             copied: Arc::new(AtomicBool::new(false)),
             fence: None,
@@ -176,19 +173,19 @@ impl Saved {
         outcomes: Arc<SwapOutcomes>,
     ) -> impl FnOnce(&KvSequence) + Send + 'static {
         let (place, copied) = (Arc::clone(&self.place), Arc::clone(&self.copied));
-        let (per_buffer, buffers) = (self.per_buffer, self.buffers);
+        let layout = self.layout;
         move |memory: &KvSequence| {
             let start = std::time::Instant::now();
-            let tokens = (per_buffer / memory.shape().token_bytes()) as usize;
+            let tokens = layout.tokens;
             let mut place = place.lock().unwrap_or_else(PoisonError::into_inner);
             // Rows are read with the buffer's own copy (a memcpy on the host, a
             // device-to-host copy on a GPU).
             let mut staging = Vec::new();
-            let ok = (0..buffers).all(|b| {
-                let at = b as u64 * per_buffer;
+            let ok = (0..layout.buffers).all(|b| {
+                let (at, len) = layout.span(b, 0);
                 match &mut *place {
                     SwapPlace::Disk(file) => {
-                        staging.resize(per_buffer as usize, 0);
+                        staging.resize(len as usize, 0);
                         memory
                             .read_buffer(b, tokens, &mut staging)
                             .map_err(|e| tracing::warn!(%e, "swap copy out failed"))
@@ -200,11 +197,7 @@ impl Saved {
                     }
                     SwapPlace::Host { rows: copy, .. } => match allocation_bytes_mut(copy) {
                         Ok(out) => memory
-                            .read_buffer(
-                                b,
-                                tokens,
-                                &mut out[at as usize..(at + per_buffer) as usize],
-                            )
+                            .read_buffer(b, tokens, &mut out[at as usize..(at + len) as usize])
                             .map_err(|e| tracing::warn!(%e, "swap copy out failed"))
                             .is_ok(),
                         Err(_) => false,
@@ -215,7 +208,7 @@ impl Saved {
                 outcomes.outs.fetch_add(1, Ordering::Relaxed);
                 outcomes
                     .out_bytes
-                    .fetch_add(per_buffer * buffers as u64, Ordering::Relaxed);
+                    .fetch_add(layout.bytes(), Ordering::Relaxed);
             } else {
                 outcomes.failed.fetch_add(1, Ordering::Relaxed);
             }
@@ -231,7 +224,7 @@ impl Saved {
 
     /// Bytes of KV held.
     pub(super) fn bytes(&self) -> u64 {
-        self.per_buffer * self.buffers as u64
+        self.layout.bytes()
     }
 
     /// Copies every buffer's rows from row `from` on back into `memory` (mapped for them; the
@@ -248,14 +241,17 @@ impl Saved {
             }
             .into());
         }
-        let skip = (from as u64)
-            .checked_mul(memory.shape().token_bytes())
-            .filter(|s| *s <= self.per_buffer)
-            .ok_or(KvError::NotMapped(from))?;
+        let layout = self.layout;
+        if from > layout.tokens || memory.shape().buffers() != layout.buffers {
+            return Err(KvError::NotMapped(from));
+        }
         let place = self.place.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut rows = vec![0u8; (self.per_buffer - skip) as usize];
-        for b in 0..self.buffers {
-            let at = b as u64 * self.per_buffer + skip;
+        let mut rows = Vec::new();
+        let mut copied = 0;
+        for b in 0..layout.buffers {
+            let (at, len) = layout.span(b, from);
+            rows.resize(len as usize, 0);
+            copied += len;
             match &*place {
                 SwapPlace::Disk(file) => {
                     file.read_exact_at(&mut rows, at)
@@ -272,6 +268,45 @@ impl Saved {
             }
             memory.write_buffer_rows(b, from, &rows)?;
         }
-        Ok(rows.len() as u64 * self.buffers as u64)
+        Ok(copied)
+    }
+}
+
+/// Where each buffer's rows lie in a swap copy: buffer after buffer, each `tokens` rows of
+/// its part's bytes.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    tokens: usize,
+    buffers: usize,
+    /// Bytes of one row of K and of V.
+    row: [u64; 2],
+}
+
+impl Layout {
+    /// `None` where the sizes overflow.
+    fn of(shape: &KvShape, tokens: usize) -> Option<Layout> {
+        let layout = Layout {
+            tokens,
+            buffers: shape.buffers(),
+            row: KvPart::BOTH.map(|p| shape.token_bytes(p)),
+        };
+        (tokens as u64)
+            .checked_mul(layout.row[0].checked_add(layout.row[1])?)?
+            .checked_mul(shape.layers as u64)?;
+        Some(layout)
+    }
+
+    /// Bytes of every buffer's rows.
+    fn bytes(&self) -> u64 {
+        self.tokens as u64 * (self.row[0] + self.row[1]) * (self.buffers / 2) as u64
+    }
+
+    /// Where buffer `b`'s rows from row `from` on start, and their bytes.
+    fn span(&self, b: usize, from: usize) -> (u64, u64) {
+        let tokens = self.tokens as u64;
+        let start = (b / 2) as u64 * tokens * (self.row[0] + self.row[1])
+            + (b % 2) as u64 * tokens * self.row[0];
+        let row = self.row[b % 2];
+        (start + from as u64 * row, (tokens - from as u64) * row)
     }
 }

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use procmem::kv::{Incarnation, KvSequence, PreemptMode};
+use procmem::kv::{GrowthSize, Incarnation, KvSequence, PreemptMode};
 use procmem::ledger::Priority;
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
@@ -27,7 +27,7 @@ use crate::governor::{GovernorError, Grant, ReserveRequest};
 pub(super) struct Growth {
     pub(super) seq: SeqId,
     pub(super) writer: Incarnation,
-    pub(super) per_buffer: u64,
+    pub(super) size: GrowthSize,
     pub(super) tokens: usize,
 }
 
@@ -48,14 +48,14 @@ pub(super) enum Pending {
         reply: RpcReplyPort<Result<OpenAnswer, KvStoreError>>,
     },
     Prepare {
-        /// Each sequence, its incarnation, its growth per buffer and its new tokens.
+        /// Each sequence, its incarnation, its growth and its new tokens.
         seqs: Vec<Growth>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     },
     Restore {
         seq: SeqId,
         writer: Incarnation,
-        per_buffer: u64,
+        size: GrowthSize,
         /// The tokens in the cached blocks it maps again, and all it holds.
         tokens: (usize, usize),
         saved: Saved,
@@ -270,7 +270,7 @@ mod tests {
             seqs: vec![Growth {
                 seq,
                 writer,
-                per_buffer: 0,
+                size: GrowthSize::default(),
                 tokens: 1,
             }],
             reply: RpcReplyPort::from(tx),

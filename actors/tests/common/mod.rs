@@ -25,7 +25,8 @@ pub const fn shape(max_tokens: usize) -> KvShape {
         kv_heads: 2,
         head_dim: 16,
         max_tokens,
-        dtype: KvDtype::F32,
+        k_dtype: KvDtype::F32,
+        v_dtype: KvDtype::F32,
     }
 }
 

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use procmem_actors::kv::{KvStoreConfig, KvStoreStats, PreemptMode, PrefixHost};
 use procmem_actors::procmem::cuda::CudaDevice;
-use procmem_actors::procmem::kv::shape::mapped_bytes_for;
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::procmem::Place;
 use procmem_actors::residency::{ResidencyConfig, ResidencyHandle, ResidencyStats};
@@ -32,8 +31,9 @@ pub enum Size {
 }
 
 impl Model {
-    /// The model of `size`, each sequence holding `max_tokens`, its KV in `dtype`.
-    pub fn of(size: Size, max_tokens: usize, dtype: KvDtype) -> Model {
+    /// The model of `size`, each sequence holding `max_tokens`, its K in `k_dtype` and its V
+    /// in `v_dtype`.
+    pub fn of(size: Size, max_tokens: usize, k_dtype: KvDtype, v_dtype: KvDtype) -> Model {
         let (layers, q_heads, kv_heads, head_dim, hidden) = match size {
             Size::Small => (4, 8, 2, 32, 8 * 32),
             Size::Medium => (8, 16, 4, 64, 16 * 64),
@@ -45,7 +45,8 @@ impl Model {
             kv_heads,
             head_dim,
             max_tokens,
-            dtype,
+            k_dtype,
+            v_dtype,
         };
         Model {
             shape,
@@ -60,8 +61,10 @@ impl Model {
 pub struct JobConfig {
     /// The model's size.
     pub size: Size,
-    /// The KV's element type.
-    pub dtype: KvDtype,
+    /// The element type K is kept in.
+    pub k_dtype: KvDtype,
+    /// The element type V is kept in.
+    pub v_dtype: KvDtype,
     /// Requests to serve.
     pub requests: usize,
     /// Requests decoded at once.
@@ -153,7 +156,7 @@ impl Job {
             ));
         }
         let max_tokens = config.prompt_len + config.max_new;
-        let model = Model::of(config.size, max_tokens, config.dtype);
+        let model = Model::of(config.size, max_tokens, config.k_dtype, config.v_dtype);
         let host_page = procmem_actors::procmem::granularity();
         // The KV's mapping granularity: a page on the host, the driver's VMM granule on a GPU.
         let page = match config.cuda {
@@ -166,8 +169,10 @@ impl Job {
         let layer = (model.layer_floats() as u64 * 4).next_multiple_of(host_page);
         let weights = model.shape.layers as u64 * layer;
         let (shape, tokens) = (model.shape, max_tokens);
-        let per_seq =
-            shape.buffers() as u64 * mapped_bytes_for(tokens, shape.token_bytes(), page, u64::MAX);
+        shape
+            .validate(page)
+            .map_err(|e| LaunchError::Usage(format!("--kv-dtype: {e}")))?;
+        let per_seq = shape.mapped_bytes(tokens, page);
         let peak_kv = per_seq * config.concurrency as u64;
         // On a GPU the budget is the device's, which holds only KV; on the host it holds both.
         let base = if config.cuda { 0 } else { weights };

@@ -45,7 +45,8 @@ pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
             kv_heads: 1,
             head_dim: 1,
             max_tokens: MAX_TOKENS,
-            dtype: KvDtype::F32,
+            k_dtype: KvDtype::F32,
+            v_dtype: KvDtype::F32,
         },
     )
     .chunk_granules(3)
