@@ -143,6 +143,8 @@ pub(super) struct PrefixTier {
     /// Hangs up when the writer thread has put its last block.
     written: std::sync::mpsc::Receiver<()>,
     copy_in: Histogram,
+    /// Other identities' block files found at open.
+    others: usize,
 }
 
 impl PrefixTier {
@@ -172,6 +174,7 @@ impl PrefixTier {
             writes,
             written,
             copy_in: KV_PREFIX_DISK_SECONDS.histogram(&[store, authority, "in"]),
+            others: report.others,
         };
         Ok((tier, report))
     }
@@ -343,6 +346,7 @@ impl PrefixTier {
         let disk = self.disk();
         stats.prefix_disk_blocks = disk.len();
         stats.prefix_disk_bytes = disk.bytes();
+        stats.prefix_disk_others = self.others;
         stats.prefix_disk_hit_tokens = self.outcomes.hit_tokens.load(Ordering::Relaxed);
         stats.prefix_disk_writes = self.outcomes.writes.load(Ordering::Relaxed);
         stats.prefix_disk_failures = self.outcomes.failures.load(Ordering::Relaxed);

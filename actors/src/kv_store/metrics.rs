@@ -67,6 +67,9 @@ pub struct KvStoreStats {
     pub prefix_disk_blocks: usize,
     /// Bytes of those blocks.
     pub prefix_disk_bytes: u64,
+    /// Block files of another identity (another model, or KV of another shape or element
+    /// type) the disk tier found in its directory at open: left alone, never read as its own.
+    pub prefix_disk_others: usize,
     /// Prompt tokens whose K/V came back from the disk tier at `open`, so far (counted in
     /// `prefix_hit_tokens` too).
     pub prefix_disk_hit_tokens: u64,
