@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 pub use scheduler::{argmax, StepInput};
 pub use serve::{Completion, Engine, Request, RunStats};
-pub use smollm::{decode_step, forward_step, top2, Loaded, Smol};
+pub use smollm::{decode_step, forward_every_row, forward_step, top2, Loaded, Smol};
 pub use tokenizer::{TextCodec, TokenizerError};
 
 /// Why the model could not be loaded or run.

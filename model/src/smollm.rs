@@ -415,6 +415,30 @@ pub async fn forward_step(
     shape: KvShape,
     batch: &[StepInput],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
+    forward(model, weights, kv, shape, batch, false).await
+}
+
+/// [`forward_step`] returning the logits of every new token, in order (the batch's sequences
+/// in turn, each's tokens in position order): what a perplexity or a comparison of two KV
+/// types over a text reads, a chunk of the text at a time.
+pub async fn forward_every_row(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    kv: &KvStoreHandle,
+    shape: KvShape,
+    batch: &[StepInput],
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    forward(model, weights, kv, shape, batch, true).await
+}
+
+async fn forward(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    kv: &KvStoreHandle,
+    shape: KvShape,
+    batch: &[StepInput],
+    every_row: bool,
+) -> Result<Vec<Vec<f32>>, ModelError> {
     // Dropping a step that fails counts nothing.
     let step = crate::scheduler::prepare(kv, batch).await?;
     let tokens: Vec<u32> = batch
@@ -440,8 +464,8 @@ pub async fn forward_step(
     if let Some(last) = last.filter(|l| l.fence().stream != step.stream().id()) {
         fence_completed(&last).await;
     }
-    // Only each sequence's last row is read.
-    let rows: Option<Vec<u32>> = (tokens.len() != batch.len()).then(|| {
+    // Only each sequence's last row is read (unless every row is asked for).
+    let rows: Option<Vec<u32>> = (!every_row && tokens.len() != batch.len()).then(|| {
         batch
             .iter()
             .scan(0u32, |end, b| {
