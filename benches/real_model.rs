@@ -8,7 +8,9 @@
 //! token each, then again), so a noisy machine slows them alike; each path's tokens/s is its
 //! new tokens over the sum of its own step times:
 //! - `procmem`: this project's engine (the KV store's step API, the decode operator over the
-//!   flat KV, weights under residency);
+//!   flat KV, weights under residency), KV in `f32` as candle keeps it; `procmem_f16` and
+//!   `procmem_q8_0` the same engine with its KV in `f16` and in `q8_0` (the `ratios` give
+//!   `q8_0_over_f16_tokens_per_s` and `q8_0_over_f16_peak_kv`);
 //! - `candle`: candle-transformers' `quantized_llama`. It keeps RoPE tables for 4,096
 //!   positions (`MAX_SEQ_LEN`), so a longer context is reported as not run for it;
 //! - `candle_mistral`: candle-transformers' `quantized_mistral`, the same architecture with
@@ -230,8 +232,22 @@ fn candle_logits<M>(
 
 /// One context: the three paths set up, their prompts in (untimed), then `new` tokens each,
 /// stepped in turn. Returns procmem, `quantized_llama` (where it runs) and `quantized_mistral`.
-/// An engine over `memory` for prompts up to `max_tokens`: f32 KV, growth mapped ahead.
-async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usize) -> Engine {
+/// The KV types procmem decodes over at each context, each its own engine stepped in turn
+/// with the others: `f32` (the `procmem` row, as candle keeps its caches), `f16` and `q8_0`
+/// (K and V both).
+const OURS: [(&str, KvDtype); 3] = [
+    ("procmem", KvDtype::F32),
+    ("procmem_f16", KvDtype::F16),
+    ("procmem_q8_0", KvDtype::Q8_0),
+];
+
+/// An engine over `memory` for prompts up to `max_tokens`: KV in `dtype`, growth mapped ahead.
+async fn engine(
+    path: &std::path::Path,
+    memory: &MemoryManager,
+    max_tokens: usize,
+    dtype: KvDtype,
+) -> Engine {
     let loaded = Smol::load(path, max_tokens).unwrap();
     let kv = KvStoreConfig::new(
         "kv",
@@ -241,8 +257,8 @@ async fn engine(path: &std::path::Path, memory: &MemoryManager, max_tokens: usiz
             kv_heads: 1,
             head_dim: 1,
             max_tokens,
-            k_dtype: KvDtype::F32,
-            v_dtype: KvDtype::F32,
+            k_dtype: dtype,
+            v_dtype: dtype,
         },
     )
     .chunk_granules(16)
@@ -286,7 +302,7 @@ fn measure_prefill(path: &std::path::Path, prompt: &[u32], chunk: usize) -> serd
         .unwrap();
     let (one, chunked, same) = rt.block_on(async {
         let memory = MemoryManager::builder().build().await.unwrap();
-        let e = engine(path, &memory, prompt.len() + 1).await;
+        let e = engine(path, &memory, prompt.len() + 1, KvDtype::F32).await;
         e.kv.open(1, prompt.to_vec(), 0).await.unwrap();
         e.kv.open(2, prompt.to_vec(), 0).await.unwrap();
         let (one, a) = prefill(&e, 1, prompt, 1).await;
@@ -366,7 +382,7 @@ fn measure(
     prompt: &[u32],
     new: usize,
     token_bytes: u64,
-) -> (Measured, Option<Measured>, Measured) {
+) -> (Vec<Measured>, Option<Measured>, Measured) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -375,27 +391,24 @@ fn measure(
     rt.block_on(async {
         let max_tokens = prompt.len() + new + 1;
         let memory = MemoryManager::builder().build().await.unwrap();
-        let engine = engine(path, &memory, max_tokens).await;
-        engine.kv.open(1, prompt.to_vec(), 0).await.unwrap();
-        let ours = |token: u32, pos: usize| {
-            let e = &engine;
-            async move {
-                decode_step(&e.model, &e.weights, &e.kv, e.shape, &[(1, token, pos)])
-                    .await
-                    .unwrap()
-                    .remove(0)
-            }
-        };
         // The prompt goes in chunks of the engine's step budget (the `prefill` rows compare
         // that with a token a step). candle's models take theirs at once (their fastest
         // way); `quantized_mistral` in masked chunks of 512 (its attention matrix stays
         // small).
-        let (_, mut logits) = prefill(&engine, 1, prompt, engine.step_tokens).await;
-        let mut mine = Measured::default();
-        mine.tokens.push(argmax(&logits));
-
+        let mut ours = Vec::new();
+        for (_, dtype) in OURS {
+            let e = engine(path, &memory, max_tokens, dtype).await;
+            e.kv.open(1, prompt.to_vec(), 0).await.unwrap();
+            let (_, logits) = prefill(&e, 1, prompt, e.step_tokens).await;
+            let m = Measured {
+                tokens: vec![argmax(&logits)],
+                ..Measured::default()
+            };
+            ours.push((e, m));
+        }
         let mut llama = candle_llama(path, prompt, new);
         let mut mist_model = candle_mistral_model(mistral, config, max_tokens);
+        let mut logits = Vec::new();
         for (i, chunk) in prompt.chunks(512).enumerate() {
             logits = candle_logits(&mut mist_model, Mistral::forward, chunk, i * 512);
         }
@@ -403,13 +416,16 @@ fn measure(
             tokens: vec![argmax(&logits)],
             ..Measured::default()
         };
-
         for i in 0..new {
             let pos = prompt.len() + i;
-            let start = Instant::now();
-            let l = ours(mine.tokens[i], pos).await;
-            mine.busy += start.elapsed();
-            mine.tokens.push(argmax(&l));
+            for (e, m) in &mut ours {
+                let start = Instant::now();
+                let batch = [(1, m.tokens[i], pos)];
+                let step = decode_step(&e.model, &e.weights, &e.kv, e.shape, &batch);
+                let l = step.await.unwrap().remove(0);
+                m.busy += start.elapsed();
+                m.tokens.push(argmax(&l));
+            }
             if let Some((model, m)) = &mut llama {
                 let t = m.tokens[i];
                 m.step(|| candle_logits(model, ModelWeights::forward, &[t], pos));
@@ -417,18 +433,17 @@ fn measure(
             let t = mist.tokens[i];
             mist.step(|| candle_logits(&mut mist_model, Mistral::forward, &[t], pos));
         }
-        let stats = engine.kv.stats().await.unwrap();
-        engine.kv.close(1);
-        drop(engine);
+        let mut mine = Vec::new();
+        for (e, mut m) in ours {
+            // The sequence only grows: its memory at the end is its peak.
+            m.peak_kv_bytes = e.kv.stats().await.unwrap().leased_bytes;
+            e.kv.close(1);
+            mine.push(m);
+        }
         memory.shutdown().await.unwrap();
-        // The sequence only grows: its memory at the end is its peak.
-        mine.peak_kv_bytes = stats.leased_bytes;
         let theirs = candle_peak_kv(prompt.len() + new, config.layers, token_bytes);
         let mut llama = llama.map(|(_, m)| m);
-        for m in [Some(&mut mine), llama.as_mut(), Some(&mut mist)]
-            .into_iter()
-            .flatten()
-        {
+        for m in mine.iter_mut().chain(llama.as_mut()).chain(Some(&mut mist)) {
             // The token after the last timed step was never fed back.
             m.tokens.truncate(new);
         }
@@ -468,13 +483,15 @@ fn main() {
         let p = prompt(&codec, context);
         let kv_token_bytes = (context + new) as u64 * token_bytes;
         let (mine, llama, mist) = measure(&path, &mistral, &c, &p, new, token_bytes);
-        ratios.push(record(
+        let mut ratio = record(
             context,
             new,
             kv_token_bytes,
-            (&mine, llama.as_ref(), &mist),
+            (&mine[0], llama.as_ref(), &mist),
             &mut rows,
-        ));
+        );
+        record_types(context, kv_token_bytes, &mine, &mut rows, &mut ratio);
+        ratios.push(ratio);
     }
     let prefill_tokens: usize = std::env::var("PROCMEM_BENCH_PREFILL")
         .ok()
@@ -557,4 +574,34 @@ fn record(
     }
     ratio["tokens_per_s_ratio_mistral"] = json!(r);
     ratio
+}
+
+/// The rows of procmem's other KV types (after `procmem`'s own, `f32`): each's tokens/s and
+/// peak KV, and the `q8_0` over `f16` ratio of tokens/s into `ratio`.
+fn record_types(
+    context: usize,
+    kv_token_bytes: u64,
+    mine: &[Measured],
+    rows: &mut Vec<serde_json::Value>,
+    ratio: &mut serde_json::Value,
+) {
+    for ((path, dtype), m) in OURS.iter().zip(mine).skip(1) {
+        let same = same_prefix(&mine[0].tokens, &m.tokens);
+        println!(
+            "{context:>8} {path:>15} {:>10.2} {:>14} {kv_token_bytes:>14}   KV in {dtype}; {same}/{} tokens equal f32's",
+            m.tokens_per_s(),
+            m.peak_kv_bytes,
+            m.tokens.len()
+        );
+        rows.push(json!({
+            "path": path, "context": context, "tokens_per_s": m.tokens_per_s(),
+            "peak_kv_bytes": m.peak_kv_bytes, "kv_token_bytes": kv_token_bytes,
+            "kv_dtype": dtype.name(), "same_tokens_as_procmem": same,
+        }));
+    }
+    let r = mine[2].tokens_per_s() / mine[1].tokens_per_s();
+    println!("{context:>8} {:>15} {r:>10.3}", "q8_0 / f16");
+    ratio["q8_0_over_f16_tokens_per_s"] = json!(r);
+    ratio["q8_0_over_f16_peak_kv"] =
+        json!(mine[2].peak_kv_bytes as f64 / mine[1].peak_kv_bytes.max(1) as f64);
 }
