@@ -23,6 +23,11 @@
 //! finished, output tokens/s, time to first token and inter-token latency p50/p99, prompt
 //! tokens from cache, preemptions, peak RSS, peak KV bytes, requests held at once.
 //!
+//! KV in eight bits: a row per concurrency with the KV in q8_0 (K and V) in the very budget, in
+//! bytes, of the f16 row at `0.25x` (`budget` `0.25x_f16_bytes`); `kv_q8_0` in the report has
+//! the requests each held at once side by side (`held_q8_0_over_f16`), and how many answers
+//! differ from the f16 row's (greedy answers part where the KV's rounding changes a token).
+//!
 //! The prefix cache's disk tier: three more rows of the multi-turn workload at `0.25x` and
 //! concurrency `PROCMEM_BENCH_TIERS` (8; 0 for none): tiers off, on over an empty directory,
 //! and on again over the directory that row filled (a restart); `prefix_tiers` in the report
@@ -41,6 +46,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use procmem_actors::kv::PreemptMode;
+use procmem_actors::procmem::kv::KvDtype;
 use procmem_model::gguf::Gguf;
 use procmem_model::launch::{Budget, ModelConfig, ModelSource, PrefixDiskConfig};
 use procmem_model::{fetch_smollm2, TextCodec};
@@ -134,20 +140,34 @@ fn figures(answers: &Answers, wall: Duration) -> Value {
 /// The run as the child process: procmem's main job on SmolLM2, listening, until SIGTERM.
 fn child(spec: &str) -> ExitCode {
     let parts: Vec<&str> = spec.split(',').collect();
-    let [fraction, concurrency, context] = parts[..] else {
-        eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context");
-        return ExitCode::FAILURE;
+    let usage = || {
+        eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context[,kv dtype,budget]");
+        ExitCode::FAILURE
+    };
+    let (&[fraction, concurrency, context], kv) = parts.split_at(parts.len().min(3)) else {
+        return usage();
     };
     let (Ok(fraction), Ok(concurrency), Ok(context)) = (
         fraction.parse::<f64>(),
         concurrency.parse::<usize>(),
         context.parse::<usize>(),
     ) else {
-        eprintln!("PROCMEM_SERVING_CHILD={spec}: fraction,concurrency,context");
-        return ExitCode::FAILURE;
+        return usage();
     };
     let mut config = ModelConfig::new(ModelSource::Smollm2, context, concurrency);
     config.budget = Budget::OfPeak(fraction);
+    // A KV type and a budget in bytes: the q8_0 row, in the bytes of an f16 row.
+    match kv {
+        [] => {}
+        [dtype, budget] => match (dtype.parse::<KvDtype>(), budget.parse::<u64>()) {
+            (Ok(dtype), Ok(budget)) => {
+                (config.k_dtype, config.v_dtype) = (dtype, dtype);
+                config.budget = Budget::Bytes(budget);
+            }
+            _ => return usage(),
+        },
+        _ => return usage(),
+    }
     config.preempt = preempt_mode();
     config.prefix_disk =
         std::env::var_os("PROCMEM_SERVING_PREFIX_DISK").map(|dir| PrefixDiskConfig {
@@ -232,7 +252,8 @@ async fn drive(
     })
 }
 
-/// One procmem row: a fresh server, the workload, its figures.
+/// One procmem row: a fresh server, the workload, its figures. With `q8_0` budget bytes, KV
+/// in q8_0 under that budget (`fraction` then only names the f16 row it matches).
 async fn procmem_row(
     w: &Workload,
     workload: &str,
@@ -240,12 +261,13 @@ async fn procmem_row(
     concurrency: usize,
     rate: Option<f64>,
     prefix_disk: Option<&std::path::Path>,
+    q8_0: Option<u64>,
 ) -> Result<(Value, Answers), String> {
     let context = context_for(w, workload);
     // A budget under one sequence of the context serves nothing: at low concurrency a
     // fraction is raised to one sequence (`fraction_used`).
     let used = fraction.max(1.0 / concurrency.max(1) as f64);
-    let server = Server::procmem(used, concurrency, context, prefix_disk).await?;
+    let server = Server::procmem(used, (concurrency, context), prefix_disk, q8_0).await?;
     let d = drive(server, w, workload, concurrency, rate).await?;
     let budget = logged(&d.log, "budget ").unwrap_or(0);
     let weights = logged(&d.log, "weights ").unwrap_or(0);
@@ -255,12 +277,16 @@ async fn procmem_row(
         json!({
             "server": "procmem",
             "workload": workload,
-            "budget": format!("{fraction}x"),
+            "budget": match q8_0 {
+                Some(_) => format!("{fraction}x_f16_bytes"),
+                None => format!("{fraction}x"),
+            },
+            "budget_bytes": budget,
             "fraction_used": used,
             "concurrency": concurrency,
             "rate_per_s": rate,
             "context": context,
-            "kv_dtype": "f16",
+            "kv_dtype": if q8_0.is_some() { "q8_0" } else { "f16" },
             "preemptions": d.preemptions,
             "prefix_disk": prefix_disk.is_some(),
             "prompt_tokens_from_disk": d.disk_hit_tokens,
@@ -307,7 +333,7 @@ async fn tier_rows(w: &Workload, concurrency: usize) -> Result<(Vec<Value>, Valu
         ("on_after_restart", Some(dir.as_path())),
     ];
     for (tiers, disk) in runs {
-        let (mut row, a) = procmem_row(w, "multi", 0.25, concurrency, None, disk).await?;
+        let (mut row, a) = procmem_row(w, "multi", 0.25, concurrency, None, disk, None).await?;
         row["tiers"] = json!(tiers);
         print_row(&row);
         rows.push(row);
@@ -528,7 +554,7 @@ async fn procmem_rows(
     let w = &s.w;
     for fraction in [1.0, 0.25] {
         for &c in &s.concurrency {
-            let (row, answers) = procmem_row(w, "multi", fraction, c, None, None).await?;
+            let (row, answers) = procmem_row(w, "multi", fraction, c, None, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert(
@@ -541,13 +567,13 @@ async fn procmem_rows(
         .ok()
         .and_then(|r| r.parse().ok());
     if let Some(rate) = rate {
-        let (row, _) = procmem_row(w, "multi", 1.0, s.top, Some(rate), None).await?;
+        let (row, _) = procmem_row(w, "multi", 1.0, s.top, Some(rate), None, None).await?;
         print_row(&row);
         rows.push(row);
     }
     if !w.long.is_empty() {
         for &c in &s.long_concurrency {
-            let (row, answers) = procmem_row(w, "long", 1.0, c, None, None).await?;
+            let (row, answers) = procmem_row(w, "long", 1.0, c, None, None, None).await?;
             print_row(&row);
             rows.push(row);
             by_key.insert((Kind::Procmem.name(), "long", "1".into(), c), answers);
@@ -566,6 +592,52 @@ async fn procmem_rows(
     println!("prefix tiers: {summary}");
     rows.extend(tier_rows);
     Ok(summary)
+}
+
+/// procmem with its KV in q8_0, in the very budget (bytes) of the f16 row at 0.25x, per
+/// concurrency: the requests held at once, side by side. Returns the comparison.
+async fn q8_0_rows(s: &Setup, rows: &mut Vec<Value>, by_key: &mut ByKey) -> Result<Value, String> {
+    let mut compared = Vec::new();
+    for &c in &s.concurrency {
+        let f16 = rows
+            .iter()
+            .find(|r| {
+                r["budget"] == "0.25x"
+                    && r["concurrency"] == c
+                    && r["workload"] == "multi"
+                    && r["rate_per_s"].is_null()
+            })
+            .cloned();
+        let Some((f16, bytes)) = f16.and_then(|r| r["budget_bytes"].as_u64().map(|b| (r, b)))
+        else {
+            continue;
+        };
+        let (row, answers) = procmem_row(&s.w, "multi", 0.25, c, None, None, Some(bytes)).await?;
+        print_row(&row);
+        let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        let differ = by_key
+            .get(&("procmem", "multi", "0.25".to_string(), c))
+            .map(|a| differing(a, &answers));
+        compared.push(json!({
+            "concurrency": c,
+            "budget_bytes": bytes,
+            "held_at_once": [f(&f16, "held_at_once"), f(&row, "held_at_once")],
+            "held_q8_0_over_f16": f(&row, "held_at_once") / f(&f16, "held_at_once"),
+            "finished": [f16["requests_finished"].clone(), row["requests_finished"].clone()],
+            "requests": row["requests"].clone(),
+            "output_tokens_per_s_q8_0_over_f16": f(&row, "output_tokens_per_s") / f(&f16, "output_tokens_per_s"),
+            "ttft_p50_f16_over_q8_0": f(&f16, "ttft_p50_ms") / f(&row, "ttft_p50_ms"),
+            "preemptions": [f(&f16, "preemptions"), f(&row, "preemptions")],
+            "answers_differing_from_f16": differ,
+        }));
+        rows.push(row);
+        by_key.insert(
+            (Kind::Procmem.name(), "multi", "0.25_q8_0".into(), c),
+            answers,
+        );
+    }
+    println!("kv q8_0 against f16 in the same bytes: {}", json!(compared));
+    Ok(json!(compared))
 }
 
 /// llama.cpp's rows, given the KV bytes of procmem's 0.25x row at the highest concurrency:
@@ -720,6 +792,7 @@ async fn run() -> Result<(), String> {
     };
     let (mut rows, mut by_key) = (Vec::new(), ByKey::new());
     let tiers = procmem_rows(&s, &mut rows, &mut by_key).await?;
+    let kv_q8_0 = q8_0_rows(&s, &mut rows, &mut by_key).await?;
     let (llama, slots) = llama_rows(&s, &mut rows, &mut by_key).await?;
     let checks = checks(&s.concurrency, &by_key);
     let ratios = ratios(&rows, &s.concurrency, slots);
@@ -741,6 +814,7 @@ async fn run() -> Result<(), String> {
         "checks": checks,
         "ratios": ratios,
         "prefix_tiers": tiers,
+        "kv_q8_0": kv_q8_0,
     });
     write_reports(&report, &by_key)
 }

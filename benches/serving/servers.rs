@@ -131,17 +131,19 @@ fn dies_with_parent(cmd: &mut Command) -> &mut Command {
 
 impl Server {
     /// procmem's main job serving SmolLM2 with f16 KV: a host budget of the weights plus
-    /// `fraction` of the peak KV demand of `concurrency` sequences of `context` tokens.
+    /// `fraction` of the peak KV demand of `concurrency` sequences of `context` tokens; or,
+    /// with `q8_0` budget bytes, KV in q8_0 under that budget.
     pub async fn procmem(
         fraction: f64,
-        concurrency: usize,
-        context: usize,
+        (concurrency, context): (usize, usize),
         prefix_disk: Option<&std::path::Path>,
+        q8_0: Option<u64>,
     ) -> Result<Self, String> {
-        let mut vars = vec![(
-            "PROCMEM_SERVING_CHILD",
-            format!("{fraction},{concurrency},{context}"),
-        )];
+        let mut spec = format!("{fraction},{concurrency},{context}");
+        if let Some(budget) = q8_0 {
+            spec += &format!(",q8_0,{budget}");
+        }
+        let mut vars = vec![("PROCMEM_SERVING_CHILD", spec)];
         if let Some(dir) = prefix_disk {
             vars.push(("PROCMEM_SERVING_PREFIX_DISK", dir.display().to_string()));
         }
