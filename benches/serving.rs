@@ -25,7 +25,8 @@
 //!
 //! KV in eight bits: a row per concurrency with the KV in q8_0 (K and V) in the very budget, in
 //! bytes, of the f16 row at `0.25x` (`budget` `0.25x_f16_bytes`); `kv_q8_0` in the report has
-//! the requests each held at once side by side (`held_q8_0_over_f16`), and how many answers
+//! the requests each held in memory at once side by side (`resident_at_once`: open less
+//! preempted, peak and mean, `resident_q8_0_over_f16`), and how many answers
 //! differ from the f16 row's (greedy answers part where the KV's rounding changes a token).
 //!
 //! The prefix cache's disk tier: three more rows of the multi-turn workload at `0.25x` and
@@ -296,6 +297,8 @@ async fn procmem_row(
             "kv_budget_bytes": budget.saturating_sub(weights),
             "peak_kv_demand_bytes": logged(&d.log, "peak KV demand "),
             "held_at_once": d.peaks.held,
+            "resident_at_once": d.peaks.resident,
+            "resident_mean": d.peaks.resident_mean,
             "books_zero_after_shutdown": d.log.contains("books after shutdown: zero"),
             "preempt": format!("{:?}", preempt_mode()).to_lowercase(),
         }),
@@ -405,6 +408,8 @@ impl Llama {
                 "peak_kv_bytes": tokens as u64 * self.token_bytes,
                 "kv_log_line": kv_line,
                 "held_at_once": d.peaks.held,
+                "resident_at_once": d.peaks.resident,
+                "resident_mean": d.peaks.resident_mean,
             }),
         );
         Ok((row, d.answers))
@@ -436,7 +441,7 @@ fn differing(a: &Answers, b: &Answers) -> usize {
 
 fn print_row(r: &Value) {
     println!(
-        "{:<9} {:<6} {:>9} c={:<3} finished {:>3}/{:<3} {:>7.1} tok/s  ttft p50 {:>8.0} ms p99 {:>8.0} ms  itl p50 {:>6.1} ms p99 {:>7.1} ms  cached {:>6}  preempt {:>4}  rss {:>5} MiB  kv {:>5} MiB  held {:>3}",
+        "{:<9} {:<6} {:>9} c={:<3} finished {:>3}/{:<3} {:>7.1} tok/s  ttft p50 {:>8.0} ms p99 {:>8.0} ms  itl p50 {:>6.1} ms p99 {:>7.1} ms  cached {:>6}  preempt {:>4}  rss {:>5} MiB  kv {:>5} MiB  held {:>3} resident {} (mean {:.1})",
         r["server"].as_str().unwrap_or("?"),
         r["workload"].as_str().unwrap_or("?"),
         r["budget"]
@@ -456,6 +461,8 @@ fn print_row(r: &Value) {
         r["peak_rss_bytes"].as_u64().unwrap_or(0) >> 20,
         r["peak_kv_bytes"].as_f64().unwrap_or(0.0) as u64 >> 20,
         r["held_at_once"],
+        r["resident_at_once"],
+        r["resident_mean"].as_f64().unwrap_or(f64::NAN),
     );
     if let Some(tiers) = r["tiers"].as_str() {
         println!(
@@ -621,8 +628,10 @@ async fn q8_0_rows(s: &Setup, rows: &mut Vec<Value>, by_key: &mut ByKey) -> Resu
         compared.push(json!({
             "concurrency": c,
             "budget_bytes": bytes,
-            "held_at_once": [f(&f16, "held_at_once"), f(&row, "held_at_once")],
-            "held_q8_0_over_f16": f(&row, "held_at_once") / f(&f16, "held_at_once"),
+            "resident_at_once": [f(&f16, "resident_at_once"), f(&row, "resident_at_once")],
+            "resident_q8_0_over_f16": f(&row, "resident_at_once") / f(&f16, "resident_at_once"),
+            "resident_mean": [f(&f16, "resident_mean"), f(&row, "resident_mean")],
+            "resident_mean_q8_0_over_f16": f(&row, "resident_mean") / f(&f16, "resident_mean"),
             "finished": [f16["requests_finished"].clone(), row["requests_finished"].clone()],
             "requests": row["requests"].clone(),
             "output_tokens_per_s_q8_0_over_f16": f(&row, "output_tokens_per_s") / f(&f16, "output_tokens_per_s"),

@@ -169,6 +169,8 @@ fn bad_input_exits_2_with_a_clear_message() {
         (&["--budget", "1e400x"], "not a fraction of peak demand"),
         (&["--budget", "0.01x"], "more than the budget"),
         (&["--preempt", "maybe"], "invalid value 'maybe'"),
+        (&["--kv-dtype", "q4_0"], "invalid value 'q4_0'"),
+        (&["--kv-dtype-v", "int8"], "invalid value 'int8'"),
         (
             &["--model", "/no/such/model.gguf"],
             "neither `smollm2` nor a GGUF file",
@@ -326,6 +328,44 @@ fn the_real_model_prints_the_same_completions_under_a_quarter_of_the_kv() {
         let (pressed, preemptions) = serve(&["--budget", "0.25x", "--preempt", preempt]);
         assert!(preemptions > 0, "0.25x with {preempt}: no preemption");
         assert_eq!(pressed, free, "0.25x with {preempt}");
+    }
+    // KV in q8_0: a swap carries the quantized rows as they are, so pressure changes no
+    // completion of this type either (they may differ from f32's: the KV is rounded).
+    let q8 = ["--kv-dtype", "q8_0"];
+    let (free, none) = serve(&[&q8[..], &["--budget", "1x"]].concat());
+    assert_eq!(none, 0);
+    let (pressed, preemptions) = serve(&[&q8[..], &["--budget", "0.25x"]].concat());
+    assert!(preemptions > 0, "q8_0 at 0.25x: no preemption");
+    assert_eq!(pressed, free, "q8_0 at 0.25x");
+}
+
+/// K and V in eight bits, together and apart, under a budget that presses: every request
+/// finishes and the books end at zero.
+#[test]
+fn q8_0_kv_alone_or_beside_f16_finishes_under_pressure() {
+    for kv in [
+        &["--kv-dtype", "q8_0"][..],
+        &["--kv-dtype-k", "f16", "--kv-dtype-v", "q8_0"][..],
+        &["--kv-dtype", "f16", "--kv-dtype-k", "q8_0"][..],
+    ] {
+        let args = [
+            &[
+                "--requests",
+                "16",
+                "--concurrency",
+                "12",
+                "--prompt-len",
+                "40",
+                "--max-new-tokens",
+                "12",
+                "--budget",
+                "0.125x",
+            ][..],
+            kv,
+        ]
+        .concat();
+        let out = run(&args);
+        finished_with_the_books_at_zero(&out, 16, &format!("{kv:?}"));
     }
 }
 

@@ -89,6 +89,13 @@ pub struct Peaks {
     /// Requests held at once: procmem's `procmem_kv_sequences`, llama.cpp's
     /// `llamacpp:requests_processing`.
     pub held: f64,
+    /// Requests whose KV is in memory at once: procmem's sequences less those preempted
+    /// (`procmem_kv_preempted_sequences`); llama.cpp's requests processing. The peak, and
+    /// the mean of the samples while any request was held.
+    pub resident: f64,
+    pub resident_mean: f64,
+    resident_sum: f64,
+    samples: u64,
 }
 
 /// Lines of `r`, into `log`; the first address after "listening on http://" to `addr`.
@@ -274,18 +281,29 @@ impl Server {
             let mut peaks = Peaks::default();
             loop {
                 if let Ok(text) = get(addr, "/metrics").await {
-                    let (kv, held) = match kind {
+                    let (kv, held, preempted) = match kind {
                         Kind::Procmem => (
                             metric(&text, "procmem_kv_leased_bytes"),
                             metric(&text, "procmem_kv_sequences"),
+                            metric(&text, "procmem_kv_preempted_sequences"),
                         ),
-                        Kind::Llama => (None, metric(&text, "llamacpp:requests_processing")),
+                        Kind::Llama => (None, metric(&text, "llamacpp:requests_processing"), None),
                     };
+                    let held = held.unwrap_or(0.0);
+                    let resident = (held - preempted.unwrap_or(0.0)).max(0.0);
                     peaks.kv_bytes = peaks.kv_bytes.max(kv.unwrap_or(0.0));
-                    peaks.held = peaks.held.max(held.unwrap_or(0.0));
+                    peaks.held = peaks.held.max(held);
+                    peaks.resident = peaks.resident.max(resident);
+                    if held > 0.0 {
+                        peaks.resident_sum += resident;
+                        peaks.samples += 1;
+                    }
                 }
                 tokio::select! {
-                    _ = &mut rx => return peaks,
+                    _ = &mut rx => {
+                        peaks.resident_mean = peaks.resident_sum / peaks.samples.max(1) as f64;
+                        return peaks;
+                    }
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
             }
