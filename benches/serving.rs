@@ -24,7 +24,8 @@
 //! tokens from cache, preemptions, peak RSS, peak KV bytes, requests held at once.
 //!
 //! KV in eight bits: a row per concurrency with the KV in q8_0 (K and V) in the very budget, in
-//! bytes, of the f16 row at `0.25x` (`budget` `0.25x_f16_bytes`); `kv_q8_0` in the report has
+//! bytes, of each f16 row under `1x` (`budget` `0.25x_f16_bytes`); `PROCMEM_BENCH_FRACTIONS`
+//! (default `1,0.25`) sets the f16 rows' budgets; `kv_q8_0` in the report has
 //! the requests each held in memory at once side by side (`resident_at_once`: open less
 //! preempted, peak and mean, `resident_q8_0_over_f16`), and how many answers
 //! differ from the f16 row's (greedy answers part where the KV's rounding changes a token).
@@ -559,7 +560,7 @@ async fn procmem_rows(
     by_key: &mut ByKey,
 ) -> Result<Value, String> {
     let w = &s.w;
-    for fraction in [1.0, 0.25] {
+    for fraction in fractions() {
         for &c in &s.concurrency {
             let (row, answers) = procmem_row(w, "multi", fraction, c, None, None, None).await?;
             print_row(&row);
@@ -601,15 +602,29 @@ async fn procmem_rows(
     Ok(summary)
 }
 
-/// procmem with its KV in q8_0, in the very budget (bytes) of the f16 row at 0.25x, per
+/// The budgets of procmem's f16 rows: `PROCMEM_BENCH_FRACTIONS` (comma-separated), else
+/// `1` and `0.25` of the peak KV demand.
+fn fractions() -> Vec<f64> {
+    std::env::var("PROCMEM_BENCH_FRACTIONS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|f| f.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1.0, 0.25])
+}
+
+/// procmem with its KV in q8_0, in the very budget (bytes) of each f16 row under `1x`, per
 /// concurrency: the requests held at once, side by side. Returns the comparison.
 async fn q8_0_rows(s: &Setup, rows: &mut Vec<Value>, by_key: &mut ByKey) -> Result<Value, String> {
     let mut compared = Vec::new();
-    for &c in &s.concurrency {
+    let under: Vec<f64> = fractions().into_iter().filter(|f| *f < 1.0).collect();
+    let runs = s
+        .concurrency
+        .iter()
+        .flat_map(|c| under.iter().map(move |f| (*c, *f)));
+    for (c, fraction) in runs {
         let f16 = rows
             .iter()
             .find(|r| {
-                r["budget"] == "0.25x"
+                r["budget"] == format!("{fraction}x")
                     && r["concurrency"] == c
                     && r["workload"] == "multi"
                     && r["rate_per_s"].is_null()
@@ -619,14 +634,16 @@ async fn q8_0_rows(s: &Setup, rows: &mut Vec<Value>, by_key: &mut ByKey) -> Resu
         else {
             continue;
         };
-        let (row, answers) = procmem_row(&s.w, "multi", 0.25, c, None, None, Some(bytes)).await?;
+        let (row, answers) =
+            procmem_row(&s.w, "multi", fraction, c, None, None, Some(bytes)).await?;
         print_row(&row);
         let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
         let differ = by_key
-            .get(&("procmem", "multi", "0.25".to_string(), c))
+            .get(&("procmem", "multi", fraction.to_string(), c))
             .map(|a| differing(a, &answers));
         compared.push(json!({
             "concurrency": c,
+            "f16_budget": format!("{fraction}x"),
             "budget_bytes": bytes,
             "resident_at_once": [f(&f16, "resident_at_once"), f(&row, "resident_at_once")],
             "resident_q8_0_over_f16": f(&row, "resident_at_once") / f(&f16, "resident_at_once"),
@@ -641,7 +658,7 @@ async fn q8_0_rows(s: &Setup, rows: &mut Vec<Value>, by_key: &mut ByKey) -> Resu
         }));
         rows.push(row);
         by_key.insert(
-            (Kind::Procmem.name(), "multi", "0.25_q8_0".into(), c),
+            (Kind::Procmem.name(), "multi", format!("{fraction}_q8_0"), c),
             answers,
         );
     }
@@ -718,8 +735,12 @@ async fn llama_rows(
 fn checks(concurrency: &[usize], by_key: &ByKey) -> Vec<Value> {
     let mut checks = Vec::new();
     for &c in concurrency {
-        let full = &by_key[&("procmem", "multi", "1".to_string(), c)];
-        let quarter = &by_key[&("procmem", "multi", "0.25".to_string(), c)];
+        let (Some(full), Some(quarter)) = (
+            by_key.get(&("procmem", "multi", "1".to_string(), c)),
+            by_key.get(&("procmem", "multi", "0.25".to_string(), c)),
+        ) else {
+            continue; // PROCMEM_BENCH_FRACTIONS left one out
+        };
         let differ = differing(full, quarter);
         println!(
             "concurrency {c}: answers at 0.25x differing from 1x: {differ} of {}",

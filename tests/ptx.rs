@@ -25,13 +25,12 @@ fn the_checked_in_ptx_is_current() {
 
 #[test]
 fn the_ptx_declares_every_kernel_the_loader_uses() {
-    for kernel in [
-        "gqa_split_f32",
-        "gqa_split_f16",
-        "gqa_merge",
-        "kv_write_f32",
-        "kv_write_f16",
-    ] {
+    use procmem::kv::KvDtype;
+    let splits = KvDtype::ALL
+        .iter()
+        .flat_map(|k| KvDtype::ALL.map(|v| format!("gqa_split_{k}_{v}")));
+    let others = ["gqa_merge", "kv_write_f32", "kv_write_f16", "kv_write_q8_0"];
+    for kernel in splits.chain(others.map(String::from)) {
         assert!(
             DECODE_PTX.contains(&format!(".visible .entry {kernel}(")),
             "{kernel} is missing from kernels/decode.ptx"

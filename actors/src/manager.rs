@@ -11,7 +11,8 @@
 //!     .await?;
 //! let shape = procmem_actors::procmem::kv::KvShape {
 //!     layers: 32, q_heads: 32, kv_heads: 8, head_dim: 128, max_tokens: 8192,
-//!     dtype: procmem_actors::procmem::kv::KvDtype::F16,
+//!     k_dtype: procmem_actors::procmem::kv::KvDtype::F16,
+//!     v_dtype: procmem_actors::procmem::kv::KvDtype::F16,
 //! };
 //! let kv = memory
 //!     .kv_store(
