@@ -27,7 +27,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 const BLOCK_MAGIC: &[u8; 4] = b"PMKB";
@@ -138,18 +138,20 @@ impl DiskTier {
         let lock = lock_dir(&dir)?;
         let mut report = OpenReport::default();
         let index_path = index_path(&dir, config.model);
-        let mut entries = match fs::read(&index_path) {
-            Ok(bytes) => match decode_index(&bytes, config.model) {
-                Ok(entries) => entries,
-                Err(why) => {
-                    report.skipped.push((index_path.clone(), why));
-                    HashMap::new()
-                }
-            },
-            Err(e) if e.kind() == io::ErrorKind::NotFound => HashMap::new(),
-            Err(e) => return Err(io("read the index")(e)),
+        let index = files::read_regular(&index_path, files::MAX_INDEX_BYTES)
+            .and_then(|raw| raw.map(|raw| decode_index(&raw, config.model)).transpose());
+        let mut entries = match index {
+            Ok(entries) => entries.unwrap_or_default(),
+            Err(why) => {
+                // Not trusted, and removed: a FIFO or a directory in its place would also
+                // stop the index from being written again.
+                files::remove(&index_path);
+                report.skipped.push((index_path.clone(), why));
+                HashMap::new()
+            }
         };
-        reconcile(&dir, config.model, &mut entries, &mut report)?;
+        let limit = block_len(MAX_BLOCK_TOKENS, config.capacity.min(MAX_BLOCK_BYTES));
+        reconcile(&dir, (config.model, limit), &mut entries, &mut report)?;
         let clock = entries.values().map(|e| e.last_use).max().unwrap_or(0);
         let mut tier = DiskTier {
             dir,
@@ -245,8 +247,9 @@ impl DiskTier {
             return Ok(None); // another prompt's block under a colliding key: a miss
         }
         let path = block_path(&self.dir, self.model, key);
-        let checked = fs::read(&path)
-            .map_err(|e| e.to_string())
+        // Exactly the file the index names, or nothing is read.
+        let checked = files::read_regular(&path, block_len(entry.tokens.len(), entry.bytes))
+            .and_then(|raw| raw.ok_or_else(|| "missing".to_string()))
             .and_then(|raw| decode_block(&raw, self.model).map(|b| (b, raw)));
         match checked {
             Ok((block, mut raw)) if block.key == key && block.crc == entry.crc => {
@@ -337,7 +340,7 @@ impl DiskTier {
             return false;
         };
         self.bytes -= entry.bytes;
-        let _ = fs::remove_file(block_path(&self.dir, self.model, key));
+        files::remove(&block_path(&self.dir, self.model, key));
         true
     }
 
@@ -396,7 +399,7 @@ fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierE
 /// does not name are adopted.
 fn reconcile(
     dir: &Path,
-    model: u64,
+    (model, limit): (u64, u64),
     entries: &mut HashMap<u64, Entry>,
     report: &mut OpenReport,
 ) -> Result<(), DiskTierError> {
@@ -441,8 +444,7 @@ fn reconcile(
     entries.retain(|key, e| {
         let whole = on_disk
             .get(key)
-            .and_then(|p| fs::metadata(p).ok())
-            .is_some_and(|m| m.len() == block_len(e.tokens.len(), e.bytes));
+            .is_some_and(|p| files::is_regular_of(p, block_len(e.tokens.len(), e.bytes)));
         if !whole {
             report
                 .skipped
@@ -454,7 +456,7 @@ fn reconcile(
         if entries.contains_key(&key) {
             continue;
         }
-        let adopted = read_checked(&path, model).and_then(|b| {
+        let adopted = read_checked(&path, model, limit).and_then(|b| {
             if b.key == key {
                 Ok(b)
             } else {
@@ -465,17 +467,20 @@ fn reconcile(
             Ok(b) => {
                 entries.insert(key, b.entry());
             }
-            Err(why) => report.skipped.push((path, why)),
+            Err(why) => {
+                // Refused once: removed, so the next start neither reads it nor finds the
+                // name taken.
+                files::remove(&path);
+                report.skipped.push((path, why));
+            }
         }
     }
     Ok(())
 }
 
-fn read_checked(path: &Path, model: u64) -> Result<Block, String> {
-    let mut raw = Vec::new();
-    File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut raw))
-        .map_err(|e| e.to_string())?;
+/// The block file at `path`, read (at most `limit` bytes, a regular file only) and checked.
+fn read_checked(path: &Path, model: u64, limit: u64) -> Result<Block, String> {
+    let raw = files::read_regular(path, limit)?.ok_or_else(|| "missing".to_string())?;
     decode_block(&raw, model)
 }
 
@@ -664,5 +669,6 @@ fn decode_index(raw: &[u8], model: u64) -> Result<HashMap<u64, Entry>, String> {
     Ok(entries)
 }
 
+mod files;
 #[cfg(test)]
 mod tests;

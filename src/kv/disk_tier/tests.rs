@@ -169,8 +169,9 @@ fn another_models_files_are_never_returned() {
     drop(b);
     let (mut a, report) = tier(dir.path(), 0xa, 1 << 20);
     assert_eq!(a.get(1, 0, &[1]).unwrap(), Some(payload(1, 100)));
-    // Model b's copy is another identity's file to a: counted, left alone.
-    assert_eq!((report.blocks, report.others), (1, 1));
+    // Model b refused the copy under its name and removed it: nothing of b's is left.
+    assert_eq!((report.blocks, report.others), (1, 0));
+    assert!(!block_path(dir.path(), 0xb, 1).exists());
 }
 
 #[test]
@@ -208,4 +209,145 @@ fn hostile_index_and_block_bytes_are_refused_without_panic() {
     assert!(decode_block(&lie(32, &u32::MAX.to_le_bytes(), &block), 7).is_err());
     assert!(decode_block(&lie(44, &u64::MAX.to_le_bytes(), &block), 7).is_err());
     assert!(decode_index(&good, 8).is_err(), "another model's index");
+}
+
+/// Runs `f` on a thread and fails if it takes more than 10 s: an open blocked in `open(2)` on
+/// a FIFO would hang forever.
+fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(f()).unwrap());
+    rx.recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the tier hung on a hostile file")
+}
+
+fn mkfifo(path: &Path) {
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .unwrap();
+}
+
+/// Defect (issue 50, 1): a FIFO named like a block file, or like the index, hung the start
+/// forever in `open()`. Both are refused without waiting, named in the report, and removed.
+#[test]
+fn a_fifo_for_a_block_or_the_index_is_refused_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
+    t.put(1, 0, &[10, 11], &payload(1, 1000)).unwrap();
+    t.put(2, 1, &[12, 13], &payload(2, 1000)).unwrap();
+    drop(t);
+    let block = block_path(dir.path(), 7, 2);
+    fs::remove_file(&block).unwrap();
+    mkfifo(&block);
+    let index = index_path(dir.path(), 7);
+    fs::remove_file(&index).unwrap();
+    mkfifo(&index);
+    let path = dir.path().to_path_buf();
+    let (mut t, report) = within_10s(move || tier(&path, 7, 1 << 20));
+    let why = |p: &Path| {
+        report
+            .skipped
+            .iter()
+            .find(|(f, _)| f == p)
+            .map(|(_, w)| w.clone())
+    };
+    assert!(
+        why(&index).is_some_and(|w| w.contains("FIFO")),
+        "{report:?}"
+    );
+    assert!(
+        why(&block).is_some_and(|w| w.contains("FIFO")),
+        "{report:?}"
+    );
+    // The good block is adopted again (the index was lost); the FIFOs are gone.
+    assert_eq!(report.blocks, 1);
+    assert_eq!(t.get(1, 0, &[10, 11]).unwrap(), Some(payload(1, 1000)));
+    assert!(!block.exists());
+    t.put(2, 1, &[12, 13], &payload(2, 1000)).unwrap();
+    assert_eq!(t.get(2, 1, &[12, 13]).unwrap(), Some(payload(2, 1000)));
+}
+
+/// Defect (issue 50, 2): a block replaced by a 2 GB sparse file was read whole (2.4 GB of
+/// RSS) and left for the next start; a block or the index linked to /dev/zero read until the
+/// allocation failed. Now the size is checked before a byte is read, links are not followed,
+/// and what was refused is removed.
+#[test]
+fn an_oversized_block_and_links_to_dev_zero_are_refused_unread_and_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
+    for k in 1..=3 {
+        t.put(k, k - 1, &[k as u32], &payload(k, 1000)).unwrap();
+    }
+    drop(t);
+    // Block 1: 2 GB, sparse. Block 2: a link to /dev/zero. The index: a link to /dev/zero.
+    let big = block_path(dir.path(), 7, 1);
+    File::options()
+        .write(true)
+        .open(&big)
+        .unwrap()
+        .set_len(2 << 30)
+        .unwrap();
+    let linked = block_path(dir.path(), 7, 2);
+    fs::remove_file(&linked).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &linked).unwrap();
+    let index = index_path(dir.path(), 7);
+    fs::remove_file(&index).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &index).unwrap();
+    let path = dir.path().to_path_buf();
+    let (mut t, report) = within_10s(move || tier(&path, 7, 1 << 20));
+    assert_eq!((report.blocks, report.skipped.len()), (1, 3), "{report:?}");
+    for (file, why) in &report.skipped {
+        let expected = if *file == big {
+            "more than"
+        } else {
+            "symbolic link"
+        };
+        assert!(why.contains(expected), "{file:?}: {why}");
+        // Removed; the index is written again, as a file of its own.
+        let now = fs::symlink_metadata(file);
+        match *file == index {
+            true => assert!(now.unwrap().is_file(), "the index is a link still"),
+            false => assert!(now.is_err(), "{file:?} was left"),
+        }
+    }
+    assert_eq!(t.get(3, 2, &[3]).unwrap(), Some(payload(3, 1000)));
+    assert_eq!(t.get(1, 0, &[1]).unwrap(), None);
+    // The next start finds nothing to refuse.
+    drop(t);
+    let (_, report) = tier(dir.path(), 7, 1 << 20);
+    assert!(report.skipped.is_empty(), "{report:?}");
+}
+
+/// A directory named like a block file was skipped and left, so that block could never be
+/// written; a block whose file became a link after the open is refused when read.
+#[test]
+fn a_directory_in_a_blocks_place_is_removed_and_the_block_written_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
+    t.put(1, 0, &[1], &payload(1, 1000)).unwrap();
+    t.put(2, 1, &[2], &payload(2, 1000)).unwrap();
+    // Replaced while the tier is open: a link to a file of the right size is not followed.
+    let b2 = block_path(dir.path(), 7, 2);
+    let copy = dir.path().join("copy");
+    fs::rename(&b2, &copy).unwrap();
+    std::os::unix::fs::symlink(&copy, &b2).unwrap();
+    assert_eq!(t.get(2, 1, &[2]).unwrap(), None);
+    assert!(fs::symlink_metadata(&b2).is_err());
+    drop(t);
+    let b1 = block_path(dir.path(), 7, 1);
+    fs::remove_file(&b1).unwrap();
+    fs::create_dir(&b1).unwrap();
+    fs::write(b1.join("inside"), b"x").unwrap();
+    let (mut t, report) = tier(dir.path(), 7, 1 << 20);
+    assert!(
+        report
+            .skipped
+            .iter()
+            .any(|(f, w)| *f == b1 && w.contains("directory")),
+        "{report:?}"
+    );
+    t.put(1, 0, &[1], &payload(1, 1000)).unwrap();
+    assert_eq!(t.get(1, 0, &[1]).unwrap(), Some(payload(1, 1000)));
 }
