@@ -18,8 +18,10 @@
 //! `PROCMEM_QUANT_POSITIONS` caps the positions (default: the whole text). The model comes
 //! from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
 
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{kv::KvStoreConfig, MemoryManager};
+mod common;
+
+use procmem_actors::procmem::kv::KvDtype;
+use procmem_actors::MemoryManager;
 use procmem_model::launch::builtin_prompts;
 use procmem_model::{
     argmax, decode_step, forward_every_row, forward_step, smollm2_path, Engine, Smol, StepInput,
@@ -61,18 +63,7 @@ async fn engine(
 ) -> Engine {
     let (path, max) = e;
     let loaded = Smol::load(path, max).unwrap();
-    let placeholder = KvShape {
-        layers: 0,
-        q_heads: 1,
-        kv_heads: 1,
-        head_dim: 1,
-        max_tokens: max,
-        k_dtype: k,
-        v_dtype: v,
-    };
-    let kv = KvStoreConfig::new("kv", placeholder)
-        .chunk_granules(16)
-        .wait(std::time::Duration::from_secs(60));
+    let kv = common::smol_kv_config(max, k, v).wait(std::time::Duration::from_secs(60));
     Engine::start(memory, loaded, kv, None).await.unwrap()
 }
 

@@ -43,8 +43,8 @@ use candle_transformers::models::mistral::Config as MistralConfig;
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 use candle_transformers::models::quantized_mistral::Model as Mistral;
 use candle_transformers::quantized_var_builder::VarBuilder;
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
-use procmem_actors::{kv::KvStoreConfig, MemoryManager};
+use procmem_actors::procmem::kv::KvDtype;
+use procmem_actors::MemoryManager;
 use procmem_model::{
     argmax, decode_step, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
 };
@@ -249,21 +249,9 @@ async fn engine(
     dtype: KvDtype,
 ) -> Engine {
     let loaded = Smol::load(path, max_tokens).unwrap();
-    let kv = KvStoreConfig::new(
-        "kv",
-        KvShape {
-            layers: 0,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 1,
-            max_tokens,
-            k_dtype: dtype,
-            v_dtype: dtype,
-        },
-    )
-    .chunk_granules(16)
-    .wait(std::time::Duration::from_secs(30))
-    .map_ahead(true);
+    let kv = common::smol_kv_config(max_tokens, dtype, dtype)
+        .wait(std::time::Duration::from_secs(30))
+        .map_ahead(true);
     Engine::start(memory, loaded, kv, None).await.unwrap()
 }
 

@@ -81,25 +81,24 @@ fn a_small_run_serves_every_request_and_ends_with_the_books_at_zero() {
 /// At an eighth of the peak KV demand, in both preemption modes, every request finishes, the
 /// kernel never holds more than the ledger says at any progress sample, and the KV swapped
 /// out goes to disk (the KV is host memory here, so a host copy would free nothing).
+/// 16 requests, 12 at once, under an eighth of their peak KV demand: pressure.
+const AN_EIGHTH: [&str; 10] = [
+    "--requests",
+    "16",
+    "--concurrency",
+    "12",
+    "--prompt-len",
+    "40",
+    "--max-new-tokens",
+    "12",
+    "--budget",
+    "0.125x",
+];
+
 #[test]
 fn an_eighth_of_the_demand_finishes_every_request_in_both_modes() {
     for mode in ["swap", "recompute"] {
-        let out = run(&[
-            "--requests",
-            "16",
-            "--concurrency",
-            "12",
-            "--prompt-len",
-            "40",
-            "--max-new-tokens",
-            "12",
-            "--budget",
-            "0.125x",
-            "--preempt",
-            mode,
-            "--kv-dtype",
-            "f16",
-        ]);
+        let out = run(&[&AN_EIGHTH[..], &["--preempt", mode, "--kv-dtype", "f16"]].concat());
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -348,23 +347,7 @@ fn q8_0_kv_alone_or_beside_f16_finishes_under_pressure() {
         &["--kv-dtype-k", "f16", "--kv-dtype-v", "q8_0"][..],
         &["--kv-dtype", "f16", "--kv-dtype-k", "q8_0"][..],
     ] {
-        let args = [
-            &[
-                "--requests",
-                "16",
-                "--concurrency",
-                "12",
-                "--prompt-len",
-                "40",
-                "--max-new-tokens",
-                "12",
-                "--budget",
-                "0.125x",
-            ][..],
-            kv,
-        ]
-        .concat();
-        let out = run(&args);
+        let out = run(&[&AN_EIGHTH[..], kv].concat());
         finished_with_the_books_at_zero(&out, 16, &format!("{kv:?}"));
     }
 }

@@ -207,7 +207,6 @@ impl KvShape {
             .checked_mul(self.head_dim)
             .and_then(|_| self.layers.checked_mul(2))
             .ok_or(ShapeError::Overflow)?;
-        let mut block_tokens = 1u64;
         let mut buffers = 0u64;
         for part in KvPart::BOTH {
             let dtype = self.dtype(part);
@@ -225,8 +224,6 @@ impl KvShape {
                 .checked_mul(self.head_dim)
                 .and_then(|f| dtype.row_bytes(f))
                 .ok_or(ShapeError::Overflow)?;
-            let own = lcm(token_bytes, granularity).ok_or(ShapeError::Overflow)? / token_bytes;
-            block_tokens = lcm(block_tokens, own).ok_or(ShapeError::Overflow)?;
             let buffer = (self.max_tokens as u64)
                 .checked_mul(token_bytes)
                 .and_then(|b| b.checked_next_multiple_of(granularity))
@@ -235,6 +232,9 @@ impl KvShape {
         }
         // A shareable block is the smallest run of whole tokens that fills whole granules in K
         // and in V; refused when that takes more than `MAX_BLOCK_GRANULES` granules in either.
+        let block_tokens = self
+            .checked_block_tokens(granularity)
+            .ok_or(ShapeError::Overflow)?;
         for part in KvPart::BOTH {
             let token_bytes = self.token_bytes(part);
             let block = block_tokens
@@ -305,11 +305,19 @@ impl KvShape {
     /// granules in K and in V (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages; 204-byte
     /// `q8_0` tokens: 1,024 in 51 pages).
     pub fn block_tokens(&self, granularity: u64) -> usize {
+        self.checked_block_tokens(granularity)
+            .map_or(1, |b| b as usize)
+    }
+
+    /// [`KvShape::block_tokens`], `None` where a size overflows.
+    fn checked_block_tokens(&self, granularity: u64) -> Option<u64> {
         let own = |part| {
-            let t = self.token_bytes(part);
-            lcm(t, granularity).map_or(1, |b| (b / t).max(1))
+            let t = self
+                .dtype(part)
+                .row_bytes(self.kv_heads.checked_mul(self.head_dim)?)?;
+            Some(lcm(t, granularity)? / t)
         };
-        lcm(own(KvPart::K), own(KvPart::V)).map_or(1, |b| b as usize)
+        lcm(own(KvPart::K)?, own(KvPart::V)?)
     }
 
     /// Bytes of one shareable block in one buffer of `part`.

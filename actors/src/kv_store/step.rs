@@ -171,14 +171,8 @@ impl StepKv<'_> {
         k: &[T],
         v: &[T],
     ) -> Result<(), KvError> {
-        let s = self.seqs.get_mut(i).ok_or(KvError::BadIndex(i))?;
-        let elems = s.memory.token_elems();
-        let rows = k.len() / elems.max(1);
-        if first.checked_add(rows).is_none_or(|end| end > s.count) {
-            return Err(KvError::NotMapped(s.memory.tokens().saturating_add(first)));
-        }
-        let pos = s.memory.tokens() + first;
-        s.memory.write_rows(layer, pos, k, v)
+        let (memory, pos) = self.new_rows(i, first, k.len())?;
+        memory.write_rows(layer, pos, k, v)
     }
 
     /// [`StepKv::write_rows`] from `f32` rows, whatever the type KV is kept in (rounded to
@@ -191,13 +185,25 @@ impl StepKv<'_> {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
+        let (memory, pos) = self.new_rows(i, first, k.len())?;
+        memory.write_rows_f32(layer, pos, k, v)
+    }
+
+    /// Sequence `i`'s memory and the position of its new row `first`, once rows of `values`
+    /// values from there are checked to be rows of the step only.
+    fn new_rows(
+        &mut self,
+        i: usize,
+        first: usize,
+        values: usize,
+    ) -> Result<(&mut KvSequence, usize), KvError> {
         let s = self.seqs.get_mut(i).ok_or(KvError::BadIndex(i))?;
-        let rows = k.len() / s.memory.token_elems().max(1);
+        let rows = values / s.memory.token_elems().max(1);
         if first.checked_add(rows).is_none_or(|end| end > s.count) {
             return Err(KvError::NotMapped(s.memory.tokens().saturating_add(first)));
         }
         let pos = s.memory.tokens() + first;
-        s.memory.write_rows_f32(layer, pos, k, v)
+        Ok((&mut s.memory, pos))
     }
 
     /// Layer `layer`'s K and V of sequence `i` as they are kept, whatever the type, the
