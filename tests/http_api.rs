@@ -459,21 +459,33 @@ fn a_client_leaving_mid_stream_cancels_and_sigterm_ends_with_the_books_at_zero()
     );
 
     // One running, two waiting: the next ones are refused with 429 and Retry-After.
-    let held: Vec<TcpStream> = (0..3).map(|_| open_stream(&server, 300)).collect();
+    // Each asks for nearly the whole context (2,048), so the one running cannot finish
+    // before the other two are read and queued, however loaded the machine (CI once saw
+    // two 300-token answers finish before the probe below saw two waiting).
+    let held: Vec<TcpStream> = (0..3).map(|_| open_stream(&server, 1900)).collect();
     // Two are queued once the server has read and submitted all three. Which one runs is the
     // server's to pick: waiting here for the first connection's first event lost a race on
     // a loaded machine (another ran first, and by then it had finished and only one waited).
     // A fixed sleep lost one too (the next request took a place in the queue).
     let start = Instant::now();
+    let mut seen = Vec::new();
     loop {
         let (_, _, health) = curl(&[&server.url("/health")]);
         let health: Value = serde_json::from_str(&health).unwrap();
         if health["waiting"] == 2 {
             break;
         }
+        // Each state the probe saw, once, with when: what the failure message shows.
+        let state = format!("{:?} {health}", start.elapsed());
+        if seen
+            .last()
+            .is_none_or(|s: &String| !s.ends_with(&health.to_string()))
+        {
+            seen.push(state);
+        }
         assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "two requests never queued: {health}"
+            start.elapsed() < Duration::from_secs(60),
+            "two requests never queued: {seen:#?}"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
