@@ -1,7 +1,8 @@
 // Decode kernels over the flat per-layer K/V views of the step API (procmem::kv::KvView):
 // `tokens` rows, position-major, each row `kv_heads` heads of `head_dim` elements, `f32`,
 // `f16` or `q8_0` (blocks of 32 values: an f16 scale `d`, little-endian, then 32 signed bytes
-// `q`; a value is `q * d`; a head is whole blocks). Compiled to PTX by scripts/gen-ptx.py with NVRTC (no CUDA toolkit needed to build);
+// `q`; a value is `q * d`; a head is whole blocks; `q8_0` rows may come in page-sized
+// groups, see Q8Kv). Compiled to PTX by scripts/gen-ptx.py with NVRTC (no CUDA toolkit needed to build);
 // the PTX is checked in (kernels/decode.ptx) and loaded with cuModuleLoadData, so the driver
 // compiles it for whatever GPU it finds. No headers: f16 conversions are single PTX `cvt`s.
 //
@@ -39,22 +40,45 @@ __device__ __forceinline__ float half_to_float(half_bits h) {
 }
 
 // Readers of KV value `i` (counted in values from the view's first row), one per type.
+// `f32` and `f16` rows are dense; `q8_0` rows may come in groups (a group's rows one after
+// the other, groups `group_bytes` apart: SmolLM2's 204-byte rows 20 to a 4 KiB page), so its
+// reader finds a value's row first. Each is made from the view's address, the values in a
+// row, and the rows' grouping.
 struct F32Kv {
     const float* p;
+    __device__ static F32Kv make(const float* p, unsigned long long, unsigned long long,
+                                 unsigned long long) {
+        return F32Kv{p};
+    }
     __device__ __forceinline__ float at(unsigned long long i) const { return p[i]; }
 };
 
 struct F16Kv {
     const half_bits* p;
+    __device__ static F16Kv make(const half_bits* p, unsigned long long, unsigned long long,
+                                 unsigned long long) {
+        return F16Kv{p};
+    }
     __device__ __forceinline__ float at(unsigned long long i) const { return load_elem(p + i); }
 };
 
 struct Q8Kv {
     const unsigned char* p;
+    unsigned long long stride;       // values in a row
+    unsigned long long row_bytes;    // bytes of a row: stride / 32 blocks of 34
+    unsigned long long group_rows;   // rows in a group
+    unsigned long long group_bytes;  // bytes from one group to the next
+    __device__ static Q8Kv make(const unsigned char* p, unsigned long long stride,
+                                unsigned long long group_rows, unsigned long long group_bytes) {
+        return Q8Kv{p, stride, stride / 32 * 34, group_rows, group_bytes};
+    }
     __device__ __forceinline__ float at(unsigned long long i) const {
-        const unsigned char* b = p + (i / 32) * 34;
+        const unsigned long long row = i / stride;
+        const unsigned long long w = i - row * stride;
+        const unsigned char* b = p + (row / group_rows) * group_bytes +
+                                 (row % group_rows) * row_bytes + (w / 32) * 34;
         const half_bits d = (half_bits)(b[0] | (b[1] << 8));
-        return (float)(signed char)b[2 + i % 32] * half_to_float(d);
+        return (float)(signed char)b[2 + w % 32] * half_to_float(d);
     }
 };
 
@@ -161,9 +185,13 @@ __device__ __forceinline__ void split_partial(
 #define GQA_SPLIT(KN, KR, KT, VN, VR, VT)                                                       \
     extern "C" __global__ void __launch_bounds__(1024) gqa_split_##KN##_##VN(                  \
         const float* q, const KT* k, const VT* v, unsigned tokens, unsigned split_tokens,      \
-        unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials) { \
-        split_partial<KR, VR>(q, KR{k}, VR{v}, tokens, split_tokens, q_heads, kv_heads,        \
-                              head_dim, scale, partials);                                      \
+        unsigned q_heads, unsigned kv_heads, unsigned head_dim, float scale, float* partials,  \
+        unsigned long long k_group_rows, unsigned long long k_group_bytes,                     \
+        unsigned long long v_group_rows, unsigned long long v_group_bytes) {                   \
+        const unsigned long long stride = (unsigned long long)kv_heads * head_dim;             \
+        split_partial<KR, VR>(q, KR::make(k, stride, k_group_rows, k_group_bytes),             \
+                              VR::make(v, stride, v_group_rows, v_group_bytes), tokens,        \
+                              split_tokens, q_heads, kv_heads, head_dim, scale, partials);     \
     }
 #define GQA_SPLIT_V(KN, KR, KT)                     \
     GQA_SPLIT(KN, KR, KT, f32, F32Kv, float)        \

@@ -22,14 +22,14 @@ pub mod victims;
 
 pub use causal::{gqa_causal, gqa_causal_rows};
 pub use digest::{prompt_keys, PrefixDigest};
-pub use elem::{KvElement, KvRows, KvView, LayerViews};
+pub use elem::{KvElement, KvRows, KvView, LayerViews, Q8Rows};
 pub use gqa::{gqa_decode, gqa_decode_plain, gqa_decode_rows, SPLIT_TOKENS};
 /// The 16-bit float KV may be kept in.
 pub use half::f16;
 pub use prefix::{chain_hash, BlockState, Incarnation, Lookup, PrefixCache};
 #[cfg(target_os = "linux")]
 pub use sequence::{GrowthSize, KvError, KvSequence, PendingGrowth};
-pub use shape::{Heads, KvDtype, KvPart, KvShape, ShapeError};
+pub use shape::{Heads, KvDtype, KvPart, KvShape, RowLayout, ShapeError, ROW_GROUP_BYTES};
 pub use table::{
     first_duplicate, Lent, Phase, PreemptMode, SeqData, SeqId, SeqState, Sequence, SequenceTable,
     TableError,

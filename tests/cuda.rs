@@ -277,11 +277,12 @@ fn cuda_read_only_sharer_cannot_write() {
 /// operator on the same inputs, for every pair of K and V types (`f32`, `f16`, `q8_0`), with
 /// the new token's row written (rounded or quantized) by the row kernel. The host operator
 /// reads the very bytes the GPU holds, read back; the row the GPU quantized is held to the
-/// host's quantization of the same values within one step of its block.
+/// host's quantization of the same values within one step of its block. `q8_0` rows are laid
+/// out in groups (three 1,088-byte rows to a 4 KiB page), as a store groups small ones.
 #[test]
 fn cuda_decode_kernel_equals_the_host_operator() {
     use procmem::cuda::{CudaStream, DecodeKernels, DecodeLaunch};
-    use procmem::kv::{elem::narrow_into, gqa_decode_rows, Heads, KvDtype, KvRows};
+    use procmem::kv::{elem::narrow_into, gqa_decode_rows, Heads, KvDtype, KvRows, RowLayout};
     let Some(m) = gpu("cuda_decode_kernel_equals_the_host_operator") else {
         return;
     };
@@ -299,16 +300,31 @@ fn cuda_decode_kernel_equals_the_host_operator() {
     let k = vals(tokens as usize * row, 2);
     let v = vals(tokens as usize * row, 3);
     let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
+    let layout = |dtype: KvDtype| {
+        let row_bytes = dtype.row_bytes(row).unwrap();
+        match dtype {
+            KvDtype::Q8_0 => RowLayout {
+                row_bytes,
+                group_rows: 3,
+                group_bytes: 4096,
+            },
+            _ => RowLayout::dense(row_bytes),
+        }
+    };
+    // Every row at its place in `dtype`'s layout.
     let kept = |dtype: KvDtype, x: &[f32]| {
-        let mut out = vec![0u8; dtype.row_bytes(x.len()).unwrap() as usize];
-        narrow_into(dtype, x, &mut out);
+        let rows = layout(dtype);
+        let mut out = vec![0u8; rows.offset(tokens as u64) as usize];
+        for (t, r) in x.chunks_exact(row).enumerate() {
+            let at = rows.offset(t as u64) as usize;
+            narrow_into(dtype, r, &mut out[at..][..rows.row_bytes as usize]);
+        }
         out
     };
     for (k_dtype, v_dtype) in KvDtype::ALL
         .iter()
         .flat_map(|a| KvDtype::ALL.map(|b| (*a, b)))
     {
-        let row_bytes = |d: KvDtype| d.row_bytes(row).unwrap();
         let (k_host, v_host) = (kept(k_dtype, &k), kept(v_dtype, &v));
         let (dq, dk, dv) = (
             device.alloc(q.len() as u64 * 4).unwrap(),
@@ -321,6 +337,8 @@ fn cuda_decode_kernel_equals_the_host_operator() {
             v: dv,
             k_dtype,
             v_dtype,
+            k_rows: layout(k_dtype),
+            v_rows: layout(v_dtype),
             tokens,
             q_heads,
             kv_heads,
@@ -335,7 +353,7 @@ fn cuda_decode_kernel_equals_the_host_operator() {
         unsafe {
             device.copy_to_device(dq, &bytes(&q)).unwrap();
             // Everything but the last row by copy; the last row by the write kernel.
-            let (kl, vl) = (last * row_bytes(k_dtype), last * row_bytes(v_dtype));
+            let (kl, vl) = (layout(k_dtype).offset(last), layout(v_dtype).offset(last));
             device.copy_to_device(dk, &k_host[..kl as usize]).unwrap();
             device.copy_to_device(dv, &v_host[..vl as usize]).unwrap();
             let at = last as usize * row;
@@ -372,13 +390,12 @@ fn cuda_decode_kernel_equals_the_host_operator() {
         let pair = format!("K {k_dtype} V {v_dtype}");
         // The row the GPU wrote reads back as the host's within one step of its block.
         for (dtype, gpu, host) in [(k_dtype, &k_gpu, &k_host), (v_dtype, &v_gpu, &v_host)] {
-            let from = (last * row_bytes(dtype)) as usize;
-            let g = KvRows::from_bytes(dtype, &gpu[from..])
+            let rows = layout(dtype);
+            let at = rows.offset(last) as usize..(rows.offset(last) + rows.row_bytes) as usize;
+            let g = KvRows::from_bytes(dtype, &gpu[at.clone()])
                 .unwrap()
                 .to_f32_vec();
-            let h = KvRows::from_bytes(dtype, &host[from..])
-                .unwrap()
-                .to_f32_vec();
+            let h = KvRows::from_bytes(dtype, &host[at]).unwrap().to_f32_vec();
             for (i, (a, b)) in g.iter().zip(&h).enumerate() {
                 assert!(
                     (a - b).abs() <= 1.0 / 127.0 + 1e-6,
@@ -389,8 +406,8 @@ fn cuda_decode_kernel_equals_the_host_operator() {
         let mut want = vec![0f32; q.len()];
         gqa_decode_rows(
             &q,
-            KvRows::from_bytes(k_dtype, &k_gpu).unwrap(),
-            KvRows::from_bytes(v_dtype, &v_gpu).unwrap(),
+            KvRows::from_layout(k_dtype, &k_gpu, tokens as usize, row, layout(k_dtype)).unwrap(),
+            KvRows::from_layout(v_dtype, &v_gpu, tokens as usize, row, layout(v_dtype)).unwrap(),
             tokens as usize,
             Heads::new(32, 8, 128),
             &mut want,

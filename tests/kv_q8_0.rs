@@ -25,6 +25,11 @@ fn data(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Blocks one after the other, as rows.
+fn q8(blocks: &[u8]) -> KvRows<'_> {
+    KvRows::from_bytes(KvDtype::Q8_0, blocks).unwrap()
+}
+
 fn quantized(x: &[f32]) -> Vec<u8> {
     let mut q = vec![0u8; q8_0::bytes_for(x.len()).unwrap()];
     q8_0::quantize(x, &mut q);
@@ -78,9 +83,9 @@ fn decode_over_q8_0_rows_matches_an_f64_reference_on_the_dequantized_values() {
         let (kq, vq) = (quantized(&k), quantized(&v));
         let v16: Vec<half::f16> = v.iter().map(|x| half::f16::from_f32(*x)).collect();
         for (kr, vr) in [
-            (KvRows::Q8_0(&kq), KvRows::Q8_0(&vq)),
-            (KvRows::Q8_0(&kq), KvRows::F16(&v16)),
-            (KvRows::F32(&k), KvRows::Q8_0(&vq)),
+            (q8(&kq), q8(&vq)),
+            (q8(&kq), KvRows::F16(&v16)),
+            (KvRows::F32(&k), q8(&vq)),
         ] {
             let mut out = vec![0f32; h.q * h.dim];
             gqa_decode_rows(&q, kr, vr, tokens, h, &mut out);
@@ -104,11 +109,11 @@ fn decode_over_q8_0_rows_matches_an_f64_reference_on_the_dequantized_values() {
         // bench's).
         let mut exact = vec![0f32; h.q * h.dim];
         gqa_decode(&q, &k, &v, tokens, h, &mut exact);
-        let mut q8 = vec![0f32; exact.len()];
-        gqa_decode_rows(&q, KvRows::Q8_0(&kq), KvRows::Q8_0(&vq), tokens, h, &mut q8);
+        let mut quant = vec![0f32; exact.len()];
+        gqa_decode_rows(&q, q8(&kq), q8(&vq), tokens, h, &mut quant);
         let err = exact
             .iter()
-            .zip(&q8)
+            .zip(&quant)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         let big = exact.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -129,10 +134,10 @@ fn a_causal_chunk_over_q8_0_gives_each_row_its_decode_bits() {
         let vq = quantized(&data((start + rows) * stride, 5));
         let q = data(rows * w, 6);
         let mut out = vec![0f32; q.len()];
-        gqa_causal_rows(&q, KvRows::Q8_0(&kq), KvRows::Q8_0(&vq), start, h, &mut out);
+        gqa_causal_rows(&q, q8(&kq), q8(&vq), start, h, &mut out);
         for j in 0..rows {
             let t = start + j + 1;
-            let (k, v) = (KvRows::Q8_0(&kq), KvRows::Q8_0(&vq));
+            let (k, v) = (q8(&kq), q8(&vq));
             let mut want = vec![0f32; w];
             let seen = 0..t * stride;
             gqa_decode_rows(
@@ -158,9 +163,11 @@ const SHAPE: KvShape = KvShape {
     v_dtype: KvDtype::Q8_0,
 };
 
-/// A sequence kept in q8_0 takes 204 bytes a token per buffer; a row written from `f32` is
-/// quantized in place and reads back as the blocks `q8_0::quantize` makes; typed writes and
-/// reads of another type are refused; the views' strides are the blocks' bytes.
+/// A sequence kept in q8_0 takes 204 bytes a token per buffer, 20 rows to a page (16 bytes
+/// spare); a row written from `f32` is quantized in place and reads back as the blocks
+/// `q8_0::quantize` makes, the spare bytes untouched; the operator over the grouped rows gives
+/// the bits it gives over the same blocks one after the other; typed writes and reads of
+/// another type are refused; the views say where the rows are.
 #[test]
 fn a_q8_0_sequence_quantizes_rows_as_they_are_written() {
     let host = HostMechanism::new().unwrap();
@@ -180,8 +187,15 @@ fn a_q8_0_sequence_quantizes_rows_as_they_are_written() {
     }
     seq.advance_by(rows).unwrap();
     let (kr, vr) = seq.rows_upto(1, rows).unwrap();
-    assert_eq!(kr, KvRows::Q8_0(&quantized(&k)));
-    assert_eq!(vr, KvRows::Q8_0(&quantized(&v)));
+    let (kq, vq) = (quantized(&k), quantized(&v));
+    assert_eq!(kr, q8(&kq));
+    assert_eq!(vr, q8(&vq));
+    let h = SHAPE.heads();
+    let q = data(h.q * h.dim, 9);
+    let (mut grouped, mut dense) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+    gqa_decode_rows(&q, kr, vr, rows, h, &mut grouped);
+    gqa_decode_rows(&q, q8(&kq), q8(&vq), rows, h, &mut dense);
+    assert_eq!(grouped, dense, "grouped rows read as the same values");
     assert!(matches!(
         seq.write_rows(0, 0, &k[..elems], &v[..elems]),
         Err(KvError::WrongType {
@@ -199,11 +213,25 @@ fn a_q8_0_sequence_quantizes_rows_as_they_are_written() {
     ));
     let views = seq.views(0, rows).unwrap();
     assert_eq!(
-        (views.k.dtype, views.k.token_stride, views.k.head_stride),
-        (KvDtype::Q8_0, 204, 68)
+        (
+            views.k.dtype,
+            views.k.token_stride,
+            views.k.head_stride,
+            views.k.group_rows,
+            views.k.group_stride
+        ),
+        (KvDtype::Q8_0, 204, 68, 20, 4096)
     );
-    // The bytes a swap copies are the blocks, as they are.
-    assert_eq!(seq.buffer_bytes(0, rows).unwrap(), &quantized(&k)[..]);
+    assert_eq!(views.k.row_addr(41), Some(views.k.addr + 2 * 4096 + 204));
+    assert_eq!(views.k.bytes(), 15 * 4096);
+    // The bytes a swap copies are the pages, as they are: every row in its place, and the
+    // spare 16 bytes of each page never written.
+    let bytes = seq.buffer_bytes(2, rows).unwrap();
+    assert_eq!(bytes.len(), 15 * 4096);
+    for (page, blocks) in bytes.chunks_exact(4096).zip(kq.chunks(20 * 204)) {
+        assert_eq!(&page[..20 * 204], blocks);
+        assert_eq!(page[20 * 204..], [0u8; 16]);
+    }
 }
 
 /// A head that is not whole blocks of 32 refuses q8_0 with a typed error, before anything is
@@ -250,7 +278,17 @@ fn k_and_v_of_different_types_grow_share_and_copy_by_their_own_rows() {
     let (tk, tv) = (shape.token_bytes(KvPart::K), shape.token_bytes(KvPart::V));
     assert_eq!((tk, tv), (384, 204));
     let bt = shape.block_tokens(g);
-    assert_eq!(bt, 1024, "whole pages in K (96) and in V (51)");
+    assert_eq!(
+        bt, 160,
+        "whole pages in K (15, 32 rows to 3) and in V (8, 20 rows to 1)"
+    );
+    assert_eq!(
+        (
+            shape.block_bytes(KvPart::K, g),
+            shape.block_bytes(KvPart::V, g)
+        ),
+        (15 * 4096, 8 * 4096)
+    );
     let elems = shape.token_elems();
 
     // Growth maps each part by its own rows.
@@ -260,7 +298,7 @@ fn k_and_v_of_different_types_grow_share_and_copy_by_their_own_rows() {
         (growth.k, growth.v),
         (
             (100 * tk).next_multiple_of(g),
-            (100 * tv).next_multiple_of(g)
+            (100 / 20 * 4096u64).next_multiple_of(g)
         )
     );
     assert_eq!(growth.bytes(), 2 * (growth.k + growth.v));
@@ -269,7 +307,7 @@ fn k_and_v_of_different_types_grow_share_and_copy_by_their_own_rows() {
     seq.publish(pending);
     assert_eq!(
         seq.mapped_tokens(),
-        (growth.v / tv) as usize,
+        shape.rows(KvPart::V).rows_within(growth.v) as usize,
         "V runs out first"
     );
     let (k, v) = (data(100 * elems, 9), data(100 * elems, 10));
@@ -279,7 +317,7 @@ fn k_and_v_of_different_types_grow_share_and_copy_by_their_own_rows() {
     seq.advance_by(100).unwrap();
     let (kr, vr) = seq.rows_upto(0, 100).unwrap();
     assert_eq!(kr.dtype(), KvDtype::F16);
-    assert_eq!(vr, KvRows::Q8_0(&quantized(&v)));
+    assert_eq!(vr, q8(&quantized(&v)));
     let f16s: Vec<f32> = k.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect();
     assert_eq!(kr.to_f32_vec(), f16s);
     assert_eq!(backing.resident_bytes().unwrap(), seq.exclusive_bytes());

@@ -17,13 +17,13 @@ mod common;
 
 use common::{another_holder_asks, kv_config, kv_item, system, PAGE};
 
-/// 16 KV heads of 32: a K row of 1,024 bytes (f16), a V row of 544 (q8_0); a block of 128
-/// tokens is 32 pages of K and 17 of V.
+/// SmolLM2's heads, 3 KV heads of 64: a K row of 384 bytes (f16), a V row of 204 (q8_0, 20
+/// rows to a page with 16 bytes spare); a block of 160 tokens is 15 pages of K and 8 of V.
 const SHAPE: KvShape = KvShape {
     layers: 2,
-    q_heads: 16,
-    kv_heads: 16,
-    head_dim: 32,
+    q_heads: 9,
+    kv_heads: 3,
+    head_dim: 64,
     max_tokens: 512,
     k_dtype: KvDtype::F16,
     v_dtype: KvDtype::Q8_0,
@@ -78,7 +78,7 @@ fn kv_bytes(rows: procmem_actors::procmem::kv::KvRows<'_>) -> Vec<u8> {
     match rows {
         KvRows::F32(x) => x.iter().flat_map(|f| f.to_le_bytes()).collect(),
         KvRows::F16(x) => x.iter().flat_map(|f| f.to_le_bytes()).collect(),
-        KvRows::Q8_0(x) => x.to_vec(),
+        KvRows::Q8_0(x) => x.to_blocks(),
     }
 }
 
@@ -108,9 +108,10 @@ async fn a_swap_to_disk_brings_back_the_quantized_bytes_as_they_were() {
         .unwrap();
     let s = kv.stats().await.unwrap();
     assert_eq!((s.preempted, s.swap), (1, SwapKind::Disk));
+    // The rows as kept: 40 K rows, and two pages of V rows (20 to a page) per layer.
     assert_eq!(
         s.swapped_bytes,
-        40 * SHAPE.token_bytes_all(),
+        2 * (40 * 384 + 2 * 4096),
         "the rows as kept"
     );
     drop(squeezed);

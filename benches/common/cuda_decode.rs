@@ -19,7 +19,7 @@ use procmem::cuda::{
     driver_present, CudaDevice, CudaMechanism, CudaStream, CudaVmmBacking, DecodeKernels,
     DecodeLaunch,
 };
-use procmem::kv::KvDtype;
+use procmem::kv::{KvDtype, RowLayout};
 use procmem::{MemoryRole, VirtualBacking, VirtualBuffer};
 use serde_json::json;
 
@@ -258,6 +258,8 @@ impl Gpu {
             v,
             k_dtype: KvDtype::F32,
             v_dtype: KvDtype::F32,
+            k_rows: RowLayout::dense(ROW),
+            v_rows: RowLayout::dense(ROW),
             tokens,
             q_heads: Q_HEADS,
             kv_heads: KV_HEADS,

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::scheduler::{self, StepFuture, StepModel};
 use crate::{ModelError, StepFault, StepInput};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
-use procmem_actors::procmem::kv::KvShape;
+use procmem_actors::procmem::kv::{KvPart, KvShape};
 use procmem_actors::{
     kv::{KvStep, KvStoreHandle},
     residency::ResidencyHandle,
@@ -283,6 +283,8 @@ impl Gpu {
             v: 0,
             k_dtype: shape.k_dtype,
             v_dtype: shape.v_dtype,
+            k_rows: shape.rows(KvPart::K),
+            v_rows: shape.rows(KvPart::V),
             tokens: shape.max_tokens as u32,
             q_heads: shape.q_heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -387,6 +389,8 @@ impl Gpu {
                     v: views.v.addr,
                     k_dtype: shape.k_dtype,
                     v_dtype: shape.v_dtype,
+                    k_rows: views.k.rows(),
+                    v_rows: views.v.rows(),
                     tokens: (pos + 1) as u32,
                     q_heads: shape.q_heads as u32,
                     kv_heads: shape.kv_heads as u32,

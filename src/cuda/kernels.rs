@@ -13,7 +13,7 @@ use cudarc::driver::sys;
 use super::driver::{check, CudaDevice};
 use super::stream::CudaStream;
 use crate::api::MemoryError;
-use crate::kv::KvDtype;
+use crate::kv::{KvDtype, RowLayout};
 
 /// The PTX the kernels are loaded from.
 pub const DECODE_PTX: &str = include_str!("../../kernels/decode.ptx");
@@ -37,6 +37,11 @@ pub struct DecodeLaunch {
     pub k_dtype: KvDtype,
     /// The element type of V.
     pub v_dtype: KvDtype,
+    /// How K's rows lie (its view's [`KvView::rows`](crate::kv::KvView::rows)): dense for
+    /// `f32` and `f16`, grouped in pages for some `q8_0` rows.
+    pub k_rows: RowLayout,
+    /// How V's rows lie.
+    pub v_rows: RowLayout,
     /// Rows to attend over.
     pub tokens: u32,
     /// Query heads.
@@ -85,6 +90,20 @@ impl DecodeLaunch {
         let block = self.k_dtype.block_values().max(self.v_dtype.block_values());
         if self.head_dim as usize % block != 0 {
             return bad("a q8_0 head is whole blocks of 32");
+        }
+        let values = self.kv_heads as usize * self.head_dim as usize;
+        for (dtype, rows) in [(self.k_dtype, self.k_rows), (self.v_dtype, self.v_rows)] {
+            let fits = dtype.row_bytes(values) == Some(rows.row_bytes)
+                && (rows.is_dense()
+                    || dtype == KvDtype::Q8_0
+                        && rows.group_rows >= 1
+                        && rows
+                            .group_rows
+                            .checked_mul(rows.row_bytes)
+                            .is_some_and(|b| b <= rows.group_bytes));
+            if !fits {
+                return bad("the rows' layout does not fit their type and heads");
+            }
         }
         if self.tokens == 0 {
             return bad("no tokens to attend over");
@@ -193,7 +212,7 @@ impl DecodeKernels {
         let group = launch.q_heads / launch.kv_heads;
         let scale = 1.0f32 / (launch.head_dim as f32).sqrt();
         let split_tokens = CUDA_SPLIT_TOKENS;
-        let mut args: [*mut c_void; 10] = [
+        let mut args: [*mut c_void; 14] = [
             &launch.q as *const u64 as *mut c_void,
             &launch.k as *const u64 as *mut c_void,
             &launch.v as *const u64 as *mut c_void,
@@ -204,6 +223,10 @@ impl DecodeKernels {
             &launch.head_dim as *const u32 as *mut c_void,
             &scale as *const f32 as *mut c_void,
             &launch.partials as *const u64 as *mut c_void,
+            &launch.k_rows.group_rows as *const u64 as *mut c_void,
+            &launch.k_rows.group_bytes as *const u64 as *mut c_void,
+            &launch.v_rows.group_rows as *const u64 as *mut c_void,
+            &launch.v_rows.group_bytes as *const u64 as *mut c_void,
         ];
         let index = |d: KvDtype| KvDtype::ALL.iter().position(|x| *x == d).unwrap_or(0);
         let split = self.split[index(launch.k_dtype)][index(launch.v_dtype)];
@@ -338,6 +361,8 @@ mod tests {
             v: 0,
             k_dtype: KvDtype::F16,
             v_dtype: KvDtype::F16,
+            k_rows: RowLayout::dense(u64::from(kv_heads) * u64::from(head_dim) * 2),
+            v_rows: RowLayout::dense(u64::from(kv_heads) * u64::from(head_dim) * 2),
             tokens,
             q_heads,
             kv_heads,
@@ -366,14 +391,40 @@ mod tests {
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
-        let q8 = |head_dim| DecodeLaunch {
+        let q8 = |head_dim: u32| DecodeLaunch {
             v_dtype: KvDtype::Q8_0,
+            v_rows: RowLayout::of(KvDtype::Q8_0, u64::from(head_dim) * 3 / 32 * 34),
             ..launch(16, 9, 3, head_dim)
         };
         assert!(q8(64).validate().is_ok());
+        assert_eq!(q8(64).v_rows.group_rows, 20, "204-byte rows, 20 to a page");
         assert!(
             q8(48).validate().is_err(),
             "a head of 48 is not whole blocks"
         );
+        // A layout that is not the rows': refused before anything is queued.
+        for rows in [
+            RowLayout::dense(200),
+            RowLayout {
+                row_bytes: 204,
+                group_rows: 21,
+                group_bytes: 4096,
+            },
+        ] {
+            let wrong = DecodeLaunch {
+                v_rows: rows,
+                ..q8(64)
+            };
+            assert!(wrong.validate().is_err(), "{rows:?}");
+        }
+        let grouped_f16 = DecodeLaunch {
+            k_rows: RowLayout {
+                group_rows: 10,
+                group_bytes: 4096,
+                ..launch(16, 9, 3, 64).k_rows
+            },
+            ..launch(16, 9, 3, 64)
+        };
+        assert!(grouped_f16.validate().is_err(), "f16 rows are dense");
     }
 }

@@ -5,7 +5,7 @@ use bytemuck::Pod;
 use half::slice::HalfFloatSliceExt;
 
 use super::q8_0;
-use super::shape::KvDtype;
+use super::shape::{KvDtype, RowLayout};
 use crate::api::Place;
 
 /// A type K and V elements are stored as: `f32` or `half::f16`.
@@ -59,8 +59,142 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     /// `f16` values.
     F16(&'a [half::f16]),
-    /// `q8_0` blocks ([`q8_0`](super::q8_0)), whole blocks only.
-    Q8_0(&'a [u8]),
+    /// `q8_0` blocks ([`q8_0`](super::q8_0)), in rows laid out as their buffer keeps them.
+    Q8_0(Q8Rows<'a>),
+}
+
+/// `q8_0` rows as a buffer keeps them ([`RowLayout`]: SmolLM2's 204-byte rows come 20 to a
+/// page): values `start..start + len` counted from row 0, every row `row_values` values
+/// (whole blocks). Two are equal when they hold the same blocks, wherever those lie.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Rows<'a> {
+    bytes: &'a [u8],
+    rows: RowLayout,
+    row_values: usize,
+    start: usize,
+    len: usize,
+}
+
+impl<'a> Q8Rows<'a> {
+    /// Whole blocks one after the other (`None` where `bytes` is not whole blocks).
+    pub fn dense(bytes: &'a [u8]) -> Option<Self> {
+        let rows = bytes.len() / q8_0::BLOCK_BYTES;
+        Q8Rows::new(
+            bytes,
+            rows,
+            q8_0::BLOCK,
+            RowLayout::dense(q8_0::BLOCK_BYTES as u64),
+        )
+        .filter(|_| bytes.len() % q8_0::BLOCK_BYTES == 0)
+    }
+
+    /// `rows` rows of `row_values` values from the start of `bytes`, laid out as `layout`:
+    /// `None` where the values are not whole blocks, the layout's rows are not their size, or
+    /// `bytes` does not hold them.
+    pub fn new(bytes: &'a [u8], rows: usize, row_values: usize, layout: RowLayout) -> Option<Self> {
+        let row_bytes = q8_0::bytes_for(row_values)? as u64;
+        let fits = layout.row_bytes == row_bytes
+            && layout.group_rows >= 1
+            && layout.group_bytes >= layout.group_rows.checked_mul(row_bytes)?;
+        let end = layout.checked_offset(rows as u64)?;
+        (fits && end <= bytes.len() as u64).then_some(Q8Rows {
+            bytes,
+            rows: layout,
+            row_values,
+            start: 0,
+            len: rows.checked_mul(row_values)?,
+        })
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no value is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where value `v` (counted from row 0, on a block) lies in the bytes.
+    fn byte_of(&self, v: usize) -> usize {
+        let (row, within) = (v / self.row_values, v % self.row_values);
+        self.rows.offset(row as u64) as usize + within / q8_0::BLOCK * q8_0::BLOCK_BYTES
+    }
+
+    /// The blocks held, a run of contiguous whole blocks at a time (a row or part of one).
+    pub fn pieces(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let (this, end) = (*self, self.start + self.len);
+        let mut v = self.start;
+        std::iter::from_fn(move || {
+            if v >= end {
+                return None;
+            }
+            let row_end = (v / this.row_values + 1) * this.row_values;
+            let to = row_end.min(end);
+            let at = this.byte_of(v);
+            let bytes = (to - v) / q8_0::BLOCK * q8_0::BLOCK_BYTES;
+            v = to;
+            Some(&this.bytes[at..at + bytes])
+        })
+    }
+
+    /// The bytes from the first block held to the end of the last (the spare bytes between
+    /// groups included): what a prefetch touches.
+    pub fn span(&self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        let last = self.start + self.len - q8_0::BLOCK;
+        &self.bytes[self.byte_of(self.start)..self.byte_of(last) + q8_0::BLOCK_BYTES]
+    }
+
+    /// Values `range` of these (on block boundaries).
+    ///
+    /// # Panics
+    /// If the range is past the values held, or cuts a block.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Self {
+        let b = q8_0::BLOCK;
+        assert!(
+            range.start % b == 0 && range.end % b == 0,
+            "q8_0 rows are cut on blocks of {b}"
+        );
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "q8_0 values {range:?} of {}",
+            self.len
+        );
+        Q8Rows {
+            start: self.start + range.start,
+            len: range.len(),
+            ..*self
+        }
+    }
+
+    /// Widens every value into `dst` (exactly [`Q8Rows::len`] of it).
+    ///
+    /// # Panics
+    /// If `dst` is not that long.
+    pub fn widen_into(&self, dst: &mut [f32]) {
+        assert_eq!(dst.len(), self.len, "widened into as many values");
+        let mut at = 0;
+        for piece in self.pieces() {
+            let n = q8_0::values_in(piece.len());
+            q8_0::dequantize(piece, &mut dst[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// The blocks held, one after the other.
+    pub fn to_blocks(&self) -> Vec<u8> {
+        self.pieces().flatten().copied().collect()
+    }
+}
+
+impl PartialEq for Q8Rows<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.pieces().flatten().eq(other.pieces().flatten())
+    }
 }
 
 impl<'a> KvRows<'a> {
@@ -70,8 +204,28 @@ impl<'a> KvRows<'a> {
         match dtype {
             KvDtype::F32 => bytemuck::try_cast_slice(bytes).ok().map(KvRows::F32),
             KvDtype::F16 => bytemuck::try_cast_slice(bytes).ok().map(KvRows::F16),
-            KvDtype::Q8_0 => (bytes.len() % q8_0::BLOCK_BYTES == 0).then_some(KvRows::Q8_0(bytes)),
+            KvDtype::Q8_0 => Q8Rows::dense(bytes).map(KvRows::Q8_0),
         }
+    }
+
+    /// `rows` rows of `row_values` values of `dtype` from the start of `bytes`, laid out as
+    /// `layout` (a buffer's [`KvShape::rows`](super::KvShape::rows)): `None` where the layout
+    /// does not fit the type's rows (`f32` and `f16` rows are dense) or `bytes` does not hold
+    /// them.
+    pub fn from_layout(
+        dtype: KvDtype,
+        bytes: &'a [u8],
+        rows: usize,
+        row_values: usize,
+        layout: RowLayout,
+    ) -> Option<Self> {
+        if dtype == KvDtype::Q8_0 {
+            return Q8Rows::new(bytes, rows, row_values, layout).map(KvRows::Q8_0);
+        }
+        let row_bytes = dtype.row_bytes(row_values)?;
+        let len = rows.checked_mul(row_bytes as usize)?;
+        let fits = layout.is_dense() && layout.row_bytes == row_bytes && len <= bytes.len();
+        fits.then(|| KvRows::from_bytes(dtype, &bytes[..len]))?
     }
 
     /// The element type.
@@ -88,7 +242,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(x) => x.len(),
             KvRows::F16(x) => x.len(),
-            KvRows::Q8_0(x) => q8_0::values_in(x.len()),
+            KvRows::Q8_0(x) => x.len(),
         }
     }
 
@@ -105,15 +259,7 @@ impl<'a> KvRows<'a> {
         match *self {
             KvRows::F32(x) => KvRows::F32(&x[range]),
             KvRows::F16(x) => KvRows::F16(&x[range]),
-            KvRows::Q8_0(x) => {
-                let b = q8_0::BLOCK;
-                assert!(
-                    range.start % b == 0 && range.end % b == 0,
-                    "q8_0 rows are cut on blocks of {b}"
-                );
-                let bytes = |v: usize| v / b * q8_0::BLOCK_BYTES;
-                KvRows::Q8_0(&x[bytes(range.start)..bytes(range.end)])
-            }
+            KvRows::Q8_0(x) => KvRows::Q8_0(x.slice(range)),
         }
     }
 
@@ -127,7 +273,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(x) => dst.copy_from_slice(x),
             KvRows::F16(x) => x.convert_to_f32_slice(dst),
-            KvRows::Q8_0(x) => q8_0::dequantize(x, dst),
+            KvRows::Q8_0(x) => x.widen_into(dst),
         }
     }
 
@@ -166,9 +312,12 @@ pub fn narrow_into(dtype: KvDtype, src: &[f32], dst: &mut [u8]) {
 }
 
 /// Where one layer's K (or V) of one sequence lies, as a kernel reads it: `tokens` rows from
-/// `addr`, position-major (row `t` at `addr + t * token_stride`), each row `kv_heads` heads of
-/// `head_dim` elements (head `h` at `h * head_stride` into the row). The address is in
-/// `place` (a host address, or a CUDA device pointer), contiguous for every token.
+/// `addr`, position-major, each row `kv_heads` heads of `head_dim` elements (head `h` at
+/// `h * head_stride` into the row). Rows come in groups of `group_rows`, `group_stride` bytes
+/// apart, row after row within a group: row `t` at `addr + (t / group_rows) * group_stride +
+/// (t % group_rows) * token_stride` ([`RowLayout`]; every `f32` and `f16` view is dense:
+/// `group_rows` 1, `group_stride` = `token_stride`). The address is in `place` (a host
+/// address, or a CUDA device pointer), contiguous for every token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvView {
     /// The first element's address in `place`.
@@ -177,23 +326,36 @@ pub struct KvView {
     pub tokens: usize,
     /// The element type.
     pub dtype: KvDtype,
-    /// Bytes from one token's row to the next.
+    /// Bytes from one token's row to the next within a group.
     pub token_stride: u64,
     /// Bytes from one KV head to the next within a row.
     pub head_stride: u64,
+    /// Rows in one group.
+    pub group_rows: u64,
+    /// Bytes from one group of rows to the next.
+    pub group_stride: u64,
     /// Where the memory is.
     pub place: Place,
 }
 
 impl KvView {
+    /// How its rows lie.
+    pub fn rows(&self) -> RowLayout {
+        RowLayout {
+            row_bytes: self.token_stride,
+            group_rows: self.group_rows,
+            group_bytes: self.group_stride,
+        }
+    }
+
     /// Bytes from `addr` a kernel may touch: every row of the view.
     pub fn bytes(&self) -> u64 {
-        self.tokens as u64 * self.token_stride
+        self.rows().offset(self.tokens as u64)
     }
 
     /// The address of row `pos` (the step writes its new token at `tokens - 1`).
     pub fn row_addr(&self, pos: usize) -> Option<u64> {
-        (pos < self.tokens).then(|| self.addr + pos as u64 * self.token_stride)
+        (pos < self.tokens).then(|| self.addr + self.rows().offset(pos as u64))
     }
 }
 

@@ -18,7 +18,7 @@
 //! - **Vector code chosen at run time:** compiled for the baseline and again for AVX2 with
 //!   FMA, the version picked once by what the CPU supports (the `multiversion` crate does the
 //!   detection and the dispatch); `q8_0` blocks are widened with AVX2 where the build has it
-//!   ([`q8_0::dequantize`]), `f16` rows with F16C where present (the `half`
+//!   ([`q8_0::dequantize`](super::q8_0::dequantize)), `f16` rows with F16C where present (the `half`
 //!   crate's slice conversion).
 //!
 //! [`gqa_decode_plain`] is the same mathematics written as plainly as possible (one thread,
@@ -27,7 +27,6 @@
 use rayon::prelude::*;
 
 use super::elem::{KvElement, KvRows};
-use super::q8_0;
 use super::shape::Heads;
 
 #[allow(unsafe_code)]
@@ -300,13 +299,12 @@ impl<'a> Rows<'a> {
                 .iter()
                 .step_by(32)
                 .fold(0u32, |a, x| a ^ u32::from(x.to_bits())),
-            KvRows::Q8_0(v) => {
-                let at = |x: usize| x / q8_0::BLOCK * q8_0::BLOCK_BYTES;
-                v[at(from)..at(from + len)]
-                    .iter()
-                    .step_by(64)
-                    .fold(0u32, |a, x| a ^ u32::from(*x))
-            }
+            KvRows::Q8_0(v) => v
+                .slice(from..from + len)
+                .span()
+                .iter()
+                .step_by(64)
+                .fold(0u32, |a, x| a ^ u32::from(*x)),
         }
     }
 

@@ -9,7 +9,7 @@
 use thiserror::Error;
 
 use super::elem::{narrow_into, KvElement, KvRows, KvView, LayerViews};
-use super::shape::{mapped_bytes_for, KvDtype, KvPart, KvShape, ShapeError};
+use super::shape::{mapped_bytes_for, KvDtype, KvPart, KvShape, RowLayout, ShapeError};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -145,9 +145,9 @@ impl KvSequence {
         })
     }
 
-    /// Bytes per token in buffer `b`.
-    fn tb(&self, b: usize) -> u64 {
-        self.shape.token_bytes(KvPart::of_buffer(b))
+    /// How the rows of buffer `b` lie.
+    fn rows_of(&self, b: usize) -> RowLayout {
+        self.shape.rows(KvPart::of_buffer(b))
     }
 
     /// The first buffer of `part` (every other of its part has its length).
@@ -175,7 +175,7 @@ impl KvSequence {
     pub fn mapped_tokens(&self) -> usize {
         KvPart::BOTH
             .iter()
-            .map(|p| self.first(*p).len() / self.shape.token_bytes(*p))
+            .map(|p| self.shape.rows(*p).rows_within(self.first(*p).len()))
             .min()
             .unwrap_or(0) as usize
     }
@@ -199,7 +199,7 @@ impl KvSequence {
             let b = self.first(p);
             mapped_bytes_for(
                 self.tokens + more,
-                self.shape.token_bytes(p),
+                self.shape.rows(p),
                 self.chunk,
                 b.capacity(),
             )
@@ -286,7 +286,7 @@ impl KvSequence {
         if blocks.iter().enumerate().any(|(i, b)| b.bytes() != size(i)) {
             return Err(KvError::BadPrefix);
         }
-        let covered = |b: usize| access.len() as u64 * size(b) / self.tb(b);
+        let covered = |b: usize| self.rows_of(b).rows_within(access.len() as u64 * size(b));
         if tokens as u64 > covered(0).min(covered(1)) {
             return Err(KvError::BadPrefix);
         }
@@ -379,9 +379,16 @@ impl KvSequence {
         v: &[f32],
     ) -> Result<(), KvError> {
         let ranges = self.writable_rows(layer, pos, k.len(), v.len())?;
+        let elems = self.shape.token_elems();
         for ((b, data), range) in [(2 * layer, k), (2 * layer + 1, v)].into_iter().zip(ranges) {
-            let dtype = self.shape.dtype(KvPart::of_buffer(b));
-            narrow_into(dtype, data, self.buffers[b].bytes_mut(range)?);
+            let (dtype, layout) = (self.shape.dtype(KvPart::of_buffer(b)), self.rows_of(b));
+            let start = range.start;
+            let bytes = self.buffers[b].bytes_mut(range)?;
+            // Row by row: where rows are grouped, a group's spare bytes lie between two rows.
+            for (i, row) in data.chunks_exact(elems).enumerate() {
+                let at = (layout.offset((pos + i) as u64) - start) as usize;
+                narrow_into(dtype, row, &mut bytes[at..][..layout.row_bytes as usize]);
+            }
         }
         Ok(())
     }
@@ -409,8 +416,8 @@ impl KvSequence {
         }
         let rows = (k_len / elems) as u64;
         let range = |b: usize| {
-            let start = (pos as u64).saturating_mul(self.tb(b));
-            start..start.saturating_add(rows.saturating_mul(self.tb(b)))
+            let layout = self.rows_of(b);
+            layout.offset(pos as u64)..layout.offset((pos as u64).saturating_add(rows))
         };
         let ranges = [range(2 * layer), range(2 * layer + 1)];
         for (b, Range { start, end }) in [2 * layer, 2 * layer + 1].into_iter().zip(ranges.clone())
@@ -426,7 +433,9 @@ impl KvSequence {
                     (overlaps && v.access != MapAccess::ReadWrite).then_some(o.max(start))
                 });
             if let Some(at) = read_only {
-                return Err(KvError::SharedBlock((at / self.tb(b)) as usize));
+                return Err(KvError::SharedBlock(
+                    self.rows_of(b).rows_within(at) as usize
+                ));
             }
         }
         Ok(ranges)
@@ -452,7 +461,7 @@ impl KvSequence {
 
     fn elems<T: KvElement>(&self, buffer: usize, tokens: usize) -> Result<&[T], KvError> {
         self.check_type::<T>(KvPart::of_buffer(buffer))?;
-        let len = tokens as u64 * self.tb(buffer);
+        let len = self.rows_of(buffer).offset(tokens as u64);
         let bytes = self.buffers[buffer].bytes(0..len)?;
         Ok(bytemuck::cast_slice(bytes))
     }
@@ -489,16 +498,16 @@ impl KvSequence {
     ) -> Result<(KvRows<'_>, KvRows<'_>), KvError> {
         self.check_upto(layer, tokens)?;
         let side = |b: usize| -> Result<KvRows<'_>, KvError> {
-            let (len, dtype) = (
-                tokens as u64 * self.tb(b),
-                self.shape.dtype(KvPart::of_buffer(b)),
-            );
+            let (layout, dtype) = (self.rows_of(b), self.shape.dtype(KvPart::of_buffer(b)));
+            let len = layout.offset(tokens as u64);
             let bytes = self.buffers[b].bytes(0..len)?;
             // Buffers are page-aligned and hold whole rows: the bytes are always whole values.
-            KvRows::from_bytes(dtype, bytes).ok_or(KvError::WrongLength {
-                expected: len as usize,
-                got: bytes.len(),
-            })
+            KvRows::from_layout(dtype, bytes, tokens, self.shape.token_elems(), layout).ok_or(
+                KvError::WrongLength {
+                    expected: len as usize,
+                    got: bytes.len(),
+                },
+            )
         };
         Ok((side(2 * layer)?, side(2 * layer + 1)?))
     }
@@ -522,7 +531,8 @@ impl KvSequence {
         if tokens > self.mapped_tokens() {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
-        Ok(self.buffers[buffer].bytes(0..tokens as u64 * self.tb(buffer))?)
+        let len = self.rows_of(buffer).offset(tokens as u64);
+        Ok(self.buffers[buffer].bytes(0..len)?)
     }
 
     /// Copies buffer `buffer`'s first `tokens` rows into `dst` (exactly that many bytes),
@@ -535,7 +545,7 @@ impl KvSequence {
         if tokens > self.mapped_tokens() {
             return Err(KvError::NotMapped(tokens.saturating_sub(1)));
         }
-        let len = tokens as u64 * self.tb(buffer);
+        let len = self.rows_of(buffer).offset(tokens as u64);
         if dst.len() as u64 != len {
             return Err(KvError::WrongLength {
                 expected: len as usize,
@@ -563,21 +573,22 @@ impl KvSequence {
         if buffer >= self.buffers.len() {
             return Err(KvError::NoSuchLayer(buffer / 2));
         }
-        let tb = self.tb(buffer);
-        if bytes.len() as u64 % tb != 0 {
+        let layout = self.rows_of(buffer);
+        let Some(at) = layout.checked_offset(from as u64) else {
+            return Err(KvError::NotMapped(from));
+        };
+        if layout.rows_in(from as u64, bytes.len() as u64).is_none() {
+            // The bytes of the whole rows nearest above what was given.
+            let rows = layout.rows_within(at.saturating_add(bytes.len() as u64)) + 1;
             return Err(KvError::WrongLength {
-                expected: (bytes.len() as u64).next_multiple_of(tb) as usize,
+                expected: layout.offset(rows).saturating_sub(at) as usize,
                 got: bytes.len(),
             });
         }
-        let at = (from as u64).checked_mul(tb);
-        let end = at.and_then(|a| a.checked_add(bytes.len() as u64));
-        let (Some(at), Some(end)) = (at, end) else {
-            return Err(KvError::NotMapped(from));
-        };
+        let end = at + bytes.len() as u64;
         let mapped = self.buffers[buffer].len();
         if end > mapped {
-            return Err(KvError::NotMapped((mapped / tb) as usize));
+            return Err(KvError::NotMapped(layout.rows_within(mapped) as usize));
         }
         Ok(self.buffers[buffer].write_from(at, bytes)?)
     }
@@ -594,6 +605,8 @@ impl KvSequence {
                 dtype: self.shape.dtype(part),
                 token_stride: self.shape.token_bytes(part),
                 head_stride: self.shape.head_bytes(part),
+                group_rows: self.shape.rows(part).group_rows,
+                group_stride: self.shape.rows(part).group_bytes,
                 place: b.allocation().place(),
             }
         };
@@ -609,7 +622,7 @@ impl KvSequence {
     pub fn copy_on_write(&mut self, pos: usize) -> Result<u64, KvError> {
         let mut taken = 0;
         for (b, buffer) in self.buffers.iter_mut().enumerate() {
-            let start = pos as u64 * self.shape.token_bytes(KvPart::of_buffer(b));
+            let start = self.shape.rows(KvPart::of_buffer(b)).offset(pos as u64);
             let view = buffer
                 .allocation()
                 .shared_views()
@@ -627,7 +640,7 @@ impl KvSequence {
             .iter()
             .enumerate()
             .filter_map(|(i, b)| {
-                let start = pos as u64 * self.tb(i);
+                let start = self.rows_of(i).offset(pos as u64);
                 b.allocation()
                     .shared_views()
                     .find(|(o, v)| *o <= start && start < o + v.block.bytes())

@@ -152,6 +152,103 @@ impl KvPart {
     }
 }
 
+/// Bytes of one group of rows where rows are grouped ([`RowLayout`]): a host page.
+pub const ROW_GROUP_BYTES: u64 = 4096;
+
+/// How one buffer's rows lie: row `t` at `(t / group_rows) × group_bytes + (t % group_rows) ×
+/// row_bytes`. Rows are dense (`group_rows` 1, `group_bytes` = `row_bytes`) except where a
+/// `q8_0` row would fill whole pages only after many rows (SmolLM2's 204-byte rows: 1,024):
+/// there they come 20 to a 4 KiB page with 16 bytes to spare, so a shareable block is 20
+/// tokens, not 1,024 ([`KvShape::rows`]). A row never straddles a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowLayout {
+    /// Bytes of one row.
+    pub row_bytes: u64,
+    /// Rows in one group.
+    pub group_rows: u64,
+    /// Bytes from one group to the next (at least `group_rows × row_bytes`).
+    pub group_bytes: u64,
+}
+
+impl RowLayout {
+    /// Rows one after the other.
+    pub const fn dense(row_bytes: u64) -> Self {
+        RowLayout {
+            row_bytes,
+            group_rows: 1,
+            group_bytes: row_bytes,
+        }
+    }
+
+    /// The layout rows of `row_bytes` of `dtype` take: grouped in [`ROW_GROUP_BYTES`] where
+    /// the type is `q8_0`, dense rows would fill whole pages only after more than 64 rows, and
+    /// a page of rows wastes at most 1/64 of itself; dense otherwise (every `f32` and `f16`
+    /// row, and `q8_0` rows of 1,024 values: 64 to 17 pages).
+    pub fn of(dtype: KvDtype, row_bytes: u64) -> Self {
+        let page = ROW_GROUP_BYTES;
+        if dtype != KvDtype::Q8_0 || row_bytes == 0 || row_bytes > page {
+            return RowLayout::dense(row_bytes);
+        }
+        let rows = page / row_bytes;
+        let dense_rows = page / gcd(row_bytes, page);
+        let spare = page - rows * row_bytes;
+        if dense_rows > 64 && spare * 64 <= page {
+            RowLayout {
+                row_bytes,
+                group_rows: rows,
+                group_bytes: page,
+            }
+        } else {
+            RowLayout::dense(row_bytes)
+        }
+    }
+
+    /// Whether rows are one after the other.
+    pub fn is_dense(&self) -> bool {
+        self.group_rows == 1 && self.group_bytes == self.row_bytes
+    }
+
+    /// Where row `row` starts: also the bytes rows `0..row` take, the spare bytes of every
+    /// whole group among them included (saturating).
+    pub fn offset(&self, row: u64) -> u64 {
+        let g = self.group_rows.max(1);
+        (row / g)
+            .saturating_mul(self.group_bytes)
+            .saturating_add((row % g) * self.row_bytes)
+    }
+
+    /// [`RowLayout::offset`], `None` on overflow.
+    pub fn checked_offset(&self, row: u64) -> Option<u64> {
+        let g = self.group_rows.max(1);
+        (row / g)
+            .checked_mul(self.group_bytes)?
+            .checked_add((row % g).checked_mul(self.row_bytes)?)
+    }
+
+    /// Whole rows within the first `bytes` bytes.
+    pub fn rows_within(&self, bytes: u64) -> u64 {
+        if self.group_bytes == 0 || self.row_bytes == 0 {
+            return 0;
+        }
+        let (groups, rest) = (bytes / self.group_bytes, bytes % self.group_bytes);
+        groups * self.group_rows + (rest / self.row_bytes).min(self.group_rows)
+    }
+
+    /// How many rows from row `from` take exactly `bytes` bytes (`None` where no whole number
+    /// of rows does).
+    pub fn rows_in(&self, from: u64, bytes: u64) -> Option<u64> {
+        let start = self.checked_offset(from)?;
+        let end = start.checked_add(bytes)?;
+        let rows = self.rows_within(end);
+        (rows >= from && self.offset(rows) == end).then(|| rows - from)
+    }
+
+    /// The fewest rows filling whole granules of `granularity` bytes (`None` on overflow).
+    pub fn rows_filling(&self, granularity: u64) -> Option<u64> {
+        (lcm(self.group_bytes, granularity)? / self.group_bytes).checked_mul(self.group_rows)
+    }
+}
+
 /// The attention geometry of a model, as far as KV is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
@@ -224,8 +321,8 @@ impl KvShape {
                 .checked_mul(self.head_dim)
                 .and_then(|f| dtype.row_bytes(f))
                 .ok_or(ShapeError::Overflow)?;
-            let buffer = (self.max_tokens as u64)
-                .checked_mul(token_bytes)
+            let buffer = RowLayout::of(dtype, token_bytes)
+                .checked_offset(self.max_tokens as u64)
                 .and_then(|b| b.checked_next_multiple_of(granularity))
                 .ok_or(ShapeError::Overflow)?;
             buffers = buffers.checked_add(buffer).ok_or(ShapeError::Overflow)?;
@@ -236,13 +333,13 @@ impl KvShape {
             .checked_block_tokens(granularity)
             .ok_or(ShapeError::Overflow)?;
         for part in KvPart::BOTH {
-            let token_bytes = self.token_bytes(part);
-            let block = block_tokens
-                .checked_mul(token_bytes)
+            let block = self
+                .rows(part)
+                .checked_offset(block_tokens)
                 .ok_or(ShapeError::Overflow)?;
             if block / granularity > MAX_BLOCK_GRANULES {
                 return Err(ShapeError::Unaligned {
-                    token_bytes,
+                    token_bytes: self.token_bytes(part),
                     granularity,
                 });
             }
@@ -267,11 +364,18 @@ impl KvShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Bytes per token in one buffer of `part` (of a shape that [`KvShape::validate`] passed).
+    /// Bytes of one token's row in one buffer of `part` (of a shape that
+    /// [`KvShape::validate`] passed); where rows are grouped a page holds a few spare bytes
+    /// besides ([`KvShape::rows`]).
     pub fn token_bytes(&self, part: KvPart) -> u64 {
         self.dtype(part)
             .row_bytes(self.token_elems())
             .unwrap_or(u64::MAX)
+    }
+
+    /// How the rows of a buffer of `part` lie ([`RowLayout::of`] its type and row bytes).
+    pub fn rows(&self, part: KvPart) -> RowLayout {
+        RowLayout::of(self.dtype(part), self.token_bytes(part))
     }
 
     /// Bytes one token takes over every buffer of a sequence: a K and a V row per layer.
@@ -298,12 +402,14 @@ impl KvShape {
 
     /// Address space one buffer of `part` reserves: `max_tokens` rounded up to the granularity.
     pub fn buffer_bytes(&self, part: KvPart, granularity: u64) -> u64 {
-        (self.max_tokens as u64 * self.token_bytes(part)).next_multiple_of(granularity)
+        self.rows(part)
+            .offset(self.max_tokens as u64)
+            .next_multiple_of(granularity)
     }
 
     /// Tokens in one shareable block: the smallest whole number of tokens filling whole
     /// granules in K and in V (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages; 204-byte
-    /// `q8_0` tokens: 1,024 in 51 pages).
+    /// `q8_0` tokens, 20 to a page: 20 in one page).
     pub fn block_tokens(&self, granularity: u64) -> usize {
         self.checked_block_tokens(granularity)
             .map_or(1, |b| b as usize)
@@ -312,17 +418,17 @@ impl KvShape {
     /// [`KvShape::block_tokens`], `None` where a size overflows.
     fn checked_block_tokens(&self, granularity: u64) -> Option<u64> {
         let own = |part| {
-            let t = self
-                .dtype(part)
-                .row_bytes(self.kv_heads.checked_mul(self.head_dim)?)?;
-            Some(lcm(t, granularity)? / t)
+            let dtype = self.dtype(part);
+            let t = dtype.row_bytes(self.kv_heads.checked_mul(self.head_dim)?)?;
+            RowLayout::of(dtype, t).rows_filling(granularity)
         };
         lcm(own(KvPart::K)?, own(KvPart::V)?)
     }
 
     /// Bytes of one shareable block in one buffer of `part`.
     pub fn block_bytes(&self, part: KvPart, granularity: u64) -> u64 {
-        self.block_tokens(granularity) as u64 * self.token_bytes(part)
+        self.rows(part)
+            .offset(self.block_tokens(granularity) as u64)
     }
 
     /// Bytes every buffer of a sequence maps to hold `tokens` tokens, growing `chunk` bytes at
@@ -330,36 +436,45 @@ impl KvShape {
     pub fn mapped_bytes(&self, tokens: usize, chunk: u64) -> u64 {
         let per_layer: u64 = KvPart::BOTH
             .iter()
-            .map(|p| mapped_bytes_for(tokens, self.token_bytes(*p), chunk, u64::MAX))
+            .map(|p| mapped_bytes_for(tokens, self.rows(*p), chunk, u64::MAX))
             .sum();
         per_layer.saturating_mul(self.layers as u64)
     }
 
     /// Bytes of one shareable block over every buffer of a sequence.
     pub fn block_bytes_all(&self, granularity: u64) -> u64 {
-        self.block_tokens(granularity) as u64 * self.token_bytes_all()
+        let both: u64 = KvPart::BOTH
+            .iter()
+            .map(|p| self.block_bytes(*p, granularity))
+            .sum();
+        both.saturating_mul(self.layers as u64)
     }
 }
 
 /// The most granules one shareable block may span.
 pub const MAX_BLOCK_GRANULES: u64 = 128;
 
+/// Greatest common divisor (of two non-zero numbers).
+fn gcd(a: u64, b: u64) -> u64 {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    x
+}
+
 /// Least common multiple, `None` on overflow or a zero.
 fn lcm(a: u64, b: u64) -> Option<u64> {
     if a == 0 || b == 0 {
         return None;
     }
-    let (mut x, mut y) = (a, b);
-    while y != 0 {
-        (x, y) = (y, x % y);
-    }
-    (a / x).checked_mul(b)
+    (a / gcd(a, b)).checked_mul(b)
 }
 
-/// Bytes of a buffer that must be mapped to hold `tokens`, growing in `chunk`-byte steps
-/// and never past `capacity`.
-pub fn mapped_bytes_for(tokens: usize, token_bytes: u64, chunk: u64, capacity: u64) -> u64 {
-    (tokens as u64 * token_bytes)
+/// Bytes of a buffer of rows laid out as `rows` that must be mapped to hold `tokens`, growing
+/// in `chunk`-byte steps and never past `capacity`.
+pub fn mapped_bytes_for(tokens: usize, rows: RowLayout, chunk: u64, capacity: u64) -> u64 {
+    rows.offset(tokens as u64)
         .next_multiple_of(chunk)
         .min(capacity)
 }
@@ -468,13 +583,15 @@ mod tests {
             1,
             "a token larger than a granule is its own block"
         );
-        assert_eq!(mapped_bytes_for(33, 128, 16384, 1 << 20), 16384);
-        assert_eq!(mapped_bytes_for(129, 128, 16384, 1 << 20), 32768);
-        assert_eq!(mapped_bytes_for(129, 128, 16384, 20000), 20000);
+        let rows = RowLayout::dense(128);
+        assert_eq!(mapped_bytes_for(33, rows, 16384, 1 << 20), 16384);
+        assert_eq!(mapped_bytes_for(129, rows, 16384, 1 << 20), 32768);
+        assert_eq!(mapped_bytes_for(129, rows, 16384, 20000), 20000);
     }
 
     /// `q8_0` keeps 32 values in 34 bytes: SmolLM2's 3 KV heads of 64 take 204 bytes a token,
-    /// and whole tokens fill whole pages only 1,024 at a time (51 pages).
+    /// which would fill whole pages only 1,024 at a time (51 pages); grouped 20 to a page (16
+    /// bytes spare) a block is 20 tokens in one page.
     #[test]
     fn q8_0_rows_are_whole_blocks() {
         let smol = KvShape {
@@ -491,9 +608,21 @@ mod tests {
             (204, 68)
         );
         assert_eq!(
-            (smol.block_tokens(4096), smol.block_bytes(KvPart::K, 4096)),
-            (1024, 51 * 4096)
+            smol.rows(KvPart::K),
+            RowLayout {
+                row_bytes: 204,
+                group_rows: 20,
+                group_bytes: 4096
+            }
         );
+        assert_eq!(
+            (smol.block_tokens(4096), smol.block_bytes(KvPart::K, 4096)),
+            (20, 4096)
+        );
+        assert_eq!(smol.buffer_bytes(KvPart::V, 4096), 50 * 4096, "1,000 rows");
+        assert_eq!(smol.mapped_bytes(21, 4096), 2 * 2 * 2 * 4096);
+        // On 2 MiB granules: 512 pages of 20 rows.
+        assert_eq!(smol.block_tokens(2 << 20), 10240);
         assert_eq!(
             KvShape {
                 head_dim: 48,
@@ -506,23 +635,33 @@ mod tests {
                 head_dim: 48
             })
         );
-        // f16 K beside q8_0 V: 384- and 204-byte rows; a block is 1,024 tokens for both (96
-        // pages of K, 51 of V).
+        // f16 K beside q8_0 V: 384- and 204-byte rows; a block is 160 tokens for both (15
+        // pages of K, 32 rows to 3; 8 of V, 20 rows to 1).
         let mixed = KvShape {
             k_dtype: KvDtype::F16,
             ..smol
         };
         assert_eq!(mixed.validate(4096), Ok(()));
-        assert_eq!(mixed.block_tokens(4096), 1024);
+        assert_eq!(mixed.block_tokens(4096), 160);
         assert_eq!(
             (
                 mixed.block_bytes(KvPart::K, 4096),
                 mixed.block_bytes(KvPart::V, 4096)
             ),
-            (96 * 4096, 51 * 4096)
+            (15 * 4096, 8 * 4096)
         );
         assert_eq!(mixed.token_bytes_all(), 2 * (384 + 204));
-        assert_eq!(mixed.block_bytes_all(4096), 2 * (96 + 51) * 4096);
+        assert_eq!(mixed.block_bytes_all(4096), 2 * (15 + 8) * 4096);
+        // Eight KV heads of 128 (1,088-byte rows): three to a page would leave 832 bytes
+        // spare; dense rows fill 17 pages every 64.
+        let wide = KvShape {
+            kv_heads: 8,
+            q_heads: 32,
+            head_dim: 128,
+            ..smol
+        };
+        assert!(wide.rows(KvPart::K).is_dense());
+        assert_eq!(wide.block_tokens(4096), 64);
         assert_eq!(KvDtype::Q8_0.row_bytes(usize::MAX / 32 * 32), None);
         assert_eq!(KvDtype::F32.row_bytes(usize::MAX), None);
         for d in KvDtype::ALL {
@@ -530,6 +669,44 @@ mod tests {
         }
         assert_eq!("Q8_0".parse::<KvDtype>(), Ok(KvDtype::Q8_0));
         assert!("q4_0".parse::<KvDtype>().is_err());
+    }
+
+    /// Where grouped rows lie, and the byte counts that find rows again.
+    #[test]
+    fn grouped_rows_leave_each_page_s_spare_bytes_between_groups() {
+        let g = RowLayout::of(KvDtype::Q8_0, 204);
+        assert_eq!((g.group_rows, g.group_bytes), (20, 4096));
+        assert_eq!(
+            [0, 1, 19, 20, 21, 40].map(|r| g.offset(r)),
+            [0, 204, 19 * 204, 4096, 4300, 8192]
+        );
+        assert_eq!(
+            [0, 203, 204, 4080, 4095, 4096, 4300].map(|b| g.rows_within(b)),
+            [0, 0, 1, 20, 20, 20, 21]
+        );
+        assert_eq!(g.rows_in(20, 204 * 3), Some(3));
+        assert_eq!(g.rows_in(19, 204 + 16 + 204), Some(2), "across a page");
+        assert_eq!(g.rows_in(19, 204 * 2), None, "the spare bytes are counted");
+        assert_eq!(g.rows_in(0, 4096), Some(20));
+        assert_eq!(g.rows_in(0, 4080), None, "20 rows end where the page does");
+        assert_eq!(g.rows_filling(4096), Some(20));
+        assert_eq!(g.offset(u64::MAX), u64::MAX);
+        assert_eq!(g.checked_offset(u64::MAX), None);
+        // Rows that fill pages quickly, or would waste much of a page, stay dense.
+        for (dtype, bytes) in [
+            (KvDtype::F32, 768),
+            (KvDtype::F16, 204),
+            (KvDtype::Q8_0, 1088),
+            (KvDtype::Q8_0, 5 * 1088),
+        ] {
+            assert!(RowLayout::of(dtype, bytes).is_dense(), "{dtype} {bytes}");
+        }
+        let d = RowLayout::dense(768);
+        assert_eq!(
+            (d.offset(5), d.rows_within(4000), d.rows_in(2, 1536)),
+            (3840, 5, Some(2))
+        );
+        assert_eq!(d.rows_filling(4096), Some(16));
     }
 
     #[test]

@@ -197,7 +197,7 @@ fn read_rows(memory: &KvSequence, first: usize, count: usize, bt: usize) -> Opti
     // Each buffer's rows, and the bytes of one block of them (K and V may differ).
     let buffers: Vec<(&[u8], usize)> = (0..shape.buffers())
         .map(|b| {
-            let per = bt * shape.token_bytes(KvPart::of_buffer(b)) as usize;
+            let per = shape.rows(KvPart::of_buffer(b)).offset(bt as u64) as usize;
             memory.buffer_bytes(b, end).ok().map(|rows| (rows, per))
         })
         .collect::<Option<_>>()?;

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use procmem::fence::Fence;
 
 use procmem::host::{allocation_bytes, allocation_bytes_mut, unlinked_file, HostMechanism};
-use procmem::kv::{KvError, KvPart, KvSequence, KvShape};
+use procmem::kv::{KvError, KvPart, KvSequence, KvShape, RowLayout};
 use procmem::ledger::{HolderId, Priority};
 use procmem::{Allocation, AllocationRequest, Allocator, MemoryError, MemoryRole};
 
@@ -272,14 +272,14 @@ impl Saved {
     }
 }
 
-/// Where each buffer's rows lie in a swap copy: buffer after buffer, each `tokens` rows of
-/// its part's bytes.
+/// Where each buffer's rows lie in a swap copy: buffer after buffer, each `tokens` rows laid
+/// out as its part's buffer keeps them ([`RowLayout`]), so a copy is one read per buffer.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     tokens: usize,
     buffers: usize,
-    /// Bytes of one row of K and of V.
-    row: [u64; 2],
+    /// How rows of K and of V lie.
+    rows: [RowLayout; 2],
 }
 
 impl Layout {
@@ -288,25 +288,28 @@ impl Layout {
         let layout = Layout {
             tokens,
             buffers: shape.buffers(),
-            row: KvPart::BOTH.map(|p| shape.token_bytes(p)),
+            rows: KvPart::BOTH.map(|p| shape.rows(p)),
         };
-        (tokens as u64)
-            .checked_mul(layout.row[0].checked_add(layout.row[1])?)?
-            .checked_mul(shape.layers as u64)?;
+        let [k, v] = layout.rows.map(|r| r.checked_offset(tokens as u64));
+        k?.checked_add(v?)?.checked_mul(shape.layers as u64)?;
         Some(layout)
+    }
+
+    /// Bytes of one buffer of part `p`'s rows.
+    fn part_bytes(&self, p: usize) -> u64 {
+        self.rows[p].offset(self.tokens as u64)
     }
 
     /// Bytes of every buffer's rows.
     fn bytes(&self) -> u64 {
-        self.tokens as u64 * (self.row[0] + self.row[1]) * (self.buffers / 2) as u64
+        (self.part_bytes(0) + self.part_bytes(1)) * (self.buffers / 2) as u64
     }
 
     /// Where buffer `b`'s rows from row `from` on start, and their bytes.
     fn span(&self, b: usize, from: usize) -> (u64, u64) {
-        let tokens = self.tokens as u64;
-        let start = (b / 2) as u64 * tokens * (self.row[0] + self.row[1])
-            + (b % 2) as u64 * tokens * self.row[0];
-        let row = self.row[b % 2];
-        (start + from as u64 * row, (tokens - from as u64) * row)
+        let start = (b / 2) as u64 * (self.part_bytes(0) + self.part_bytes(1))
+            + (b % 2) as u64 * self.part_bytes(0);
+        let skip = self.rows[b % 2].offset(from as u64);
+        (start + skip, self.part_bytes(b % 2) - skip)
     }
 }
