@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 # The HTTP front door's rows (http_idle_flood, http_slowloris, http_stalled_bodies,
-# chat_injection) come from tests/http_front.rs like every other FIGURE line.
+# chat_injection) come from tests/http_front.rs, and hostile_disk_tier (a FIFO, a 2 GB file, the
+# index linked to /dev/zero, a flipped byte, a full tmpfs under the real server) from
+# tests/hostile_disk_tier.rs, like every other FIGURE line.
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input, HTTP) =="
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" |
     grep -oE "FIGURE [a-z0-9_]+ [0-9]+/[0-9]+|^interleavings:.*|^stress:.*|^governor_restart:.*|^model_check:.*|^model_check_credit:.*|^kv_progress:.*|^node_[a-z0-9]+:.*|^hostile_frames:.*|^cluster_view:.*|test result: FAILED.*"

@@ -36,8 +36,17 @@ fn writer_until_killed() {
     let config = DiskTierConfig::new(dir, MODEL, 256 * 1024);
     let (mut tier, _) = DiskTier::open(config).expect("open");
     for key in 1.. {
-        tier.put(key, key - 1, &tokens(key), &payload(key))
+        tier.put(key, parent(key), &tokens(key), &payload(key))
             .expect("put");
+    }
+}
+
+/// Chains of four blocks: 1-4, 5-8, ...
+fn parent(key: u64) -> u64 {
+    if key % 4 == 1 {
+        0
+    } else {
+        key - 1
     }
 }
 
@@ -46,7 +55,7 @@ fn check_whole(dir: &Path) -> (usize, usize) {
     let (mut tier, report) = DiskTier::open(config).expect("reopen");
     let keys: Vec<u64> = (0..100_000).filter(|k| tier.contains(*k)).collect();
     for key in &keys {
-        let got = tier.get(*key, key - 1, &tokens(*key)).unwrap();
+        let got = tier.get(*key, parent(*key), &tokens(*key)).unwrap();
         assert_eq!(
             got,
             Some(payload(*key)),
@@ -99,10 +108,13 @@ fn a_disk_that_refuses_a_write_drops_the_block_and_keeps_the_books() {
         procmem::fault::arm("disk_tier.write", nth);
         let refused = tier.put(2, 1, &tokens(2), &payload(2));
         assert!(!procmem::fault::disarm(), "the fault fired");
-        assert!(
-            matches!(refused, Err(DiskTierError::Io { .. })),
-            "{refused:?}"
-        );
+        match &refused {
+            // The error names the file it could not write.
+            Err(e @ DiskTierError::File { path, .. }) => {
+                assert!(e.to_string().contains(&*path.to_string_lossy()), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
         assert_eq!((tier.len(), tier.bytes()), before);
         assert!(!tier.contains(2));
         let files = std::fs::read_dir(dir.path().join("blocks"))
@@ -116,4 +128,36 @@ fn a_disk_that_refuses_a_write_drops_the_block_and_keeps_the_books() {
     assert_eq!((report.blocks, report.skipped.len()), (1, 0), "{report:?}");
     assert_eq!(tier.get(1, 0, &tokens(1)).unwrap(), Some(payload(1)));
     assert_eq!(tier.get(2, 1, &tokens(2)).unwrap(), None);
+}
+
+/// Issue 50: a disk that refuses the index's write at open (full) still serves what it holds:
+/// the open succeeds read only, naming the file; a later write that succeeds keeps blocks
+/// again. Before, the open failed and the server exited.
+#[test]
+fn a_full_disk_at_open_serves_what_is_there() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let (mut tier, _) = DiskTier::open(DiskTierConfig::new(dir.path(), MODEL, 1 << 20)).unwrap();
+    for key in 1..=3 {
+        tier.put(key, parent(key), &tokens(key), &payload(key))
+            .unwrap();
+    }
+    drop(tier);
+    // Opened smaller, the index must be written again: the disk refuses.
+    procmem::fault::arm("disk_tier.write", 0);
+    let smaller = DiskTierConfig::new(dir.path(), MODEL, payload(1).len() as u64);
+    let (mut tier, report) = DiskTier::open(smaller).expect("opens read only");
+    assert!(!procmem::fault::disarm(), "the fault fired");
+    let why = report.read_only.expect("read only");
+    assert!(why.contains("INDEX-"), "names the index file: {why}");
+    assert_eq!(report.blocks, 1);
+    assert_eq!(tier.get(1, 0, &tokens(1)).unwrap(), Some(payload(1)));
+    // The disk has room again: the next block is kept (the index with it).
+    tier.remove(1).unwrap();
+    tier.put(21, parent(21), &tokens(21), &payload(21)).unwrap();
+    drop(tier);
+    let (mut tier, report) =
+        DiskTier::open(DiskTierConfig::new(dir.path(), MODEL, 1 << 20)).unwrap();
+    assert_eq!((report.blocks, &report.read_only), (1, &None), "{report:?}");
+    assert_eq!(tier.get(21, 0, &tokens(21)).unwrap(), Some(payload(21)));
 }

@@ -274,6 +274,19 @@ pub enum KvStoreError {
     Start(#[source] ractor::SpawnErr),
 }
 
+impl KvStoreError {
+    /// Whether the OS had no room for a mapping or its memory (`ENOMEM`, as at
+    /// `vm.max_map_count`): fewer sequences mapped may pass, as under pressure.
+    pub fn is_os_out_of_memory(&self) -> bool {
+        match self {
+            KvStoreError::Memory(e) | KvStoreError::Kv(KvError::Memory(e)) => {
+                e.is_os_out_of_memory()
+            }
+            _ => false,
+        }
+    }
+}
+
 impl From<TableError> for KvStoreError {
     fn from(e: TableError) -> Self {
         match e {

@@ -154,6 +154,13 @@ pub enum MemoryError {
 }
 
 impl MemoryError {
+    /// Whether the OS had no room for a call (`ENOMEM`): no memory, or the process's mappings
+    /// at `vm.max_map_count` (a mapping call on a range splits or adds one). Less mapped may
+    /// pass: a caller treats it as pressure, not a fault.
+    pub fn is_os_out_of_memory(&self) -> bool {
+        matches!(self, MemoryError::Os { source, .. } if source.raw_os_error() == Some(libc::ENOMEM))
+    }
+
     pub(crate) fn os(op: &'static str, source: impl Into<io::Error>) -> Self {
         MemoryError::Os {
             op,

@@ -22,8 +22,18 @@
 //! index, never used.
 //!
 //! **Budget.** The tier holds at most `capacity` payload bytes; [`DiskTier::put`] evicts its
-//! least recently used blocks to make room (the caller's admission filter decides first
-//! whether a block may push another out: see [`super::admission`]).
+//! least recently used blocks to make room, tails of chains before their heads (a block goes
+//! only once no block on disk names it as its parent), and an open at a smaller capacity
+//! keeps the most recently used whole chains. The caller's admission filter decides first
+//! whether a block may push another out (see [`super::admission`]).
+//!
+//! **Reading a hostile directory.** Only regular files are read, each checked against the size
+//! its header or the index says before a byte is read (`files.rs`); with the store's block size
+//! given ([`DiskTierConfig::with_block`]) a start holds at most one block file or the index at
+//! a time, and the index at most what the capacity's blocks need. A file refused is removed;
+//! a block no chain from the root reaches is removed at open. An index that cannot be written
+//! at open (a full disk) leaves the tier serving what it found, read only until a write
+//! succeeds ([`OpenReport::read_only`]).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -54,6 +64,24 @@ pub enum DiskTierError {
         #[source]
         source: io::Error,
     },
+    /// A file could not be written (the disk full or unwritable, say); nothing was half-kept.
+    #[error("disk tier: {what} {}: {source}", path.display())]
+    File {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS's answer.
+        #[source]
+        source: io::Error,
+    },
+    /// No room for a block without dropping blocks of its own chain (a chain longer than the
+    /// tier keeps its head).
+    #[error("no room for a block of {bytes} bytes without dropping the blocks before it")]
+    NoRoom {
+        /// The block's payload.
+        bytes: u64,
+    },
     /// A block larger than the tier, or than any block may be.
     #[error("a block of {bytes} bytes cannot be kept (the tier holds {capacity})")]
     TooLarge {
@@ -79,6 +107,9 @@ pub struct DiskTierConfig {
     pub model: u64,
     /// The most payload bytes kept.
     pub capacity: u64,
+    /// Every block's tokens and payload bytes, where they are all one size (a KV store's):
+    /// a block of another size is refused, and what a start reads is bounded by it.
+    pub block: Option<(usize, u64)>,
 }
 
 impl DiskTierConfig {
@@ -88,7 +119,36 @@ impl DiskTierConfig {
             dir: dir.into(),
             model,
             capacity,
+            block: None,
         }
+    }
+
+    /// Every block holds `tokens` tokens in `bytes` payload bytes.
+    pub fn with_block(mut self, tokens: usize, bytes: u64) -> Self {
+        self.block = Some((tokens, bytes));
+        self
+    }
+
+    /// The most bytes a block file this tier keeps may take.
+    fn block_limit(&self) -> u64 {
+        match self.block {
+            Some((tokens, bytes)) => block_len(tokens, bytes),
+            None => block_len(MAX_BLOCK_TOKENS, self.capacity.min(MAX_BLOCK_BYTES)),
+        }
+    }
+
+    /// The most bytes its index may take: four times the entries the capacity holds (a tier
+    /// opened smaller than before still reads its index), at most [`files::MAX_INDEX_BYTES`].
+    fn index_limit(&self) -> u64 {
+        let Some((tokens, bytes)) = self.block else {
+            return files::MAX_INDEX_BYTES;
+        };
+        let entries = (self.capacity / bytes.max(1)).saturating_add(1);
+        let entry = 40 + 4 * tokens as u64;
+        entries
+            .saturating_mul(4 * entry)
+            .saturating_add(64 << 10)
+            .min(files::MAX_INDEX_BYTES)
     }
 }
 
@@ -114,6 +174,11 @@ pub struct OpenReport {
     /// Block files of other identities (another model, or the same model's KV in another
     /// shape or element type): left alone, never read as this one's.
     pub others: usize,
+    /// Blocks no chain from the root reaches (their parent not on disk): removed.
+    pub orphans: usize,
+    /// Why the index could not be written at open (a full disk, say, naming the file): the
+    /// tier serves the blocks it found, and keeps new ones once a write succeeds.
+    pub read_only: Option<String>,
 }
 
 /// The disk tier of one model in one directory.
@@ -133,14 +198,14 @@ impl DiskTier {
     /// Opens (or creates) the tier in `config.dir`: takes the directory's lock, reads the
     /// model's index, and checks what it names against the files there.
     pub fn open(config: DiskTierConfig) -> Result<(DiskTier, OpenReport), DiskTierError> {
-        let dir = config.dir;
+        let dir = config.dir.clone();
         fs::create_dir_all(dir.join("blocks")).map_err(io("create the directory"))?;
         let lock = lock_dir(&dir)?;
         let mut report = OpenReport::default();
         let index_path = index_path(&dir, config.model);
-        let index = files::read_regular(&index_path, files::MAX_INDEX_BYTES)
+        let index = files::read_regular(&index_path, config.index_limit())
             .and_then(|raw| raw.map(|raw| decode_index(&raw, config.model)).transpose());
-        let mut entries = match index {
+        let read = match index {
             Ok(entries) => entries.unwrap_or_default(),
             Err(why) => {
                 // Not trusted, and removed: a FIFO or a directory in its place would also
@@ -150,24 +215,32 @@ impl DiskTier {
                 HashMap::new()
             }
         };
-        let limit = block_len(MAX_BLOCK_TOKENS, config.capacity.min(MAX_BLOCK_BYTES));
-        reconcile(&dir, (config.model, limit), &mut entries, &mut report)?;
-        let clock = entries.values().map(|e| e.last_use).max().unwrap_or(0);
+        let mut entries = read.clone();
+        reconcile(&dir, &config, &mut entries, &mut report)?;
         let mut tier = DiskTier {
             dir,
             model: config.model,
             capacity: config.capacity,
             bytes: entries.values().map(|e| e.bytes).sum(),
+            clock: entries.values().map(|e| e.last_use).max().unwrap_or(0),
             entries,
-            clock,
             _lock: lock,
         };
-        // A smaller capacity than last time: the oldest blocks go first.
-        while tier.bytes > tier.capacity {
-            let Some(victim) = tier.lru() else { break };
+        for orphan in chains::unreachable(&tier.entries) {
+            tier.forget(orphan);
+            report.orphans += 1;
+        }
+        // A smaller capacity than last time: the least recently used chains go, tails first.
+        let over = tier.bytes.saturating_sub(tier.capacity);
+        for victim in chains::victims(&tier.entries, 0, over, None).unwrap_or_default() {
             tier.forget(victim);
         }
-        tier.write_index()?;
+        // Written only where it changed: a full disk then costs nothing to serve what is there.
+        if tier.entries != read {
+            if let Err(e) = tier.write_index() {
+                report.read_only = Some(e.to_string());
+            }
+        }
         report.blocks = tier.entries.len();
         report.bytes = tier.bytes;
         Ok((tier, report))
@@ -203,32 +276,18 @@ impl DiskTier {
         self.entries.contains_key(&key)
     }
 
-    /// The least recently used block: the first to go when room is needed.
+    /// The first block to go when room is needed: the least recently used of those no block
+    /// on disk names as its parent.
     pub fn lru(&self) -> Option<u64> {
-        self.entries
-            .iter()
-            .min_by_key(|(key, e)| (e.last_use, **key))
-            .map(|(key, _)| *key)
+        chains::victims(&self.entries, 0, 1, None)?.first().copied()
     }
 
-    /// Which blocks `put`ting `bytes` more would push out, oldest first.
-    pub fn victims_for(&self, bytes: u64) -> Vec<u64> {
-        let mut by_age: Vec<(u64, u64, u64)> = self
-            .entries
-            .iter()
-            .map(|(k, e)| (e.last_use, *k, e.bytes))
-            .collect();
-        by_age.sort_unstable();
-        let mut free = self.capacity.saturating_sub(self.bytes);
-        let mut out = Vec::new();
-        for (_, key, b) in by_age {
-            if free >= bytes {
-                break;
-            }
-            free += b;
-            out.push(key);
-        }
-        out
+    /// Which blocks `put`ting `bytes` more under `parent` would push out, in the order they
+    /// go (see [`DiskTier::lru`]; never `parent` nor a block before it in its chain); `None`
+    /// where those cannot make the room.
+    pub fn victims_for(&self, bytes: u64, parent: u64) -> Option<Vec<u64>> {
+        let free = self.capacity.saturating_sub(self.bytes);
+        chains::victims(&self.entries, free, bytes, Some(parent))
     }
 
     /// Block `key`'s payload, if the tier holds it and it is whole: its file's header must
@@ -292,11 +351,13 @@ impl DiskTier {
                 return Ok(Vec::new()); // kept already
             }
         }
+        let victims = self
+            .victims_for(bytes, parent)
+            .ok_or(DiskTierError::NoRoom { bytes })?;
         let raw = encode_block(self.model, key, parent, tokens, payload);
         let crc = u32::from_le_bytes(raw[raw.len() - 4..].try_into().expect("4 bytes"));
         let path = block_path(&self.dir, self.model, key);
         write_atomically(&path, &raw, false)?;
-        let victims = self.victims_for(bytes);
         for victim in &victims {
             if *victim != key {
                 self.forget(*victim);
@@ -376,17 +437,24 @@ fn block_path(dir: &Path, model: u64, key: u64) -> PathBuf {
 /// Writes `raw` to a temporary file beside `path`, then renames it over `path`: a reader sees
 /// the old file or the whole new one. `sync` flushes it to the disk before the rename.
 fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierError> {
-    crate::fault::hit("disk_tier.write").map_err(|e| io("write")(io::Error::other(e)))?;
+    let failed = |what: &'static str| {
+        move |source| DiskTierError::File {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
+    };
+    crate::fault::hit("disk_tier.write").map_err(|e| failed("write")(io::Error::other(e)))?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
     let result = (|| {
-        let mut f = File::create(&tmp).map_err(io("create a file"))?;
-        f.write_all(raw).map_err(io("write"))?;
+        let mut f = File::create(&tmp).map_err(failed("create"))?;
+        f.write_all(raw).map_err(failed("write"))?;
         if sync {
-            f.sync_data().map_err(io("sync"))?;
+            f.sync_data().map_err(failed("sync"))?;
         }
-        fs::rename(&tmp, path).map_err(io("rename"))
+        fs::rename(&tmp, path).map_err(failed("rename"))
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
@@ -399,12 +467,64 @@ fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierE
 /// does not name are adopted.
 fn reconcile(
     dir: &Path,
-    (model, limit): (u64, u64),
+    config: &DiskTierConfig,
     entries: &mut HashMap<u64, Entry>,
     report: &mut OpenReport,
 ) -> Result<(), DiskTierError> {
-    // An index write that never finished (this model's own; the lock says no one else's is
-    // under way).
+    let (model, limit) = (config.model, config.block_limit());
+    // A block of another size than the store's is not one of its blocks.
+    let sized = |tokens: usize, bytes: u64| config.block.is_none_or(|b| b == (tokens, bytes));
+    let mut on_disk = listing(dir, model, report)?;
+    entries.retain(|key, e| {
+        let Some(path) = on_disk.remove(key) else {
+            report
+                .skipped
+                .push((block_path(dir, model, *key), "missing".into()));
+            return false;
+        };
+        let why = match sized(e.tokens.len(), e.bytes) {
+            false => Err("not of the store's block size".to_string()),
+            true => files::regular_of(&path, block_len(e.tokens.len(), e.bytes)),
+        };
+        let Err(why) = why else { return true };
+        // Torn, not a regular file, or not this store's: removed, so no start reads it again.
+        files::remove(&path);
+        report.skipped.push((path, why));
+        false
+    });
+    for (key, path) in on_disk {
+        let adopted = read_checked(&path, model, limit).and_then(|b| {
+            if b.key != key {
+                Err("named for another key".to_string())
+            } else if !sized(b.tokens.len(), b.payload.len() as u64) {
+                Err("not of the store's block size".to_string())
+            } else {
+                Ok(b)
+            }
+        });
+        match adopted {
+            Ok(b) => {
+                entries.insert(key, b.entry());
+            }
+            Err(why) => {
+                // Refused once: removed, so the next start neither reads it nor finds the
+                // name taken.
+                files::remove(&path);
+                report.skipped.push((path, why));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The directory's block files of this model by key (and the others' counted), once the
+/// temporary files of writes that never finished are removed (this model's own; the lock says
+/// no one else's is under way).
+fn listing(
+    dir: &Path,
+    model: u64,
+    report: &mut OpenReport,
+) -> Result<HashMap<u64, PathBuf>, DiskTierError> {
     let index = index_path(dir, model);
     let index_tmp = format!(
         "{}.tmp",
@@ -441,41 +561,7 @@ fn reconcile(
             None => {}
         }
     }
-    entries.retain(|key, e| {
-        let whole = on_disk
-            .get(key)
-            .is_some_and(|p| files::is_regular_of(p, block_len(e.tokens.len(), e.bytes)));
-        if !whole {
-            report
-                .skipped
-                .push((block_path(dir, model, *key), "missing or torn".into()));
-        }
-        whole
-    });
-    for (key, path) in on_disk {
-        if entries.contains_key(&key) {
-            continue;
-        }
-        let adopted = read_checked(&path, model, limit).and_then(|b| {
-            if b.key == key {
-                Ok(b)
-            } else {
-                Err("named for another key".to_string())
-            }
-        });
-        match adopted {
-            Ok(b) => {
-                entries.insert(key, b.entry());
-            }
-            Err(why) => {
-                // Refused once: removed, so the next start neither reads it nor finds the
-                // name taken.
-                files::remove(&path);
-                report.skipped.push((path, why));
-            }
-        }
-    }
-    Ok(())
+    Ok(on_disk)
 }
 
 /// The block file at `path`, read (at most `limit` bytes, a regular file only) and checked.
@@ -484,191 +570,10 @@ fn read_checked(path: &Path, model: u64, limit: u64) -> Result<Block, String> {
     decode_block(&raw, model)
 }
 
-/// A block file, decoded and checked.
-struct Block {
-    key: u64,
-    parent: u64,
-    tokens: Vec<u32>,
-    /// Where the payload lies in the file's bytes.
-    payload: std::ops::Range<usize>,
-    crc: u32,
-}
-
-impl Block {
-    fn entry(&self) -> Entry {
-        Entry {
-            parent: self.parent,
-            tokens: self.tokens.clone(),
-            bytes: self.payload.len() as u64,
-            crc: self.crc,
-            last_use: 0,
-        }
-    }
-}
-
-fn block_len(tokens: usize, bytes: u64) -> u64 {
-    // magic, version, model, key, parent, token count, tokens, payload length, payload, CRC.
-    4 + 4 + 8 + 8 + 8 + 4 + 4 * tokens as u64 + 8 + bytes + 4
-}
-
-fn encode_block(model: u64, key: u64, parent: u64, tokens: &[u32], payload: &[u8]) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(block_len(tokens.len(), payload.len() as u64) as usize);
-    raw.extend_from_slice(BLOCK_MAGIC);
-    raw.extend_from_slice(&VERSION.to_le_bytes());
-    for v in [model, key, parent] {
-        raw.extend_from_slice(&v.to_le_bytes());
-    }
-    raw.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-    for t in tokens {
-        raw.extend_from_slice(&t.to_le_bytes());
-    }
-    raw.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    raw.extend_from_slice(payload);
-    let crc = crc32fast::hash(&raw);
-    raw.extend_from_slice(&crc.to_le_bytes());
-    raw
-}
-
-/// Reads little-endian fields off a byte slice, refusing to run past its end.
-struct Cursor<'a>(&'a [u8]);
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        if self.0.len() < n {
-            return Err("truncated".into());
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, String> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-
-    fn tokens(&mut self) -> Result<Vec<u32>, String> {
-        let n = self.u32()? as usize;
-        if n > MAX_BLOCK_TOKENS || n * 4 > self.0.len() {
-            return Err(format!("claims {n} tokens"));
-        }
-        (0..n).map(|_| self.u32()).collect()
-    }
-}
-
-/// Splits off and checks the trailing CRC-32; returns the checked bytes and the CRC.
-fn checked(raw: &[u8]) -> Result<(&[u8], u32), String> {
-    if raw.len() < 4 {
-        return Err("truncated".into());
-    }
-    let (body, tail) = raw.split_at(raw.len() - 4);
-    let crc = u32::from_le_bytes(tail.try_into().expect("4 bytes"));
-    if crc32fast::hash(body) != crc {
-        return Err("checksum mismatch".into());
-    }
-    Ok((body, crc))
-}
-
-fn header(c: &mut Cursor<'_>, magic: &[u8; 4], model: u64) -> Result<(), String> {
-    if c.take(4)? != magic {
-        return Err("not a procmem disk tier file".into());
-    }
-    let version = c.u32()?;
-    if version != VERSION {
-        return Err(format!("version {version}"));
-    }
-    let theirs = c.u64()?;
-    if theirs != model {
-        return Err(format!("another model's ({theirs:016x})"));
-    }
-    Ok(())
-}
-
-fn decode_block(raw: &[u8], model: u64) -> Result<Block, String> {
-    let (body, crc) = checked(raw)?;
-    let mut c = Cursor(body);
-    header(&mut c, BLOCK_MAGIC, model)?;
-    let (key, parent) = (c.u64()?, c.u64()?);
-    let tokens = c.tokens()?;
-    let len = c.u64()?;
-    if len != c.0.len() as u64 {
-        return Err(format!("claims {len} payload bytes, holds {}", c.0.len()));
-    }
-    let start = body.len() - c.0.len();
-    Ok(Block {
-        key,
-        parent,
-        tokens,
-        payload: start..body.len(),
-        crc,
-    })
-}
-
-fn encode_index(model: u64, entries: &HashMap<u64, Entry>) -> Vec<u8> {
-    let mut raw = Vec::new();
-    raw.extend_from_slice(INDEX_MAGIC);
-    raw.extend_from_slice(&VERSION.to_le_bytes());
-    raw.extend_from_slice(&model.to_le_bytes());
-    raw.extend_from_slice(&(entries.len() as u64).to_le_bytes());
-    let mut keys: Vec<_> = entries.keys().copied().collect();
-    keys.sort_unstable();
-    for key in keys {
-        let e = &entries[&key];
-        for v in [key, e.parent, e.bytes, e.last_use] {
-            raw.extend_from_slice(&v.to_le_bytes());
-        }
-        raw.extend_from_slice(&e.crc.to_le_bytes());
-        raw.extend_from_slice(&(e.tokens.len() as u32).to_le_bytes());
-        for t in &e.tokens {
-            raw.extend_from_slice(&t.to_le_bytes());
-        }
-    }
-    let crc = crc32fast::hash(&raw);
-    raw.extend_from_slice(&crc.to_le_bytes());
-    raw
-}
-
-fn decode_index(raw: &[u8], model: u64) -> Result<HashMap<u64, Entry>, String> {
-    let (body, _) = checked(raw)?;
-    let mut c = Cursor(body);
-    header(&mut c, INDEX_MAGIC, model)?;
-    let count = c.u64()?;
-    // Each entry takes at least 40 bytes: a count past what the file holds is a lie.
-    if count > c.0.len() as u64 / 40 {
-        return Err(format!("claims {count} entries"));
-    }
-    let mut entries = HashMap::with_capacity(count as usize);
-    for _ in 0..count {
-        let (key, parent, bytes, last_use) = (c.u64()?, c.u64()?, c.u64()?, c.u64()?);
-        let crc = c.u32()?;
-        let tokens = c.tokens()?;
-        if bytes > MAX_BLOCK_BYTES {
-            return Err(format!("an entry claims {bytes} bytes"));
-        }
-        let entry = Entry {
-            parent,
-            tokens,
-            bytes,
-            crc,
-            last_use,
-        };
-        if entries.insert(key, entry).is_some() {
-            return Err(format!("names block {key:016x} twice"));
-        }
-    }
-    if !c.0.is_empty() {
-        return Err("trailing bytes".into());
-    }
-    Ok(entries)
-}
-
+mod chains;
 mod files;
+mod format;
+
+use format::{block_len, decode_block, decode_index, encode_block, encode_index, Block};
 #[cfg(test)]
 mod tests;

@@ -409,7 +409,8 @@ impl KvShape {
 
     /// Tokens in one shareable block: the smallest whole number of tokens filling whole
     /// granules in K and in V (768-byte tokens on 4 KiB pages: 16 tokens in 3 pages; 204-byte
-    /// `q8_0` tokens, 20 to a page: 20 in one page).
+    /// `q8_0` tokens, 20 to a page: 40 in two pages, as grouped blocks are at least
+    /// [`MIN_GROUPED_BLOCK_TOKENS`]).
     pub fn block_tokens(&self, granularity: u64) -> usize {
         self.checked_block_tokens(granularity)
             .map_or(1, |b| b as usize)
@@ -417,12 +418,20 @@ impl KvShape {
 
     /// [`KvShape::block_tokens`], `None` where a size overflows.
     fn checked_block_tokens(&self, granularity: u64) -> Option<u64> {
-        let own = |part| {
+        let rows = |part| {
             let dtype = self.dtype(part);
             let t = dtype.row_bytes(self.kv_heads.checked_mul(self.head_dim)?)?;
-            RowLayout::of(dtype, t).rows_filling(granularity)
+            Some(RowLayout::of(dtype, t))
         };
-        lcm(own(KvPart::K)?, own(KvPart::V)?)
+        let (k, v) = (rows(KvPart::K)?, rows(KvPart::V)?);
+        let whole = lcm(k.rows_filling(granularity)?, v.rows_filling(granularity)?)?;
+        if k.is_dense() && v.is_dense() {
+            return Some(whole);
+        }
+        // Grouped rows make small blocks (20 tokens in a page): every block is a mapping in
+        // each of the sequence's buffers, so they are kept to at least
+        // `MIN_GROUPED_BLOCK_TOKENS` (the process's mappings are bounded by vm.max_map_count).
+        whole.checked_mul(MIN_GROUPED_BLOCK_TOKENS.div_ceil(whole))
     }
 
     /// Bytes of one shareable block in one buffer of `part`.
@@ -453,6 +462,11 @@ impl KvShape {
 
 /// The most granules one shareable block may span.
 pub const MAX_BLOCK_GRANULES: u64 = 128;
+
+/// The fewest tokens of a shareable block where rows are grouped (`q8_0`'s 20 to a page make
+/// blocks of 40): about as many blocks a prompt as `f16`'s 32-token blocks, so as many
+/// mappings.
+pub const MIN_GROUPED_BLOCK_TOKENS: u64 = 32;
 
 /// Greatest common divisor (of two non-zero numbers).
 fn gcd(a: u64, b: u64) -> u64 {
@@ -591,7 +605,7 @@ mod tests {
 
     /// `q8_0` keeps 32 values in 34 bytes: SmolLM2's 3 KV heads of 64 take 204 bytes a token,
     /// which would fill whole pages only 1,024 at a time (51 pages); grouped 20 to a page (16
-    /// bytes spare) a block is 20 tokens in one page.
+    /// bytes spare) a block is 40 tokens in two pages (at least 32 tokens).
     #[test]
     fn q8_0_rows_are_whole_blocks() {
         let smol = KvShape {
@@ -617,7 +631,8 @@ mod tests {
         );
         assert_eq!(
             (smol.block_tokens(4096), smol.block_bytes(KvPart::K, 4096)),
-            (20, 4096)
+            (40, 2 * 4096),
+            "20 rows a page; two pages, so a block is at least 32 tokens"
         );
         assert_eq!(smol.buffer_bytes(KvPart::V, 4096), 50 * 4096, "1,000 rows");
         assert_eq!(smol.mapped_bytes(21, 4096), 2 * 2 * 2 * 4096);

@@ -175,9 +175,21 @@ fn open_disk(
     let bt = shape.block_tokens(device.granularity());
     let (tier, report) = PrefixTier::open(disk, &shape, bt, block_bytes, labels)?;
     for (file, why) in &report.skipped {
-        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
+        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped and removed");
     }
-    tracing::info!(store = %config.name, blocks = report.blocks, bytes = report.bytes, others = report.others, "prefix disk tier opened");
+    if let Some(why) = &report.read_only {
+        tracing::warn!(store = %config.name, %why, "prefix disk tier: serving what it found, keeping nothing new until a write succeeds");
+    }
+    tracing::info!(
+        store = %config.name,
+        dir = %disk.dir.display(),
+        blocks = report.blocks,
+        bytes = report.bytes,
+        skipped = report.skipped.len(),
+        orphans = report.orphans,
+        others = report.others,
+        "prefix disk tier opened"
+    );
     Ok(Some(tier))
 }
 

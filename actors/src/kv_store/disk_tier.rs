@@ -158,7 +158,8 @@ impl PrefixTier {
         labels: [&str; 2],
     ) -> Result<(PrefixTier, OpenReport), DiskTierError> {
         let model = model_identity(config.model, shape, block_tokens);
-        let disk = DiskTierConfig::new(&config.dir, model, config.capacity);
+        let disk = DiskTierConfig::new(&config.dir, model, config.capacity)
+            .with_block(block_tokens, block_bytes);
         let (disk, report) = DiskTier::open(disk)?;
         let blocks = (config.capacity / block_bytes.max(1)).min(1 << 20) as usize;
         let [store, authority] = labels;

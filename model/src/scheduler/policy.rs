@@ -61,7 +61,9 @@ fn short(g: Option<&GovernorError>) -> bool {
 
 /// Whether a step did not get memory by its deadline ([`short`]).
 pub(super) fn short_of_room(e: &ModelError) -> bool {
-    short(refusal(e))
+    // The OS out of room for the step's mappings (at `vm.max_map_count`: small prompt blocks
+    // each take a mapping in every layer's buffers) is pressure too: fewer sequences pass.
+    short(refusal(e)) || matches!(e, ModelError::Prepare(kv) if kv.is_os_out_of_memory())
 }
 
 /// Whether a lone try refused with `g` may pass later: short of room, and not told at once,

@@ -248,7 +248,13 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             };
             match self.model.kv().restore(r.id).await {
                 Ok(Restored::Swapped { tokens }) => r.pos = tokens,
-                Ok(Restored::Recompute { cached, .. }) => r.pos = cached,
+                Ok(Restored::Recompute { cached, .. }) => {
+                    // Tokens past `cached` are computed again (a copy from disk that failed
+                    // brings back fewer than the open promised): they were not served from
+                    // the cache after all.
+                    r.pos = cached;
+                    r.figures.cached_tokens = r.figures.cached_tokens.min(cached);
+                }
                 Err(_) if !self.running.is_empty() => {
                     self.parked.push_front(r);
                     self.policy.restore_refused();
@@ -333,6 +339,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     if !r.opened {
                         r.figures.cached_tokens = opened.cached_tokens;
                         r.figures.queued = r.q.arrived.elapsed();
+                    } else {
+                        // Started over: tokens past what it maps now are computed again.
+                        r.figures.cached_tokens = r.figures.cached_tokens.min(opened.cached_tokens);
                     }
                     r.opened = true;
                     r.writes_to = r.known.len();

@@ -101,7 +101,9 @@ pub struct Figures {
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
-    /// Prompt tokens whose KV came from shared cached blocks at its first open.
+    /// Prompt tokens it never computed: whose KV came from shared cached blocks at its first
+    /// open and was never computed again (a preemption that maps fewer back, or a copy in
+    /// from disk that fails its check, lowers it to what it holds then).
     pub cached_tokens: usize,
     /// Times pressure preempted it (or its step did not fit and it started over).
     pub preemptions: u32,

@@ -65,9 +65,17 @@ fn kind(t: &fs::FileType) -> &'static str {
     }
 }
 
-/// Whether `path` is a regular file of exactly `len` bytes (a link is not followed).
-pub(super) fn is_regular_of(path: &Path, len: u64) -> bool {
-    fs::symlink_metadata(path).is_ok_and(|m| m.is_file() && m.len() == len)
+/// Whether `path` is a regular file of exactly `len` bytes (a link is not followed): why
+/// not, in words, where it is not.
+pub(super) fn regular_of(path: &Path, len: u64) -> Result<(), String> {
+    let m = fs::symlink_metadata(path).map_err(|e| e.to_string())?;
+    if !m.is_file() {
+        return Err(format!("not a regular file ({})", kind(&m.file_type())));
+    }
+    match m.len() == len {
+        true => Ok(()),
+        false => Err(format!("{} bytes, not the {len} its entry says", m.len())),
+    }
 }
 
 /// Removes what is at `path`, whatever it is (a directory with what it holds; a link itself,

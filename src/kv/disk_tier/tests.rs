@@ -58,7 +58,7 @@ fn a_full_tier_pushes_out_its_least_recently_used_blocks() {
         t.put(key, 0, &[key as u32], &payload(key, 1000)).unwrap();
     }
     t.get(1, 0, &[1]).unwrap().unwrap(); // 2 is now the oldest
-    assert_eq!(t.victims_for(1000), vec![2]);
+    assert_eq!(t.victims_for(1000, 0), Some(vec![2]));
     assert_eq!(t.put(4, 0, &[4], &payload(4, 1000)).unwrap(), vec![2]);
     assert_eq!((t.len(), t.bytes()), (3, 3000));
     assert!(!t.contains(2));
@@ -130,7 +130,14 @@ fn torn_blocks_temporary_files_and_a_torn_index_are_skipped_at_open() {
     fs::write(&index_tmp, b"half an index").unwrap();
     let (mut t, report) = tier(dir.path(), 7, 1 << 20);
     assert_eq!(report.blocks, 2);
-    assert_eq!(report.skipped.len(), 2, "{:?}", report.skipped); // from the index, then as a file
+    // Once, and removed: a named file of the wrong size is not read again as unnamed.
+    assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+    assert!(
+        report.skipped[0].1.contains("not the"),
+        "{:?}",
+        report.skipped
+    );
+    assert!(!one.exists());
     assert!(!tmp.exists() && !index_tmp.exists());
     assert_eq!(t.get(1, 0, &[1]).unwrap(), None);
     drop(t);
@@ -278,7 +285,7 @@ fn an_oversized_block_and_links_to_dev_zero_are_refused_unread_and_removed() {
     let dir = tempfile::tempdir().unwrap();
     let (mut t, _) = tier(dir.path(), 7, 1 << 20);
     for k in 1..=3 {
-        t.put(k, k - 1, &[k as u32], &payload(k, 1000)).unwrap();
+        t.put(k, 0, &[k as u32], &payload(k, 1000)).unwrap();
     }
     drop(t);
     // Block 1: 2 GB, sparse. Block 2: a link to /dev/zero. The index: a link to /dev/zero.
@@ -312,7 +319,7 @@ fn an_oversized_block_and_links_to_dev_zero_are_refused_unread_and_removed() {
             false => assert!(now.is_err(), "{file:?} was left"),
         }
     }
-    assert_eq!(t.get(3, 2, &[3]).unwrap(), Some(payload(3, 1000)));
+    assert_eq!(t.get(3, 0, &[3]).unwrap(), Some(payload(3, 1000)));
     assert_eq!(t.get(1, 0, &[1]).unwrap(), None);
     // The next start finds nothing to refuse.
     drop(t);
@@ -350,4 +357,136 @@ fn a_directory_in_a_blocks_place_is_removed_and_the_block_written_again() {
     );
     t.put(1, 0, &[1], &payload(1, 1000)).unwrap();
     assert_eq!(t.get(1, 0, &[1]).unwrap(), Some(payload(1, 1000)));
+}
+
+/// The chains a tier keeps are whole from their root: blocks of 1,000 bytes, a root (100) put
+/// first and three chains of two under it after.
+fn root_and_three_chains(dir: &Path, capacity: u64) -> DiskTier {
+    let (mut t, _) = tier(dir, 7, capacity);
+    t.put(100, 0, &[100], &payload(100, 1000)).unwrap();
+    for c in 1..=3u64 {
+        t.put(c * 10 + 1, 100, &[c as u32, 1], &payload(c * 10 + 1, 1000))
+            .unwrap();
+        t.put(
+            c * 10 + 2,
+            c * 10 + 1,
+            &[c as u32, 2],
+            &payload(c * 10 + 2, 1000),
+        )
+        .unwrap();
+    }
+    t
+}
+
+/// Issue 50: opened at a third of its size, a tier keeps the root its chains share (put first,
+/// so the least recently used: the old order dropped it first and served nothing) and the
+/// most recently used chain under it, whole.
+#[test]
+fn a_tier_opened_smaller_keeps_its_hottest_chain_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(root_and_three_chains(dir.path(), 1 << 20));
+    let (mut t, report) = tier(dir.path(), 7, 3000);
+    assert_eq!((report.blocks, report.bytes), (3, 3000), "{report:?}");
+    assert_eq!(t.get(100, 0, &[100]).unwrap(), Some(payload(100, 1000)));
+    assert_eq!(t.get(31, 100, &[3, 1]).unwrap(), Some(payload(31, 1000)));
+    assert_eq!(t.get(32, 31, &[3, 2]).unwrap(), Some(payload(32, 1000)));
+    let files = fs::read_dir(dir.path().join("blocks")).unwrap().count();
+    assert_eq!(files, 3, "the blocks dropped are removed");
+}
+
+/// A full tier makes room from the tails of its least recently used chains, never a block
+/// another on disk names as its parent, nor the chain of the block being put; a chain longer
+/// than the tier keeps its head.
+#[test]
+fn eviction_takes_a_chain_s_tail_before_its_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = root_and_three_chains(dir.path(), 7000);
+    assert_eq!(t.lru(), Some(12), "the oldest tail, not the root");
+    assert_eq!(
+        t.put(41, 100, &[4, 1], &payload(41, 1000)).unwrap(),
+        vec![12]
+    );
+    assert_eq!(
+        t.put(42, 41, &[4, 2], &payload(42, 1000)).unwrap(),
+        vec![11]
+    );
+    assert_eq!(
+        t.put(43, 42, &[4, 3], &payload(43, 1000)).unwrap(),
+        vec![22]
+    );
+    assert!(
+        chains::unreachable(&t.entries).is_empty(),
+        "every block reachable"
+    );
+    assert!(t.contains(100));
+    // Only the chain being put is left to drop: its head stays, the tail is not kept.
+    let (mut one, _) = {
+        drop(t);
+        tier(dir.path(), 7, 7000)
+    };
+    for key in [21, 31, 32] {
+        one.remove(key).unwrap();
+    }
+    one.remove(22).unwrap_or_default();
+    assert_eq!(one.len(), 4, "the root and chain 4");
+    let mut long = one;
+    long.capacity = 4000;
+    let refused = long.put(44, 43, &[4, 4], &payload(44, 1000));
+    assert!(
+        matches!(refused, Err(DiskTierError::NoRoom { bytes: 1000 })),
+        "{refused:?}"
+    );
+    assert_eq!(long.len(), 4);
+    assert!(!block_path(dir.path(), 7, 44).exists());
+}
+
+/// A block whose parent is not on disk at open (its file lost) cannot be reached from a
+/// prompt's first block: it is removed and counted, not kept for nothing.
+#[test]
+fn blocks_whose_parent_is_gone_are_removed_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(root_and_three_chains(dir.path(), 1 << 20));
+    fs::remove_file(block_path(dir.path(), 7, 21)).unwrap();
+    let (t, report) = tier(dir.path(), 7, 1 << 20);
+    assert_eq!((report.blocks, report.orphans), (5, 1), "{report:?}");
+    assert_eq!(report.skipped.len(), 1, "the missing file");
+    assert!(!t.contains(22) && !block_path(dir.path(), 7, 22).exists());
+    // A cycle of parents a hostile index could claim reaches no root either.
+    let mut entries = t.entries.clone();
+    entries.get_mut(&100).unwrap().parent = 32;
+    let mut lost = chains::unreachable(&entries);
+    lost.sort_unstable();
+    assert_eq!(lost, [11, 12, 31, 32, 100]);
+}
+
+/// With the store's block size given, a block file of another size is refused at open, and
+/// the index read is bounded by what the capacity's blocks need.
+#[test]
+fn a_tier_of_one_block_size_refuses_others_and_bounds_its_index() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(root_and_three_chains(dir.path(), 1 << 20));
+    let config = DiskTierConfig::new(dir.path(), 7, 1 << 20).with_block(2, 1000);
+    assert!(config.index_limit() < 1 << 20, "{}", config.index_limit());
+    // SmolLM2's f16 blocks (32 tokens, 737,280 bytes) at the default 1 GiB: the bound the
+    // docs give.
+    let smol = DiskTierConfig::new(dir.path(), 7, 1 << 30).with_block(32, 737_280);
+    assert_eq!(smol.index_limit(), 1_044_640);
+    assert_eq!(smol.block_limit(), block_len(32, 737_280));
+    let (t, report) = DiskTier::open(config).unwrap();
+    // The root holds one token: not a block of this store.
+    assert!(!t.contains(100));
+    assert_eq!((report.blocks, report.orphans), (0, 6), "{report:?}");
+}
+
+/// Nothing changed at open: the index is not written again (a full disk then costs nothing).
+#[test]
+fn an_unchanged_tier_opens_without_writing_its_index() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(root_and_three_chains(dir.path(), 1 << 20));
+    let index = index_path(dir.path(), 7);
+    let before = fs::metadata(&index).unwrap().modified().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let (_, report) = tier(dir.path(), 7, 1 << 20);
+    assert_eq!((report.blocks, &report.read_only), (7, &None));
+    assert_eq!(fs::metadata(&index).unwrap().modified().unwrap(), before);
 }
