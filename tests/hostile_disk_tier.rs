@@ -81,6 +81,25 @@ fn completions(out: &Output, what: &str) -> Result<String, String> {
         .join("\n"))
 }
 
+/// The summary's "disk tier: blocks / in tokens / failed" figures.
+fn disk_row(out: &Output) -> [u64; 3] {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| {
+            l.trim_start()
+                .starts_with("disk tier: blocks / in tokens / failed")
+        })
+        .unwrap_or_default();
+    let mut figures = line
+        .rsplit("failed")
+        .next()
+        .unwrap_or_default()
+        .split('/')
+        .map(|f| f.trim().parse().unwrap_or(0));
+    [(); 3].map(|()| figures.next().unwrap_or(0))
+}
+
 /// The largest resident set of any child waited for so far, in bytes.
 fn children_peak_rss() -> u64 {
     // SAFETY: `getrusage` fills the struct it is given; all-zero is a valid value of it.
@@ -130,36 +149,50 @@ fn index_of(dir: &Path) -> PathBuf {
 type Case = (
     &'static str,
     fn(&Path) -> PathBuf,
-    fn(&Path, &Path) -> Result<(), String>,
+    fn(&Path, &Path, [u64; 3]) -> Result<(), String>,
 );
 
+/// Every block file a FIFO.
 fn fifo(dir: &Path) -> PathBuf {
-    let victim = blocks(dir)[0].clone();
-    std::fs::remove_file(&victim).unwrap();
-    let name = std::ffi::CString::new(victim.to_str().unwrap()).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
-    victim
+    for victim in blocks(dir) {
+        std::fs::remove_file(&victim).unwrap();
+        let name = std::ffi::CString::new(victim.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+    }
+    dir.join("blocks")
 }
 
-fn no_fifo_left(_: &Path, victim: &Path) -> Result<(), String> {
-    match std::fs::symlink_metadata(victim) {
-        Ok(m) if m.file_type().is_fifo() => Err("the FIFO is still there".into()),
-        _ => Ok(()),
+fn no_fifo_left(_: &Path, blocks_dir: &Path, _: [u64; 3]) -> Result<(), String> {
+    match blocks(blocks_dir.parent().unwrap())
+        .iter()
+        .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_fifo()))
+    {
+        Some(p) => Err(format!("{p:?} is a FIFO still")),
+        None => Ok(()),
     }
 }
 
+/// Every block file 2 GB, sparse (no disk is used).
 fn oversized(dir: &Path) -> PathBuf {
-    let victim = blocks(dir)[0].clone();
-    let f = std::fs::File::create(&victim).unwrap();
-    f.set_len(2 << 30).unwrap(); // sparse: no disk is used
-    victim
+    for victim in blocks(dir) {
+        std::fs::File::options()
+            .write(true)
+            .open(&victim)
+            .unwrap()
+            .set_len(2 << 30)
+            .unwrap();
+    }
+    dir.join("blocks")
 }
 
-fn not_oversized(_: &Path, victim: &Path) -> Result<(), String> {
-    match std::fs::metadata(victim) {
-        Ok(m) if m.len() >= 1 << 30 => Err("the 2 GB file is still there".into()),
-        _ => Ok(()),
+fn not_oversized(_: &Path, blocks_dir: &Path, _: [u64; 3]) -> Result<(), String> {
+    match blocks(blocks_dir.parent().unwrap())
+        .iter()
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.len() >= 1 << 30))
+    {
+        Some(p) => Err(format!("{p:?} is 2 GB still")),
+        None => Ok(()),
     }
 }
 
@@ -170,7 +203,7 @@ fn index_to_dev_zero(dir: &Path) -> PathBuf {
     index
 }
 
-fn index_a_file_again(_: &Path, index: &Path) -> Result<(), String> {
+fn index_a_file_again(_: &Path, index: &Path, _: [u64; 3]) -> Result<(), String> {
     let m = std::fs::symlink_metadata(index).map_err(|e| e.to_string())?;
     match m.file_type().is_file() {
         true => Ok(()),
@@ -178,17 +211,25 @@ fn index_a_file_again(_: &Path, index: &Path) -> Result<(), String> {
     }
 }
 
+/// A byte flipped in the middle of every block file (its size unchanged: found at open, and
+/// refused when a prompt reads it).
 fn flipped_byte(dir: &Path) -> PathBuf {
-    let victim = blocks(dir)[0].clone();
-    let mut raw = std::fs::read(&victim).unwrap();
-    let mid = raw.len() / 2;
-    raw[mid] ^= 0x20;
-    std::fs::write(&victim, raw).unwrap();
-    victim
+    for victim in blocks(dir) {
+        let mut raw = std::fs::read(&victim).unwrap();
+        let mid = raw.len() / 2;
+        raw[mid] ^= 0x20;
+        std::fs::write(&victim, raw).unwrap();
+    }
+    dir.join("blocks")
 }
 
-fn not_the_flipped_bytes(_: &Path, _: &Path) -> Result<(), String> {
-    Ok(()) // the answers being the tierless ones is the check
+/// A prompt met a flipped block (a failed copy in, computed instead), and the answers are the
+/// tierless ones (checked for every case).
+fn not_the_flipped_bytes(_: &Path, _: &Path, disk: [u64; 3]) -> Result<(), String> {
+    match disk[2] {
+        0 => Err(format!("no copy in met the damage: {disk:?}")),
+        _ => Ok(()),
+    }
 }
 
 /// Prints `FIGURE hostile_disk_tier passed/5` for `scripts/reliability.sh`; fails if any case
@@ -209,6 +250,18 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
     let first = completions(&run(&server, &job(Some(&filled), &[])), "filling").unwrap();
     assert_eq!(first, plain, "the tier changes no answer");
     assert!(!blocks(&filled).is_empty(), "the job left blocks on disk");
+    // Undamaged, a second run serves prompt tokens from the tier: the cases below meet the
+    // damage where it is read.
+    let again = run(
+        &server,
+        &job(Some(&copy_of(&filled, &scratch.join("again"))), &[]),
+    );
+    assert_eq!(completions(&again, "again").unwrap(), plain);
+    let from_disk = disk_row(&again);
+    assert!(
+        from_disk[1] > 0,
+        "no prompt tokens from disk: {from_disk:?}"
+    );
     let baseline_rss = children_peak_rss();
     let cases: [Case; 4] = [
         ("a FIFO named like a block", fifo, no_fifo_left),
@@ -235,7 +288,7 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
                 true => Ok(()),
                 false => Err(format!("{what}: other answers\n{c}\nagainst\n{plain}")),
             })
-            .and_then(|()| check(&dir, &victim).map_err(|e| format!("{what}: {e}")))
+            .and_then(|()| check(&dir, &victim, disk_row(&out)).map_err(|e| format!("{what}: {e}")))
             .and_then(|()| {
                 // Reading the damage (2 GB, or /dev/zero until allocation fails) shows here.
                 let peak = children_peak_rss();
@@ -245,8 +298,9 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
                 }
             });
         eprintln!(
-            "hostile_disk_tier: {what}: {verdict:?} in {:?}",
-            start.elapsed()
+            "hostile_disk_tier: {what}: {verdict:?} in {:?}; disk blocks / in tokens / failed {:?}",
+            start.elapsed(),
+            disk_row(&out)
         );
         match verdict {
             Ok(()) => passed += 1,
