@@ -322,7 +322,7 @@ impl DiskTier {
                 Ok(Some(raw))
             }
             _ => {
-                self.forget(key);
+                self.forget_chain(key);
                 self.write_index()?;
                 Ok(None)
             }
@@ -386,13 +386,25 @@ impl DiskTier {
         Ok(victims)
     }
 
-    /// Drops block `key`; returns whether it was held.
+    /// Drops block `key`, and the blocks after it in its chains (no prompt reaches them
+    /// without it); returns whether it was held.
     pub fn remove(&mut self, key: u64) -> Result<bool, DiskTierError> {
-        let held = self.forget(key);
+        let held = self.forget_chain(key);
         if held {
             self.write_index()?;
         }
         Ok(held)
+    }
+
+    /// Drops `key` and every block whose chain runs through it (the index is written by the
+    /// caller): a child never outlives its parent on disk.
+    fn forget_chain(&mut self, key: u64) -> bool {
+        let after = chains::after(&self.entries, key);
+        let held = self.forget(key);
+        for k in after {
+            self.forget(k);
+        }
+        held
     }
 
     /// Drops `key`'s entry and file (the index is written by the caller).

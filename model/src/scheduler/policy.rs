@@ -219,9 +219,30 @@ impl Policy {
 
 #[cfg(test)]
 mod tests {
+    use procmem_actors::procmem::kv::KvError;
     use procmem_actors::procmem::ledger::{Denial, Ledger};
+    use procmem_actors::procmem::MemoryError;
 
     use super::*;
+
+    /// A step refused because a mapping call met `ENOMEM` (the process's mappings at
+    /// `vm.max_map_count`: the serving bench's q8_0 row failed 25 of 95 requests on it) is
+    /// pressure, which the loop answers by starting the newest request over; another OS error
+    /// is a fault.
+    #[test]
+    fn the_os_out_of_room_for_mappings_is_pressure() {
+        let os = |errno| MemoryError::Os {
+            op: "mmap(PROT_NONE, MAP_FIXED) over a decommitted range",
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let nomem = ModelError::Prepare(KvStoreError::Kv(KvError::Memory(os(libc::ENOMEM))));
+        assert!(short_of_room(&nomem));
+        let direct = ModelError::Prepare(KvStoreError::Memory(os(libc::ENOMEM)));
+        assert!(short_of_room(&direct));
+        let other = ModelError::Prepare(KvStoreError::Memory(os(libc::EINVAL)));
+        assert!(!short_of_room(&other));
+        assert!(!short_of_room(&ModelError::Device(os(libc::ENOMEM))));
+    }
 
     /// A denial of `asked` bytes by an authority of `capacity`.
     fn denial(asked: u64, capacity: u64) -> Box<Denial> {

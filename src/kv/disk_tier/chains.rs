@@ -35,6 +35,24 @@ pub(super) fn unreachable(entries: &HashMap<u64, Entry>) -> Vec<u64> {
         .collect()
 }
 
+/// The blocks whose chain runs through `key` (its children, theirs, ...), `key` not included.
+pub(super) fn after(entries: &HashMap<u64, Entry>, key: u64) -> Vec<u64> {
+    let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+    for (k, e) in entries {
+        children.entry(e.parent).or_default().push(*k);
+    }
+    let (mut out, mut seen, mut next) = (Vec::new(), HashSet::from([key]), vec![key]);
+    while let Some(parent) = next.pop() {
+        for child in children.remove(&parent).unwrap_or_default() {
+            if seen.insert(child) {
+                out.push(child);
+                next.push(child);
+            }
+        }
+    }
+    out
+}
+
 /// Blocks to drop until `free` bytes reach `want`, least recently used first among those no
 /// block on disk names as its parent (dropping one may make its parent such a block).
 /// `spare` (the parent of a block being put) is never chosen, and so neither is any block

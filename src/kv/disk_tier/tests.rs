@@ -101,12 +101,15 @@ fn an_altered_block_is_never_used_and_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let (mut t, _) = tier(dir.path(), 7, 1 << 20);
     t.put(1, 0, &[1], &payload(1, 256)).unwrap();
+    t.put(2, 1, &[2], &payload(2, 256)).unwrap();
     let path = block_path(dir.path(), 7, 1);
     let mut raw = fs::read(&path).unwrap();
     raw[60] ^= 0xff; // a payload byte: same size, wrong checksum
     fs::write(&path, &raw).unwrap();
     assert_eq!(t.get(1, 0, &[1]).unwrap(), None);
-    assert!(!t.contains(1) && !path.exists() && t.bytes() == 0);
+    assert!(!t.contains(1) && !path.exists());
+    // Its child, reached only through it, goes with it.
+    assert!(!t.contains(2) && t.bytes() == 0);
 }
 
 #[test]
@@ -424,10 +427,12 @@ fn eviction_takes_a_chain_s_tail_before_its_head() {
         drop(t);
         tier(dir.path(), 7, 7000)
     };
-    for key in [21, 31, 32] {
-        one.remove(key).unwrap();
+    // Removing a block removes the chain after it: 21 takes 22 with it.
+    for key in [21, 31] {
+        assert!(one.remove(key).unwrap());
     }
-    one.remove(22).unwrap_or_default();
+    assert!(!one.contains(22) && !one.contains(32));
+    assert!(!block_path(dir.path(), 7, 32).exists());
     assert_eq!(one.len(), 4, "the root and chain 4");
     let mut long = one;
     long.capacity = 4000;
