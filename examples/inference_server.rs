@@ -27,7 +27,9 @@ use tracing_subscriber::EnvFilter;
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+            // Warnings, and the lines that say what a start found (`procmem_start`).
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("warn,procmem_start=info")),
         )
         .with_writer(std::io::stderr)
         .init();

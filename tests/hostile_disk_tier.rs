@@ -290,6 +290,18 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
             })
             .and_then(|()| check(&dir, &victim, disk_row(&out)).map_err(|e| format!("{what}: {e}")))
             .and_then(|()| {
+                // One line at the default level says what the start found.
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                match stderr
+                    .lines()
+                    .filter(|l| l.contains("prefix disk tier opened"))
+                    .count()
+                {
+                    1 => Ok(()),
+                    n => Err(format!("{what}: {n} open lines\n{stderr}")),
+                }
+            })
+            .and_then(|()| {
                 // Reading the damage (2 GB, or /dev/zero until allocation fails) shows here.
                 let peak = children_peak_rss();
                 match peak < baseline_rss + (512 << 20) {

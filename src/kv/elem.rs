@@ -111,6 +111,11 @@ impl<'a> Q8Rows<'a> {
         self.len
     }
 
+    /// Values in one row (32 where made of bare blocks, [`Q8Rows::dense`]).
+    pub fn row_values(&self) -> usize {
+        self.row_values
+    }
+
     /// Whether no value is held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -122,16 +127,26 @@ impl<'a> Q8Rows<'a> {
         self.rows.offset(row as u64) as usize + within / q8_0::BLOCK * q8_0::BLOCK_BYTES
     }
 
-    /// The blocks held, a run of contiguous whole blocks at a time (a row or part of one).
+    /// The blocks held, a run of contiguous whole blocks at a time (a group of rows, or part
+    /// of one; all of them where no group has spare bytes).
     pub fn pieces(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
         let (this, end) = (*self, self.start + self.len);
+        // The rows of a group lie back to back: a piece runs to the end of its group, or to
+        // the end where no group has spare bytes.
+        let rows = this.rows;
+        let run = match rows.group_bytes == rows.group_rows * rows.row_bytes {
+            true => usize::MAX,
+            false => rows.group_rows as usize * this.row_values,
+        };
         let mut v = self.start;
         std::iter::from_fn(move || {
             if v >= end {
                 return None;
             }
-            let row_end = (v / this.row_values + 1) * this.row_values;
-            let to = row_end.min(end);
+            let to = match run {
+                usize::MAX => end,
+                run => ((v / run + 1) * run).min(end),
+            };
             let at = this.byte_of(v);
             let bytes = (to - v) / q8_0::BLOCK * q8_0::BLOCK_BYTES;
             v = to;
@@ -182,6 +197,42 @@ impl<'a> Q8Rows<'a> {
             let n = q8_0::values_in(piece.len());
             q8_0::dequantize(piece, &mut dst[at..at + n]);
             at += n;
+        }
+    }
+
+    /// Widens values `w..w + n` (on blocks, within one row) of each of `count` rows of these,
+    /// from the row value `first × row values + w` falls in, into `dst`, row after row: one
+    /// head of a run of rows, finding each row from the last.
+    ///
+    /// # Panics
+    /// If the values are not held, cut a block or pass a row, or `dst` is not `count × n`.
+    pub fn widen_rows_into(&self, first: usize, count: usize, w: usize, n: usize, dst: &mut [f32]) {
+        let (b, rv) = (q8_0::BLOCK, self.row_values);
+        let v = self.start + first * rv + w;
+        assert!(
+            w % b == 0 && n % b == 0 && v % rv + n <= rv,
+            "whole blocks of one row"
+        );
+        assert!(first * rv + w + (count.max(1) - 1) * rv + n <= self.len || count == 0);
+        assert_eq!(dst.len(), count * n, "widened into as many values");
+        if count == 0 {
+            return;
+        }
+        let rows = self.rows;
+        let spare = (rows.group_bytes - rows.group_rows * rows.row_bytes) as usize;
+        let (g, rb) = (rows.group_rows as usize, rows.row_bytes as usize);
+        // Rows left in the current group, counted down (no division a row).
+        let mut left = g - (v / rv) % g;
+        let mut at = self.byte_of(v);
+        let len = n / b * q8_0::BLOCK_BYTES;
+        for out in dst.chunks_exact_mut(n) {
+            q8_0::dequantize(&self.bytes[at..at + len], out);
+            left -= 1;
+            at += rb;
+            if left == 0 {
+                at += spare;
+                left = g;
+            }
         }
     }
 

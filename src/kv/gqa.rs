@@ -323,6 +323,10 @@ impl<'a> Rows<'a> {
         let span = (count - 1) * stride + hd;
         match self.v {
             KvRows::F32(v) => (&v[t * stride + g * hd..][..span], stride),
+            KvRows::Q8_0(v) if v.row_values() == stride => {
+                v.widen_rows_into(t, count, g * hd, hd, &mut buf[..count * hd]);
+                (&buf[..count * hd], hd)
+            }
             other => {
                 for (i, dst) in buf[..count * hd].chunks_exact_mut(hd).enumerate() {
                     let at = (t + i) * stride + g * hd;

@@ -180,7 +180,9 @@ fn open_disk(
     if let Some(why) = &report.read_only {
         tracing::warn!(store = %config.name, %why, "prefix disk tier: serving what it found, keeping nothing new until a write succeeds");
     }
+    // Under its own target, so a server's default filter can show it with the warnings.
     tracing::info!(
+        target: "procmem_start",
         store = %config.name,
         dir = %disk.dir.display(),
         blocks = report.blocks,

@@ -495,3 +495,35 @@ fn an_unchanged_tier_opens_without_writing_its_index() {
     assert_eq!((report.blocks, &report.read_only), (7, &None));
     assert_eq!(fs::metadata(&index).unwrap().modified().unwrap(), before);
 }
+
+/// Issue 50's case: three chains of three blocks written interleaved (a stop's flush puts
+/// blocks in key order: every root, then every middle block, then every tail), opened at a
+/// third of the size, serve one chain whole. The old order kept the three tails: 0 tokens.
+#[test]
+fn three_chains_opened_at_a_third_serve_one_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
+    let key = |chain: u64, at: u64| chain * 10 + at;
+    for at in 1..=3 {
+        for chain in 1..=3 {
+            let parent = if at == 1 { 0 } else { key(chain, at - 1) };
+            let k = key(chain, at);
+            t.put(k, parent, &[k as u32], &payload(k, 1000)).unwrap();
+        }
+    }
+    drop(t);
+    let (mut t, report) = tier(dir.path(), 7, 3000);
+    assert_eq!(report.blocks, 3, "{report:?}");
+    let served: Vec<u64> = (1..=3)
+        .filter(|chain| {
+            (1..=3).all(|at| {
+                let (k, parent) = (
+                    key(*chain, at),
+                    if at == 1 { 0 } else { key(*chain, at - 1) },
+                );
+                t.get(k, parent, &[k as u32]).unwrap() == Some(payload(k, 1000))
+            })
+        })
+        .collect();
+    assert_eq!(served, [3], "the most recently used chain, whole");
+}
