@@ -43,6 +43,8 @@ fn job(disk: Option<&Path>, extra: &[&str]) -> Vec<String> {
 fn run(program: &Path, args: &[String]) -> Output {
     let child = Command::new(program)
         .args(args)
+        // The default filter: the start's one line is checked at it.
+        .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

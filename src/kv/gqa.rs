@@ -280,7 +280,15 @@ impl<'a> Rows<'a> {
         buf: &'b mut [f32],
     ) -> &'b [f32] {
         let side = if value { self.v } else { self.k };
-        widened(side, t * stride..(t + count) * stride, buf)
+        match side {
+            // Whole rows of a q8_0 buffer: found from the first, not sliced and searched.
+            KvRows::Q8_0(x) if x.row_values() == stride => {
+                let dst = &mut buf[..count * stride];
+                x.widen_rows_into(t, count, 0, stride, dst);
+                dst
+            }
+            _ => widened(side, t * stride..(t + count) * stride, buf),
+        }
     }
 
     /// Reads one element of every cache line of V elements `from..from + len`, so
