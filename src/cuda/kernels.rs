@@ -355,14 +355,15 @@ mod tests {
     use super::*;
 
     fn launch(tokens: u32, q_heads: u32, kv_heads: u32, head_dim: u32) -> DecodeLaunch {
+        let row = (kv_heads as usize).saturating_mul(head_dim as usize);
         DecodeLaunch {
             q: 0,
             k: 0,
             v: 0,
             k_dtype: KvDtype::F16,
             v_dtype: KvDtype::F16,
-            k_rows: RowLayout::dense(u64::from(kv_heads) * u64::from(head_dim) * 2),
-            v_rows: RowLayout::dense(u64::from(kv_heads) * u64::from(head_dim) * 2),
+            k_rows: RowLayout::dense(KvDtype::F16.row_bytes(row).unwrap_or(u64::MAX)),
+            v_rows: RowLayout::dense(KvDtype::F16.row_bytes(row).unwrap_or(u64::MAX)),
             tokens,
             q_heads,
             kv_heads,
