@@ -41,26 +41,11 @@ fn job(disk: Option<&Path>, extra: &[&str]) -> Vec<String> {
 /// Runs `program args` (within 120 s: a start that waits forever on a FIFO fails here), and
 /// gives its output.
 fn run(program: &Path, args: &[String]) -> Output {
-    let child = Command::new(program)
-        .args(args)
-        // The default filter: the start's one line is checked at it.
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(out) => out.unwrap(),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{program:?} {args:?} hung");
-        }
-    }
+    let mut cmd = Command::new(program);
+    // The default filter: the start's one line is checked at it.
+    cmd.args(args).env_remove("RUST_LOG");
+    let what = format!("{program:?} {args:?}");
+    common::output_within(&mut cmd, Duration::from_secs(120), &what)
 }
 
 /// The completions section of a run that succeeded with the books at zero.

@@ -17,25 +17,8 @@ fn run(args: &[&str]) -> Output {
 }
 
 fn run_within(args: &[&str], limit: Duration) -> Output {
-    let child = Command::new(binary())
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    // Drain both pipes on another thread, so a chatty child can never block on a full pipe.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(out) => out.unwrap(),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("inference_server {args:?} hung");
-        }
-    }
+    let what = format!("inference_server {args:?}");
+    common::output_within(Command::new(binary()).args(args), limit, &what)
 }
 
 /// The value (last word) of the summary line that starts with `name`.

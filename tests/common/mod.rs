@@ -15,6 +15,30 @@ pub fn rerun_in_child(name: &str, env: &str, value: &str) -> Output {
         .unwrap()
 }
 
+/// Runs `cmd` to its end with both pipes drained on another thread (a chatty child never
+/// blocks on a full pipe) and gives its output; past `limit` it is killed and the test fails
+/// naming `what` as hung.
+#[allow(dead_code)]
+pub fn output_within(cmd: &mut Command, limit: std::time::Duration, what: &str) -> Output {
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{what} hung");
+        }
+    }
+}
+
 /// The path of example `name` as `cargo test` built it (examples are built for tests).
 #[allow(dead_code)]
 pub fn example(name: &str) -> PathBuf {
