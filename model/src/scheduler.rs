@@ -171,20 +171,24 @@ pub struct SchedulerHandle {
 /// What the loop and the handles both see.
 struct Shared {
     config: SchedulerConfig,
-    waiting: Mutex<usize>,
-    stats: Mutex<SchedulerStats>,
+    /// The queue's length and the counts, under one lock: a reader never sees a request
+    /// gone from the queue and not yet counted where it went.
+    books: Mutex<Books>,
     /// Set by [`SchedulerHandle::shutdown`] before its command is sent: a request submitted
     /// after it is refused at once, not taken by a loop that is stopping.
     stopping: std::sync::atomic::AtomicBool,
 }
 
-impl Shared {
-    fn stats(&self) -> std::sync::MutexGuard<'_, SchedulerStats> {
-        self.stats.lock().unwrap_or_else(PoisonError::into_inner)
-    }
+/// Requests waiting to start, and what the loop did so far.
+#[derive(Default)]
+struct Books {
+    waiting: usize,
+    stats: SchedulerStats,
+}
 
-    fn waiting(&self) -> std::sync::MutexGuard<'_, usize> {
-        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+impl Shared {
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -216,8 +220,7 @@ impl SchedulerHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             config,
-            waiting: Mutex::new(0),
-            stats: Mutex::new(SchedulerStats::default()),
+            books: Mutex::new(Books::default()),
             stopping: std::sync::atomic::AtomicBool::new(false),
         });
         (SchedulerHandle { tx, shared }, rx)
@@ -242,9 +245,11 @@ impl SchedulerHandle {
         {
             return Err(GenError::Stopped);
         }
-        let mut waiting = self.shared.waiting();
-        if *waiting >= config.max_waiting {
-            return Err(GenError::QueueFull { waiting: *waiting });
+        let mut books = self.shared.books();
+        if books.waiting >= config.max_waiting {
+            return Err(GenError::QueueFull {
+                waiting: books.waiting,
+            });
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = run::Queued {
@@ -253,9 +258,9 @@ impl SchedulerHandle {
             arrived: Instant::now(),
         };
         // Counted before the loop can see it (it uncounts it under the same lock).
-        *waiting += 1;
+        books.waiting += 1;
         if self.tx.send(Command::Submit(Box::new(queued))).is_err() {
-            *waiting -= 1;
+            books.waiting -= 1;
             return Err(GenError::Stopped);
         }
         Ok(Generation { events: rx })
@@ -272,12 +277,19 @@ impl SchedulerHandle {
 
     /// Requests waiting to start.
     pub fn waiting(&self) -> usize {
-        *self.shared.waiting()
+        self.shared.books().waiting
     }
 
     /// What it did so far.
     pub fn stats(&self) -> SchedulerStats {
-        self.shared.stats().clone()
+        self.shared.books().stats.clone()
+    }
+
+    /// Requests waiting to start and what it did so far, read at one instant: a request
+    /// that left the queue is already counted where it went (finished, cancelled, ...).
+    pub fn books(&self) -> (usize, SchedulerStats) {
+        let b = self.shared.books();
+        (b.waiting, b.stats.clone())
     }
 }
 

@@ -510,10 +510,10 @@ async fn models(State(api): State<Arc<Api>>) -> Json<Value> {
 }
 
 async fn health(State(api): State<Arc<Api>>) -> Json<Value> {
-    let s = api.scheduler.stats();
+    let (waiting, s) = api.scheduler.books();
     Json(json!({
         "status": "ok",
-        "waiting": api.scheduler.waiting(),
+        "waiting": waiting,
         "finished": s.finished,
         "cancelled": s.cancelled,
         "cut": s.cut,

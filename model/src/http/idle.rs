@@ -29,8 +29,8 @@ pub(super) fn sleep_when_idle(
         let (mut seen, mut since, mut asleep) = (u64::MAX, Instant::now(), false);
         loop {
             tokio::time::sleep(look).await;
-            let s = scheduler.stats();
-            if s.accepted != seen || in_flight(&s) > 0 || scheduler.waiting() > 0 {
+            let (waiting, s) = scheduler.books();
+            if s.accepted != seen || in_flight(&s) > 0 || waiting > 0 {
                 (seen, since, asleep) = (s.accepted, Instant::now(), false);
                 continue;
             }

@@ -117,7 +117,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             }
         }
         self.cancel_all();
-        self.shared.stats().clone()
+        self.shared.books().stats.clone()
     }
 
     fn idle(&self) -> bool {
@@ -157,13 +157,15 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 self.deadline = Some(self.deadline.map_or(at, |d| d.min(at)));
             }
             Command::Submit(q) => {
-                self.shared.stats().accepted += 1;
+                let mut books = self.shared.books();
+                books.stats.accepted += 1;
                 if self.deadline.is_some() {
-                    *self.shared.waiting() -= 1;
-                    self.shared.stats().cut += 1;
+                    books.waiting -= 1;
+                    books.stats.cut += 1;
                     let _ = q.events.send(Event::Failed(GenError::Stopped));
                     return;
                 }
+                drop(books);
                 let id = next_id(&mut self.next);
                 let figures = Figures {
                     prompt_tokens: q.request.prompt.len(),
@@ -192,7 +194,6 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         let before = self.waiting.len();
         self.waiting.retain(|r| !r.gone());
         let left = before - self.waiting.len();
-        *self.shared.waiting() -= left;
         let mut gone = left as u64;
         let kv = self.model.kv();
         for r in self.running.iter().chain(&self.parked).filter(|r| r.gone()) {
@@ -203,14 +204,16 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         self.parked.retain(|r| !r.gone());
         if gone > 0 {
             self.policy.cancelled();
-            self.shared.stats().cancelled += gone;
+            let mut books = self.shared.books();
+            books.waiting -= left;
+            books.stats.cancelled += gone;
         }
     }
 
     /// The end of the grace period: every request left is cut (one whose caller had gone
     /// already counts as cancelled).
     fn cancel_all(&mut self) {
-        *self.shared.waiting() -= self.waiting.len();
+        let queued = self.waiting.len();
         let kv = self.model.kv();
         let (mut cut, mut gone) = (0, 0);
         let left = self.running.drain(..).chain(self.parked.drain(..));
@@ -225,15 +228,16 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             }
             r.send(Event::Failed(GenError::Cancelled));
         }
-        let mut stats = self.shared.stats();
-        stats.cut += cut;
-        stats.cancelled += gone;
+        let mut books = self.shared.books();
+        books.waiting -= queued;
+        books.stats.cut += cut;
+        books.stats.cancelled += gone;
     }
 
     /// Fails `r` with `e`, closing its sequence.
     fn fail(&self, r: Live, e: GenError) {
         self.model.kv().close(r.id);
-        self.shared.stats().failed += 1;
+        self.shared.books().stats.failed += 1;
         r.send(Event::Failed(e));
     }
 
@@ -270,7 +274,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 }
             }
             self.policy.got_room(r.id);
-            self.shared.stats().restores += 1;
+            self.shared.books().stats.restores += 1;
             // A restored sequence writes no prompt block for others to wait for.
             r.writes_to = 0;
             self.running.push(r);
@@ -307,7 +311,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         for r in self.waiting.iter_mut().take(passed) {
             r.passed += 1;
         }
-        self.shared.stats().passed_over += passed as u64;
+        self.shared.books().stats.passed_over += passed as u64;
         let at = at?;
         Some((at, self.waiting.remove(at)?))
     }
@@ -329,8 +333,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 if r.opened {
                     self.model.kv().close(r.id);
                 }
-                *self.shared.waiting() -= 1;
-                self.shared.stats().cancelled += 1;
+                let mut books = self.shared.books();
+                books.waiting -= 1;
+                books.stats.cancelled += 1;
                 continue;
             }
             match self.model.kv().open(r.id, r.known.clone(), 0).await {
@@ -347,7 +352,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     r.writes_to = r.known.len();
                     // The store's position rule (`Opened`): fewer than the prompt's tokens.
                     r.pos = opened.cached_tokens;
-                    *self.shared.waiting() -= 1;
+                    self.shared.books().waiting -= 1;
                     self.running.push(r);
                 }
                 Err(_) if !self.running.is_empty() => {
@@ -361,8 +366,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                         self.waiting.insert(at, r);
                         break;
                     }
-                    *self.shared.waiting() -= 1;
-                    self.shared.stats().failed += 1;
+                    let mut books = self.shared.books();
+                    books.waiting -= 1;
+                    books.stats.failed += 1;
                     r.send(Event::Failed(GenError::NoRoom(e)));
                 }
             }
@@ -402,7 +408,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             Ok(logits) => self.stepped(&inputs, logits),
             Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
                 self.policy.preempted();
-                self.shared.stats().preemptions += 1;
+                self.shared.books().stats.preemptions += 1;
                 if let Some(i) = self.running.iter().position(|r| r.id == seq) {
                     let mut r = self.running.remove(i);
                     r.figures.preemptions += 1;
@@ -422,8 +428,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 r.passed = 0;
                 r.keys = prompt_keys(&r.known, self.block);
                 r.figures.preemptions += 1;
-                self.shared.stats().shed += 1;
-                *self.shared.waiting() += 1;
+                let mut books = self.shared.books();
+                books.stats.shed += 1;
+                books.waiting += 1;
                 self.waiting.push_front(r);
             }
             Err(ModelError::Prepare(KvStoreError::Busy(_))) if self.policy.busy(Instant::now()) => {
@@ -466,7 +473,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         let Some(pause) = self.policy.retry_alone(seq, g, Instant::now()) else {
             return false;
         };
-        self.shared.stats().retries += 1;
+        self.shared.books().stats.retries += 1;
         tokio::time::sleep(pause).await;
         true
     }
@@ -540,7 +547,8 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             stats.finished += 1;
             self.policy.finished();
         }
-        let mut total = self.shared.stats();
+        let mut books = self.shared.books();
+        let total = &mut books.stats;
         total.steps += 1;
         total.generated += stats.generated;
         total.prefilled += stats.prefilled;

@@ -405,10 +405,11 @@ async fn sample_each_second(
             .as_ref()
             .and_then(|g| g.device.mem_info().ok())
             .map(|(free, total)| total - free);
+        let (waiting, stats) = scheduler.books();
         progress(&JobProgress {
             elapsed: start.elapsed(),
-            stats: scheduler.stats(),
-            waiting: scheduler.waiting(),
+            stats,
+            waiting,
             leased: b.snapshot.books.leased,
             os: b.os_bytes.unwrap_or(0),
             tickets: b.snapshot.tickets_sent,
