@@ -233,22 +233,41 @@ impl<'a> Q8Rows<'a> {
         if count == 0 {
             return;
         }
+        let len = n / b * q8_0::BLOCK_BYTES;
+        for (out, at) in dst.chunks_exact_mut(n).zip(self.offsets_from(v)) {
+            q8_0::dequantize(&self.bytes[at..at + len], out);
+        }
+    }
+
+    /// The bytes the rows lie in (from row 0, whatever these hold of them).
+    pub(crate) fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Where rows `first`, `first + 1`, ... of these start in [`Q8Rows::bytes`] (on and on:
+    /// the caller takes as many as it holds).
+    pub(crate) fn row_offsets(&self, first: usize) -> impl Iterator<Item = usize> {
+        self.offsets_from(self.start + first * self.row_values)
+    }
+
+    /// Where value `v` lies, then the same value of each row after it: found from the last
+    /// (the rows left in a group counted down, no division a row).
+    fn offsets_from(&self, v: usize) -> impl Iterator<Item = usize> {
         let rows = self.rows;
         let spare = (rows.group_bytes - rows.group_rows * rows.row_bytes) as usize;
         let (g, rb) = (rows.group_rows as usize, rows.row_bytes as usize);
-        // Rows left in the current group, counted down (no division a row).
-        let mut left = g - (v / rv) % g;
+        let mut left = g - (v / self.row_values) % g;
         let mut at = self.byte_of(v);
-        let len = n / b * q8_0::BLOCK_BYTES;
-        for out in dst.chunks_exact_mut(n) {
-            q8_0::dequantize(&self.bytes[at..at + len], out);
+        std::iter::from_fn(move || {
+            let here = at;
             left -= 1;
             at += rb;
             if left == 0 {
                 at += spare;
                 left = g;
             }
-        }
+            Some(here)
+        })
     }
 
     /// The blocks held, one after the other.

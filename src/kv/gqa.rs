@@ -17,9 +17,12 @@
 //!   threads, so the result is the same bits on one thread or many.
 //! - **Vector code chosen at run time:** compiled for the baseline and again for AVX2 with
 //!   FMA, the version picked once by what the CPU supports (the `multiversion` crate does the
-//!   detection and the dispatch); `q8_0` blocks are widened with AVX2 where the build has it
-//!   ([`q8_0::dequantize`](super::q8_0::dequantize)), `f16` rows with F16C where present (the `half`
-//!   crate's slice conversion).
+//!   detection and the dispatch). The key and value tiles are written in AVX2 + FMA
+//!   intrinsics where the build has them (the compiler left a three-head tile's accumulators
+//!   on the stack). `f16` rows are widened a split's rows at a time with F16C (the `half`
+//!   crate's slice conversion); `q8_0` rows are read where they lie, each vector of eight
+//!   values widened and scaled in registers as the tile uses it (the same bits as widening
+//!   first; `gqa/q8.rs`), and widened first only in a build without AVX2.
 //!
 //! [`gqa_decode_plain`] is the same mathematics written as plainly as possible (one thread,
 //! one element at a time, a whole-context softmax); tests hold the fast path to it.
@@ -30,9 +33,18 @@ use super::elem::{KvElement, KvRows};
 use super::shape::Heads;
 
 #[allow(unsafe_code)]
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod q8;
+#[allow(unsafe_code)]
 mod simd;
+mod values;
 
-use simd::{key_lanes, madd};
+use simd::key_lanes;
+use values::{value_tile, Tile, Vals};
 
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
 /// thread count (and outputs do not change with it).
@@ -316,6 +328,34 @@ impl<'a> Rows<'a> {
         }
     }
 
+    /// Where K (`value: false`) or V is `q8_0` read in place (whole rows, the AVX2 + FMA
+    /// build, the `FMA` version): its bytes, with where rows `t..` start written into `at`
+    /// (as many as it holds). `None` where the rows are widened first.
+    #[inline(always)]
+    #[allow(unused_variables)]
+    fn q8_in_place<const FMA: bool>(
+        &self,
+        value: bool,
+        t: usize,
+        stride: usize,
+        at: &mut [usize],
+    ) -> Option<&'a [u8]> {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        if let KvRows::Q8_0(x) = if value { self.v } else { self.k } {
+            if FMA && x.row_values() == stride {
+                for (a, o) in at.iter_mut().zip(x.row_offsets(t)) {
+                    *a = o;
+                }
+                return Some(x.bytes());
+            }
+        }
+        None
+    }
+
     /// KV head `g` of V rows `t..t + count` as `f32`, with the distance between rows: in
     /// place (the rows' full stride), or widened into `buf` one head row after the other.
     #[inline(always)]
@@ -431,26 +471,38 @@ fn split_scores<const FMA: bool, const HD: usize>(
     let mut t = 0;
     while t < n {
         let count = 2.min(n - t);
-        let pair = rows.rows(false, first + t, count, stride, buf);
+        let mut at = [0usize; 2];
+        let keys = match rows.q8_in_place::<FMA>(false, first + t, stride, &mut at[..count]) {
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma"
+            ))]
+            Some(bytes) => Keys::Q8 { bytes, at },
+            _ => Keys::F32(rows.rows(false, first + t, count, stride, buf)),
+        };
+        // The value rows of the same tokens, every head at once (a q8_0 row is found once).
+        touched ^= rows.touch_values((first + t) * stride, count * stride);
         for g in 0..d.kv_heads {
-            for i in 0..count {
-                touched ^= rows.touch_values((first + t + i) * stride + g * hd, hd);
-            }
-            let k0 = &pair[g * hd..][..hd];
-            let k1 = &pair[(count - 1) * stride + g * hd..][..hd];
+            let k = KeyHead {
+                keys,
+                g,
+                hd,
+                stride,
+            };
             let mut h = g * group;
             while h < (g + 1) * group {
                 let m = TILE.min((g + 1) * group - h);
                 let qs = &q[h * hd..][..m * hd];
                 let dots = match (m, count) {
-                    (4, 2) => key_tile::<4, 2, FMA>(qs, [k0, k1]),
-                    (4, _) => pad(key_tile::<4, 1, FMA>(qs, [k0])),
-                    (3, 2) => pad(key_tile::<3, 2, FMA>(qs, [k0, k1])),
-                    (3, _) => pad(key_tile::<3, 1, FMA>(qs, [k0])),
-                    (2, 2) => pad(key_tile::<2, 2, FMA>(qs, [k0, k1])),
-                    (2, _) => pad(key_tile::<2, 1, FMA>(qs, [k0])),
-                    (_, 2) => pad(key_tile::<1, 2, FMA>(qs, [k0, k1])),
-                    _ => pad(key_tile::<1, 1, FMA>(qs, [k0])),
+                    (4, 2) => key_tile::<4, 2, FMA>(qs, k),
+                    (4, _) => pad(key_tile::<4, 1, FMA>(qs, k)),
+                    (3, 2) => pad(key_tile::<3, 2, FMA>(qs, k)),
+                    (3, _) => pad(key_tile::<3, 1, FMA>(qs, k)),
+                    (2, 2) => pad(key_tile::<2, 2, FMA>(qs, k)),
+                    (2, _) => pad(key_tile::<2, 1, FMA>(qs, k)),
+                    (_, 2) => pad(key_tile::<1, 2, FMA>(qs, k)),
+                    _ => pad(key_tile::<1, 1, FMA>(qs, k)),
                 };
                 for (j, row) in dots.iter().take(m).enumerate() {
                     for (i, dot) in row.iter().take(count).enumerate() {
@@ -480,17 +532,42 @@ fn split_values<const FMA: bool>(
     let (group, stride) = (d.group, d.stride);
     acc.fill(0.0);
     let mut t = 0;
+    let mut at = [0usize; CHUNK];
     while t < n {
         let count = CHUNK.min(n - t);
+        let q8 = rows.q8_in_place::<FMA>(true, first + t, stride, &mut at[..count]);
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        let (q8, head) = {
+            let head = |values: usize| values / super::q8_0::BLOCK * super::q8_0::BLOCK_BYTES;
+            let rows = q8.map(|bytes| q8::RowStarts::new(bytes, &at[..count], head(stride)));
+            (rows, head(hd))
+        };
         for g in 0..d.kv_heads {
-            let (vals, vstride) = rows.head_rows(first + t, count, g, hd, stride, buf);
+            let vals = match q8 {
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma"
+                ))]
+                Some(rows) => Vals::Q8 {
+                    rows,
+                    head: g * head,
+                },
+                _ => {
+                    let (vals, vstride) = rows.head_rows(first + t, count, g, hd, stride, buf);
+                    Vals::F32 { vals, vstride }
+                }
+            };
             let mut h = g * group;
             while h < (g + 1) * group {
                 let m = TILE.min((g + 1) * group - h);
                 let out = &mut acc[h * hd..(h + m) * hd];
                 let tile = Tile {
                     vals,
-                    vstride,
                     count,
                     ps: &scores[h * n + t..],
                     n,
@@ -506,6 +583,31 @@ fn split_values<const FMA: bool>(
         }
         t += count;
     }
+}
+
+/// One or two tokens' key rows: `f32` (kept so, or widened), one after the other; or `q8_0`
+/// rows read where they lie (`at`: where each starts in `bytes`).
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    F32(&'a [f32]),
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    Q8 {
+        bytes: &'a [u8],
+        at: [usize; 2],
+    },
+}
+
+/// KV head `g` (`hd` values) of [`Keys`] whose rows are `stride` values each.
+#[derive(Clone, Copy)]
+struct KeyHead<'a> {
+    keys: Keys<'a>,
+    g: usize,
+    hd: usize,
+    stride: usize,
 }
 
 /// A tile's results padded to the largest tile.
@@ -524,9 +626,30 @@ fn pad<const M: usize, const R: usize>(x: [[f32; R]; M]) -> [[f32; 2]; TILE] {
 #[inline(always)]
 fn key_tile<const M: usize, const R: usize, const FMA: bool>(
     qs: &[f32],
-    ks: [&[f32]; R],
+    k: KeyHead<'_>,
 ) -> [[f32; R]; M] {
-    let acc = key_lanes::<M, R, FMA>(qs, ks);
+    let KeyHead {
+        keys,
+        g,
+        hd,
+        stride,
+    } = k;
+    let acc = match keys {
+        Keys::F32(rows) => key_lanes::<M, R, FMA>(
+            qs,
+            std::array::from_fn(|i| &rows[i * stride + g * hd..][..hd]),
+        ),
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma"
+        ))]
+        Keys::Q8 { bytes, at } => {
+            let head = hd / super::q8_0::BLOCK * super::q8_0::BLOCK_BYTES;
+            let ks = std::array::from_fn(|i| &bytes[at[i] + g * head..][..head]);
+            q8::key_lanes::<M, R>(qs, ks, hd)
+        }
+    };
     // Reduce the accumulators four at a time (pairwise adds across them, as `vhaddps` does),
     // the rest one by one.
     let mut flat = [[0f32; LANES]; TILE * 2];
@@ -571,77 +694,6 @@ fn hadd(a: &[f32; LANES], b: &[f32; LANES]) -> [f32; LANES] {
 fn reduce4(a: &[f32; LANES], b: &[f32; LANES], c: &[f32; LANES], d: &[f32; LANES]) -> [f32; 4] {
     let x = hadd(&hadd(a, b), &hadd(c, d));
     [x[0] + x[4], x[1] + x[5], x[2] + x[6], x[3] + x[7]]
-}
-
-/// `count` tokens' values of one KV head (`vals`, rows `vstride` apart) and the query heads'
-/// probabilities for them (`ps[j * n + token]` for the tile's `j`-th head).
-#[derive(Clone, Copy)]
-struct Tile<'a> {
-    vals: &'a [f32],
-    vstride: usize,
-    count: usize,
-    ps: &'a [f32],
-    n: usize,
-}
-
-/// Adds a tile's values into the outputs of `M` query heads (`out`, one after the other),
-/// each token weighted by its head's probability. The outputs of two vectors of every head
-/// stay in registers across all the tokens.
-#[inline(always)]
-fn value_tile<const M: usize, const FMA: bool>(out: &mut [f32], hd: usize, tile: Tile<'_>) {
-    let mut c = 0;
-    while c < hd {
-        // Two vectors at a time, one where a single one is left.
-        let width = if hd - c >= 2 * LANES { 2 } else { 1 };
-        if width == 2 {
-            value_columns::<M, 2, FMA>(out, hd, c, tile);
-        } else {
-            value_columns::<M, 1, FMA>(out, hd, c, tile);
-        }
-        c += width * LANES;
-    }
-}
-
-/// [`value_tile`] for the `W` vectors of every head's output from column `c`.
-#[inline(always)]
-fn value_columns<const M: usize, const W: usize, const FMA: bool>(
-    out: &mut [f32],
-    hd: usize,
-    c: usize,
-    tile: Tile<'_>,
-) {
-    let Tile {
-        vals,
-        vstride,
-        count,
-        ps,
-        n,
-    } = tile;
-    let ps: [&[f32]; M] = std::array::from_fn(|j| &ps[j * n..][..count]);
-    let mut o = [[[0f32; LANES]; W]; M];
-    for (j, o) in o.iter_mut().enumerate() {
-        for (w, o) in o.iter_mut().enumerate() {
-            o.copy_from_slice(&out[j * hd + c + w * LANES..][..LANES]);
-        }
-    }
-    for t in 0..count {
-        let row = &vals[t * vstride + c..][..W * LANES];
-        let v: [&[f32; LANES]; W] =
-            std::array::from_fn(|w| row[w * LANES..][..LANES].try_into().expect("one vector"));
-        for (j, o) in o.iter_mut().enumerate() {
-            let p = ps[j][t];
-            for (w, o) in o.iter_mut().enumerate() {
-                for l in 0..LANES {
-                    o[l] = madd::<FMA>(p, v[w][l], o[l]);
-                }
-            }
-        }
-    }
-    for (j, o) in o.iter().enumerate() {
-        for (w, o) in o.iter().enumerate() {
-            out[j * hd + c + w * LANES..][..LANES].copy_from_slice(o);
-        }
-    }
 }
 
 /// The sum of a vector's lanes, pairwise in a fixed order.

@@ -60,7 +60,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 
 /// The scale of the block at `block` (its first byte).
 #[inline(always)]
-fn scale(block: &[u8]) -> f32 {
+pub(crate) fn scale(block: &[u8]) -> f32 {
     half::f16::from_le_bytes([block[0], block[1]]).to_f32()
 }
 

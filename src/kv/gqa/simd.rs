@@ -43,10 +43,14 @@ unsafe fn key_lanes_avx2<const M: usize, const R: usize>(
     );
     let mut acc = [[_mm256_setzero_ps(); R]; M];
     for c in (0..hd).step_by(LANES) {
-        // SAFETY: `c + LANES <= hd`, the length of every key row (checked above); unaligned
-        // loads.
-        let kv: [__m256; R] =
-            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(ks[i][c..c + LANES].as_ptr()) });
+        // Plain loops, not `array::from_fn`: its closures were not inlined into this function
+        // (its target features are not theirs), and the registers went to the stack.
+        let mut kv = [_mm256_setzero_ps(); R];
+        for (kv, k) in kv.iter_mut().zip(&ks) {
+            // SAFETY: `c + LANES <= hd`, the length of every key row (checked above); an
+            // unaligned load.
+            *kv = unsafe { _mm256_loadu_ps(k[c..c + LANES].as_ptr()) };
+        }
         for (j, a) in acc.iter_mut().enumerate() {
             // SAFETY: `j * hd + c + LANES <= M * hd <= qs.len()`; an unaligned load.
             let qv = unsafe { _mm256_loadu_ps(qs[j * hd + c..][..LANES].as_ptr()) };
@@ -110,6 +114,146 @@ fn key_lanes_portable<const M: usize, const R: usize, const FMA: bool>(
     acc
 }
 
+/// Outputs of `M` query heads (`out`, `hd` apart) at the `W` vectors from column `c`, with
+/// each token `t < count` of a tile added in turn: `ps[j][t]` times its value row (`vals`
+/// from `t × vstride`), fused into lane `l` of every vector, token after token.
+pub(super) struct ValueColumns<'a, const M: usize> {
+    pub out: &'a mut [f32],
+    pub hd: usize,
+    pub c: usize,
+    pub vals: &'a [f32],
+    pub vstride: usize,
+    pub count: usize,
+    pub ps: [&'a [f32]; M],
+}
+
+impl<const M: usize> ValueColumns<'_, M> {
+    /// Checks every index the loops take, once.
+    fn check<const W: usize>(&self) {
+        let end = self.c + W * LANES;
+        assert!(
+            end <= self.hd
+                && self.out.len() >= M * self.hd
+                && self.ps.iter().all(|p| p.len() >= self.count)
+                && (self.count == 0 || self.vals.len() >= (self.count - 1) * self.vstride + end),
+            "a value tile within its rows and outputs"
+        );
+    }
+}
+
+/// [`ValueColumns`] added in: in vector registers where the crate is built for AVX2 and FMA
+/// (the compiler kept a tile of three heads' outputs in scalars on the stack), else the plain
+/// loop; the same operations lane by lane, so the same bits.
+#[inline(always)]
+pub(super) fn value_columns<const M: usize, const W: usize, const FMA: bool>(
+    cols: ValueColumns<'_, M>,
+) {
+    cols.check::<W>();
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if FMA {
+        // SAFETY: the crate is compiled with AVX2 and FMA on (see `key_lanes`); the indices
+        // were checked above.
+        return unsafe { value_columns_avx2::<M, W>(cols) };
+    }
+    value_columns_portable::<M, W, FMA>(cols)
+}
+
+/// [`value_columns`] in AVX2 + FMA registers.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `cols` passed [`ValueColumns::check`] for `W`.
+#[cfg(all(
+    target_arch = "x86_64",
+    any(test, all(target_feature = "avx2", target_feature = "fma"))
+))]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn value_columns_avx2<const M: usize, const W: usize>(cols: ValueColumns<'_, M>) {
+    let ValueColumns {
+        out,
+        hd,
+        c,
+        vals,
+        vstride,
+        count,
+        ps,
+    } = cols;
+    let at = |j: usize, w: usize| j * hd + c + w * LANES;
+    // Plain loops, not `array::from_fn` (see `key_lanes_avx2`).
+    let mut o = [[_mm256_setzero_ps(); W]; M];
+    for (j, o) in o.iter_mut().enumerate() {
+        for (w, o) in o.iter_mut().enumerate() {
+            // SAFETY: `at(j, w) + LANES <= M * hd <= out.len()` (checked); an unaligned load.
+            *o = unsafe { _mm256_loadu_ps(out.as_ptr().add(at(j, w))) };
+        }
+    }
+    for t in 0..count {
+        // SAFETY: `t * vstride + c + W * LANES <= vals.len()` for `t < count` (checked).
+        let row = unsafe { vals.as_ptr().add(t * vstride + c) };
+        let mut v = [_mm256_setzero_ps(); W];
+        for (w, v) in v.iter_mut().enumerate() {
+            // SAFETY: within the row's `W` vectors (above); an unaligned load.
+            *v = unsafe { _mm256_loadu_ps(row.add(w * LANES)) };
+        }
+        for (j, o) in o.iter_mut().enumerate() {
+            // SAFETY: `t < count <= ps[j].len()` (checked).
+            let p = _mm256_set1_ps(unsafe { *ps[j].get_unchecked(t) });
+            for (o, v) in o.iter_mut().zip(&v) {
+                *o = _mm256_fmadd_ps(p, *v, *o);
+            }
+        }
+    }
+    for (j, o) in o.iter().enumerate() {
+        for (w, o) in o.iter().enumerate() {
+            // SAFETY: as the loads from `out`; an unaligned store.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(at(j, w)), *o) };
+        }
+    }
+}
+
+/// [`value_columns`] as a plain loop, for any CPU.
+#[inline(always)]
+fn value_columns_portable<const M: usize, const W: usize, const FMA: bool>(
+    cols: ValueColumns<'_, M>,
+) {
+    let ValueColumns {
+        out,
+        hd,
+        c,
+        vals,
+        vstride,
+        count,
+        ps,
+    } = cols;
+    let mut o = [[[0f32; LANES]; W]; M];
+    for (j, o) in o.iter_mut().enumerate() {
+        for (w, o) in o.iter_mut().enumerate() {
+            o.copy_from_slice(&out[j * hd + c + w * LANES..][..LANES]);
+        }
+    }
+    for t in 0..count {
+        let row = &vals[t * vstride + c..][..W * LANES];
+        let v: [&[f32; LANES]; W] =
+            std::array::from_fn(|w| row[w * LANES..][..LANES].try_into().expect("one vector"));
+        for (j, o) in o.iter_mut().enumerate() {
+            let p = ps[j][t];
+            for (w, o) in o.iter_mut().enumerate() {
+                for l in 0..LANES {
+                    o[l] = madd::<FMA>(p, v[w][l], o[l]);
+                }
+            }
+        }
+    }
+    for (j, o) in o.iter().enumerate() {
+        for (w, o) in o.iter().enumerate() {
+            out[j * hd + c + w * LANES..][..LANES].copy_from_slice(o);
+        }
+    }
+}
+
 /// `a * b + c`, fused where the code is compiled for FMA.
 #[inline(always)]
 pub(super) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
@@ -156,6 +300,55 @@ mod tests {
             check::<3, 2>(hd);
             check::<4, 1>(hd);
             check::<4, 2>(hd);
+        }
+    }
+    /// The vector value tile gives the portable loop's bits, for every tile shape.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_value_tile_gives_the_portable_bits() {
+        if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
+            println!("SKIPPED: no AVX2 and FMA on this CPU");
+            return;
+        }
+        fn check<const M: usize, const W: usize>(hd: usize, count: usize) {
+            let vstride = 3 * hd;
+            let vals: Vec<f32> = (0..count * vstride)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
+            let ps: Vec<Vec<f32>> = (0..M)
+                .map(|j| {
+                    (0..count)
+                        .map(|t| ((t + 7 * j) as f32 * 0.13).cos())
+                        .collect()
+                })
+                .collect();
+            let start: Vec<f32> = (0..M * hd).map(|i| i as f32 * 0.01).collect();
+            for c in (0..hd).step_by(W * LANES).filter(|c| c + W * LANES <= hd) {
+                let (mut fast, mut plain) = (start.clone(), start.clone());
+                let cols = |out| ValueColumns {
+                    out,
+                    hd,
+                    c,
+                    vals: &vals[hd..],
+                    vstride,
+                    count,
+                    ps: std::array::from_fn(|j| ps[j].as_slice()),
+                };
+                let f = cols(&mut fast);
+                f.check::<W>();
+                // SAFETY: the CPU has AVX2 and FMA (checked above); the columns are checked.
+                unsafe { value_columns_avx2::<M, W>(f) };
+                value_columns_portable::<M, W, true>(cols(&mut plain));
+                assert_eq!(fast, plain, "M {M} W {W} head {hd} column {c}");
+            }
+        }
+        for (hd, count) in [(8, 1), (64, 40), (128, 7)] {
+            check::<1, 1>(hd, count);
+            check::<1, 2>(hd, count);
+            check::<2, 1>(hd, count);
+            check::<3, 1>(hd, count);
+            check::<3, 2>(hd, count);
+            check::<4, 2>(hd, count);
         }
     }
 }
