@@ -17,7 +17,14 @@
 //! stands beside `f16`'s own. The goal (issue 48): mean KL at most 0.002 for `q8_0` K and V.
 //! `PROCMEM_QUANT_POSITIONS` caps the positions (default: the whole text). The model comes
 //! from `scripts/fetch-model.sh`; without it the bench says so and writes nothing.
+//!
+//! Then **capacity** (`capacity`, see `kv_quant/capacity.rs`): the sequences a store holds in
+//! the same bytes in `f16` and in `q8_0`, counted up to its first refusal.
+//! `PROCMEM_QUANT_PARTS=capacity` (or `quality`) runs one part, keeping the other's figures
+//! in the report.
 
+#[path = "kv_quant/capacity.rs"]
+mod capacity;
 mod common;
 
 use procmem_actors::procmem::kv::KvDtype;
@@ -63,7 +70,7 @@ async fn engine(
 ) -> Engine {
     let (path, max) = e;
     let loaded = Smol::load(path, max).unwrap();
-    let kv = common::smol_kv_config(max, k, v).wait(std::time::Duration::from_secs(60));
+    let kv = common::smol_kv_config(&loaded, max, k, v).wait(std::time::Duration::from_secs(60));
     Engine::start(memory, loaded, kv, None).await.unwrap()
 }
 
@@ -238,12 +245,32 @@ fn main() {
                 + 1,
         );
     }
-    let mut prompts = builtin_prompts(&codec, 8).unwrap();
-    prompts.extend(MORE_PROMPTS.iter().map(|u| codec.chat(None, u).unwrap()));
-    let report = run(&path, &text, &prompts, eos);
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/reports");
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join("kv_quant.json");
+    let parts = std::env::var("PROCMEM_QUANT_PARTS").unwrap_or_default();
+    let part = |name: &str| parts.is_empty() || parts.split(',').any(|p| p.trim() == name);
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/reports/kv_quant.json");
+    // A run of one part keeps the other's figures from the last run.
+    let mut report = std::fs::read(&out)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .filter(|r| r.is_object())
+        .unwrap_or_else(|| json!({}));
+    if part("quality") {
+        let mut prompts = builtin_prompts(&codec, 8).unwrap();
+        prompts.extend(MORE_PROMPTS.iter().map(|u| codec.chat(None, u).unwrap()));
+        let capacity = report.get("capacity").cloned();
+        report = run(&path, &text, &prompts, eos);
+        if let Some(c) = capacity {
+            report["capacity"] = c;
+        }
+    }
+    if part("capacity") {
+        let shape = Smol::load(&path, 8)
+            .unwrap()
+            .model
+            .kv_shape(KvDtype::F16, KvDtype::F16, 8);
+        report["capacity"] = capacity::measure(shape);
+    }
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
     std::fs::write(&out, serde_json::to_string_pretty(&report).unwrap()).unwrap();
     println!("wrote {}", out.display());
 }

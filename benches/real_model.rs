@@ -249,7 +249,7 @@ async fn engine(
     dtype: KvDtype,
 ) -> Engine {
     let loaded = Smol::load(path, max_tokens).unwrap();
-    let kv = common::smol_kv_config(max_tokens, dtype, dtype)
+    let kv = common::smol_kv_config(&loaded, max_tokens, dtype, dtype)
         .wait(std::time::Duration::from_secs(30))
         .map_ahead(true);
     Engine::start(memory, loaded, kv, None).await.unwrap()

@@ -52,22 +52,14 @@ pub fn write_report(name: &str, value: &serde_json::Value) {
     println!("{text}\nwritten to {}", path.display());
 }
 
-/// A KV store configuration for the real model's `Engine::start`, which sets the shape from
-/// the model: only `max_tokens` and the K and V types of this placeholder count. Growth in
-/// chunks of 16 granules.
+/// A KV store configuration for `loaded`'s `Engine::start`: its heads, sequences of up to
+/// `max_tokens`, K and V in their types, growth in chunks of 16 granules.
 pub fn smol_kv_config(
+    loaded: &procmem_model::Loaded,
     max_tokens: usize,
     k_dtype: procmem_actors::procmem::kv::KvDtype,
     v_dtype: procmem_actors::procmem::kv::KvDtype,
 ) -> procmem_actors::kv::KvStoreConfig {
-    let placeholder = procmem_actors::procmem::kv::KvShape {
-        layers: 0,
-        q_heads: 1,
-        kv_heads: 1,
-        head_dim: 1,
-        max_tokens,
-        k_dtype,
-        v_dtype,
-    };
-    procmem_actors::kv::KvStoreConfig::new("kv", placeholder).chunk_granules(16)
+    let shape = loaded.model.kv_shape(k_dtype, v_dtype, max_tokens);
+    procmem_actors::kv::KvStoreConfig::new("kv", shape).chunk_granules(16)
 }

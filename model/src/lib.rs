@@ -83,6 +83,14 @@ pub enum ModelError {
         /// The position the step named.
         asked: usize,
     },
+    /// A KV store configured for other heads than the model has.
+    #[error("the kv store's shape {config:?} is not the model's {model:?}")]
+    KvShape {
+        /// The model's shape (in the configuration's types and length).
+        model: procmem_actors::procmem::kv::KvShape,
+        /// The configuration's.
+        config: procmem_actors::procmem::kv::KvShape,
+    },
 }
 
 impl From<procmem_actors::provider::CudaSubmitError> for ModelError {

@@ -87,21 +87,25 @@ pub use crate::scheduler::STEP_TOKENS;
 
 impl Engine {
     /// Puts `loaded`'s layers under residency (offloadable: each layer a unit, priority 10)
-    /// and opens a KV store of `kv_config` (its shape set from the model) on `memory`.
+    /// and opens a KV store of `kv_config` on `memory`. The configuration's shape is the
+    /// model's ([`Smol::kv_shape`] in the types and length it chooses): another is refused
+    /// (`ModelError::KvShape`) before anything is loaded.
     pub async fn start(
         memory: &MemoryManager,
         loaded: Loaded,
-        mut kv_config: KvStoreConfig,
+        kv_config: KvStoreConfig,
         eos: Option<u32>,
     ) -> Result<Self, ModelError> {
-        let KvShape {
-            k_dtype,
-            v_dtype,
-            max_tokens,
-            ..
-        } = kv_config.shape;
-        let shape = loaded.model.kv_shape(k_dtype, v_dtype, max_tokens);
-        kv_config.shape = shape;
+        let config = kv_config.shape;
+        let shape = loaded
+            .model
+            .kv_shape(config.k_dtype, config.v_dtype, config.max_tokens);
+        if shape != config {
+            return Err(ModelError::KvShape {
+                model: shape,
+                config,
+            });
+        }
         let weights = memory.residency(ResidencyConfig::new("weights")).await?;
         for (layer, bytes) in loaded.layers.into_iter().enumerate() {
             weights.load(layer, bytes, false).await?;

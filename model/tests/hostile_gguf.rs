@@ -109,14 +109,19 @@ async fn the_tiny_model_decodes_and_an_empty_prompt_is_refused() {
         .build()
         .await
         .unwrap();
-    let engine = Engine::start(
-        &memory,
-        Smol::load(&path, 64).unwrap(),
-        common::kv_config(PreemptMode::Recompute),
-        None,
-    )
-    .await
-    .unwrap();
+    // A store configured for other heads than the model's is refused before it starts.
+    let loaded = Smol::load(&path, 64).unwrap();
+    let mut wrong = common::kv_config(&loaded, PreemptMode::Recompute);
+    wrong.shape.kv_heads += 1;
+    let refused = Engine::start(&memory, loaded, wrong, None).await;
+    assert!(
+        matches!(refused, Err(ModelError::KvShape { .. })),
+        "{:?}",
+        refused.err()
+    );
+    let loaded = Smol::load(&path, 64).unwrap();
+    let kv = common::kv_config(&loaded, PreemptMode::Recompute);
+    let engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
     let empty = engine
         .generate(
             vec![Request {

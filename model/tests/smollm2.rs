@@ -220,9 +220,8 @@ async fn a_step_given_up_midway_changes_nothing() {
                 .build()
                 .await
                 .unwrap();
-            let engine = Engine::start(&memory, loaded, kv_config(PreemptMode::Swap), None)
-                .await
-                .unwrap();
+            let kv = kv_config(&loaded, PreemptMode::Swap);
+            let engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
             engine.kv.open(1, prompt.clone(), 0).await.unwrap();
             let step = |t: u32, pos: usize| {
                 let e = &engine;

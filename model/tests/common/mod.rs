@@ -7,12 +7,14 @@ use std::time::Duration;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use procmem_actors::procmem::kv::{KvDtype, KvShape};
+use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::{
     kv::{KvStoreConfig, PreemptMode},
     MemoryManager,
 };
-use procmem_model::{smollm2_path, top2, Completion, Engine, Request, RunStats, Smol, TextCodec};
+use procmem_model::{
+    smollm2_path, top2, Completion, Engine, Loaded, Request, RunStats, Smol, TextCodec,
+};
 
 pub const NEW_TOKENS: usize = 64;
 pub const MAX_TOKENS: usize = 512;
@@ -35,23 +37,15 @@ pub fn prompts() -> Vec<(Option<&'static str>, &'static str)> {
     ]
 }
 
-pub fn kv_config(preempt: PreemptMode) -> KvStoreConfig {
-    // The engine sets the rest of the shape from the model.
-    KvStoreConfig::new(
-        "kv",
-        KvShape {
-            layers: 0,
-            q_heads: 1,
-            kv_heads: 1,
-            head_dim: 1,
-            max_tokens: MAX_TOKENS,
-            k_dtype: KvDtype::F32,
-            v_dtype: KvDtype::F32,
-        },
-    )
-    .chunk_granules(3)
-    .preempt(preempt)
-    .wait(Duration::from_secs(5))
+/// `loaded`'s KV in `f32`, sequences of up to `MAX_TOKENS`.
+pub fn kv_config(loaded: &Loaded, preempt: PreemptMode) -> KvStoreConfig {
+    let shape = loaded
+        .model
+        .kv_shape(KvDtype::F32, KvDtype::F32, MAX_TOKENS);
+    KvStoreConfig::new("kv", shape)
+        .chunk_granules(3)
+        .preempt(preempt)
+        .wait(Duration::from_secs(5))
 }
 
 /// candle-transformers' `quantized_llama` with its own KV cache: greedy tokens, and the
@@ -152,9 +146,8 @@ pub async fn ours_steps(
         builder = builder.host_budget(b);
     }
     let memory = builder.build().await.unwrap();
-    let mut engine = Engine::start(&memory, loaded, kv_config(preempt), None)
-        .await
-        .unwrap();
+    let kv = kv_config(&loaded, preempt);
+    let mut engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
     engine.step_tokens = step_tokens;
     let requests = prompts
         .iter()
