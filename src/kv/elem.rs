@@ -245,9 +245,11 @@ impl<'a> Q8Rows<'a> {
     }
 
     /// Where rows `first`, `first + 1`, ... of these start in [`Q8Rows::bytes`] (on and on:
-    /// the caller takes as many as it holds).
-    pub(crate) fn row_offsets(&self, first: usize) -> impl Iterator<Item = usize> {
-        self.offsets_from(self.start + first * self.row_values)
+    /// the caller takes as many as it holds); `None` where these do not start on a row (a
+    /// slice from within one), so no row of them starts anywhere.
+    pub(crate) fn row_offsets(&self, first: usize) -> Option<impl Iterator<Item = usize>> {
+        (self.start % self.row_values == 0)
+            .then(|| self.offsets_from(self.start + first * self.row_values))
     }
 
     /// Where value `v` lies, then the same value of each row after it: found from the last

@@ -32,6 +32,7 @@ use rayon::prelude::*;
 use super::elem::{KvElement, KvRows};
 use super::shape::Heads;
 
+mod keys;
 #[allow(unsafe_code)]
 #[cfg(all(
     target_arch = "x86_64",
@@ -43,7 +44,7 @@ mod q8;
 mod simd;
 mod values;
 
-use simd::key_lanes;
+use keys::{key_tile, pad, KeyHead, Keys};
 use values::{value_tile, Tile, Vals};
 
 /// Tokens in one split of the context. Fixed, so a context is cut the same way whatever the
@@ -346,8 +347,10 @@ impl<'a> Rows<'a> {
             target_feature = "fma"
         ))]
         if let KvRows::Q8_0(x) = if value { self.v } else { self.k } {
-            if FMA && x.row_values() == stride {
-                for (a, o) in at.iter_mut().zip(x.row_offsets(t)) {
+            // Rows from within a row (a caller's slice) are widened, and refused there.
+            let offsets = x.row_offsets(t).filter(|_| FMA && x.row_values() == stride);
+            if let Some(offsets) = offsets {
+                for (a, o) in at.iter_mut().zip(offsets) {
                     *a = o;
                 }
                 return Some(x.bytes());
@@ -585,130 +588,6 @@ fn split_values<const FMA: bool>(
     }
 }
 
-/// One or two tokens' key rows: `f32` (kept so, or widened), one after the other; or `q8_0`
-/// rows read where they lie (`at`: where each starts in `bytes`).
-#[derive(Clone, Copy)]
-enum Keys<'a> {
-    F32(&'a [f32]),
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    Q8 {
-        bytes: &'a [u8],
-        at: [usize; 2],
-    },
-}
-
-/// KV head `g` (`hd` values) of [`Keys`] whose rows are `stride` values each.
-#[derive(Clone, Copy)]
-struct KeyHead<'a> {
-    keys: Keys<'a>,
-    g: usize,
-    hd: usize,
-    stride: usize,
-}
-
-/// A tile's results padded to the largest tile.
-#[inline(always)]
-fn pad<const M: usize, const R: usize>(x: [[f32; R]; M]) -> [[f32; 2]; TILE] {
-    let mut out = [[0f32; 2]; TILE];
-    for (o, x) in out.iter_mut().zip(x) {
-        o[..R].copy_from_slice(&x);
-    }
-    out
-}
-
-/// The dot products of `M` query heads (`qs`, one after the other) with `R` key rows of one
-/// KV head: each key vector loaded serves every head, each query vector every row, and the
-/// `M × R` accumulators stay in registers.
-#[inline(always)]
-fn key_tile<const M: usize, const R: usize, const FMA: bool>(
-    qs: &[f32],
-    k: KeyHead<'_>,
-) -> [[f32; R]; M] {
-    let KeyHead {
-        keys,
-        g,
-        hd,
-        stride,
-    } = k;
-    let acc = match keys {
-        Keys::F32(rows) => key_lanes::<M, R, FMA>(
-            qs,
-            std::array::from_fn(|i| &rows[i * stride + g * hd..][..hd]),
-        ),
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma"
-        ))]
-        Keys::Q8 { bytes, at } => {
-            let head = hd / super::q8_0::BLOCK * super::q8_0::BLOCK_BYTES;
-            let ks = std::array::from_fn(|i| &bytes[at[i] + g * head..][..head]);
-            q8::key_lanes::<M, R>(qs, ks, hd)
-        }
-    };
-    // Reduce the accumulators four at a time (pairwise adds across them, as `vhaddps` does),
-    // the rest one by one.
-    let mut flat = [[0f32; LANES]; TILE * 2];
-    for (j, a) in acc.iter().enumerate() {
-        for (i, a) in a.iter().enumerate() {
-            flat[j * R + i] = *a;
-        }
-    }
-    let mut sums = [0f32; TILE * 2];
-    let whole = (M * R) / 4 * 4;
-    for q in (0..whole).step_by(4) {
-        sums[q..q + 4].copy_from_slice(&reduce4(
-            &flat[q],
-            &flat[q + 1],
-            &flat[q + 2],
-            &flat[q + 3],
-        ));
-    }
-    for x in whole..M * R {
-        sums[x] = hsum(flat[x]);
-    }
-    std::array::from_fn(|j| std::array::from_fn(|i| sums[j * R + i]))
-}
-
-/// Lanes summed pairwise, two vectors into one (the `vhaddps` pattern).
-#[inline(always)]
-fn hadd(a: &[f32; LANES], b: &[f32; LANES]) -> [f32; LANES] {
-    [
-        a[0] + a[1],
-        a[2] + a[3],
-        b[0] + b[1],
-        b[2] + b[3],
-        a[4] + a[5],
-        a[6] + a[7],
-        b[4] + b[5],
-        b[6] + b[7],
-    ]
-}
-
-/// The sums of four vectors' lanes.
-#[inline(always)]
-fn reduce4(a: &[f32; LANES], b: &[f32; LANES], c: &[f32; LANES], d: &[f32; LANES]) -> [f32; 4] {
-    let x = hadd(&hadd(a, b), &hadd(c, d));
-    [x[0] + x[4], x[1] + x[5], x[2] + x[6], x[3] + x[7]]
-}
-
-/// The sum of a vector's lanes, pairwise in a fixed order.
-#[inline(always)]
-fn hsum(mut s: [f32; LANES]) -> f32 {
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            s[i] += s[i + width];
-        }
-        width /= 2;
-    }
-    s[0]
-}
-
 /// Merges the splits' partial softmaxes, in split order, into the output.
 pub(super) fn merge(partials: &[f32], d: &Dims, out: &mut [f32]) {
     let width = d.partial_len();
@@ -812,6 +691,28 @@ mod tests {
         let mut out = [1f32; 16];
         gqa_decode::<f32>(&[0.5; 16], &[], &[], 0, Heads::new(2, 1, 8), &mut out);
         assert_eq!(out, [0.0; 16]);
+    }
+
+    /// `q8_0` rows sliced from within a row are refused as the widening path refuses them,
+    /// not read in place from the wrong bytes.
+    #[test]
+    #[should_panic(expected = "whole blocks of one row")]
+    fn q8_0_rows_from_within_a_row_are_refused() {
+        use crate::kv::{q8_0, KvDtype, Q8Rows, RowLayout};
+        let layout = RowLayout::of(KvDtype::Q8_0, q8_0::bytes_for(64).unwrap() as u64);
+        let mut bytes = vec![0u8; 4096];
+        let x: Vec<f32> = (0..3 * 64).map(|i| i as f32 * 0.01).collect();
+        for t in 0..3 {
+            let at = layout.offset(t as u64) as usize;
+            q8_0::quantize(&x[t * 64..][..64], &mut bytes[at..at + 68]);
+        }
+        let rows = Q8Rows::new(&bytes, 3, 64, layout)
+            .unwrap()
+            .slice(32..3 * 64);
+        let mut out = [0f32; 64];
+        let q = [0.1f32; 64];
+        let (k, v) = (KvRows::Q8_0(rows), KvRows::Q8_0(rows));
+        gqa_decode_rows(&q, k, v, 2, Heads::new(1, 1, 64), &mut out);
     }
 
     #[test]
