@@ -263,55 +263,47 @@ mod tests {
         let ps: Vec<Vec<f32>> = (0..3)
             .map(|j| (0..count).map(|t| ((t + j) as f32 * 0.4).cos()).collect())
             .collect();
+        // Column `c` of head `g`, `W` vectors a pass: read in place against the `f32` tile.
+        fn compare<const W: usize>(
+            g: usize,
+            c: usize,
+            rows: RowStarts<'_>,
+            wide: &[f32],
+            ps: &[Vec<f32>],
+        ) {
+            let (hd, count, stride) = (64, rows.at.len(), 3 * 64);
+            let start: Vec<f32> = (0..3 * hd).map(|i| i as f32 * 0.5).collect();
+            let (mut fast, mut plain) = (start.clone(), start);
+            ValueColumns::<3> {
+                out: &mut fast,
+                hd,
+                c,
+                rows,
+                head: g * hd / BLOCK * BLOCK_BYTES,
+                count,
+                ps: std::array::from_fn(|j| ps[j].as_slice()),
+            }
+            .add::<W>();
+            super::super::simd::value_columns::<3, W, true>(super::super::simd::ValueColumns {
+                out: &mut plain,
+                hd,
+                c,
+                vals: &wide[g * hd..],
+                vstride: stride,
+                count,
+                ps: std::array::from_fn(|j| ps[j].as_slice()),
+            });
+            assert_eq!(fast, plain, "head {g} column {c}, {W} vectors a pass");
+        }
+        let rows = RowStarts::new(&kept, &at, row);
         for g in 0..heads {
+            // A whole block at a time, as the operator reads three heads' values; and two
+            // vectors at a time.
             for c in [0, 32] {
-                // A whole block at a time, as the operator reads three heads' values.
-                let start: Vec<f32> = (0..3 * hd).map(|i| i as f32 * 0.5).collect();
-                let (mut fast, mut plain) = (start.clone(), start);
-                ValueColumns::<3> {
-                    out: &mut fast,
-                    hd,
-                    c,
-                    rows: RowStarts::new(&kept, &at, row),
-                    head: g * hd / BLOCK * BLOCK_BYTES,
-                    count,
-                    ps: std::array::from_fn(|j| ps[j].as_slice()),
-                }
-                .add::<4>();
-                super::super::simd::value_columns::<3, 4, true>(super::super::simd::ValueColumns {
-                    out: &mut plain,
-                    hd,
-                    c,
-                    vals: &wide[g * hd..],
-                    vstride: stride,
-                    count,
-                    ps: std::array::from_fn(|j| ps[j].as_slice()),
-                });
-                assert_eq!(fast, plain, "head {g} block at {c}");
+                compare::<4>(g, c, rows, &wide, &ps);
             }
             for c in [0, 16, 32, 48] {
-                let start: Vec<f32> = (0..3 * hd).map(|i| i as f32 * 0.5).collect();
-                let (mut fast, mut plain) = (start.clone(), start);
-                ValueColumns::<3> {
-                    out: &mut fast,
-                    hd,
-                    c,
-                    rows: RowStarts::new(&kept, &at, row),
-                    head: g * hd / BLOCK * BLOCK_BYTES,
-                    count,
-                    ps: std::array::from_fn(|j| ps[j].as_slice()),
-                }
-                .add::<2>();
-                super::super::simd::value_columns::<3, 2, true>(super::super::simd::ValueColumns {
-                    out: &mut plain,
-                    hd,
-                    c,
-                    vals: &wide[g * hd..],
-                    vstride: stride,
-                    count,
-                    ps: std::array::from_fn(|j| ps[j].as_slice()),
-                });
-                assert_eq!(fast, plain, "head {g} column {c}");
+                compare::<2>(g, c, rows, &wide, &ps);
             }
         }
     }
