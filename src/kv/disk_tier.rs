@@ -38,6 +38,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 const BLOCK_MAGIC: &[u8; 4] = b"PMKB";
@@ -47,6 +48,9 @@ const VERSION: u32 = 1;
 pub const MAX_BLOCK_TOKENS: usize = 1 << 16;
 /// The most payload bytes a block may claim (one block's K/V over every layer).
 pub const MAX_BLOCK_BYTES: u64 = 1 << 32;
+/// The least an index may take before it is refused unread: the entries of some 50,000
+/// blocks of 32 tokens, however small the tier is opened.
+pub const MIN_INDEX_BYTES: u64 = 8 << 20;
 
 /// Why the disk tier could not do what was asked.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +86,10 @@ pub enum DiskTierError {
         /// The block's payload.
         bytes: u64,
     },
+    /// A block keyed as the root, which every chain's first block names as its parent: no
+    /// block may be it.
+    #[error("a block cannot take the root's key (0)")]
+    RootKey,
     /// A block larger than the tier, or than any block may be.
     #[error("a block of {bytes} bytes cannot be kept (the tier holds {capacity})")]
     TooLarge {
@@ -137,8 +145,9 @@ impl DiskTierConfig {
         }
     }
 
-    /// The most bytes its index may take: four times the entries the capacity holds (a tier
-    /// opened smaller than before still reads its index), at most [`files::MAX_INDEX_BYTES`].
+    /// The most bytes its index may take: four times the entries the capacity holds, and at
+    /// least [`MIN_INDEX_BYTES`] (a tier opened much smaller than before still reads its index,
+    /// so keeps its hottest chains), at most [`files::MAX_INDEX_BYTES`].
     fn index_limit(&self) -> u64 {
         let Some((tokens, bytes)) = self.block else {
             return files::MAX_INDEX_BYTES;
@@ -148,7 +157,7 @@ impl DiskTierConfig {
         entries
             .saturating_mul(4 * entry)
             .saturating_add(64 << 10)
-            .min(files::MAX_INDEX_BYTES)
+            .clamp(MIN_INDEX_BYTES, files::MAX_INDEX_BYTES)
     }
 }
 
@@ -164,13 +173,20 @@ struct Entry {
 
 /// What opening found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OpenReport {
     /// Blocks found whole.
     pub blocks: usize,
     /// Their payload bytes.
     pub bytes: u64,
-    /// Files not trusted, and why (each was left out; temporary files were removed).
+    /// Files not trusted, and why: removed (or, where the OS could not read them now, left in
+    /// place and not used). The first 32 are named; `skipped_count` counts them all.
     pub skipped: Vec<(PathBuf, String)>,
+    /// Every file skipped, named or not.
+    pub skipped_count: usize,
+    /// Blocks dropped to fit the capacity: the least recently used chains' tails, and block
+    /// files the index did not name past what the capacity holds (removed unread).
+    pub dropped: usize,
     /// Block files of other identities (another model, or the same model's KV in another
     /// shape or element type): left alone, never read as this one's.
     pub others: usize,
@@ -199,24 +215,13 @@ impl DiskTier {
     /// model's index, and checks what it names against the files there.
     pub fn open(config: DiskTierConfig) -> Result<(DiskTier, OpenReport), DiskTierError> {
         let dir = config.dir.clone();
-        fs::create_dir_all(dir.join("blocks")).map_err(io("create the directory"))?;
-        let lock = lock_dir(&dir)?;
+        fs::create_dir_all(&dir).map_err(io("create the directory"))?;
         let mut report = OpenReport::default();
-        let index_path = index_path(&dir, config.model);
-        let index = files::read_regular(&index_path, config.index_limit())
-            .and_then(|raw| raw.map(|raw| decode_index(&raw, config.model)).transpose());
-        let read = match index {
-            Ok(entries) => entries.unwrap_or_default(),
-            Err(why) => {
-                // Not trusted, and removed: a FIFO or a directory in its place would also
-                // stop the index from being written again.
-                files::remove(&index_path);
-                report.skipped.push((index_path.clone(), why));
-                HashMap::new()
-            }
-        };
-        let mut entries = read.clone();
-        reconcile(&dir, &config, &mut entries, &mut report)?;
+        let lock = open::lock_dir(&dir, &mut report)?;
+        open::blocks_dir(&dir, &mut report)?;
+        let mut entries = open::read_index(&index_path(&dir, config.model), &config, &mut report)?;
+        let mut changed = open::reconcile(&dir, &config, &mut entries, &mut report)?;
+        changed |= open::renumber(&mut entries);
         let mut tier = DiskTier {
             dir,
             model: config.model,
@@ -229,14 +234,20 @@ impl DiskTier {
         for orphan in chains::unreachable(&tier.entries) {
             tier.forget(orphan);
             report.orphans += 1;
+            changed = true;
         }
-        // A smaller capacity than last time: the least recently used chains go, tails first.
+        // A smaller capacity than last time: the least recently used chains go, tails first
+        // (every block left reaches the root, so some block is always a tail).
         let over = tier.bytes.saturating_sub(tier.capacity);
-        for victim in chains::victims(&tier.entries, 0, over, None).unwrap_or_default() {
+        let victims = chains::victims(&tier.entries, 0, over, None);
+        let victims = victims.unwrap_or_else(|| tier.entries.keys().copied().collect());
+        for victim in victims {
             tier.forget(victim);
+            report.dropped += 1;
+            changed = true;
         }
         // Written only where it changed: a full disk then costs nothing to serve what is there.
-        if tier.entries != read {
+        if changed {
             if let Err(e) = tier.write_index() {
                 report.read_only = Some(e.to_string());
             }
@@ -308,10 +319,18 @@ impl DiskTier {
         let path = block_path(&self.dir, self.model, key);
         // Exactly the file the index names, or nothing is read.
         let checked = files::read_regular(&path, block_len(entry.tokens.len(), entry.bytes))
-            .and_then(|raw| raw.ok_or_else(|| "missing".to_string()))
-            .and_then(|raw| decode_block(&raw, self.model).map(|b| (b, raw)));
+            .and_then(|raw| Ok(raw.ok_or_else(|| "missing".to_string())?))
+            .and_then(|raw| Ok(decode_block(&raw, self.model).map(|b| (b, raw))?));
+        // The file itself must be the block asked for: an index may name another file's CRC.
+        let asked = |b: &format::Block| {
+            b.key == key
+                && b.crc == entry.crc
+                && b.parent == parent
+                && b.tokens == tokens
+                && b.payload.len() as u64 == entry.bytes
+        };
         match checked {
-            Ok((block, mut raw)) if block.key == key && block.crc == entry.crc => {
+            Ok((block, mut raw)) if asked(&block) => {
                 self.clock += 1;
                 if let Some(e) = self.entries.get_mut(&key) {
                     e.last_use = self.clock;
@@ -321,6 +340,8 @@ impl DiskTier {
                 raw.drain(..block.payload.start);
                 Ok(Some(raw))
             }
+            // The OS could not read it now: a miss, the block kept.
+            Err(files::Unread::Failed(_)) => Ok(None),
             _ => {
                 self.forget_chain(key);
                 self.write_index()?;
@@ -346,10 +367,15 @@ impl DiskTier {
                 capacity: self.capacity,
             });
         }
+        if key == chains::ROOT {
+            return Err(DiskTierError::RootKey);
+        }
         if let Some(old) = self.entries.get(&key) {
             if old.parent == parent && old.tokens == tokens {
                 return Ok(Vec::new()); // kept already
             }
+            // Another block under the key: the blocks after the old one went with it.
+            self.forget_chain(key);
         }
         let victims = self
             .victims_for(bytes, parent)
@@ -423,20 +449,6 @@ impl DiskTier {
     }
 }
 
-fn lock_dir(dir: &Path) -> Result<File, DiskTierError> {
-    let lock = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join("LOCK"))
-        .map_err(io("open the lock"))?;
-    match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(lock),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(DiskTierError::Locked(dir.to_path_buf())),
-        Err(e) => Err(io("lock the directory")(e.into())),
-    }
-}
-
 fn index_path(dir: &Path, model: u64) -> PathBuf {
     dir.join(format!("INDEX-{model:016x}"))
 }
@@ -461,7 +473,14 @@ fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierE
     tmp.push(format!(".tmp{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
     let result = (|| {
-        let mut f = File::create(&tmp).map_err(failed("create"))?;
+        // A new file of its own: a link or FIFO left under the temporary name is not followed.
+        files::remove(&tmp);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&tmp)
+            .map_err(failed("create"))?;
         f.write_all(raw).map_err(failed("write"))?;
         if sync {
             f.sync_data().map_err(failed("sync"))?;
@@ -474,118 +493,11 @@ fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierE
     result
 }
 
-/// Checks the index's entries against the files: temporary files are removed, entries whose
-/// file is missing or of the wrong size are dropped, and whole blocks of this model the index
-/// does not name are adopted.
-fn reconcile(
-    dir: &Path,
-    config: &DiskTierConfig,
-    entries: &mut HashMap<u64, Entry>,
-    report: &mut OpenReport,
-) -> Result<(), DiskTierError> {
-    let (model, limit) = (config.model, config.block_limit());
-    // A block of another size than the store's is not one of its blocks.
-    let sized = |tokens: usize, bytes: u64| config.block.is_none_or(|b| b == (tokens, bytes));
-    let mut on_disk = listing(dir, model, report)?;
-    entries.retain(|key, e| {
-        let Some(path) = on_disk.remove(key) else {
-            report
-                .skipped
-                .push((block_path(dir, model, *key), "missing".into()));
-            return false;
-        };
-        let why = match sized(e.tokens.len(), e.bytes) {
-            false => Err("not of the store's block size".to_string()),
-            true => files::regular_of(&path, block_len(e.tokens.len(), e.bytes)),
-        };
-        let Err(why) = why else { return true };
-        // Torn, not a regular file, or not this store's: removed, so no start reads it again.
-        files::remove(&path);
-        report.skipped.push((path, why));
-        false
-    });
-    for (key, path) in on_disk {
-        let adopted = read_checked(&path, model, limit).and_then(|b| {
-            if b.key != key {
-                Err("named for another key".to_string())
-            } else if !sized(b.tokens.len(), b.payload.len() as u64) {
-                Err("not of the store's block size".to_string())
-            } else {
-                Ok(b)
-            }
-        });
-        match adopted {
-            Ok(b) => {
-                entries.insert(key, b.entry());
-            }
-            Err(why) => {
-                // Refused once: removed, so the next start neither reads it nor finds the
-                // name taken.
-                files::remove(&path);
-                report.skipped.push((path, why));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The directory's block files of this model by key (and the others' counted), once the
-/// temporary files of writes that never finished are removed (this model's own; the lock says
-/// no one else's is under way).
-fn listing(
-    dir: &Path,
-    model: u64,
-    report: &mut OpenReport,
-) -> Result<HashMap<u64, PathBuf>, DiskTierError> {
-    let index = index_path(dir, model);
-    let index_tmp = format!(
-        "{}.tmp",
-        index.file_name().and_then(|n| n.to_str()).unwrap_or("")
-    );
-    for item in fs::read_dir(dir).map_err(io("list the directory"))? {
-        let path = item.map_err(io("list the directory"))?.path();
-        if path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with(&index_tmp))
-        {
-            let _ = fs::remove_file(&path);
-        }
-    }
-    let prefix = format!("{model:016x}-");
-    let mut on_disk = HashMap::new();
-    for item in fs::read_dir(dir.join("blocks")).map_err(io("list the blocks"))? {
-        let path = item.map_err(io("list the blocks"))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.contains(".tmp") {
-            let _ = fs::remove_file(&path); // a write that never finished
-            continue;
-        }
-        let key = name
-            .strip_prefix(&prefix)
-            .and_then(|rest| rest.strip_suffix(".kv"))
-            .and_then(|hex| u64::from_str_radix(hex, 16).ok());
-        match key {
-            Some(key) => {
-                on_disk.insert(key, path);
-            }
-            None if name.ends_with(".kv") => report.others += 1,
-            None => {}
-        }
-    }
-    Ok(on_disk)
-}
-
-/// The block file at `path`, read (at most `limit` bytes, a regular file only) and checked.
-fn read_checked(path: &Path, model: u64, limit: u64) -> Result<Block, String> {
-    let raw = files::read_regular(path, limit)?.ok_or_else(|| "missing".to_string())?;
-    decode_block(&raw, model)
-}
-
 mod chains;
 mod files;
 mod format;
+mod open;
 
-use format::{block_len, decode_block, decode_index, encode_block, encode_index, Block};
+use format::{block_len, decode_block, encode_block, encode_index};
 #[cfg(test)]
 mod tests;

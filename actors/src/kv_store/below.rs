@@ -175,7 +175,11 @@ fn open_disk(
     let bt = shape.block_tokens(device.granularity());
     let (tier, report) = PrefixTier::open(disk, &shape, bt, block_bytes, labels)?;
     for (file, why) in &report.skipped {
-        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped and removed");
+        tracing::warn!(store = %config.name, file = %file.display(), why, "prefix disk tier: file skipped");
+    }
+    if report.skipped_count > report.skipped.len() {
+        let more = report.skipped_count - report.skipped.len();
+        tracing::warn!(store = %config.name, more, "prefix disk tier: more files skipped, not named");
     }
     if let Some(why) = &report.read_only {
         tracing::warn!(store = %config.name, %why, "prefix disk tier: serving what it found, keeping nothing new until a write succeeds");
@@ -187,7 +191,8 @@ fn open_disk(
         dir = %disk.dir.display(),
         blocks = report.blocks,
         bytes = report.bytes,
-        skipped = report.skipped.len(),
+        skipped = report.skipped_count,
+        dropped = report.dropped,
         orphans = report.orphans,
         others = report.others,
         "prefix disk tier opened"

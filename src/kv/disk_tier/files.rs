@@ -1,10 +1,12 @@
 //! The tier's files read as a hostile directory may hold them (issue 50): only a regular file
 //! is read, opened without following a link and without waiting on a FIFO or a device, its
 //! size checked with `fstat` before a byte is read and read no further than that; a file that
-//! fails is removed, so the next start does not pay for it again.
+//! fails is removed, so the next start does not pay for it again. An error that says nothing
+//! of the file (no descriptor or memory left, an I/O error) leaves it where it is.
 
-use std::fs::{self, OpenOptions};
-use std::io::Read;
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -12,44 +14,94 @@ use std::path::Path;
 /// of 16 tokens. A larger one is not read.
 pub(super) const MAX_INDEX_BYTES: u64 = 128 << 20;
 
+/// Why a file was not read.
+#[derive(Debug)]
+pub(super) enum Unread {
+    /// Not a file the tier keeps (a link, a FIFO, a directory, another size, torn or altered
+    /// bytes): removed by the caller.
+    Refused(String),
+    /// The OS could not read it now: left in place, the next read or start tries again.
+    Failed(io::Error),
+}
+
+impl fmt::Display for Unread {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unread::Refused(why) => f.write_str(why),
+            Unread::Failed(e) => write!(f, "not read now, left in place: {e}"),
+        }
+    }
+}
+
+impl From<String> for Unread {
+    fn from(why: String) -> Self {
+        Unread::Refused(why)
+    }
+}
+
+/// Whether `e` says nothing of the file: out of descriptors or memory, interrupted, or an
+/// I/O error of the disk.
+pub(super) fn transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EINTR | libc::EAGAIN)
+            | Some(libc::EIO | libc::ENOBUFS)
+    )
+}
+
+fn unread(e: io::Error) -> Unread {
+    match e.raw_os_error() {
+        Some(libc::ELOOP) => Unread::Refused("a symbolic link, not a regular file".into()),
+        _ if transient(&e) => Unread::Failed(e),
+        _ => Unread::Refused(e.to_string()),
+    }
+}
+
+/// Opens `path` without following a link or waiting on a FIFO (`create`: for writing, made
+/// if missing), and checks it is a regular file.
+pub(super) fn open_regular(path: &Path, create: bool) -> io::Result<File> {
+    let file = OpenOptions::new()
+        .read(!create)
+        .write(create)
+        .create(create)
+        .truncate(false)
+        // A FIFO opened for reading would wait for a writer (for writing, it fails at once);
+        // a link, to /dev/zero or anywhere, is not followed.
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)?;
+    let meta = file.metadata()?;
+    match meta.is_file() {
+        true => Ok(file),
+        false => Err(io::Error::other(format!(
+            "not a regular file ({})",
+            kind(&meta.file_type())
+        ))),
+    }
+}
+
 /// The bytes of the regular file at `path`, at most `limit` of them: a link, a FIFO, a device,
 /// a directory, or a file larger than `limit` is refused (why, in words) without being read.
 /// `Ok(None)` where there is no file.
-pub(super) fn read_regular(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, String> {
-    let file = OpenOptions::new()
-        .read(true)
-        // A FIFO opened for reading would wait for a writer; a link is not followed (a block
-        // or the index linked to /dev/zero or elsewhere is refused here).
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(path);
-    let file = match file {
+pub(super) fn read_regular(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, Unread> {
+    let file = match open_regular(path, false) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err("a symbolic link, not a regular file".into())
-        }
-        Err(e) => return Err(e.to_string()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(unread(e)),
     };
-    let meta = file.metadata().map_err(|e| e.to_string())?;
-    if !meta.is_file() {
-        return Err(format!("not a regular file ({})", kind(&meta.file_type())));
+    let len = file.metadata().map_err(unread)?.len();
+    if len > limit {
+        return Err(Unread::Refused(format!(
+            "{len} bytes, more than the {limit} it may hold"
+        )));
     }
-    if meta.len() > limit {
-        return Err(format!(
-            "{} bytes, more than the {limit} it may hold",
-            meta.len()
-        ));
-    }
-    let mut raw = Vec::with_capacity(meta.len() as usize);
+    let mut raw = Vec::with_capacity(len as usize);
     // Bounded even if the file grows while it is read.
-    file.take(limit)
-        .read_to_end(&mut raw)
-        .map_err(|e| e.to_string())?;
+    file.take(limit).read_to_end(&mut raw).map_err(unread)?;
     Ok(Some(raw))
 }
 
 /// What a file that is not a regular file is, for the log.
-fn kind(t: &fs::FileType) -> &'static str {
+pub(super) fn kind(t: &fs::FileType) -> &'static str {
     if t.is_dir() {
         "a directory"
     } else if t.is_fifo() {
@@ -66,15 +118,19 @@ fn kind(t: &fs::FileType) -> &'static str {
 }
 
 /// Whether `path` is a regular file of exactly `len` bytes (a link is not followed): why
-/// not, in words, where it is not.
-pub(super) fn regular_of(path: &Path, len: u64) -> Result<(), String> {
-    let m = fs::symlink_metadata(path).map_err(|e| e.to_string())?;
+/// not, where it is not.
+pub(super) fn regular_of(path: &Path, len: u64) -> Result<(), Unread> {
+    let m = fs::symlink_metadata(path).map_err(unread)?;
     if !m.is_file() {
-        return Err(format!("not a regular file ({})", kind(&m.file_type())));
+        let why = format!("not a regular file ({})", kind(&m.file_type()));
+        return Err(Unread::Refused(why));
     }
     match m.len() == len {
         true => Ok(()),
-        false => Err(format!("{} bytes, not the {len} its entry says", m.len())),
+        false => Err(Unread::Refused(format!(
+            "{} bytes, not the {len} its entry says",
+            m.len()
+        ))),
     }
 }
 
