@@ -8,7 +8,8 @@ log=$(mktemp)
 export PROCMEM_SEEDS="${PROCMEM_SEEDS:-200}"
 # The HTTP front door's rows (http_idle_flood, http_slowloris, http_stalled_bodies,
 # chat_injection) come from tests/http_front.rs, and hostile_disk_tier (a FIFO, a 2 GB file, the
-# index linked to /dev/zero, a flipped byte, a full tmpfs under the real server) from
+# index linked to /dev/zero, a flipped byte, a FIFO named LOCK, blocks/ linked elsewhere, a full
+# tmpfs under the real server) from
 # tests/hostile_disk_tier.rs, like every other FIGURE line.
 echo "== tests with figures (fault points, actor death, interleavings, stress, bad input, HTTP) =="
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee "$log" |

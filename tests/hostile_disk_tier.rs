@@ -1,7 +1,8 @@
 //! Issue 50: the real server's prefix disk tier over a directory an outside hand has damaged.
 //! A run of the main job fills the tier; each case starts the job again on a copy of that
 //! directory with one thing wrong (a FIFO named like a block, a 2 GB sparse file in a block's
-//! place, the index linked to `/dev/zero`, a flipped byte in a block, a full disk) and checks
+//! place, the index linked to `/dev/zero`, a flipped byte in a block, a FIFO named `LOCK`,
+//! `blocks` linked to a directory elsewhere, a full disk) and checks
 //! what a user would: the job ends (no hang), every answer is the one a server without the
 //! tier gives, the books end at zero, the damage is gone from the directory (so the next start
 //! does not pay for it again), and the process never held the damaged file's bytes. The
@@ -219,8 +220,52 @@ fn not_the_flipped_bytes(_: &Path, _: &Path, disk: [u64; 3]) -> Result<(), Strin
     }
 }
 
-/// Prints `FIGURE hostile_disk_tier passed/5` for `scripts/reliability.sh`; fails if any case
-/// that ran failed (the full disk needs `unshare -rm` for a tmpfs of its own: where the
+/// A FIFO named `LOCK` (opened for writing, it hung the start).
+fn lock_fifo(dir: &Path) -> PathBuf {
+    let lock = dir.join("LOCK");
+    let _ = std::fs::remove_file(&lock);
+    let name = std::ffi::CString::new(lock.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+    lock
+}
+
+fn lock_a_file_again(_: &Path, lock: &Path, _: [u64; 3]) -> Result<(), String> {
+    let m = std::fs::symlink_metadata(lock).map_err(|e| e.to_string())?;
+    match m.file_type().is_file() {
+        true => Ok(()),
+        false => Err(format!("LOCK is still {:?}", m.file_type())),
+    }
+}
+
+/// `blocks` a link to a directory elsewhere, holding the blocks and a file of someone
+/// else's whose name holds `.tmp`.
+fn blocks_linked_elsewhere(dir: &Path) -> PathBuf {
+    let elsewhere = dir.with_extension("elsewhere");
+    let _ = std::fs::remove_dir_all(&elsewhere);
+    std::fs::rename(dir.join("blocks"), &elsewhere).unwrap();
+    std::fs::write(elsewhere.join("notes.tmp.txt"), b"theirs").unwrap();
+    std::os::unix::fs::symlink(&elsewhere, dir.join("blocks")).unwrap();
+    elsewhere
+}
+
+fn elsewhere_untouched(dir: &Path, elsewhere: &Path, _: [u64; 3]) -> Result<(), String> {
+    let theirs = std::fs::read(elsewhere.join("notes.tmp.txt")).map_err(|e| e.to_string())?;
+    let files = std::fs::read_dir(elsewhere)
+        .map_err(|e| e.to_string())?
+        .count();
+    let link = std::fs::symlink_metadata(dir.join("blocks")).map_err(|e| e.to_string())?;
+    match (theirs == b"theirs", files > 1, link.is_dir()) {
+        (true, true, true) => Ok(()),
+        seen => Err(format!(
+            "elsewhere changed or blocks not a directory: {seen:?}"
+        )),
+    }
+}
+
+/// Prints `FIGURE hostile_disk_tier passed/7` for `scripts/reliability.sh`; fails if any case
+/// that ran failed (a FIFO for `LOCK` and `blocks` linked elsewhere are the two cases a
+/// review found after the first five; the full disk needs `unshare -rm` for a tmpfs of its own: where the
 /// sandbox refuses it, that case is said skipped and not counted as passed).
 #[test]
 fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without_it() {
@@ -250,7 +295,7 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
         "no prompt tokens from disk: {from_disk:?}"
     );
     let baseline_rss = children_peak_rss();
-    let cases: [Case; 4] = [
+    let cases: [Case; 6] = [
         ("a FIFO named like a block", fifo, no_fifo_left),
         ("a 2 GB sparse file for a block", oversized, not_oversized),
         (
@@ -262,6 +307,12 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
             "a flipped byte in a block",
             flipped_byte,
             not_the_flipped_bytes,
+        ),
+        ("a FIFO named LOCK", lock_fifo, lock_a_file_again),
+        (
+            "blocks linked to a directory elsewhere",
+            blocks_linked_elsewhere,
+            elsewhere_untouched,
         ),
     ];
     let (mut passed, mut failures) = (0, Vec::new());
@@ -311,7 +362,7 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
         Some(Err(e)) => failures.push(e),
         None => eprintln!("SKIPPED full disk: no tmpfs of its own (unshare -rm refused)"),
     }
-    println!("FIGURE hostile_disk_tier {passed}/5");
+    println!("FIGURE hostile_disk_tier {passed}/7");
     let _ = std::fs::remove_dir_all(&scratch);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
