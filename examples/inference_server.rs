@@ -32,6 +32,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| EnvFilter::new("warn,procmem_start=info")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: a log file or a pipe gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -36,7 +36,14 @@ pub(super) fn lock_dir(dir: &Path, report: &mut OpenReport) -> Result<File, Disk
         Ok(f) => f,
         Err(e) if files::transient(&e) => return Err(io("open the lock")(e)),
         Err(e) => {
-            report.skip(path.clone(), e);
+            // Said by what is there (a FIFO fails to open with "no such device").
+            let why = match fs::symlink_metadata(&path) {
+                Ok(m) if !m.is_file() => {
+                    format!("not a regular file ({})", files::kind(&m.file_type()))
+                }
+                _ => e.to_string(),
+            };
+            report.skip(path.clone(), why);
             files::remove(&path);
             files::open_regular(&path, true).map_err(io("open the lock"))?
         }
@@ -207,8 +214,21 @@ fn listing(
                 on_disk.insert(key, path);
             }
             Some((_, key)) if unnamed < room => {
-                unnamed += 1;
-                on_disk.insert(key, path);
+                // Where every block is one size, a file of another size (seen by `lstat`,
+                // unread) takes no room from the blocks.
+                let sized = config
+                    .block
+                    .map(|(t, b)| files::regular_of(&path, block_len(t, b)));
+                match sized {
+                    Some(Err(why @ Unread::Refused(_))) => {
+                        files::remove(&path);
+                        report.skip(path, why);
+                    }
+                    _ => {
+                        unnamed += 1;
+                        on_disk.insert(key, path);
+                    }
+                }
             }
             Some(_) => {
                 files::remove(&path);
