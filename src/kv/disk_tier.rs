@@ -352,7 +352,8 @@ impl DiskTier {
 
     /// Keeps block `key` (its parent's key, its tokens, its K/V rows), pushing out the least
     /// recently used blocks to make room; returns those. A failure (the disk full or
-    /// unwritable) keeps nothing new and leaves the index as it was.
+    /// unwritable) keeps nothing new (a block put under a key another held has dropped the
+    /// old one's chain all the same).
     pub fn put(
         &mut self,
         key: u64,
@@ -370,13 +371,30 @@ impl DiskTier {
         if key == chains::ROOT {
             return Err(DiskTierError::RootKey);
         }
-        if let Some(old) = self.entries.get(&key) {
-            if old.parent == parent && old.tokens == tokens {
+        let replaced = match self.entries.get(&key) {
+            Some(old) if old.parent == parent && old.tokens == tokens => {
                 return Ok(Vec::new()); // kept already
             }
-            // Another block under the key: the blocks after the old one went with it.
-            self.forget_chain(key);
+            Some(_) => self.forget_chain(key), // another block: its chain goes with it
+            None => false,
+        };
+        let put = self.put_new(key, parent, tokens, payload);
+        if put.is_err() && replaced {
+            // The old chain is gone either way: the index says so where it can.
+            let _ = self.write_index();
         }
+        put
+    }
+
+    /// [`DiskTier::put`] of a key the tier does not hold.
+    fn put_new(
+        &mut self,
+        key: u64,
+        parent: u64,
+        tokens: &[u32],
+        payload: &[u8],
+    ) -> Result<Vec<u64>, DiskTierError> {
+        let bytes = payload.len() as u64;
         let victims = self
             .victims_for(bytes, parent)
             .ok_or(DiskTierError::NoRoom { bytes })?;
@@ -385,12 +403,7 @@ impl DiskTier {
         let path = block_path(&self.dir, self.model, key);
         write_atomically(&path, &raw, false)?;
         for victim in &victims {
-            if *victim != key {
-                self.forget(*victim);
-            }
-        }
-        if let Some(old) = self.entries.remove(&key) {
-            self.bytes -= old.bytes;
+            self.forget(*victim);
         }
         self.clock += 1;
         self.entries.insert(

@@ -2,7 +2,7 @@
 //! is read, opened without following a link and without waiting on a FIFO or a device, its
 //! size checked with `fstat` before a byte is read and read no further than that; a file that
 //! fails is removed, so the next start does not pay for it again. An error that says nothing
-//! of the file (no descriptor or memory left, an I/O error) leaves it where it is.
+//! of the file (no descriptor or memory left) leaves it where it is.
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -20,7 +20,8 @@ pub(super) enum Unread {
     /// Not a file the tier keeps (a link, a FIFO, a directory, another size, torn or altered
     /// bytes): removed by the caller.
     Refused(String),
-    /// The OS could not read it now: left in place, the next read or start tries again.
+    /// The OS could not read it now (no descriptor or memory left): left in place, the next
+    /// read or start tries again.
     Failed(io::Error),
 }
 
@@ -39,13 +40,13 @@ impl From<String> for Unread {
     }
 }
 
-/// Whether `e` says nothing of the file: out of descriptors or memory, interrupted, or an
-/// I/O error of the disk.
+/// Whether `e` says nothing of the file: out of descriptors or memory, or interrupted. (An
+/// I/O error says the file is unreadable: it is refused, so it is neither promised again
+/// nor kept from being written anew.)
 pub(super) fn transient(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EINTR | libc::EAGAIN)
-            | Some(libc::EIO | libc::ENOBUFS)
     )
 }
 

@@ -187,6 +187,9 @@ pub(super) fn decode_index(raw: &[u8], model: u64) -> Result<HashMap<u64, Entry>
             crc,
             last_use,
         };
+        if key == super::chains::ROOT {
+            return Err("names the root (0) as a block".into());
+        }
         if entries.insert(key, entry).is_some() {
             return Err(format!("names block {key:016x} twice"));
         }

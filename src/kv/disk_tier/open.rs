@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::ErrorKind;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::chains::ROOT;
@@ -29,30 +30,39 @@ impl OpenReport {
 }
 
 /// Takes the directory's lock: `LOCK` held with `flock`. A link, FIFO, directory or device
-/// in its place (no tier holds such a lock) is removed and a file made in its stead.
+/// in its place (no tier holds such a lock) is removed and a file made in its stead; a regular
+/// file that cannot be opened (another user's, say) is never removed: the open fails. The lock
+/// held is the file the name leads to (another start may have replaced a FIFO at the same
+/// moment): where it is not, the lock is taken again.
 pub(super) fn lock_dir(dir: &Path, report: &mut OpenReport) -> Result<File, DiskTierError> {
     let path = dir.join("LOCK");
-    let lock = match files::open_regular(&path, true) {
-        Ok(f) => f,
-        Err(e) if files::transient(&e) => return Err(io("open the lock")(e)),
-        Err(e) => {
-            // Said by what is there (a FIFO fails to open with "no such device").
-            let why = match fs::symlink_metadata(&path) {
+    for _ in 0..3 {
+        let lock = match files::open_regular(&path, true) {
+            Ok(f) => f,
+            Err(e) => match fs::symlink_metadata(&path) {
                 Ok(m) if !m.is_file() => {
-                    format!("not a regular file ({})", files::kind(&m.file_type()))
+                    let why = format!("not a regular file ({})", files::kind(&m.file_type()));
+                    report.skip(path.clone(), why);
+                    files::remove(&path);
+                    continue;
                 }
-                _ => e.to_string(),
-            };
-            report.skip(path.clone(), why);
-            files::remove(&path);
-            files::open_regular(&path, true).map_err(io("open the lock"))?
+                _ => return Err(io("open the lock")(e)),
+            },
+        };
+        match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(DiskTierError::Locked(dir.to_path_buf()))
+            }
+            Err(e) => return Err(io("lock the directory")(e.into())),
         }
-    };
-    match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(lock),
-        Err(rustix::io::Errno::WOULDBLOCK) => Err(DiskTierError::Locked(dir.to_path_buf())),
-        Err(e) => Err(io("lock the directory")(e.into())),
+        let held = lock.metadata().map_err(io("look at the lock"))?;
+        let named = fs::symlink_metadata(&path).ok();
+        if named.is_some_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino())) {
+            return Ok(lock);
+        }
     }
+    Err(DiskTierError::Locked(dir.to_path_buf()))
 }
 
 /// Makes `dir/blocks` a directory of the tier's own: a link (to a directory elsewhere, whose
@@ -80,7 +90,7 @@ pub(super) fn read_index(
     config: &DiskTierConfig,
     report: &mut OpenReport,
 ) -> Result<HashMap<u64, Entry>, DiskTierError> {
-    let read = files::read_regular(path, config.index_limit()).and_then(|raw| {
+    let read = files::read_regular(path, index_limit(config)).and_then(|raw| {
         Ok(raw
             .map(|raw| decode_index(&raw, config.model))
             .transpose()?)
@@ -98,6 +108,30 @@ pub(super) fn read_index(
             Ok(HashMap::new())
         }
     }
+}
+
+/// The most bytes the index may take: the configuration's bound, or, where more blocks of this
+/// model's size are on disk, what their entries take (a tier opened much smaller than it was
+/// still reads the index of what it holds), at most [`files::MAX_INDEX_BYTES`].
+fn index_limit(config: &DiskTierConfig) -> u64 {
+    let Some((tokens, _)) = config.block else {
+        return config.index_limit();
+    };
+    let blocks = fs::read_dir(config.dir.join("blocks")).map_or(0, |items| {
+        items
+            .filter_map(|i| i.ok())
+            .filter(|i| {
+                let name = i.file_name();
+                let name = name.to_str().and_then(block_name);
+                name.is_some_and(|(m, _)| m == config.model)
+            })
+            .count() as u64
+    });
+    let entries = blocks.saturating_mul(40 + 4 * tokens as u64);
+    config
+        .index_limit()
+        .max(entries.saturating_add(64 << 10))
+        .min(files::MAX_INDEX_BYTES)
 }
 
 /// Checks the index's entries against the files: temporary files are removed, entries whose

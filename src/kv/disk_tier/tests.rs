@@ -669,6 +669,17 @@ fn a_block_keyed_as_the_root_is_refused() {
         e.insert(0, root);
     });
     let (t, report) = tier(dir.path(), 7, 1000);
+    // The index naming the root is refused whole (block 5 is adopted from its file), and the
+    // root's file is removed: each counted once.
+    assert_eq!(report.skipped_count, 2, "{report:?}");
+    let index = index_path(dir.path(), 7);
+    assert!(
+        report
+            .skipped
+            .iter()
+            .any(|(f, why)| *f == index && why.contains("root")),
+        "{report:?}"
+    );
     assert_eq!((t.len(), t.bytes()), (1, 1000), "{report:?}");
     assert!(t.contains(5), "the real block is kept");
     assert!(!block_path(dir.path(), 7, 0).exists());
@@ -701,9 +712,21 @@ fn names_the_tier_does_not_write_are_removed_and_counted() {
     assert_eq!(fs::read_dir(&blocks).unwrap().count(), 1, "only the block");
 }
 
-/// Writes a block file and its entry straight to disk (a tier's files, made fast).
+/// Writes a block file of two tokens and its entry straight to disk (a tier's files, made
+/// fast).
 fn write_block(dir: &Path, entries: &mut HashMap<u64, Entry>, key: u64, parent: u64, use_: u64) {
-    let (tokens, bytes) = (vec![key as u32, 1], payload(key, 100));
+    write_block_of(dir, entries, (key, parent, use_), 2);
+}
+
+/// [`write_block`] of `tokens` tokens.
+fn write_block_of(
+    dir: &Path,
+    entries: &mut HashMap<u64, Entry>,
+    (key, parent, use_): (u64, u64, u64),
+    tokens: usize,
+) {
+    let tokens: Vec<u32> = (0..tokens as u32).map(|t| t ^ key as u32).collect();
+    let bytes = payload(key, 100);
     let raw = encode_block(7, key, parent, &tokens, &bytes);
     let crc = u32::from_le_bytes(raw[raw.len() - 4..].try_into().unwrap());
     fs::write(block_path(dir, 7, key), raw).unwrap();
@@ -746,6 +769,29 @@ fn a_tier_opened_at_a_hundredth_keeps_its_hottest_chain() {
         assert!(t.contains(k), "{k}");
     }
     assert_eq!(fs::read_dir(dir.path().join("blocks")).unwrap().count(), 30);
+}
+
+/// Found in a second review: the 8 MiB floor holds the entries of some 50,000 blocks of 32
+/// tokens (34 GiB of SmolLM2's), so a 64 GiB tier opened at 1 GiB refused its index and lost
+/// its hottest chains. The index may take what the entries of the block files on disk take.
+#[test]
+fn an_index_past_the_floor_is_read_where_the_blocks_on_disk_need_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |capacity| DiskTierConfig::new(dir.path(), 7, capacity).with_block(1000, 100);
+    drop(DiskTier::open(config(1 << 30)).unwrap());
+    let mut entries = HashMap::new();
+    for k in 1..=2100 {
+        write_block_of(dir.path(), &mut entries, (k, 0, k), 1000);
+    }
+    for (k, parent) in [(5001, 0), (5002, 5001)] {
+        write_block_of(dir.path(), &mut entries, (k, parent, 10_000 + k), 1000);
+    }
+    fs::write(index_path(dir.path(), 7), encode_index(7, &entries)).unwrap();
+    let index = fs::metadata(index_path(dir.path(), 7)).unwrap().len();
+    assert!(index > MIN_INDEX_BYTES, "{index}");
+    let (t, report) = DiskTier::open(config(1000)).unwrap();
+    assert_eq!((report.skipped_count, report.blocks), (0, 10), "{report:?}");
+    assert!(t.contains(5001) && t.contains(5002), "the hottest chain");
 }
 
 /// Found in review: with the index lost, every block file was read to be adopted: a start
@@ -838,15 +884,22 @@ fn a_link_under_a_temporary_name_is_not_written_through() {
     assert_eq!(fs::read(&theirs).unwrap(), b"theirs");
 }
 
-/// Found in review: an error that says nothing of the file (no descriptor left, an I/O error)
+/// Found in review: an error that says nothing of the file (no descriptor or memory left)
 /// had the file removed as hostile. Only refusals remove.
 #[test]
 fn errors_of_the_os_are_not_refusals() {
-    for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::EIO] {
+    for errno in [libc::EMFILE, libc::ENFILE, libc::ENOMEM, libc::EINTR] {
         let e = std::io::Error::from_raw_os_error(errno);
         assert!(files::transient(&e), "{e}");
     }
-    for errno in [libc::ELOOP, libc::EACCES, libc::EISDIR, libc::ENXIO] {
+    // An I/O error says the file cannot be read: refused, so not promised again.
+    for errno in [
+        libc::ELOOP,
+        libc::EACCES,
+        libc::EISDIR,
+        libc::ENXIO,
+        libc::EIO,
+    ] {
         let e = std::io::Error::from_raw_os_error(errno);
         assert!(!files::transient(&e), "{e}");
     }
