@@ -38,7 +38,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 const BLOCK_MAGIC: &[u8; 4] = b"PMKB";
@@ -215,7 +215,12 @@ impl DiskTier {
     /// model's index, and checks what it names against the files there.
     pub fn open(config: DiskTierConfig) -> Result<(DiskTier, OpenReport), DiskTierError> {
         let dir = config.dir.clone();
-        fs::create_dir_all(&dir).map_err(io("create the directory"))?;
+        // The files hold prompts' tokens and K/V: the server's user's alone (0700, 0600).
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(io("create the directory"))?;
         let mut report = OpenReport::default();
         let lock = open::lock_dir(&dir, &mut report)?;
         open::blocks_dir(&dir, &mut report)?;
@@ -491,6 +496,7 @@ fn write_atomically(path: &Path, raw: &[u8], sync: bool) -> Result<(), DiskTierE
         let mut f = OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&tmp)
             .map_err(failed("create"))?;

@@ -65,6 +65,7 @@ pub(super) fn open_regular(path: &Path, create: bool) -> io::Result<File> {
         .read(!create)
         .write(create)
         .create(create)
+        .mode(0o600)
         .truncate(false)
         // A FIFO opened for reading would wait for a writer (for writing, it fails at once);
         // a link, to /dev/zero or anywhere, is not followed.

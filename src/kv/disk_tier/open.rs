@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::ErrorKind;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use super::chains::ROOT;
@@ -79,7 +79,10 @@ pub(super) fn blocks_dir(dir: &Path, report: &mut OpenReport) -> Result<(), Disk
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(io("look at the blocks' directory")(e)),
     }
-    fs::create_dir(&blocks).map_err(io("create the blocks' directory"))
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&blocks)
+        .map_err(io("create the blocks' directory"))
 }
 
 /// The index's entries: none where there is no index, or where it is refused (then removed:

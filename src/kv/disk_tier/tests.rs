@@ -904,3 +904,26 @@ fn errors_of_the_os_are_not_refusals() {
         assert!(!files::transient(&e), "{e}");
     }
 }
+
+/// Found driving it: the tier's directory and files were made 0755 and 0644, and block files
+/// hold prompts' tokens and K/V, so any user of the machine could read others' conversations.
+/// What the tier makes is its user's alone.
+#[test]
+fn what_the_tier_makes_is_its_user_s_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("made").join("tier");
+    let (mut t, _) = tier(&dir, 7, 1 << 20);
+    t.put(1, 0, &[1], &payload(1, 100)).unwrap();
+    let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
+    for made in [root.path().join("made"), dir.clone(), dir.join("blocks")] {
+        assert_eq!(mode(&made), 0o700, "{made:?}");
+    }
+    for made in [
+        dir.join("LOCK"),
+        index_path(&dir, 7),
+        block_path(&dir, 7, 1),
+    ] {
+        assert_eq!(mode(&made), 0o600, "{made:?}");
+    }
+}
