@@ -144,11 +144,16 @@ type Case = (
 fn fifo(dir: &Path) -> PathBuf {
     for victim in blocks(dir) {
         std::fs::remove_file(&victim).unwrap();
-        let name = std::ffi::CString::new(victim.to_str().unwrap()).unwrap();
-        // SAFETY: a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+        mkfifo(&victim);
     }
     dir.join("blocks")
+}
+
+/// A FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
 }
 
 fn no_fifo_left(_: &Path, blocks_dir: &Path, _: [u64; 3]) -> Result<(), String> {
@@ -191,11 +196,12 @@ fn index_to_dev_zero(dir: &Path) -> PathBuf {
     index
 }
 
-fn index_a_file_again(_: &Path, index: &Path, _: [u64; 3]) -> Result<(), String> {
-    let m = std::fs::symlink_metadata(index).map_err(|e| e.to_string())?;
+/// The damaged name (the index, `LOCK`) is a regular file again.
+fn a_file_again(_: &Path, path: &Path, _: [u64; 3]) -> Result<(), String> {
+    let m = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;
     match m.file_type().is_file() {
         true => Ok(()),
-        false => Err(format!("the index is still {:?}", m.file_type())),
+        false => Err(format!("{path:?} is still {:?}", m.file_type())),
     }
 }
 
@@ -224,18 +230,8 @@ fn not_the_flipped_bytes(_: &Path, _: &Path, disk: [u64; 3]) -> Result<(), Strin
 fn lock_fifo(dir: &Path) -> PathBuf {
     let lock = dir.join("LOCK");
     let _ = std::fs::remove_file(&lock);
-    let name = std::ffi::CString::new(lock.to_str().unwrap()).unwrap();
-    // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o644) }, 0);
+    mkfifo(&lock);
     lock
-}
-
-fn lock_a_file_again(_: &Path, lock: &Path, _: [u64; 3]) -> Result<(), String> {
-    let m = std::fs::symlink_metadata(lock).map_err(|e| e.to_string())?;
-    match m.file_type().is_file() {
-        true => Ok(()),
-        false => Err(format!("LOCK is still {:?}", m.file_type())),
-    }
 }
 
 /// `blocks` a link to a directory elsewhere, holding the blocks and a file of someone
@@ -301,14 +297,14 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
         (
             "the index linked to /dev/zero",
             index_to_dev_zero,
-            index_a_file_again,
+            a_file_again,
         ),
         (
             "a flipped byte in a block",
             flipped_byte,
             not_the_flipped_bytes,
         ),
-        ("a FIFO named LOCK", lock_fifo, lock_a_file_again),
+        ("a FIFO named LOCK", lock_fifo, a_file_again),
         (
             "blocks linked to a directory elsewhere",
             blocks_linked_elsewhere,

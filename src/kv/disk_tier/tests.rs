@@ -240,15 +240,20 @@ fn mkfifo(path: &Path) {
     .unwrap();
 }
 
+/// A closed tier of model 7 holding a chain of two blocks: 1 (tokens 10, 11) and 2 (12, 13)
+/// after it, 1,000 bytes each.
+fn chain_of_two(dir: &Path) {
+    let (mut t, _) = tier(dir, 7, 1 << 20);
+    t.put(1, 0, &[10, 11], &payload(1, 1000)).unwrap();
+    t.put(2, 1, &[12, 13], &payload(2, 1000)).unwrap();
+}
+
 /// Defect (issue 50, 1): a FIFO named like a block file, or like the index, hung the start
 /// forever in `open()`. Both are refused without waiting, named in the report, and removed.
 #[test]
 fn a_fifo_for_a_block_or_the_index_is_refused_without_waiting() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
-    t.put(1, 0, &[10, 11], &payload(1, 1000)).unwrap();
-    t.put(2, 1, &[12, 13], &payload(2, 1000)).unwrap();
-    drop(t);
+    chain_of_two(dir.path());
     let block = block_path(dir.path(), 7, 2);
     fs::remove_file(&block).unwrap();
     mkfifo(&block);
@@ -612,10 +617,7 @@ fn edit_index(dir: &Path, model: u64, change: impl FnOnce(&mut HashMap<u64, Entr
 #[test]
 fn an_index_lying_about_a_block_s_tokens_serves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut t, _) = tier(dir.path(), 7, 1 << 20);
-    t.put(1, 0, &[10, 11], &payload(1, 1000)).unwrap();
-    t.put(2, 1, &[12, 13], &payload(2, 1000)).unwrap();
-    drop(t);
+    chain_of_two(dir.path());
     edit_index(dir.path(), 7, |e| {
         e.get_mut(&2).unwrap().tokens = vec![98, 99]
     });
