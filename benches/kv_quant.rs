@@ -69,7 +69,7 @@ async fn engine(
     v: KvDtype,
 ) -> Engine {
     let (path, max) = e;
-    let loaded = Smol::load(path, max).unwrap();
+    let loaded = Smol::load(path).unwrap();
     let kv = common::smol_kv_config(&loaded, max, k, v).wait(std::time::Duration::from_secs(60));
     Engine::start(memory, loaded, kv, None).await.unwrap()
 }
@@ -230,7 +230,7 @@ fn main() {
         println!("SKIPPED kv_quant: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
         return;
     };
-    let loaded = Smol::load(&path, 8).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let codec = TextCodec::new(&loaded.tokenizer).unwrap();
     let eos = codec.eos;
     drop(loaded);
@@ -264,7 +264,7 @@ fn main() {
         }
     }
     if part("capacity") {
-        let shape = Smol::load(&path, 8)
+        let shape = Smol::load(&path)
             .unwrap()
             .model
             .kv_shape(KvDtype::F16, KvDtype::F16, 8);

@@ -248,7 +248,7 @@ async fn engine(
     max_tokens: usize,
     dtype: KvDtype,
 ) -> Engine {
-    let loaded = Smol::load(path, max_tokens).unwrap();
+    let loaded = Smol::load(path).unwrap();
     let kv = common::smol_kv_config(&loaded, max_tokens, dtype, dtype)
         .wait(std::time::Duration::from_secs(30))
         .map_ahead(true);
@@ -454,7 +454,7 @@ fn main() {
         .ok()
         .map(|v| v.parse().expect("PROCMEM_BENCH_TOKENS: a number"))
         .unwrap_or(32);
-    let loaded = Smol::load(&path, 8).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let codec = TextCodec::new(&loaded.tokenizer).unwrap();
     let c = loaded.model.config.clone();
     // f32 K and V, every layer: what every cache keeps per token.

@@ -36,6 +36,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
+    // Before anything is loaded: buffers freed after the load, and a step's large ones, go
+    // back to the kernel rather than staying in the heap outside the books.
+    procmem_actors::procmem::host::heap::return_large_frees();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

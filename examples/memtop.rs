@@ -443,6 +443,10 @@ fn draw_processes(
             let with = [("authority", a.as_str()), ("process", p.as_str())];
             if let Some(credit) = m.get("procmem_node_process_credit_bytes", &with) {
                 let os = m.get("procmem_node_process_os_bytes", &with).unwrap_or(0.0);
+                // A reaped process's series stay in the exporter at zero: not a row.
+                if credit == 0.0 && os == 0.0 {
+                    continue;
+                }
                 lines.push(Line::from(format!(
                     "{p:<10} {a:<6} credit {}  os {}",
                     bytes(credit),

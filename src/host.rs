@@ -3,6 +3,7 @@
 
 mod allocator;
 mod file;
+pub mod heap;
 pub mod machine;
 mod mechanism;
 

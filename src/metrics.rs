@@ -245,6 +245,14 @@ pub const NODE_REJECTED_FRAMES_TOTAL: Metric = metric(
     NONE,
     "Frames from peers that did not decode or validate, dropped.",
 );
+/// Frames from a process already reaped: the race of an ordinary exit, not a hostile peer.
+pub const NODE_LATE_FRAMES_TOTAL: Metric = metric(
+    "procmem_node_late_frames_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Frames from a process the node had already reaped (sent as it exited), dropped and not counted as rejected.",
+);
 /// Frames naming a process with another session's key: refused, never applied.
 pub const NODE_FOREIGN_FRAMES_TOTAL: Metric = metric(
     "procmem_node_foreign_frames_total",
@@ -269,6 +277,22 @@ pub const HOST_OUTSIDE_BOOKS_BYTES: Metric = metric(
     Unit::Bytes,
     NONE,
     "The cgroup's working set less what the host Governor approved, last measured.",
+);
+/// What the process holds resident: anonymous and file pages, and its KV backing's pages.
+pub const PROCESS_RESIDENT_BYTES: Metric = metric(
+    "procmem_process_resident_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NONE,
+    "Bytes the process holds resident: anonymous and file pages, and every page of its shared KV backing.",
+);
+/// What the process holds that no holder leases (heap, code, scratch, activations).
+pub const PROCESS_OUTSIDE_BOOKS_BYTES: Metric = metric(
+    "procmem_process_outside_books_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NONE,
+    "Bytes the process holds resident that no holder's lease pays for: heap, code, scratch, activations.",
 );
 /// What a cgroup limit keeps free for memory the Governor does not govern.
 pub const HOST_RESERVE_BYTES: Metric = metric(
@@ -390,6 +414,8 @@ const CORE: &[Metric] = &[
     GOVERNOR_RESTARTS_TOTAL,
     HOST_OUTSIDE_BOOKS_BYTES,
     HOST_RESERVE_BYTES,
+    PROCESS_RESIDENT_BYTES,
+    PROCESS_OUTSIDE_BOOKS_BYTES,
     AUTHORITY_OS_RESIDENT_BYTES,
     AUTHORITY_DRIFT_BYTES,
     DEFERRED_FREE_QUEUE_DEPTH,
@@ -407,6 +433,7 @@ const CORE: &[Metric] = &[
     NODE_PROCESS_OS_BYTES,
     NODE_TICKETS_TOTAL,
     NODE_REJECTED_FRAMES_TOTAL,
+    NODE_LATE_FRAMES_TOTAL,
     NODE_FOREIGN_FRAMES_TOTAL,
     NODE_REAPED_PROCESSES_TOTAL,
 ];

@@ -103,7 +103,7 @@ const QUESTION: &str = "What is the capital of France?";
 /// The library's own greedy completion of the chat prompt, in this process.
 fn library_greedy(user: &str, max_new: usize) -> String {
     let path = procmem_model::smollm2_path().unwrap();
-    let loaded = procmem_model::Smol::load(&path, 512).unwrap();
+    let loaded = procmem_model::Smol::load(&path).unwrap();
     let codec = procmem_model::TextCodec::new(&loaded.tokenizer).unwrap();
     let prompt = codec
         .chat_messages(&[("system", SYSTEM), ("user", user)])

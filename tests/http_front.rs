@@ -440,12 +440,12 @@ fn check_no_injection(codec: &procmem_model::TextCodec) -> usize {
 #[test]
 fn text_from_users_never_becomes_a_control_token() {
     let (_dir, path) = tiny_model("inject");
-    let loaded = procmem_model::Smol::load(&path, 64).unwrap();
+    let loaded = procmem_model::Smol::load(&path).unwrap();
     let codec = procmem_model::TextCodec::new(&loaded.tokenizer).unwrap();
     let tiny = check_no_injection(&codec);
     let real = match procmem_model::smollm2_path() {
         Some(p) => {
-            let loaded = procmem_model::Smol::load(&p, 64).unwrap();
+            let loaded = procmem_model::Smol::load(&p).unwrap();
             check_no_injection(&procmem_model::TextCodec::new(&loaded.tokenizer).unwrap())
         }
         None => {
@@ -502,9 +502,8 @@ fn byte_token(codec: &procmem_model::TextCodec, byte: u8) -> u32 {
 #[test]
 fn the_shapes_current_clients_send_are_taken_or_refused_by_name() {
     let (_dir, path) = tiny_model("shapes");
-    let codec =
-        procmem_model::TextCodec::new(&procmem_model::Smol::load(&path, 64).unwrap().tokenizer)
-            .unwrap();
+    let codec = procmem_model::TextCodec::new(&procmem_model::Smol::load(&path).unwrap().tokenizer)
+        .unwrap();
     let server = Server::start(&["--context", "256"], None);
     let chat = |extra: Value| {
         let mut body = json!({
@@ -744,4 +743,40 @@ fn an_idle_server_offloads_its_layers_and_the_next_request_brings_them_back() {
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
     eprintln!("FIGURE idle_sleep 1/1");
+}
+
+/// What the server holds outside its books is exported and small: the tiny model's server,
+/// after a few answers, holds at most 48 MiB that no holder's lease pays for (its code, its
+/// heap, its stacks; the weights, the KV and the step's reserve are in the books), and the
+/// gauges agree with what the kernel says of the process.
+#[test]
+fn the_bytes_outside_the_books_are_exported_and_bounded() {
+    let server = Server::start(&[], None);
+    for i in 0..4 {
+        let ask = json!({"prompt": format!("the {i}"), "max_tokens": 8, "temperature": 0});
+        let (status, body) = server.post_json("/v1/completions", &ask);
+        assert_eq!(status, 200, "{body}");
+    }
+    let page = server.get("/metrics").1;
+    let rss = server.rss() as f64;
+    let held = scraped(&page, "procmem_process_resident_bytes", "");
+    let outside = scraped(&page, "procmem_process_outside_books_bytes", "");
+    let committed = scraped(&page, "procmem_governor_committed_bytes", "");
+    eprintln!(
+        "FIGURE outside_books: tiny model after 4 answers: resident {held} B (VmRSS {rss} B), \
+         outside the books {outside} B, the books' committed bytes {committed} B"
+    );
+    assert!(held > 0.0 && outside > 0.0, "exported:\n{page}");
+    assert!(outside <= held, "{outside} of {held}");
+    // The kernel's count read a moment later: within a few MiB of the gauge.
+    assert!(
+        (held - rss).abs() < (8 << 20) as f64,
+        "{held} against VmRSS {rss}"
+    );
+    assert!(
+        outside <= (48u64 << 20) as f64,
+        "{outside} B outside the books"
+    );
+    let (status, out) = server.stop();
+    assert!(status.success(), "{out}");
 }

@@ -109,7 +109,7 @@ mod ticket;
 pub use buffer::Buffer;
 pub use manager::{
     Authority, AuthorityBooks, AuthorityReport, Capabilities, ManagerError, MemoryBinding,
-    MemoryManager, MemoryManagerBuilder, ShutdownReport,
+    MemoryManager, MemoryManagerBuilder, Reserve, ShutdownReport,
 };
 pub use procmem;
 

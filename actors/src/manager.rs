@@ -37,6 +37,7 @@
 mod binding;
 mod builder;
 mod report;
+mod reserve;
 mod supervisor;
 mod topology;
 
@@ -45,6 +46,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::PrometheusHandle;
+use procmem::host::machine::ProcessMemory;
 use procmem::metrics;
 use procmem::{MemoryMechanism as _, MemoryTier, Place, PlaceKind};
 use ractor::{ActorCell, ActorRef};
@@ -56,6 +58,7 @@ pub use binding::{Capabilities, MemoryBinding};
 pub(crate) use builder::install_metrics;
 pub use builder::MemoryManagerBuilder;
 pub use report::{AuthorityReport, ManagerError, ShutdownReport};
+pub use reserve::Reserve;
 pub use topology::Authority;
 
 use crate::cuda_provider::CudaProvider;
@@ -84,6 +87,8 @@ struct Inner {
     sampler: Mutex<Option<JoinHandle<()>>>,
     /// The host capacity following the machine, where asked for.
     machine: Mutex<Option<crate::machine::HostPressure>>,
+    /// Bytes the live [`Reserve`]s hold.
+    reserved: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Publishes what only the OS can tell: physical bytes per authority and their drift from the
@@ -353,9 +358,48 @@ impl MemoryManager {
         out
     }
 
-    /// The Prometheus text the endpoint serves, when metrics are on.
+    /// What this process holds resident beside what its books pay for, as the kernel reports
+    /// both (`None` where it does not say): the part outside the books is the heap, code and
+    /// scratch that no holder leases.
+    pub fn process_memory(&self) -> Option<ProcessMemory> {
+        let reserved = self.inner.reserved.load(Ordering::Acquire);
+        Some(
+            self.inner
+                .host
+                .mechanism()
+                .process_memory()?
+                .with_reserve(reserved),
+        )
+    }
+
+    /// Leases `bytes` of the host budget for memory the process takes outside any mechanism
+    /// (a step's activations from the heap), under a holder named `name`: the books hold it,
+    /// and [`MemoryManager::process_memory`] counts it in them. Waits up to 5 s for room.
+    pub async fn reserve(&self, name: &str, bytes: u64) -> Result<Reserve, ManagerError> {
+        if !self.inner.admitting.load(Ordering::Acquire) {
+            return Err(ManagerError::ShuttingDown);
+        }
+        let governor = self
+            .inner
+            .topology
+            .governor(Place::HOST, MemoryTier::Host)
+            .ok_or(ManagerError::UnknownPlace(Place::HOST, ""))?;
+        Reserve::take(governor, name, bytes, &self.inner.reserved).await
+    }
+
+    /// The Prometheus text the endpoint serves, when metrics are on: the process's resident
+    /// bytes and the part outside the books are read as it renders.
     pub fn metrics_text(&self) -> Option<String> {
-        self.inner.metrics.as_ref().map(PrometheusHandle::render)
+        let handle = self.inner.metrics.as_ref()?;
+        if let Some(m) = self.process_memory() {
+            metrics::PROCESS_RESIDENT_BYTES
+                .gauge(&[])
+                .set(m.held as f64);
+            metrics::PROCESS_OUTSIDE_BOOKS_BYTES
+                .gauge(&[])
+                .set(m.outside as f64);
+        }
+        Some(handle.render())
     }
 
     /// Stops admitting, stops the holders (their memory goes through the deferred-free

@@ -38,16 +38,25 @@ where
         "procmem inference server: {} ({} layers, {} q heads / {} kv heads, head dim {}, vocab {}), {} requests x {} at once",
         launch.path.display(), c.layers, c.q_heads, c.kv_heads, c.head_dim, c.vocab, run.requests, run.model.concurrency
     );
-    println!("budget {} bytes: weights {} (quantized layers under residency, by the pages they take) + peak KV demand {}", s.budget, s.weights, s.peak_kv);
+    println!("budget {} bytes: weights {} (quantized layers and head under residency, by the pages they take, and a reserve for a step's activations) + peak KV demand {}", s.budget, s.weights, s.peak_kv);
+    // Bound before the node is joined: a server that cannot listen takes no credit.
+    let bound = match run.listen.clone() {
+        Some(listen) => Some(
+            procmem_model::http::Server::bind(listen)
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
     let slot = KvSlot::default();
     let (memory, link) = manager(s.budget, std::sync::Arc::clone(&slot)).await?;
-    let served = match run.listen.clone() {
-        Some(listen) => {
+    let served = match bound {
+        Some(server) => {
             let started = launch.start(&memory).await.map_err(|e| e.to_string());
             match started {
                 Ok(started) => {
                     let _ = slot.set(started.0.kv.clone());
-                    listen_until_stopped(started, &memory, listen, run.idle_after).await
+                    listen_until_stopped(server, started, &memory, run.idle_after).await
                 }
                 Err(e) => Err(e),
             }
@@ -68,12 +77,12 @@ where
 
 /// Serves the API until the stop signals.
 async fn listen_until_stopped(
+    server: procmem_model::http::Server,
     started: (procmem_model::Engine, TextCodec),
     memory: &MemoryManager,
-    listen: procmem_model::http::ServeConfig,
     idle_after: Option<Duration>,
 ) -> Result<(), String> {
-    let stats = procmem_model::http::serve_model(started, memory, listen, idle_after, |addr| {
+    let stats = procmem_model::http::serve_bound(server, started, memory, idle_after, |addr| {
         println!(
             "listening on http://{addr} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)"
         )

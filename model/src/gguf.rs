@@ -72,6 +72,17 @@ pub struct TensorSlot {
     pub dims: Vec<usize>,
 }
 
+/// Where the tensors outside the layers lie in the bytes [`Gguf::head`] packs.
+#[derive(Debug, Clone)]
+pub struct HeadSlots {
+    /// The token embeddings, `[vocab, hidden]`.
+    pub embed: TensorSlot,
+    /// The final norm's weight.
+    pub norm: TensorSlot,
+    /// The output head, `[vocab, hidden]`: the embeddings' own slot where they are tied.
+    pub output: TensorSlot,
+}
+
 /// The tensors of one layer, in the order they are packed.
 pub const LAYER_TENSORS: [&str; 9] = [
     "attn_norm",
@@ -370,6 +381,41 @@ impl Gguf {
     /// Whether the file holds a tensor of that name.
     pub fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    /// The tensors outside the layers packed into one buffer (each starting on a 64-byte
+    /// boundary), as the GGUF holds them: the token embeddings (still quantized: a lookup
+    /// dequantizes only the rows it reads), the final norm, and the output head where it is
+    /// not tied to the embeddings.
+    pub fn head(&mut self) -> Result<(Vec<u8>, HeadSlots), ModelError> {
+        let mut bytes = Vec::new();
+        let mut put = |gguf: &mut Self, name: &str| -> Result<TensorSlot, ModelError> {
+            let (raw, dtype, dims) = gguf.raw(name)?;
+            bytes.resize(bytes.len().next_multiple_of(64), 0);
+            let slot = TensorSlot {
+                offset: bytes.len(),
+                len: raw.len(),
+                dtype,
+                dims,
+            };
+            bytes.extend_from_slice(&raw);
+            Ok(slot)
+        };
+        let embed = put(self, "token_embd.weight")?;
+        let norm = put(self, "output_norm.weight")?;
+        let output = if self.has("output.weight") {
+            put(self, "output.weight")?
+        } else {
+            embed.clone()
+        };
+        Ok((
+            bytes,
+            HeadSlots {
+                embed,
+                norm,
+                output,
+            },
+        ))
     }
 
     /// Layer `layer`'s tensors packed into one buffer (each starting on a 64-byte boundary),

@@ -128,7 +128,8 @@ impl Budget {
 /// concurrency asked, and the budget those give.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sizing {
-    /// Bytes of weights the budget holds (by the pages each layer takes).
+    /// Bytes of weights the budget holds (by the pages each layer takes), and the engine's
+    /// reserve for a step's activations.
     pub weights: u64,
     /// Bytes of one sequence's KV at its longest (by the chunks its buffers map).
     pub per_seq: u64,
@@ -317,7 +318,7 @@ impl Launch {
     pub fn load(config: &ModelConfig) -> Result<Launch, LaunchError> {
         let path = config.model.path()?;
         let context = config.context;
-        let loaded = Smol::load(&path, context)?;
+        let loaded = Smol::load(&path)?;
         let codec = TextCodec::new(&loaded.tokenizer)?;
         let prompts = match config.builtin {
             Some(b) => builtin_prompts(&codec, b.requests)?,
@@ -333,12 +334,19 @@ impl Launch {
             )));
         }
         let page = procmem_actors::procmem::granularity();
-        // Each layer is charged by the pages it takes, each KV buffer by the chunks it maps.
-        let weights = loaded
-            .layers
-            .iter()
-            .map(|l| (l.len() as u64).next_multiple_of(page))
-            .sum();
+        // Each layer (and the head) is charged by the pages it takes, beside the reserve for a
+        // step's activations; each KV buffer by the chunks it maps.
+        let weights =
+            loaded
+                .layers
+                .iter()
+                .chain([&loaded.head])
+                .map(|l| (l.len() as u64).next_multiple_of(page))
+                .sum::<u64>()
+                .saturating_add(loaded.model.step_scratch_bytes(
+                    crate::serve::STEP_TOKENS,
+                    crate::serve::SCRATCH_LOGIT_ROWS,
+                ));
         let shape = loaded
             .model
             .kv_shape(config.k_dtype, config.v_dtype, context);

@@ -205,37 +205,61 @@ fn qtensor(bytes: &[u8], slot: &TensorSlot) -> Result<QTensor, ModelError> {
     )?)
 }
 
-/// A weight every step uses whole (the output head): its own bytes, read in place by
-/// [`project`] (so a batch's rows share one pass over them), or candle's `QMatMul` where
-/// candle is told to dequantize everything or the tensor is not block-quantized.
-pub(crate) enum Weight {
-    /// The GGUF's bytes of the tensor (`slot` within them).
-    Bytes(Vec<u8>, TensorSlot),
-    /// candle's own.
-    Candle(QMatMul),
+/// Whether [`project`] reads the tensor in `slot` in place: a block-quantized matrix, and
+/// candle not told to dequantize everything. Otherwise it builds candle's `QMatMul` from a
+/// copy on each call, which a weight every step uses (the output head) should do once.
+pub(crate) fn reads_in_place(slot: &TensorSlot) -> bool {
+    let dense = matches!(
+        slot.dtype,
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+    );
+    !dequantize_all() && !dense && slot.dims.len() == 2
 }
 
-impl Weight {
-    /// The tensor in `slot` of `bytes`.
-    pub(crate) fn new(bytes: Vec<u8>, slot: TensorSlot) -> Result<Self, ModelError> {
-        let dense = matches!(
-            slot.dtype,
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
-        );
-        Ok(if dequantize_all() || dense || slot.dims.len() != 2 {
-            Weight::Candle(matmul(&bytes, &slot)?)
-        } else {
-            Weight::Bytes(bytes, slot)
-        })
-    }
-
-    /// `x · Wᵀ`.
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        match self {
-            Weight::Bytes(bytes, slot) => project(bytes, slot, x),
-            Weight::Candle(m) => m.forward(x).map_err(ModelError::Compute),
+/// Rows `ids` of the `[rows, columns]` tensor in `slot` of `bytes`, each dequantized alone
+/// (as llama.cpp's `get_rows`): `[ids, columns]`. Only the rows asked for become `f32`, so a
+/// lookup table stays as small as its file. Each row's values are those a whole-tensor
+/// dequantization gives it (the same blocks through the same code). An id past the last row
+/// is refused.
+pub(crate) fn rows(bytes: &[u8], slot: &TensorSlot, ids: &[u32]) -> Result<Tensor, ModelError> {
+    let &[count, columns] = slot.dims.as_slice() else {
+        return Err(StepFault::Mismatch {
+            what: "dimensions of a lookup table",
+            got: slot.dims.len(),
+            expected: 2,
         }
+        .into());
+    };
+    let block = slot.dtype.block_size();
+    let row_bytes = (columns / block.max(1)) * slot.dtype.type_size();
+    if columns % block.max(1) != 0 || count.checked_mul(row_bytes) != Some(slot.len) {
+        return Err(StepFault::Mismatch {
+            what: "bytes of a lookup table against its rows",
+            got: slot.len,
+            expected: count.saturating_mul(row_bytes),
+        }
+        .into());
     }
+    let table = &bytes[slot.offset..slot.offset + slot.len];
+    let mut out = Vec::with_capacity(ids.len().saturating_mul(columns));
+    for &id in ids {
+        let id = id as usize;
+        if id >= count {
+            return Err(StepFault::Mismatch {
+                what: "a token id against the vocabulary's size",
+                got: id,
+                expected: count,
+            }
+            .into());
+        }
+        let row = &table[id * row_bytes..(id + 1) * row_bytes];
+        let values = qtensor_from_ggml(slot.dtype, row, vec![columns], &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(ModelError::Compute)?;
+        out.extend_from_slice(&values);
+    }
+    Tensor::from_vec(out, (ids.len(), columns), &Device::Cpu).map_err(ModelError::Compute)
 }
 
 /// The tensor in `slot` of `bytes`, dequantized.

@@ -8,7 +8,7 @@ use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
     kv::{KvStoreConfig, KvStoreHandle, SeqId},
     residency::{ResidencyConfig, ResidencyHandle},
-    MemoryManager,
+    MemoryManager, Reserve,
 };
 
 use crate::scheduler::{
@@ -80,13 +80,21 @@ pub struct Engine {
     /// least one (its decode token, or the next of its prompt), and prompts being prefilled
     /// take chunks of what is left, oldest first. 1 runs prompts one token per step.
     pub step_tokens: usize,
+    /// The books' reserve for a step's activations (sized for [`STEP_TOKENS`] new tokens and
+    /// [`SCRATCH_LOGIT_ROWS`] rows of logits): released with the engine.
+    pub scratch: Reserve,
 }
+
+/// Rows of logits the engine's scratch reserve holds: a step's sequences (each reads its last
+/// row) up to this many; [`forward_every_row`](crate::smollm::forward_every_row) over longer
+/// chunks takes more than the reserve.
+pub const SCRATCH_LOGIT_ROWS: usize = 16;
 
 /// The default of [`Engine::step_tokens`]: the scheduler's.
 pub use crate::scheduler::STEP_TOKENS;
 
 impl Engine {
-    /// Puts `loaded`'s layers under residency (offloadable: each layer a unit, priority 10)
+    /// Puts `loaded`'s layers and head under residency (offloadable: each a unit, priority 10)
     /// and opens a KV store of `kv_config` on `memory`. The configuration's shape is the
     /// model's ([`Smol::kv_shape`] in the types and length it chooses): another is refused
     /// (`ModelError::KvShape`) before anything is loaded.
@@ -110,6 +118,23 @@ impl Engine {
         for (layer, bytes) in loaded.layers.into_iter().enumerate() {
             weights.load(layer, bytes, false).await?;
         }
+        // The embeddings, final norm and output head: one more unit, offloadable like a layer
+        // (every step reads it first and last, so pressure finds it the most recently used).
+        weights
+            .load(loaded.model.head_unit(), loaded.head, false)
+            .await?;
+        // What the load read and freed goes back to the kernel: the weights are residency's now.
+        procmem_actors::procmem::host::heap::trim();
+        // The activations of the widest step the engine runs, in the books: the heap they come
+        // from is the process's, not a holder's.
+        let scratch = memory
+            .reserve(
+                "step scratch",
+                loaded
+                    .model
+                    .step_scratch_bytes(STEP_TOKENS, SCRATCH_LOGIT_ROWS),
+            )
+            .await?;
         let kv = memory.kv_store(kv_config).await?;
         Ok(Engine {
             model: loaded.model,
@@ -118,6 +143,7 @@ impl Engine {
             shape,
             eos,
             step_tokens: STEP_TOKENS,
+            scratch,
         })
     }
 

@@ -5,92 +5,64 @@
 //! store's flat buffers and the decode operator reads them there, on the step's stream.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use candle_core::quantized::GgmlDType;
-use candle_core::{DType, Device, Tensor};
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal_rows, KvDtype, KvShape};
 use procmem_actors::{
-    kv::{KvStep, KvStoreHandle, SeqId, StepKv},
+    kv::{KvStep, KvStoreHandle, SeqId, StepEnd, StepKv},
     provider::fence_completed,
     residency::ResidencyHandle,
 };
 
-use crate::gguf::{Config, Gguf, TensorSlot, TokenizerData};
-use crate::quant::{dense, project, Weight};
+use crate::gguf::{Config, Gguf, HeadSlots, TensorSlot, TokenizerData};
+use crate::quant::{dense, project, rows};
 pub use crate::scheduler::StepInput;
 use crate::{ModelError, StepFault};
 
-/// What stays outside the residency units: the embeddings (dequantized, as a lookup table),
-/// the final norm, the output head, and the RoPE tables.
+/// The model's shape and where its tensors lie; the tensors themselves are residency's (every
+/// layer a unit, and one more unit, the head, for the embeddings, the final norm and the output
+/// head), so every byte of the weights is in the books. What stays here is a few kilobytes: the
+/// hyper-parameters, the slots and the RoPE frequencies (the angles are computed per step for
+/// its positions, never tabled for the whole context).
 pub struct Smol {
     /// The hyper-parameters.
     pub config: Config,
-    embed: Tensor,
-    norm: Tensor,
-    output: Weight,
+    head: HeadSlots,
     slots: Vec<Vec<TensorSlot>>,
     /// Per layer, Q/K/V and gate/up as one matrix each, where they are packed as one.
     fused: Vec<[Option<TensorSlot>; 2]>,
-    cos: Tensor,
-    sin: Tensor,
+    /// `θ_i = base^(-2i/d)`.
+    theta: Vec<f32>,
+    /// candle's own product for an output head that is not block-quantized, or when candle is
+    /// told to dequantize everything (the exact comparison against candle's model): built once,
+    /// outside the books, since candle's dense product cannot read the head in place.
+    candle_head: OnceLock<QMatMul>,
 }
 
-/// A model as loaded: the shared part, each layer's packed bytes (for residency), the
-/// tokenizer's data.
+/// A model as loaded: the shared part, each residency unit's packed bytes, the tokenizer's
+/// data.
 pub struct Loaded {
     /// The model.
     pub model: Arc<Smol>,
     /// Layer `i`'s quantized tensors, packed.
     pub layers: Vec<Vec<u8>>,
+    /// The head unit's tensors ([`Smol::head_unit`]), packed: the embeddings as the file
+    /// holds them (quantized), the final norm, an untied output head.
+    pub head: Vec<u8>,
     /// Vocabulary and merges.
     pub tokenizer: TokenizerData,
 }
 
-/// `cos`/`sin` of `position × θ_i`, `θ_i = base^(-2i/d)`, for every position up to `max`.
-fn rope_tables(head_dim: usize, base: f32, max: usize) -> Result<(Tensor, Tensor), ModelError> {
-    let theta: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
-        .collect();
-    let theta =
-        Tensor::from_vec(theta, (1, head_dim / 2), &Device::Cpu).map_err(ModelError::Compute)?;
-    let positions = Tensor::arange(0u32, max as u32, &Device::Cpu)
-        .and_then(|t| t.to_dtype(DType::F32))
-        .and_then(|t| t.reshape((max, 1)))
-        .map_err(ModelError::Compute)?;
-    let angles = positions.matmul(&theta).map_err(ModelError::Compute)?;
-    Ok((
-        angles.cos().map_err(ModelError::Compute)?,
-        angles.sin().map_err(ModelError::Compute)?,
-    ))
-}
-
 impl Smol {
     /// Loads a llama GGUF (SmolLM2 and the like).
-    pub fn load(path: &Path, max_tokens: usize) -> Result<Loaded, ModelError> {
+    pub fn load(path: &Path) -> Result<Loaded, ModelError> {
         let mut gguf = Gguf::open(path)?;
         let config = gguf.config()?;
         let tokenizer = gguf.tokenizer()?;
-        let (embed_raw, embed_dtype, embed_dims) = gguf.raw("token_embd.weight")?;
-        let slot = |len, dtype: GgmlDType, dims: Vec<usize>| TensorSlot {
-            offset: 0,
-            len,
-            dtype,
-            dims,
-        };
-        let embed_slot = slot(embed_raw.len(), embed_dtype, embed_dims);
-        let embed = dense(&embed_raw, &embed_slot)?;
-        let (norm_raw, nd, ndims) = gguf.raw("output_norm.weight")?;
-        let norm = dense(&norm_raw, &slot(norm_raw.len(), nd, ndims))?;
-        // A tied head reads the embedding's quantized rows.
-        let output = if gguf.has("output.weight") {
-            let (raw, d, dims) = gguf.raw("output.weight")?;
-            let at = slot(raw.len(), d, dims);
-            Weight::new(raw, at)?
-        } else {
-            Weight::new(embed_raw, embed_slot)?
-        };
+        let (head_bytes, head) = gguf.head()?;
         let mut layers = Vec::with_capacity(config.layers);
         let mut slots = Vec::with_capacity(config.layers);
         let mut fused = Vec::with_capacity(config.layers);
@@ -100,21 +72,52 @@ impl Smol {
             fused.push([crate::gguf::fused(&s[1..4]), crate::gguf::fused(&s[6..8])]);
             slots.push(s);
         }
-        let (cos, sin) = rope_tables(config.head_dim, config.rope_base, max_tokens.max(1))?;
+        let hd = config.head_dim;
+        let theta = (0..hd / 2)
+            .map(|i| 1.0 / config.rope_base.powf((2 * i) as f32 / hd as f32))
+            .collect();
         Ok(Loaded {
             model: Arc::new(Smol {
                 config,
-                embed,
-                norm,
-                output,
+                head,
                 slots,
                 fused,
-                cos,
-                sin,
+                theta,
+                candle_head: OnceLock::new(),
             }),
             layers,
+            head: head_bytes,
             tokenizer,
         })
+    }
+
+    /// The bytes a step of `rows` new tokens takes beside the weights and the KV, at most: its
+    /// activations and scratch (`f32`), with `logit_rows` rows of logits. Per row, the tensors
+    /// alive at once at the step's widest point: the feed-forward's gate and up product in its
+    /// two layouts (`4 × ffn`), the residual stream and its copies (`6 × hidden`), the
+    /// attention's rows (`2 × (q + k + v)`); per row of logits, the head's product in its two
+    /// layouts and the copy handed back (`3 × vocab`). Measured on SmolLM2
+    /// (`model/tests/step_scratch.rs`): a 256-row chunk takes about 0.5 of it, a decode step of
+    /// 16 sequences about 0.65.
+    pub fn step_scratch_bytes(&self, rows: usize, logit_rows: usize) -> u64 {
+        let c = &self.config;
+        let ffn = self
+            .slots
+            .first()
+            .and_then(|s| s.get(6))
+            .and_then(|gate| gate.dims.first().copied())
+            .unwrap_or(4 * c.hidden);
+        let attention = (c.q_heads + 2 * c.kv_heads) * c.head_dim;
+        let per_row = 4 * ffn + 6 * c.hidden + 2 * attention;
+        let floats = (rows as u64)
+            .saturating_mul(per_row as u64)
+            .saturating_add((logit_rows as u64).saturating_mul(3 * c.vocab as u64));
+        floats.saturating_mul(4)
+    }
+
+    /// The residency unit of the head ([`Loaded::head`]): the one after the last layer.
+    pub fn head_unit(&self) -> usize {
+        self.config.layers
     }
 
     /// The KV shape of this model for `max_tokens`, K kept in `k_dtype` and V in `v_dtype`.
@@ -130,12 +133,26 @@ impl Smol {
         }
     }
 
-    /// The residual stream of `tokens`, one row each: `[tokens, hidden]`.
-    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
-        let ids = Tensor::new(tokens, &Device::Cpu).map_err(ModelError::Compute)?;
-        self.embed
-            .index_select(&ids, 0)
-            .map_err(ModelError::Compute)
+    /// The residual stream of `tokens`, one row each: `[tokens, hidden]`, from the head
+    /// unit's bytes `head` (only these rows are dequantized). A token past the vocabulary is
+    /// refused.
+    pub fn embed(&self, head: &[u8], tokens: &[u32]) -> Result<Tensor, ModelError> {
+        rows(head, &self.head.embed, tokens)
+    }
+
+    /// `cos` and `sin` of `position × θ_i` for each of `positions`: `[positions, head_dim/2]`.
+    fn rope_angles(&self, positions: &[usize]) -> Result<(Tensor, Tensor), ModelError> {
+        let half = self.theta.len();
+        let angles: Vec<f32> = positions
+            .iter()
+            .flat_map(|&p| self.theta.iter().map(move |t| p as u32 as f32 * t))
+            .collect();
+        let angles = Tensor::from_vec(angles, (positions.len(), half), &Device::Cpu)
+            .map_err(ModelError::Compute)?;
+        Ok((
+            angles.cos().map_err(ModelError::Compute)?,
+            angles.sin().map_err(ModelError::Compute)?,
+        ))
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Result<Tensor, ModelError> {
@@ -149,18 +166,10 @@ impl Smol {
         &self,
         rows: &Tensor,
         heads: usize,
-        positions: &Tensor,
+        (cos, sin): &(Tensor, Tensor),
     ) -> Result<Vec<f32>, ModelError> {
         let hd = self.config.head_dim;
         let n = rows.dim(0).map_err(ModelError::Compute)?;
-        let cos = self
-            .cos
-            .index_select(positions, 0)
-            .map_err(ModelError::Compute)?;
-        let sin = self
-            .sin
-            .index_select(positions, 0)
-            .map_err(ModelError::Compute)?;
         let x = rows
             .contiguous()
             .and_then(|t| t.reshape((n, heads, hd)))
@@ -168,7 +177,7 @@ impl Smol {
             .and_then(|t| t.contiguous())
             .and_then(|t| t.unsqueeze(0))
             .map_err(ModelError::Compute)?;
-        candle_nn::rotary_emb::rope_i(&x, &cos, &sin)
+        candle_nn::rotary_emb::rope_i(&x, cos, sin)
             .and_then(|t| t.squeeze(0))
             .and_then(|t| t.transpose(0, 1))
             .and_then(|t| t.contiguous())
@@ -202,8 +211,7 @@ impl Smol {
             ),
         };
         let c = &self.config;
-        let at: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let at = Tensor::new(at.as_slice(), &Device::Cpu).map_err(ModelError::Compute)?;
+        let at = self.rope_angles(positions)?;
         Ok(Qkv {
             q: self.rope(&q, c.q_heads, &at)?,
             k: self.rope(&k, c.kv_heads, &at)?,
@@ -245,11 +253,24 @@ impl Smol {
         (down + x).map_err(ModelError::Compute)
     }
 
-    /// Logits of each row of the final residual stream: `[rows][vocab]`.
-    pub fn logits(&self, x: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
-        let h = self.rms(x, &self.norm)?;
-        self.output
-            .forward(&h)?
+    /// Logits of each row of the final residual stream: `[rows][vocab]`, from the head
+    /// unit's bytes `head`.
+    pub fn logits(&self, head: &[u8], x: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
+        let h = self.rms(x, &dense(head, &self.head.norm)?)?;
+        let out = &self.head.output;
+        let logits = if crate::quant::reads_in_place(out) {
+            project(head, out, &h)?
+        } else {
+            let m = match self.candle_head.get() {
+                Some(m) => m,
+                None => {
+                    let m = crate::quant::matmul(head, out)?;
+                    self.candle_head.get_or_init(|| m)
+                }
+            };
+            m.forward(&h).map_err(ModelError::Compute)?
+        };
+        logits
             .to_dtype(DType::F32)
             .and_then(|l| l.to_vec2::<f32>())
             .map_err(ModelError::Compute)
@@ -450,20 +471,25 @@ async fn forward(
         .flat_map(|b| b.position..b.position + b.tokens.len())
         .collect();
     let flow = Arc::new(Mutex::new(Flow {
-        x: Some(model.embed(&tokens)?),
+        x: None,
         qkv: Qkv::default(),
         attended: Vec::new(),
         logits: Vec::new(),
         stages: 0,
         error: None,
     }));
-    let last = queue_layers(model, weights, &step, shape, &flow, &positions).await?;
-    // The output head runs on the stream too (its matmul is the step's largest), after the
-    // last layer: by the stream's order where the weights' stream is the step's, else once
-    // that layer's fence completed. The caller's thread only waits.
-    if let Some(last) = last.filter(|l| l.fence().stream != step.stream().id()) {
-        fence_completed(&last).await;
-    }
+    // The embeddings' rows are read in the head unit, on the weights' stream, before the
+    // first layer's kernel there.
+    let (m, f, ids) = (Arc::clone(model), Arc::clone(&flow), tokens.clone());
+    weights
+        .submit_with_weights(model.head_unit(), move |w| {
+            stage(&f, |flow| {
+                flow.x = Some(m.embed(w, &ids)?);
+                Ok(())
+            })
+        })
+        .await?;
+    queue_layers(model, weights, &step, shape, &flow, &positions).await?;
     // Only each sequence's last row is read (unless every row is asked for).
     let rows: Option<Vec<u32>> = (!every_row && tokens.len() != batch.len()).then(|| {
         batch
@@ -475,10 +501,11 @@ async fn forward(
             .collect()
     });
     let (m, f) = (Arc::clone(model), Arc::clone(&flow));
-    // On the step's stream itself, not through `KvStep::submit`: the head reads no KV, so it
-    // does not hold the step's memory (the store maps the next growth meanwhile). A CUDA
-    // step answers `NotHost`, as every kernel above does.
-    let head = step.stream().submit_host(move || {
+    // The output head runs on the weights' stream too (its matmul is the step's largest),
+    // after the last layer by that stream's order, inside the head unit. It reads no KV, so
+    // it does not hold the step's memory (the store maps the next growth meanwhile). The
+    // caller's thread only waits.
+    let head = weights.submit_with_weights(model.head_unit(), move |w| {
         stage(&f, |flow| {
             let x = flow.x.take().ok_or_else(lost_stream)?;
             let x = match rows {
@@ -489,23 +516,24 @@ async fn forward(
                 }
                 None => x,
             };
-            flow.logits = m.logits(&x)?;
+            flow.logits = m.logits(w, &x)?;
             Ok(())
         })
-    })?;
-    let on_stream = TimelineFence::new(head, step.stream().timeline()).ok_or_else(lost_stream)?;
-    fence_completed(&on_stream).await;
+    });
+    fence_completed(&head.await?).await;
     let logits = {
         let mut flow = flow.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(e) = flow.error.take() {
             return Err(e);
         }
-        if flow.stages != 3 * model.config.layers + 1 {
+        if flow.stages != 3 * model.config.layers + 2 {
             return Err(StepFault::KernelPanicked.into());
         }
         std::mem::take(&mut flow.logits)
     };
-    step.complete(head).await.map_err(ModelError::Store)?;
+    step.complete(StepEnd::Submitted)
+        .await
+        .map_err(ModelError::Store)?;
     Ok(logits)
 }
 
@@ -513,8 +541,7 @@ fn lost_stream() -> ModelError {
     StepFault::KernelPanicked.into()
 }
 
-/// Queues every layer's three kernels of `step` (projections, attention, the rest); returns
-/// the last one's residency fence.
+/// Queues every layer's three kernels of `step` (projections, attention, the rest).
 async fn queue_layers(
     model: &Arc<Smol>,
     weights: &ResidencyHandle,
@@ -522,9 +549,8 @@ async fn queue_layers(
     shape: KvShape,
     flow: &Arc<Mutex<Flow>>,
     positions: &Arc<[usize]>,
-) -> Result<Option<TimelineFence>, ModelError> {
+) -> Result<(), ModelError> {
     let kv_stream = step.stream().id();
-    let mut last = None;
     for layer in 0..model.config.layers {
         // A kernel already failed: queue nothing more (no reload for a step that is lost).
         if flow
@@ -563,7 +589,7 @@ async fn queue_layers(
             fence_completed(&attended).await;
         }
         let (m, f) = (Arc::clone(model), Arc::clone(flow));
-        let finished = weights
+        weights
             .submit_with_weights(layer, move |w| {
                 stage(&f, |flow| {
                     let x = flow.x.take().ok_or_else(lost_stream)?;
@@ -573,9 +599,8 @@ async fn queue_layers(
                 })
             })
             .await?;
-        last = Some(finished);
     }
-    Ok(last)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -591,11 +616,11 @@ mod tests {
             eprintln!("SKIPPED: no model (run scripts/fetch-model.sh)");
             return;
         };
-        let loaded = Smol::load(&path, 16).unwrap();
+        let loaded = Smol::load(&path).unwrap();
         let m = &loaded.model;
         for layer in [0, m.config.layers / 2, m.config.layers - 1] {
             let (bytes, s) = (&loaded.layers[layer], &m.slots[layer]);
-            let x = m.embed(&[1, 500, 30_000]).unwrap();
+            let x = m.embed(&loaded.head, &[1, 500, 30_000]).unwrap();
             for (group, parts) in [(0, &s[1..4]), (1, &s[6..8])] {
                 let whole = m.fused[layer][group]
                     .as_ref()
@@ -614,6 +639,98 @@ mod tests {
                     assert_eq!(got, want, "layer {layer}, group {group}, row {row}");
                 }
             }
+        }
+    }
+
+    /// A lookup dequantizes only its rows, and each row is what dequantizing the whole table
+    /// gives it, bit for bit; a token past the vocabulary is refused, not read.
+    #[test]
+    fn embedding_rows_equal_the_whole_tables_and_an_id_past_it_is_refused() {
+        let Some(path) = crate::smollm2_path() else {
+            eprintln!("SKIPPED: no model (run scripts/fetch-model.sh)");
+            return;
+        };
+        let loaded = Smol::load(&path).unwrap();
+        let m = &loaded.model;
+        let whole = dense(&loaded.head, &m.head.embed).unwrap();
+        let ids = [0u32, 1, 500, 30_000, 49_151, 500];
+        let got = m
+            .embed(&loaded.head, &ids)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for (row, &id) in got.iter().zip(&ids) {
+            let want = whole.get(id as usize).unwrap().to_vec1::<f32>().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(row), bits(&want), "row {id}");
+        }
+        let vocab = m.head.embed.dims[0] as u32;
+        for bad in [vocab, u32::MAX] {
+            assert!(matches!(
+                m.embed(&loaded.head, &[1, bad]),
+                Err(ModelError::Step(StepFault::Mismatch { .. }))
+            ));
+        }
+        // The table stays as the file holds it: about 30 MB quantized, not 113 MB of f32.
+        assert!(loaded.head.len() < whole.elem_count() * 4 / 3);
+    }
+
+    /// RoPE's angles computed for a step's positions are the bits of the table the whole
+    /// context used to keep (`positions × θ` as one matmul, then `cos`/`sin`).
+    #[test]
+    fn rope_angles_per_step_equal_the_whole_contexts_table() {
+        let (hd, base, max) = (64usize, 100_000f32, 2048usize);
+        let theta: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / hd as f32))
+            .collect();
+        let table = Tensor::arange(0u32, max as u32, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.reshape((max, 1)))
+            .and_then(|p| p.matmul(&Tensor::from_vec(theta.clone(), (1, hd / 2), &Device::Cpu)?))
+            .unwrap();
+        let none = TensorSlot {
+            offset: 0,
+            len: 0,
+            dtype: candle_core::quantized::GgmlDType::F32,
+            dims: Vec::new(),
+        };
+        let m = Smol {
+            config: Config {
+                layers: 0,
+                hidden: hd,
+                q_heads: 1,
+                kv_heads: 1,
+                head_dim: hd,
+                context: max,
+                rms_eps: 1e-5,
+                rope_base: base,
+                vocab: 0,
+            },
+            head: HeadSlots {
+                embed: none.clone(),
+                norm: none.clone(),
+                output: none,
+            },
+            slots: Vec::new(),
+            fused: Vec::new(),
+            theta,
+            candle_head: OnceLock::new(),
+        };
+        let positions = [0usize, 1, 7, 1023, 2047];
+        let (cos, sin) = m.rope_angles(&positions).unwrap();
+        let at = Tensor::new(&[0u32, 1, 7, 1023, 2047], &Device::Cpu).unwrap();
+        for (got, want) in [(cos, table.cos().unwrap()), (sin, table.sin().unwrap())] {
+            let want = want.index_select(&at, 0).unwrap();
+            let bits = |t: &Tensor| {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&got), bits(&want));
         }
     }
 }

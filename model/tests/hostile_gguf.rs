@@ -19,7 +19,7 @@ fn write(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf 
 }
 
 fn load(path: &std::path::Path) -> Result<(std::sync::Arc<Smol>, TextCodec), ModelError> {
-    let loaded = Smol::load(path, 64)?;
+    let loaded = Smol::load(path)?;
     let codec = TextCodec::new(&loaded.tokenizer)?;
     Ok((loaded.model, codec))
 }
@@ -110,7 +110,7 @@ async fn the_tiny_model_decodes_and_an_empty_prompt_is_refused() {
         .await
         .unwrap();
     // A store configured for other heads than the model's is refused before it starts.
-    let loaded = Smol::load(&path, 64).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let mut wrong = common::kv_config(&loaded, PreemptMode::Recompute);
     wrong.shape.kv_heads += 1;
     let refused = Engine::start(&memory, loaded, wrong, None).await;
@@ -119,7 +119,7 @@ async fn the_tiny_model_decodes_and_an_empty_prompt_is_refused() {
         "{:?}",
         refused.err()
     );
-    let loaded = Smol::load(&path, 64).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let kv = common::kv_config(&loaded, PreemptMode::Recompute);
     let engine = Engine::start(&memory, loaded, kv, None).await.unwrap();
     let empty = engine

@@ -103,8 +103,18 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
     // 32 new tokens each (the comparison with candle runs 64): the run is repeated three times.
     let prompts: Vec<Vec<u32>> = prompts.into_iter().collect();
     let (free, _) = ours_n(None, PreemptMode::Swap, &prompts, 32).await;
-    let loaded = Smol::load(&procmem_model::smollm2_path().unwrap(), MAX_TOKENS).unwrap();
-    let weights: u64 = loaded.layers.iter().map(|l| l.len() as u64).sum();
+    let loaded = Smol::load(&procmem_model::smollm2_path().unwrap()).unwrap();
+    let weights: u64 = loaded
+        .layers
+        .iter()
+        .chain([&loaded.head])
+        .map(|l| l.len() as u64)
+        .sum();
+    // The engine's reserve for a step's activations is in the books beside them.
+    let scratch = loaded.model.step_scratch_bytes(
+        procmem_model::serve::STEP_TOKENS,
+        procmem_model::serve::SCRATCH_LOGIT_ROWS,
+    );
     let shape = loaded
         .model
         .kv_shape(KvDtype::F32, KvDtype::F32, MAX_TOKENS);
@@ -123,12 +133,12 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
         (PreemptMode::Recompute, 4),
         (PreemptMode::Swap, 3),
     ] {
-        let budget = weights * weight_share / 4 + peak_kv / 2;
+        let budget = weights * weight_share / 4 + scratch + peak_kv / 2;
         let (pressed, stats) = ours_n(Some(budget), preempt, &prompts, 32).await;
         eprintln!(
             "real_model_pressure ({preempt:?}, {weight_share}/4 of the weights): budget \
              {budget} B of {} B; {stats:?}",
-            weights + peak_kv
+            weights + scratch + peak_kv
         );
         for (a, b) in free.iter().zip(&pressed) {
             assert_eq!(a.tokens, b.tokens, "request {} under {preempt:?}", a.id);
@@ -180,7 +190,7 @@ fn the_tokenizer_round_trips_text_and_knows_the_chat_tokens() {
         eprintln!("SKIPPED: no SmolLM2 GGUF (run scripts/fetch-model.sh)");
         return;
     };
-    let loaded = Smol::load(&path, 8).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let codec = TextCodec::new(&loaded.tokenizer).unwrap();
     for text in [
         "Hello, world!",
@@ -215,7 +225,7 @@ async fn a_step_given_up_midway_changes_nothing() {
     let run = |give_up: Option<Duration>| {
         let (path, prompt) = (path.clone(), prompt.clone());
         async move {
-            let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
+            let loaded = Smol::load(&path).unwrap();
             let memory = procmem_actors::MemoryManager::builder()
                 .build()
                 .await

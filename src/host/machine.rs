@@ -163,6 +163,83 @@ pub fn parse_inactive_file(stat: &str) -> Result<u64, ParseError> {
     }
 }
 
+/// A process's resident pages by kind, from `/proc/<pid>/status` (`RssAnon`, `RssFile`,
+/// `RssShmem`), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProcessRss {
+    /// Anonymous pages: heap, stacks, private mappings (the eager host allocations too).
+    pub anon: u64,
+    /// Pages of mapped files: the program's code and libraries, files it maps.
+    pub file: u64,
+    /// Shared memory mapped (memfd, tmpfs): the KV backing's mapped pages.
+    pub shmem: u64,
+}
+
+/// Parses `/proc/<pid>/status` for [`ProcessRss`]; a field missing or unreadable is an error
+/// (a kernel too old to split `VmRSS`, or not Linux).
+pub fn parse_process_rss(status: &str) -> Result<ProcessRss, ParseError> {
+    let kb = |key: &str| {
+        status.lines().find_map(|l| {
+            let rest = l.strip_prefix(key)?.strip_prefix(':')?;
+            let n = rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+            n.checked_mul(1024)
+        })
+    };
+    match (kb("RssAnon"), kb("RssFile"), kb("RssShmem")) {
+        (Some(anon), Some(file), Some(shmem)) => Ok(ProcessRss { anon, file, shmem }),
+        _ => Err(ParseError {
+            what: "/proc/self/status",
+            line: status
+                .lines()
+                .next()
+                .unwrap_or("")
+                .chars()
+                .take(200)
+                .collect(),
+        }),
+    }
+}
+
+/// What a process holds beside what its books hold, as the kernel reports both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProcessMemory {
+    /// Resident bytes the process holds: anonymous and file-backed pages, and every page of
+    /// its shared backing once (a memfd's pages, whether a view maps them now, or several).
+    pub held: u64,
+    /// Of those, the holders' memory that the books pay for: the backing's pages and the
+    /// eager allocations' resident pages.
+    pub books: u64,
+    /// The rest: heap, code, scratch, activations, anything no holder leases.
+    pub outside: u64,
+}
+
+impl ProcessMemory {
+    /// From the process's resident pages, its shared backing's pages (`backing`: a memfd's
+    /// allocated blocks) and its eager allocations' resident pages (`eager`, anonymous).
+    pub fn new(rss: ProcessRss, backing: u64, eager: u64) -> Self {
+        // Not `RssShmem`: the kernel counts a shared page once per mapping of it, and a prefix
+        // shared by eight sequences is mapped eight times. The memfd's blocks count it once.
+        let held = rss.anon.saturating_add(rss.file).saturating_add(backing);
+        let books = backing.saturating_add(eager);
+        ProcessMemory {
+            held,
+            books,
+            outside: held.saturating_sub(books),
+        }
+    }
+
+    /// The same with `reserved` bytes more in the books: a named reserve the Governor holds
+    /// for memory no mechanism allocates (a step's activations on the heap).
+    pub fn with_reserve(self, reserved: u64) -> Self {
+        let books = self.books.saturating_add(reserved);
+        ProcessMemory {
+            books,
+            outside: self.held.saturating_sub(books),
+            ..self
+        }
+    }
+}
+
 /// The policy's state: how far pressure has cut the capacity, and the last readings of what
 /// the process's cgroup holds outside the Governor's books.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -231,6 +308,47 @@ impl PressureGauge {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn process_memory_splits_the_books_from_the_rest() {
+        let status = "Name:\tx\nVmRSS:\t  300 kB\nRssAnon:\t  200 kB\nRssFile:\t   60 kB\nRssShmem:\t   40 kB\n";
+        let rss = parse_process_rss(status).unwrap();
+        assert_eq!(
+            rss,
+            ProcessRss {
+                anon: 200 << 10,
+                file: 60 << 10,
+                shmem: 40 << 10
+            }
+        );
+        // 100 KiB of memfd, 40 of it mapped; 50 KiB of eager (anonymous) allocations.
+        let m = ProcessMemory::new(rss, 100 << 10, 50 << 10);
+        assert_eq!(m.held, (200 + 60 + 100) << 10);
+        assert_eq!(m.books, 150 << 10);
+        assert_eq!(m.outside, 210 << 10);
+        // A memfd page mapped at two addresses is in `RssShmem` twice, in the memfd once.
+        let twice = ProcessRss {
+            shmem: 80 << 10,
+            ..rss
+        };
+        assert_eq!(
+            ProcessMemory::new(twice, 40 << 10, 0).held,
+            (200 + 60 + 40) << 10
+        );
+        let reserved = m.with_reserve(100 << 10);
+        assert_eq!((reserved.books, reserved.outside), (250 << 10, 110 << 10));
+        assert_eq!(m.with_reserve(u64::MAX).outside, 0);
+        // Books above what is seen (a racing read) never go below zero.
+        assert_eq!(ProcessMemory::new(rss, 0, u64::MAX).outside, 0);
+        for bad in [
+            "",
+            "RssAnon: 1 kB\n",
+            "RssAnon: x kB\nRssFile: 1 kB\nRssShmem: 1 kB\n",
+            "RssAnon: 99999999999999999999 kB\nRssFile: 1 kB\nRssShmem: 1 kB\n",
+        ] {
+            assert!(parse_process_rss(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn psi_files_parse_and_garbage_is_an_error() {

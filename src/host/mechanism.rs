@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::machine::{parse_process_rss, ProcessMemory};
 use super::HostAllocator;
 use crate::api::{
     Allocator, ContextId, MechanismId, MemoryError, MemoryMechanism, Place, SharedMapping,
@@ -54,6 +55,21 @@ impl HostMechanism {
         let backing = self.backing.resident_bytes()?;
         let eager = self.allocator.resident_total()?;
         Ok(backing.saturating_add(eager))
+    }
+}
+
+impl HostMechanism {
+    /// What this process holds resident, beside what this mechanism holds for the holders
+    /// (`/proc/self/status` against the memfd's blocks and the eager allocations' pages);
+    /// `None` where the kernel does not say.
+    pub fn process_memory(&self) -> Option<ProcessMemory> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let rss = parse_process_rss(&status).ok()?;
+        Some(ProcessMemory::new(
+            rss,
+            self.backing.resident_bytes().ok()?,
+            self.allocator.resident_total().ok()?,
+        ))
     }
 }
 

@@ -152,7 +152,7 @@ pub fn library_completion(
 ) -> procmem_model::Completion {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let loaded = procmem_model::Smol::load(path, context).unwrap();
+        let loaded = procmem_model::Smol::load(path).unwrap();
         let memory = procmem_actors::MemoryManager::builder()
             .build()
             .await

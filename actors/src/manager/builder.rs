@@ -172,6 +172,7 @@ impl MemoryManagerBuilder {
             holders: Mutex::new(Vec::new()),
             sampler: Mutex::new(None),
             machine: Mutex::new(None),
+            reserved: Arc::default(),
         });
         if self.follow_machine {
             if let Some(governor) = inner.topology.governor(Place::HOST, MemoryTier::Host) {

@@ -42,6 +42,9 @@ pub enum ManagerError {
     /// Model residency failed to start.
     #[error(transparent)]
     Residency(#[from] ResidencyError),
+    /// A named reserve could not be leased (no room by its deadline, or the Governor down).
+    #[error("the reserve could not be leased: {0}")]
+    Reserve(#[source] crate::governor::GovernorError),
     /// The manager is shutting down and admits nothing new.
     #[error("the memory manager is shutting down")]
     ShuttingDown,

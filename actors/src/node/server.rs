@@ -5,7 +5,7 @@
 //! order; what does not fit waits while tickets go to processes, least important first, one at
 //! a time, each answered by a give-back (or its time running out).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -243,6 +243,9 @@ pub struct NodeState {
     rounds: BTreeMap<AuthorityId, Round>,
     next_ticket: u64,
     status: NodeStatus,
+    /// The processes reaped last (token, key, why), newest last: a frame one of them sent as
+    /// it exited, arriving after, is late rather than hostile.
+    reaped: VecDeque<(u64, u64, &'static str)>,
     /// Nothing is approved before this (see [`NodeConfig::rejoin_grace`]).
     serving_from: Instant,
     last_summary: Instant,
@@ -258,25 +261,8 @@ impl Actor for NodeGovernor {
         myself: ActorRef<NodeMsg>,
         (config, pids): (NodeConfig, PeerPids),
     ) -> Result<NodeState, ActorProcessingErr> {
-        let mut ledger = Ledger::new();
-        let mut authorities = BTreeMap::new();
-        for (name, capacity) in &config.authorities {
-            authorities.insert(name.clone(), ledger.add_authority(name.clone(), *capacity));
-        }
         myself.send_interval(TICK, || NodeMsg::Tick);
-        let state = NodeState {
-            pids,
-            ledger,
-            authorities,
-            processes: BTreeMap::new(),
-            waiters: BTreeMap::new(),
-            rounds: BTreeMap::new(),
-            next_ticket: 1,
-            status: NodeStatus::default(),
-            serving_from: Instant::now() + config.rejoin_grace,
-            last_summary: Instant::now(),
-            config,
-        };
+        let state = NodeState::new(config, pids);
         state.publish();
         Ok(state)
     }
@@ -337,6 +323,29 @@ fn refuse(reply: RpcReplyPort<Vec<u8>>, reason: &str) {
 }
 
 impl NodeState {
+    /// The node's state at its start: its authorities at their capacities, no process.
+    fn new(config: NodeConfig, pids: PeerPids) -> Self {
+        let mut ledger = Ledger::new();
+        let mut authorities = BTreeMap::new();
+        for (name, capacity) in &config.authorities {
+            authorities.insert(name.clone(), ledger.add_authority(name.clone(), *capacity));
+        }
+        NodeState {
+            pids,
+            ledger,
+            authorities,
+            processes: BTreeMap::new(),
+            reaped: VecDeque::new(),
+            waiters: BTreeMap::new(),
+            rounds: BTreeMap::new(),
+            next_ticket: 1,
+            status: NodeStatus::default(),
+            serving_from: Instant::now() + config.rejoin_grace,
+            last_summary: Instant::now(),
+            config,
+        }
+    }
+
     fn set_capacity(&mut self, authority: &str, bytes: u64) -> bool {
         let Some(&aid) = self.authorities.get(authority) else {
             return false;
@@ -352,6 +361,30 @@ impl NodeState {
         self.status.rejected_frames += 1;
         m::NODE_REJECTED_FRAMES_TOTAL.counter(&[]).increment(1);
         tracing::warn!(%e, "frame dropped");
+    }
+
+    /// A frame from a process that is not (or no longer) joined: late where the node reaped
+    /// that very session (it left, or its connection closed, before this frame came),
+    /// rejected otherwise. Either way it is dropped, and the log says which and why.
+    fn stranger(&mut self, token: u64, key: u64, what: &'static str) {
+        match self
+            .reaped
+            .iter()
+            .rev()
+            .find(|r| r.0 == token && r.1 == key)
+        {
+            Some(&(_, _, why)) => {
+                self.status.late_frames += 1;
+                m::NODE_LATE_FRAMES_TOTAL.counter(&[]).increment(1);
+                tracing::info!(
+                    token,
+                    frame = what,
+                    reaped = why,
+                    "a frame after its process was reaped, dropped"
+                );
+            }
+            None => self.rejected(&WireError::Invalid(what)),
+        }
     }
 
     fn request(&mut self, request: NodeRequest, reply: RpcReplyPort<Vec<u8>>) {
@@ -387,7 +420,7 @@ impl NodeState {
                 if self.foreign(token, key) {
                     return refuse(reply, "not this session's process");
                 }
-                self.ask(token, &authority, (bytes, at_least), wait_ms, reply)
+                self.ask((token, key), &authority, (bytes, at_least), wait_ms, reply)
             }
             NodeRequest::Status => {
                 let _ = reply.send(encode_reply(&NodeReply::Status(self.snapshot())));
@@ -526,7 +559,7 @@ impl NodeState {
 
     fn ask(
         &mut self,
-        token: u64,
+        (token, key): (u64, u64),
         authority: &str,
         (chunk, bytes): (u64, u64),
         wait_ms: u64,
@@ -540,7 +573,7 @@ impl NodeState {
             .get(&token)
             .and_then(|p| p.members.get(&aid).map(|m| (m.holder, m.line, p.priority)))
         else {
-            self.rejected(&WireError::Invalid("ask from a process that did not join"));
+            self.stranger(token, key, "ask from a process that did not join");
             return refuse(reply, "not joined");
         };
         let now = Instant::now();
@@ -628,7 +661,7 @@ impl NodeState {
                     Some((*aid, m.holder, m.line))
                 });
                 let Some((aid, holder, line)) = found else {
-                    return self.rejected(&WireError::Invalid("give from a stranger"));
+                    return self.stranger(token, key, "give from a stranger");
                 };
                 if bytes > 0 && self.ledger.release(holder, line, bytes).is_err() {
                     return self.rejected(&WireError::Invalid("give of more than its credit"));
@@ -663,16 +696,19 @@ impl NodeState {
                         // Validated with the frame: a digest that does not check is refused.
                         m.prefixes = prefixes.and_then(HeldPrefixes::into_digest);
                     }
-                    None => self.rejected(&WireError::Invalid("report from a stranger")),
+                    None => self.stranger(token, key, "report from a stranger"),
                 }
             }
             NodeNotice::Leave { token, .. } => {
                 if self.processes.contains_key(&token) {
                     self.reap(token, "left");
                 } else {
-                    self.rejected(&WireError::Invalid("leave from a stranger"));
+                    self.stranger(token, key, "leave from a stranger");
                 }
             }
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

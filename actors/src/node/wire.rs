@@ -155,6 +155,10 @@ pub struct NodeStatus {
     pub foreign_frames: u64,
     /// Processes whose credit came back because they were confirmed gone.
     pub reaped: u64,
+    /// Frames from a process the node had already reaped (its last report or its leave, sent
+    /// as it exited, arriving after its session closed): benign, not counted as rejected.
+    #[serde(default)]
+    pub late_frames: u64,
 }
 
 /// One process's figures on one authority.

@@ -182,13 +182,26 @@ impl Server {
 /// once every request ended and the engine is gone; the caller shuts `memory` down (and
 /// leaves its node) after.
 pub async fn serve_model(
-    (engine, codec): (Engine, TextCodec),
+    started: (Engine, TextCodec),
     memory: &procmem_actors::MemoryManager,
     config: ServeConfig,
     idle_after: Option<Duration>,
     listening: impl FnOnce(SocketAddr),
 ) -> Result<SchedulerStats, ServeError> {
-    let server = Server::bind(config).await?.idle_after(idle_after);
+    let server = Server::bind(config).await?;
+    serve_bound(server, started, memory, idle_after, listening).await
+}
+
+/// [`serve_model`] on a server already bound: a server that joins a node binds its port
+/// first, so one that cannot listen (a port taken) never takes the node's credit.
+pub async fn serve_bound(
+    server: Server,
+    (engine, codec): (Engine, TextCodec),
+    memory: &procmem_actors::MemoryManager,
+    idle_after: Option<Duration>,
+    listening: impl FnOnce(SocketAddr),
+) -> Result<SchedulerStats, ServeError> {
+    let server = server.idle_after(idle_after);
     listening(server.local_addr());
     let metrics: MetricsText = {
         let memory = memory.clone();

@@ -140,7 +140,7 @@ pub async fn ours_steps(
     step_tokens: usize,
 ) -> (Vec<Completion>, RunStats) {
     let path = smollm2_path().unwrap();
-    let loaded = Smol::load(&path, MAX_TOKENS).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let mut builder = MemoryManager::builder();
     if let Some(b) = budget {
         builder = builder.host_budget(b);
@@ -171,7 +171,7 @@ pub fn tokenized() -> Option<(std::path::PathBuf, TextCodec, Vec<Vec<u32>>)> {
         eprintln!("SKIPPED: no SmolLM2 GGUF, and scripts/fetch-model.sh could not fetch it");
         return None;
     };
-    let loaded = Smol::load(&path, 8).unwrap();
+    let loaded = Smol::load(&path).unwrap();
     let codec = TextCodec::new(&loaded.tokenizer).unwrap();
     let prompts = prompts()
         .into_iter()

@@ -11,6 +11,10 @@ use tokio::time::Instant;
 
 use super::{link_group, peer, refuse, NodeState, Watch, Watched};
 
+/// Reaped processes remembered to tell their late frames from hostile ones: far more than
+/// exit at once on one node.
+pub(super) const REAPED_KEPT: usize = 256;
+
 impl NodeState {
     pub(super) fn find_link(&mut self, token: u64) {
         let Some(p) = self.processes.get_mut(&token) else {
@@ -43,21 +47,29 @@ impl NodeState {
 
     /// `(chunk, need)`: the chunk if it fits now, else the need (now or once room is made).
     /// The process is gone (exited, or left): its credit comes back.
-    pub(super) fn reap(&mut self, token: u64, why: &str) {
+    pub(super) fn reap(&mut self, token: u64, why: &'static str) {
         let Some(p) = self.processes.remove(&token) else {
             return;
         };
         let mut returned = 0u64;
         for m in p.members.values() {
+            // Named while its credit line still says which authority it draws on: once retired
+            // the line is gone, and a zero written under another label would leave the dead
+            // process's last figures standing in `/metrics`.
+            let authority = self.authority_name(m.line).to_string();
             let bytes = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
             if bytes > 0 && self.ledger.release(m.holder, m.line, bytes).is_ok() {
                 returned += bytes;
             }
             let _ = self.ledger.close_credit(m.holder, m.line);
             let _ = self.ledger.retire_holder(m.holder);
-            m::NODE_PROCESS_CREDIT_BYTES
-                .gauge(&[self.authority_name(m.line), &p.label()])
-                .set(0.0);
+            for gauge in [&m::NODE_PROCESS_CREDIT_BYTES, &m::NODE_PROCESS_OS_BYTES] {
+                gauge.gauge(&[&authority, &p.label()]).set(0.0);
+            }
+        }
+        self.reaped.push_back((token, p.key, why));
+        if self.reaped.len() > REAPED_KEPT {
+            self.reaped.pop_front();
         }
         for queue in self.waiters.values_mut() {
             queue.drain_where(|w| w.token == token);
