@@ -294,6 +294,7 @@ async fn procmem_row(
             "prompt_tokens_from_disk": d.disk_hit_tokens,
             "prefix_disk_failures": d.disk_failures,
             "peak_rss_bytes": d.rss,
+            "peak_outside_books_bytes": d.peaks.outside_books,
             "peak_kv_bytes": d.peaks.kv_bytes,
             "kv_budget_bytes": budget.saturating_sub(weights),
             "peak_kv_demand_bytes": logged(&d.log, "peak KV demand "),

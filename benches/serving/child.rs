@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use procmem_actors::MemoryManager;
-use procmem_model::http::{serve_model, Limits, ServeConfig};
+use procmem_model::http::{serve_bound, Limits, ServeConfig, Server};
 use procmem_model::launch::{join_node, KvSlot, Launch, ModelConfig, NodeJoin};
 
 /// How the child serves `config`'s model: on `127.0.0.1:0`, `running` at once, answers of
@@ -26,6 +26,8 @@ pub fn serve_config(running: usize, answer_tokens: usize) -> ServeConfig {
 
 /// Serves `config`'s model with `serve` until SIGTERM, joining the node where `join` says.
 pub fn serve(config: ModelConfig, serve: ServeConfig, join: Option<NodeJoin>) -> ExitCode {
+    // As the main job: freed large buffers leave the process.
+    procmem_actors::procmem::host::heap::return_large_frees();
     let rt = tokio::runtime::Runtime::new().expect("a tokio runtime");
     match rt.block_on(run(config, serve, join)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -47,6 +49,8 @@ async fn run(
         "budget {} bytes: weights {} + peak KV demand {}",
         s.budget, s.weights, s.peak_kv
     );
+    // Bound before the node is joined: a server that cannot listen takes no credit.
+    let server = Server::bind(serve).await.map_err(|e| e.to_string())?;
     let memory = MemoryManager::builder()
         .host_budget(s.budget)
         .keep_metrics(true)
@@ -68,7 +72,7 @@ async fn run(
     let served = match launch.start(&memory).await {
         Ok(started) => {
             let _ = slot.set(started.0.kv.clone());
-            serve_model(started, &memory, serve, None, |addr| {
+            serve_bound(server, started, &memory, None, |addr| {
                 println!("listening on http://{addr}")
             })
             .await

@@ -94,6 +94,9 @@ pub struct Peaks {
     /// the mean of the samples while any request was held.
     pub resident: f64,
     pub resident_mean: f64,
+    /// procmem: `procmem_process_outside_books_bytes`, what the server holds that no lease pays
+    /// for (its heap beyond the step's reserve, its code).
+    pub outside_books: f64,
     resident_sum: f64,
     samples: u64,
 }
@@ -292,6 +295,8 @@ impl Server {
                     let held = held.unwrap_or(0.0);
                     let resident = (held - preempted.unwrap_or(0.0)).max(0.0);
                     peaks.kv_bytes = peaks.kv_bytes.max(kv.unwrap_or(0.0));
+                    let outside = metric(&text, "procmem_process_outside_books_bytes");
+                    peaks.outside_books = peaks.outside_books.max(outside.unwrap_or(0.0));
                     peaks.held = peaks.held.max(held);
                     peaks.resident = peaks.resident.max(resident);
                     if held > 0.0 {
