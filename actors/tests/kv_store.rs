@@ -784,3 +784,48 @@ async fn every_call_given_up_three_ways_leaves_the_store_and_books_right() {
         leased(&g).await
     );
 }
+
+/// Pressure takes the cached blocks least used first: a system prompt that four sequences
+/// mapped again outlives two one-off prompts written after it (by last use alone, it would
+/// have gone first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_prefix_outlives_a_bursts_one_off_blocks_under_pressure() {
+    let (g, _p, kv) = setup(1 << 30, PreemptMode::Swap).await;
+    let bt = SHAPE.block_tokens(PAGE);
+    // One whole block and a token each: the block is cached, the last token computed.
+    let prompt = |salt: u32| -> Vec<u32> { (0..=bt as u32).map(|t| t * 3 + salt).collect() };
+    let run = |seq: u64, p: Vec<u32>| {
+        let kv = kv.clone();
+        async move {
+            let opened = kv.open(seq, p.clone(), 0).await.unwrap();
+            for pos in opened.cached_tokens..p.len() {
+                step(&kv, &[(seq, pos)]).await.unwrap();
+            }
+            kv.close(seq);
+            opened.cached_tokens
+        }
+    };
+    let system = prompt(1);
+    assert_eq!(run(1, system.clone()).await, 0);
+    for seq in 2..6 {
+        assert_eq!(
+            run(seq, system.clone()).await,
+            bt,
+            "the system prompt is shared"
+        );
+    }
+    // A burst's one-off prompts, used after the system prompt last was.
+    assert_eq!(run(10, prompt(1000)).await, 0);
+    assert_eq!(run(11, prompt(2000)).await, 0);
+    let block = SHAPE.block_bytes_all(PAGE);
+    assert_eq!(kv.stats().await.unwrap().prefix_bytes, 3 * block);
+    let _held = hold_everything(&g).await;
+    let grant = another_holder_asks(g.clone(), 2 * block, Duration::from_secs(5))
+        .await
+        .expect("two cached blocks give way");
+    drop(grant);
+    assert_eq!(kv.stats().await.unwrap().prefix_bytes, block);
+    drop(_held);
+    assert_eq!(run(20, system.clone()).await, bt, "the hot block stayed");
+    assert_eq!(run(21, prompt(1000)).await, 0, "the one-off blocks went");
+}

@@ -478,17 +478,7 @@ async fn forward(
         stages: 0,
         error: None,
     }));
-    // The embeddings' rows are read in the head unit, on the weights' stream, before the
-    // first layer's kernel there.
-    let (m, f, ids) = (Arc::clone(model), Arc::clone(&flow), tokens.clone());
-    weights
-        .submit_with_weights(model.head_unit(), move |w| {
-            stage(&f, |flow| {
-                flow.x = Some(m.embed(w, &ids)?);
-                Ok(())
-            })
-        })
-        .await?;
+    queue_embed(model, weights, &flow, tokens.clone()).await?;
     queue_layers(model, weights, &step, shape, &flow, &positions).await?;
     // Only each sequence's last row is read (unless every row is asked for).
     let rows: Option<Vec<u32>> = (!every_row && tokens.len() != batch.len()).then(|| {
@@ -535,6 +525,26 @@ async fn forward(
         .await
         .map_err(ModelError::Store)?;
     Ok(logits)
+}
+
+/// Queues the lookup of `tokens`' embeddings: their rows read in the head unit, on the
+/// weights' stream, before the first layer's kernel there.
+async fn queue_embed(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    flow: &Arc<Mutex<Flow>>,
+    tokens: Vec<u32>,
+) -> Result<(), ModelError> {
+    let (m, f) = (Arc::clone(model), Arc::clone(flow));
+    weights
+        .submit_with_weights(model.head_unit(), move |w| {
+            stage(&f, |flow| {
+                flow.x = Some(m.embed(w, &tokens)?);
+                Ok(())
+            })
+        })
+        .await?;
+    Ok(())
 }
 
 fn lost_stream() -> ModelError {

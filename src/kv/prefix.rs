@@ -52,7 +52,12 @@ struct Entry<B> {
     state: BlockState,
     block: Option<B>,
     last_used: u64,
+    /// Times a sequence mapped it again (a lookup's hit, a restore's `get`), aged.
+    hits: u32,
 }
+
+/// A block's hit count saturates here (4 bits, as TinyLFU's counters).
+const MAX_HITS: u32 = 15;
 
 /// What a lookup found for a prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +74,8 @@ pub struct Lookup<B> {
 pub struct PrefixCache<B> {
     entries: HashMap<u64, Entry<B>>,
     hash: fn(u64, &[u32]) -> u64,
+    /// Hits since every count was last halved.
+    since_aging: u64,
 }
 
 impl<B> Default for PrefixCache<B> {
@@ -76,6 +83,7 @@ impl<B> Default for PrefixCache<B> {
         PrefixCache {
             entries: HashMap::new(),
             hash: chain_hash,
+            since_aging: 0,
         }
     }
 }
@@ -86,7 +94,29 @@ impl<B: Clone> PrefixCache<B> {
         PrefixCache {
             entries: HashMap::new(),
             hash,
+            since_aging: 0,
         }
+    }
+
+    /// Counts a hit of the block under `key`; after as many hits as the cache holds entries
+    /// (at least 64) every count is halved, so what was hot long ago cools.
+    fn hit(&mut self, key: u64) {
+        if let Some(e) = self.entries.get_mut(&key) {
+            e.hits = (e.hits + 1).min(MAX_HITS);
+        }
+        self.since_aging += 1;
+        if self.since_aging >= (self.entries.len() as u64).max(64) {
+            self.since_aging = 0;
+            for e in self.entries.values_mut() {
+                e.hits /= 2;
+            }
+        }
+    }
+
+    /// How often sequences mapped the block under `key` again since it was written, aged (0
+    /// for a key the cache does not hold).
+    pub fn hits(&self, key: u64) -> u32 {
+        self.entries.get(&key).map_or(0, |e| e.hits)
     }
 
     /// Looks `prompt` up (whole blocks of `block_tokens`): the leading complete blocks whose
@@ -119,6 +149,7 @@ impl<B: Clone> PrefixCache<B> {
                     e.last_used = now;
                     let Some(block) = e.block.clone() else { break };
                     found.hits.push((key, block));
+                    self.hit(key);
                 }
                 // Someone else's block (being written, or another prompt's under this key):
                 // share nothing from here on and claim nothing.
@@ -133,6 +164,7 @@ impl<B: Clone> PrefixCache<B> {
                             state: BlockState::Claimed { writer },
                             block: None,
                             last_used: now,
+                            hits: 0,
                         },
                     );
                     found.claimed.push(key);
@@ -152,7 +184,9 @@ impl<B: Clone> PrefixCache<B> {
             return None;
         }
         e.last_used = now;
-        e.block.clone()
+        let block = e.block.clone();
+        self.hit(key);
+        block
     }
 
     /// Gives a block claimed by `writer` its memory. Refused (the block is handed back) if the
@@ -247,6 +281,38 @@ mod tests {
 
     fn prompt(blocks: usize, salt: u32) -> Vec<u32> {
         (0..(blocks * BT) as u32).map(|t| t * 7 + salt).collect()
+    }
+
+    /// Each sequence that maps a block again counts a hit (a lookup's or a restore's); every
+    /// count is halved after as many hits as the cache holds entries (at least 64), and a
+    /// count saturates at 15.
+    #[test]
+    fn hits_count_who_maps_a_block_again_and_age() {
+        let mut c: PrefixCache<u32> = PrefixCache::default();
+        let system = prompt(2, 1);
+        let found = c.lookup(&system, BT, 1, 0);
+        for (i, key) in found.claimed.iter().enumerate() {
+            c.fill(*key, 1, i as u32).unwrap();
+            assert!(c.complete(*key, 1));
+        }
+        let (first, second) = (found.claimed[0], found.claimed[1]);
+        assert_eq!(
+            (c.hits(first), c.hits(second)),
+            (0, 0),
+            "its writer is no hit"
+        );
+        for writer in 2..5 {
+            assert_eq!(c.lookup(&system, BT, writer, writer).hits.len(), 2);
+        }
+        assert_eq!((c.hits(first), c.hits(second)), (3, 3));
+        assert!(c.get(second, first, &system[BT..2 * BT], 9).is_some());
+        assert_eq!(c.hits(second), 4);
+        assert_eq!(c.hits(12345), 0);
+        // Hits up to the aging point saturate at 15, then everything is halved.
+        for _ in 0..(64 - 7) {
+            c.get(first, 0, &system[..BT], 10);
+        }
+        assert_eq!((c.hits(first), c.hits(second)), (7, 2), "halved at 64 hits");
     }
 
     /// Defect (issue 13, 1): two opens of one prompt, both pending, both created the block.

@@ -1,7 +1,9 @@
 //! Which memory a KV store gives back under pressure, pure.
 //!
 //! Freeing scattered tokens frees nothing (pages stay mapped), so victims are whole units:
-//! cached prefixes nobody maps any more (least recently used first), then whole sequences,
+//! cached prefixes nobody maps any more (the least used first: a block mapped again by many
+//! sequences, a system prompt, outlives a burst's one-off blocks however recent those are; the
+//! least recently used among equals), then whole sequences,
 //! lowest priority first and, among equals, the most recently admitted first (as vLLM does).
 //! A sequence whose kernel is in flight is never chosen.
 //!
@@ -21,6 +23,9 @@ pub struct PrefixCandidate<K> {
     pub bytes: u64,
     /// When it was last used (larger is more recent).
     pub last_used: u64,
+    /// How often sequences mapped it again since it was written (aged by the cache: halved
+    /// now and then, so a prompt hot long ago does not stay for ever).
+    pub hits: u32,
     /// Whether any sequence still maps it (then dropping it frees nothing).
     pub referenced: bool,
 }
@@ -61,7 +66,7 @@ pub fn choose_victims<K: Clone, S: Clone>(
         .iter()
         .filter(|p| !p.referenced && p.bytes > 0)
         .collect();
-    free_prefixes.sort_by_key(|p| p.last_used);
+    free_prefixes.sort_by_key(|p| (p.hits, p.last_used));
     for p in free_prefixes {
         if covered >= wanted {
             return out;
@@ -97,6 +102,7 @@ mod tests {
             key,
             bytes,
             last_used,
+            hits: 0,
             referenced,
         }
     }
@@ -123,6 +129,26 @@ mod tests {
         assert_eq!(
             choose_victims(250, &prefixes, &seqs),
             vec![Victim::Prefix(2), Victim::Prefix(1), Victim::Sequence(10)]
+        );
+    }
+
+    /// A system prompt mapped again by many sequences outlives a burst's one-off blocks, even
+    /// those older than it was last used; among blocks used alike, the least recent goes.
+    #[test]
+    fn a_hot_prefix_outlives_recent_one_off_blocks() {
+        let hot = PrefixCandidate {
+            hits: 7,
+            ..p(1, 100, 1, false)
+        };
+        let prefixes = [hot, p(2, 100, 9, false), p(3, 100, 8, false)];
+        assert_eq!(
+            choose_victims::<u32, u32>(200, &prefixes, &[]),
+            vec![Victim::Prefix(3), Victim::Prefix(2)]
+        );
+        assert_eq!(
+            choose_victims::<u32, u32>(300, &prefixes, &[]).last(),
+            Some(&Victim::Prefix(1)),
+            "the hot block goes last"
         );
     }
 

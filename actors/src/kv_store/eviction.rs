@@ -119,6 +119,7 @@ impl KvStoreState {
                 key,
                 bytes: block.bytes,
                 last_used,
+                hits: self.prefixes.hits(key),
                 // Some sequence maps it (its writer included, or an open about to).
                 referenced: block.sharers() > 0,
             })
@@ -285,19 +286,17 @@ impl KvStoreState {
         }
     }
 
-    /// Evicts cached blocks nobody maps any more, least recently used first.
+    /// Evicts cached blocks nobody maps any more, in the policy's order (the least used first,
+    /// the least recent among equals).
     fn evict_loose(&mut self, wanted: u64, got: &mut Got) {
-        let mut loose: Vec<(u64, u64, u64)> = self
-            .prefixes
-            .blocks()
-            .filter(|(_, b, _, _)| b.sharers() == 0)
-            .map(|(key, b, last_used, _)| (last_used, key, b.bytes))
-            .collect();
-        loose.sort_unstable();
-        for (_, key, _) in loose {
+        let candidates = self.prefix_candidates();
+        for victim in choose_victims::<u64, SeqId>(u64::MAX, &candidates, &[]) {
             if got.total() >= wanted {
                 break;
             }
+            let Victim::Prefix(key) = victim else {
+                continue;
+            };
             let (now, later) = self.evict_prefix(key);
             got.freed += now;
             got.pending += later;

@@ -363,30 +363,6 @@ impl NodeState {
         tracing::warn!(%e, "frame dropped");
     }
 
-    /// A frame from a process that is not (or no longer) joined: late where the node reaped
-    /// that very session (it left, or its connection closed, before this frame came),
-    /// rejected otherwise. Either way it is dropped, and the log says which and why.
-    fn stranger(&mut self, token: u64, key: u64, what: &'static str) {
-        match self
-            .reaped
-            .iter()
-            .rev()
-            .find(|r| r.0 == token && r.1 == key)
-        {
-            Some(&(_, _, why)) => {
-                self.status.late_frames += 1;
-                m::NODE_LATE_FRAMES_TOTAL.counter(&[]).increment(1);
-                tracing::info!(
-                    token,
-                    frame = what,
-                    reaped = why,
-                    "a frame after its process was reaped, dropped"
-                );
-            }
-            None => self.rejected(&WireError::Invalid(what)),
-        }
-    }
-
     fn request(&mut self, request: NodeRequest, reply: RpcReplyPort<Vec<u8>>) {
         match request {
             NodeRequest::Join {
