@@ -819,6 +819,13 @@ async fn a_hot_prefix_outlives_a_bursts_one_off_blocks_under_pressure() {
     assert_eq!(run(11, prompt(2000)).await, 0);
     let block = SHAPE.block_bytes_all(PAGE);
     assert_eq!(kv.stats().await.unwrap().prefix_bytes, 3 * block);
+    // The closed sequences' own memory goes after their fences: once only the three cached
+    // blocks are leased, nothing but them can make room.
+    let start = std::time::Instant::now();
+    while leased(&g).await != 3 * block {
+        assert!(start.elapsed() < Duration::from_secs(10), "the books never settled");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let _held = hold_everything(&g).await;
     let grant = another_holder_asks(g.clone(), 2 * block, Duration::from_secs(5))
         .await
