@@ -823,7 +823,10 @@ async fn a_hot_prefix_outlives_a_bursts_one_off_blocks_under_pressure() {
     // blocks are leased, nothing but them can make room.
     let start = std::time::Instant::now();
     while leased(&g).await != 3 * block {
-        assert!(start.elapsed() < Duration::from_secs(10), "the books never settled");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the books never settled"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let _held = hold_everything(&g).await;
