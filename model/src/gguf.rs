@@ -389,22 +389,10 @@ impl Gguf {
     /// not tied to the embeddings.
     pub fn head(&mut self) -> Result<(Vec<u8>, HeadSlots), ModelError> {
         let mut bytes = Vec::new();
-        let mut put = |gguf: &mut Self, name: &str| -> Result<TensorSlot, ModelError> {
-            let (raw, dtype, dims) = gguf.raw(name)?;
-            bytes.resize(bytes.len().next_multiple_of(64), 0);
-            let slot = TensorSlot {
-                offset: bytes.len(),
-                len: raw.len(),
-                dtype,
-                dims,
-            };
-            bytes.extend_from_slice(&raw);
-            Ok(slot)
-        };
-        let embed = put(self, "token_embd.weight")?;
-        let norm = put(self, "output_norm.weight")?;
+        let embed = pack(&mut bytes, self.raw("token_embd.weight")?, true);
+        let norm = pack(&mut bytes, self.raw("output_norm.weight")?, true);
         let output = if self.has("output.weight") {
-            put(self, "output.weight")?
+            pack(&mut bytes, self.raw("output.weight")?, true)
         } else {
             embed.clone()
         };
@@ -432,19 +420,30 @@ impl Gguf {
                 && slots.last().is_some_and(|p: &TensorSlot| {
                     p.dtype == dtype && p.dims.len() == 2 && p.dims.get(1) == dims.get(1)
                 });
-            if !continues {
-                bytes.resize(bytes.len().next_multiple_of(64), 0);
-            }
-            slots.push(TensorSlot {
-                offset: bytes.len(),
-                len: raw.len(),
-                dtype,
-                dims,
-            });
-            bytes.extend_from_slice(&raw);
+            slots.push(pack(&mut bytes, (raw, dtype, dims), !continues));
         }
         Ok((bytes, slots))
     }
+}
+
+/// Appends tensor `raw` (its bytes, type and dimensions) to a unit's `bytes`, first on a
+/// 64-byte boundary where `align`; where it lies.
+fn pack(
+    bytes: &mut Vec<u8>,
+    (raw, dtype, dims): (Vec<u8>, GgmlDType, Vec<usize>),
+    align: bool,
+) -> TensorSlot {
+    if align {
+        bytes.resize(bytes.len().next_multiple_of(64), 0);
+    }
+    let slot = TensorSlot {
+        offset: bytes.len(),
+        len: raw.len(),
+        dtype,
+        dims,
+    };
+    bytes.extend_from_slice(&raw);
+    slot
 }
 
 /// `parts`, back to back in a layer's bytes with one type and one row length, as one

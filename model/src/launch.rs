@@ -336,17 +336,13 @@ impl Launch {
         let page = procmem_actors::procmem::granularity();
         // Each layer (and the head) is charged by the pages it takes, beside the reserve for a
         // step's activations; each KV buffer by the chunks it maps.
-        let weights =
-            loaded
-                .layers
-                .iter()
-                .chain([&loaded.head])
-                .map(|l| (l.len() as u64).next_multiple_of(page))
-                .sum::<u64>()
-                .saturating_add(loaded.model.step_scratch_bytes(
-                    crate::serve::STEP_TOKENS,
-                    crate::serve::SCRATCH_LOGIT_ROWS,
-                ));
+        let weights = loaded
+            .layers
+            .iter()
+            .chain([&loaded.head])
+            .map(|l| (l.len() as u64).next_multiple_of(page))
+            .sum::<u64>()
+            .saturating_add(crate::Engine::scratch_bytes(&loaded.model));
         let shape = loaded
             .model
             .kv_shape(config.k_dtype, config.v_dtype, context);

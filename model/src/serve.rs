@@ -128,12 +128,7 @@ impl Engine {
         // The activations of the widest step the engine runs, in the books: the heap they come
         // from is the process's, not a holder's.
         let scratch = memory
-            .reserve(
-                "step scratch",
-                loaded
-                    .model
-                    .step_scratch_bytes(STEP_TOKENS, SCRATCH_LOGIT_ROWS),
-            )
+            .reserve("step scratch", Engine::scratch_bytes(&loaded.model))
             .await?;
         let kv = memory.kv_store(kv_config).await?;
         Ok(Engine {
@@ -145,6 +140,13 @@ impl Engine {
             step_tokens: STEP_TOKENS,
             scratch,
         })
+    }
+
+    /// The reserve an engine of `model` takes for a step's activations: a prompt chunk of
+    /// [`STEP_TOKENS`] rows with [`SCRATCH_LOGIT_ROWS`] rows of logits
+    /// ([`Smol::step_scratch_bytes`]). A budget sized by hand adds it beside the weights.
+    pub fn scratch_bytes(model: &Smol) -> u64 {
+        model.step_scratch_bytes(STEP_TOKENS, SCRATCH_LOGIT_ROWS)
     }
 
     /// Greedy completions of `requests`, at most `concurrency` running at once, through the

@@ -111,10 +111,7 @@ async fn completions_under_pressure_equal_the_unpressured_run() {
         .map(|l| l.len() as u64)
         .sum();
     // The engine's reserve for a step's activations is in the books beside them.
-    let scratch = loaded.model.step_scratch_bytes(
-        procmem_model::serve::STEP_TOKENS,
-        procmem_model::serve::SCRATCH_LOGIT_ROWS,
-    );
+    let scratch = procmem_model::Engine::scratch_bytes(&loaded.model);
     let shape = loaded
         .model
         .kv_shape(KvDtype::F32, KvDtype::F32, MAX_TOKENS);

@@ -63,11 +63,10 @@ async fn a_steps_heap_stays_within_the_engines_reserve() {
         return;
     };
     let loaded = Smol::load(&path).unwrap();
-    let reserve = |rows, logits| loaded.model.step_scratch_bytes(rows, logits) as usize;
-    let (wide, narrow) = (
-        reserve(STEP_TOKENS, SCRATCH_LOGIT_ROWS),
-        reserve(SCRATCH_LOGIT_ROWS, SCRATCH_LOGIT_ROWS),
-    );
+    let wide = Engine::scratch_bytes(&loaded.model) as usize;
+    let narrow = loaded
+        .model
+        .step_scratch_bytes(SCRATCH_LOGIT_ROWS, SCRATCH_LOGIT_ROWS) as usize;
     let shape = loaded
         .model
         .kv_shape(KvDtype::F16, KvDtype::F16, 2 * STEP_TOKENS);

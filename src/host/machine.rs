@@ -30,6 +30,16 @@ pub struct ParseError {
     pub line: String,
 }
 
+impl ParseError {
+    /// `what` did not parse at `line` (kept to its first 200 characters).
+    fn new(what: &'static str, line: &str) -> Self {
+        ParseError {
+            what,
+            line: line.chars().take(200).collect(),
+        }
+    }
+}
+
 fn field(line: &str, key: &str) -> Option<String> {
     line.split_whitespace()
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=').map(str::to_owned))
@@ -37,10 +47,7 @@ fn field(line: &str, key: &str) -> Option<String> {
 
 /// Parses a PSI file.
 pub fn parse_psi(text: &str) -> Result<PsiSample, ParseError> {
-    let bad = |line: &str| ParseError {
-        what: "PSI",
-        line: line.chars().take(200).collect(),
-    };
+    let bad = |line: &str| ParseError::new("PSI", line);
     let mut sample = PsiSample::default();
     let mut saw_some = false;
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -76,10 +83,7 @@ pub fn parse_limit(text: &str) -> Result<Option<u64>, ParseError> {
     if t == "max" {
         return Ok(None);
     }
-    let v: u64 = t.parse().map_err(|_| ParseError {
-        what: "cgroup limit",
-        line: t.chars().take(200).collect(),
-    })?;
+    let v: u64 = t.parse().map_err(|_| ParseError::new("cgroup limit", t))?;
     // cgroup v1 writes "no limit" as i64::MAX rounded down to a page.
     Ok((v < 1 << 62).then_some(v))
 }
@@ -150,16 +154,10 @@ pub fn parse_inactive_file(stat: &str) -> Result<u64, ParseError> {
     };
     match value("total_inactive_file").or_else(|| value("inactive_file")) {
         Some(Some(v)) => Ok(v),
-        _ => Err(ParseError {
-            what: "memory.stat",
-            line: stat
-                .lines()
-                .next()
-                .unwrap_or("")
-                .chars()
-                .take(200)
-                .collect(),
-        }),
+        _ => Err(ParseError::new(
+            "memory.stat",
+            stat.lines().next().unwrap_or(""),
+        )),
     }
 }
 
@@ -187,16 +185,10 @@ pub fn parse_process_rss(status: &str) -> Result<ProcessRss, ParseError> {
     };
     match (kb("RssAnon"), kb("RssFile"), kb("RssShmem")) {
         (Some(anon), Some(file), Some(shmem)) => Ok(ProcessRss { anon, file, shmem }),
-        _ => Err(ParseError {
-            what: "/proc/self/status",
-            line: status
-                .lines()
-                .next()
-                .unwrap_or("")
-                .chars()
-                .take(200)
-                .collect(),
-        }),
+        _ => Err(ParseError::new(
+            "/proc/self/status",
+            status.lines().next().unwrap_or(""),
+        )),
     }
 }
 
