@@ -221,6 +221,22 @@ pub const NODE_PROCESS_CREDIT_BYTES: Metric = metric(
     NODE_PROCESS,
     "Credit the node Governor approved to one process (`process`: its name and pid, `name[pid]`).",
 );
+/// The share of an authority the node Governor guarantees one process.
+pub const NODE_PROCESS_GUARANTEE_BYTES: Metric = metric(
+    "procmem_node_process_guarantee_bytes",
+    Kind::Gauge,
+    Unit::Bytes,
+    NODE_PROCESS,
+    "The share of the authority the node Governor guarantees one process: what it gets back within one ticket round from processes over theirs.",
+);
+/// Credit taken back from processes that stopped answering while over their guarantee.
+pub const NODE_REVOKED_BYTES_TOTAL: Metric = metric(
+    "procmem_node_revoked_bytes_total",
+    Kind::Counter,
+    Unit::Bytes,
+    NODE_PROCESS,
+    "Credit the node Governor took back, without its answer, from a process over its guarantee that stopped answering while another waited under its own.",
+);
 /// Bytes one process last reported the OS or driver holds for it.
 pub const NODE_PROCESS_OS_BYTES: Metric = metric(
     "procmem_node_process_os_bytes",
@@ -431,6 +447,8 @@ const CORE: &[Metric] = &[
     NODE_CREDIT_BYTES,
     NODE_PROCESS_CREDIT_BYTES,
     NODE_PROCESS_OS_BYTES,
+    NODE_PROCESS_GUARANTEE_BYTES,
+    NODE_REVOKED_BYTES_TOTAL,
     NODE_TICKETS_TOTAL,
     NODE_REJECTED_FRAMES_TOTAL,
     NODE_LATE_FRAMES_TOTAL,

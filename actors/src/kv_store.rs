@@ -384,6 +384,17 @@ pub(crate) enum KvStoreMsg {
     CopySettled { seq: SeqId, writer: Incarnation },
     /// A closed sequence's blocks were copied into the cache (internal).
     Kept(keep::Keeping),
+    /// Evicts cached blocks nobody maps that were used at most `worth` times, least worth
+    /// first, until `bytes` are freed: what another process's burst may take from an idle
+    /// one (its hot prefixes stay).
+    ShedCold {
+        /// Bytes wanted.
+        bytes: u64,
+        /// The most hits a block given up may have.
+        worth: u32,
+        /// Answered with the bytes freed now and after their copy to the tier below.
+        reply: RpcReplyPort<Result<u64, KvStoreError>>,
+    },
     /// What the store holds now, for `KvStoreHandle::stats`.
     Stats {
         /// Answered with the counters.
@@ -588,6 +599,14 @@ impl Actor for KvStore {
             KvStoreMsg::Kept(keeping) => state.kept(keeping),
             KvStoreMsg::CopySettled { seq, writer } => state.copy_settled(seq, writer),
             KvStoreMsg::Stats { reply } => state.send_stats(reply),
+            KvStoreMsg::ShedCold {
+                bytes,
+                worth,
+                reply,
+            } => {
+                let freed = state.shed_cold(bytes, worth);
+                let _ = reply.send(Ok(freed));
+            }
             #[cfg(feature = "fault-injection")]
             KvStoreMsg::Crash => panic!("KV store told to crash"),
             KvStoreMsg::Granted { txn, grant } => state.granted(&myself, txn, grant).await,

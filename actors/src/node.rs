@@ -35,10 +35,11 @@ pub mod wire;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-pub use link::{LinkConfig, LinkError, NodeLink, PrefixSource};
+pub use link::{LinkConfig, LinkError, NodeLink, PrefixSource, ShedCold};
 pub use peer::socket_path;
 pub use server::{NodeConfig, NodeGovernor, NodeHandle};
 pub use watch::ClusterWatch;
+pub use wire::Share;
 
 /// The process group the node Governor joins; processes find it there.
 pub const NODE_GROUP: &str = "procmem.node";

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use procmem_actors::kv::{KvStoreHandle, PreemptMode};
 use procmem_actors::machine::{CgroupVersion, HostPressure, LinuxSource};
-use procmem_actors::node::wire::{HeldPrefixes, NodeNotice, NodeRequest, WireError, MAX_PAYLOAD};
+use procmem_actors::node::wire::{
+    HeldPrefixes, NodeNotice, NodeRequest, Share, WireError, MAX_PAYLOAD,
+};
 use procmem_actors::node::{LinkConfig, NodeConfig, NodeHandle, NodeLink};
 use procmem_actors::procmem::host::machine::PressurePolicy;
 use procmem_actors::procmem::kv::{prompt_keys, KvShape, PrefixDigest};
@@ -176,6 +178,16 @@ async fn run_server() {
     link.prefixes = Some(std::sync::Arc::new(move || {
         reported.get().map(KvStoreHandle::prefix_digest)
     }));
+    let shed = std::sync::Arc::clone(&store);
+    link.shed = Some(std::sync::Arc::new(move |bytes, hits| {
+        let kv = shed.get().cloned();
+        Box::pin(async move {
+            match kv {
+                Some(kv) => kv.shed_cold(bytes, hits).await.unwrap_or(0),
+                None => 0,
+            }
+        })
+    }));
     let node = NodeLink::join(link, g.clone()).await.unwrap();
     let (kv, _) = KvStoreHandle::spawn(
         common::kv_config(SHAPE, 1, PreemptMode::Recompute, Duration::from_secs(3)),
@@ -203,7 +215,25 @@ async fn run_server() {
         fill(&kv, seq, 0).await.unwrap();
         kv.close(seq);
     }
+    // A prompt used by every conversation: opened again `HOT` times, its blocks hit each time.
+    let hot: u64 = std::env::var("HOT").map_or(0, |v| v.parse().unwrap());
+    for seq in 100..100 + hot {
+        let opened = kv.open(seq, prompt(1), 0).await.unwrap();
+        fill(&kv, seq, opened.cached_tokens).await.unwrap();
+        kv.close(seq);
+    }
     say(format!("CACHED {}", common::os_bytes(&p)));
+    if let Ok(probe) = std::env::var("PROBE") {
+        // At the test's word: how much of that prompt is still cached.
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            while !std::path::Path::new(&probe).exists() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let opened = kv.open(9999, prompt(1), 0).await.unwrap();
+            say(format!("PROBE {}", opened.cached_tokens));
+        });
+    }
     if std::env::var_os("CHURN").is_some() {
         // Busy all the time: one sequence at a time opens on a cached prompt, decodes 64
         // tokens (1 MiB more) and closes, so what it uses moves every few steps.
@@ -452,6 +482,7 @@ async fn run_hostile() {
                     priority: 0,
                     authority: "host".into(),
                     held: u64::MAX,
+                    share: Share::default(),
                 }),
                 true,
             ),
@@ -468,6 +499,7 @@ async fn run_hostile() {
                     priority: 0,
                     authority: "host".into(),
                     held: 0,
+                    share: Share::default(),
                 }),
                 true,
             ),
@@ -558,6 +590,7 @@ async fn run_hostile() {
                     priority: 0,
                     authority: "host".into(),
                     held: 1 << 20,
+                    share: Share::default(),
                 }),
                 true,
             ),
@@ -933,6 +966,168 @@ fn two_servers_share_one_budget_and_a_burst_evicts_the_idle_servers_cache() {
     );
     assert!(shmem(b.pid()) >= 7 * MIB, "the burst got its memory");
     common::figure("node_budget", 1, 1);
+}
+
+/// A word file for the servers, fresh.
+fn word(name: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("procmem-node-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+fn signal(p: &Proc, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &p.pid().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
+/// Two servers, each guaranteed half of 12 MiB. One holds 9 MiB in open sequences it never
+/// closes; the other, under its guarantee, needs 4 MiB and gets them from the first (its
+/// sequences preempted, in its own process), not after its conversations end: they never do.
+#[test]
+fn a_process_under_its_guarantee_gets_its_room_while_another_holds_it_in_live_sequences() {
+    let budget = 12 * MIB;
+    let (node, port) = node(budget);
+    let a = server(port, "holder", 0, 0, 9);
+    a.wait("BURST", Duration::from_secs(60), |_| {});
+    let go = word("go-guarantee");
+    let b = server_with(
+        port,
+        "entitled",
+        0,
+        0,
+        4,
+        &[("GO", go.to_string_lossy().into_owned())],
+    );
+    b.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 2);
+    std::fs::write(&go, b"go").unwrap();
+    // Its opens wait 3 s for room at most and the child stops at the first refusal.
+    let (peak, line) = sample_until(&[&a, &b], &b, "BURST", Duration::from_secs(30));
+    let _ = std::fs::remove_file(&go);
+    let f: Vec<u64> = line
+        .split(' ')
+        .skip(1)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let after = status(&node);
+    let credit = |s: &Status, p: &Proc| s.procs.iter().find(|x| x.0 == p.pid()).unwrap().1;
+    eprintln!(
+        "node_guarantee: holder {} B -> {} B of credit, entitled {} B -> {} B; 4 sequences in {} ms; \
+         both servers' memfd bytes at most {peak} B of {budget}",
+        credit(&before, &a),
+        credit(&after, &a),
+        credit(&before, &b),
+        credit(&after, &b),
+        f[1]
+    );
+    assert!(peak <= budget, "{peak} B held");
+    assert!(credit(&after, &b) >= 4 * MIB, "{after:?}");
+    assert!(
+        credit(&after, &a) >= budget / 2,
+        "the holder keeps its guarantee: {after:?}"
+    );
+    common::figure("node_guarantee", 1, 1);
+}
+
+/// The holder is stopped (SIGSTOP) while over its guarantee: it cannot give, so what it holds
+/// above its guarantee is taken back in the books once it has been silent a second, and the
+/// process under its guarantee gets its room. Continued, the stopped process's holders make
+/// the room at once; the books never go below its guarantee and count no frame as hostile.
+#[test]
+fn a_stopped_process_over_its_guarantee_does_not_keep_the_other_waiting() {
+    let budget = 12 * MIB;
+    let (node, port) = node(budget);
+    let a = server(port, "stopped", 0, 0, 9);
+    a.wait("BURST", Duration::from_secs(60), |_| {});
+    let go = word("go-stopped");
+    let b = server_with(
+        port,
+        "waiting",
+        0,
+        0,
+        4,
+        &[("GO", go.to_string_lossy().into_owned())],
+    );
+    b.wait("CACHED", Duration::from_secs(60), |_| {});
+    let before = status_until(&node, Duration::from_secs(5), |s| s.procs.len() == 2);
+    signal(&a, "-STOP");
+    let stopped = Instant::now();
+    std::fs::write(&go, b"go").unwrap();
+    let line = b.wait("BURST", Duration::from_secs(30), |_| {});
+    let waited = stopped.elapsed();
+    let _ = std::fs::remove_file(&go);
+    let during = status(&node);
+    let credit = |s: &Status, p: &Proc| s.procs.iter().find(|x| x.0 == p.pid()).unwrap().1;
+    let (a_held, b_held) = (shmem(a.pid()), shmem(b.pid()));
+    signal(&a, "-CONT");
+    let after = status_until(&node, Duration::from_secs(5), |s| {
+        s.procs.len() == 2 && shmem(a.pid()) <= credit(s, &a)
+    });
+    eprintln!(
+        "node_sigstop: stopped holder {} B -> {} B of credit (memfd {a_held} B while stopped, \
+         {} B after SIGCONT); the waiting server's 4 sequences done {} ms after the stop \
+         ({line}); both held {} B of {budget} while stopped",
+        credit(&before, &a),
+        credit(&during, &a),
+        shmem(a.pid()),
+        waited.as_millis(),
+        a_held + b_held,
+    );
+    assert!(
+        credit(&during, &a) >= budget / 2,
+        "never below its guarantee"
+    );
+    assert!(credit(&during, &b) >= 4 * MIB);
+    assert_eq!(after.rejected, before.rejected, "no frame counted hostile");
+    assert!(after.total <= after.capacity);
+    common::figure("node_sigstop", 1, 1);
+}
+
+/// An idle server holds one prompt every conversation used (hot) and four used once (cold),
+/// under its guarantee; a burst that needs all of the node (its own 3 cold prompts and 9
+/// sequences) takes the cold ones and its own cache, and the hot prompt is still there when the idle server's next conversation comes.
+#[test]
+fn an_idle_processs_hot_prefix_survives_another_processs_burst() {
+    let budget = 12 * MIB;
+    let (node, port) = node(budget);
+    let probe = word("probe");
+    let a = server_with(
+        port,
+        "idle",
+        0,
+        4,
+        0,
+        &[
+            ("HOT", "3".into()),
+            ("PROBE", probe.to_string_lossy().into_owned()),
+        ],
+    );
+    a.wait("CACHED", Duration::from_secs(60), |_| {});
+    let b = server(port, "bursty", 0, 3, 9);
+    let (peak, _) = sample_until(&[&a, &b], &b, "BURST", Duration::from_secs(60));
+    let s = status(&node);
+    std::fs::write(&probe, b"probe").unwrap();
+    let cached: usize = a.wait("PROBE", Duration::from_secs(10), |_| {})[6..]
+        .parse()
+        .unwrap();
+    let _ = std::fs::remove_file(&probe);
+    eprintln!(
+        "node_hot_prefix: the idle server's hot prompt {cached} of {PROMPT} tokens cached after \
+         the burst; idle server memfd {} B, burst {} B, at most {peak} B of {budget}; tickets {}",
+        shmem(a.pid()),
+        shmem(b.pid()),
+        s.tickets
+    );
+    assert!(peak <= budget);
+    assert!(
+        cached + 16 >= PROMPT,
+        "the hot prompt was evicted: {cached} cached"
+    );
+    common::figure("node_hot_prefix", 1, 1);
 }
 
 #[test]

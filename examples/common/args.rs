@@ -11,6 +11,7 @@ use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::MemoryManager;
 use procmem_model::launch::{
     self, join_node, Budget, Builtin, KvSlot, ModelConfig, ModelSource, NodeJoin, PrefixDiskConfig,
+    Share,
 };
 use procmem_model::synthetic::{JobConfig, Size};
 
@@ -119,6 +120,15 @@ pub struct Args {
     /// This server's priority on the node: less important servers give back first.
     #[arg(long, default_value_t = 0)]
     pub node_priority: u32,
+    /// This server's weight on the node: the servers without `--node-guarantee` are
+    /// guaranteed the rest of the node's capacity in proportion to their weights.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub node_weight: u32,
+    /// The share of the node's capacity guaranteed to this server (e.g. `200MiB`), instead of
+    /// one by weight: while it holds less, it gets room back within one ticket round from
+    /// servers over theirs.
+    #[arg(long, value_parser = parse_bytes)]
+    pub node_guarantee: Option<u64>,
     /// With `--model`: serve the OpenAI-compatible API here (e.g. 127.0.0.1:8080) until
     /// Ctrl-C or SIGTERM, instead of the built-in prompts. `--concurrency` bounds the
     /// requests running at once, `--max-new-tokens` is the default `max_tokens`.
@@ -339,6 +349,10 @@ fn node_join(args: &Args, addr: SocketAddr) -> NodeJoin {
         addr,
         cookie: args.node_cookie.clone(),
         priority: args.node_priority,
+        share: Share {
+            weight: args.node_weight,
+            guarantee: args.node_guarantee,
+        },
         name: "inference_server".into(),
     }
 }

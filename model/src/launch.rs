@@ -19,6 +19,8 @@ use crate::{fetch_smollm2, Engine, Loaded, ModelError, Smol, TextCodec};
 mod node;
 #[cfg(feature = "cluster")]
 pub use node::{join_node, KvSlot, NodeJoin};
+#[cfg(feature = "cluster")]
+pub use procmem_actors::node::Share;
 
 /// Granules the KV store maps per growth for a served model.
 pub const CHUNK_GRANULES: u64 = 3;

@@ -286,11 +286,36 @@ impl KvStoreState {
         }
     }
 
+    /// Evicts cached blocks nobody maps that were used at most `worth` times, in the policy's
+    /// order, until `wanted` bytes are freed (now, or after their copy to the tier below).
+    /// Returns the bytes freed.
+    pub(super) fn shed_cold(&mut self, wanted: u64, worth: u32) -> u64 {
+        let mut got = Got {
+            freed: 0,
+            pending: 0,
+        };
+        let mut candidates = self.prefix_candidates();
+        candidates.retain(|c| c.hits <= worth);
+        self.evict_candidates(&candidates, wanted, &mut got);
+        self.stats.freed_by_pressure += got.total();
+        got.total()
+    }
+
     /// Evicts cached blocks nobody maps any more, in the policy's order (the least used first,
     /// the least recent among equals).
     fn evict_loose(&mut self, wanted: u64, got: &mut Got) {
         let candidates = self.prefix_candidates();
-        for victim in choose_victims::<u64, SeqId>(u64::MAX, &candidates, &[]) {
+        self.evict_candidates(&candidates, wanted, got);
+    }
+
+    /// Evicts those of `candidates` nobody maps, in the policy's order, until `wanted`.
+    fn evict_candidates(
+        &mut self,
+        candidates: &[PrefixCandidate<u64>],
+        wanted: u64,
+        got: &mut Got,
+    ) {
+        for victim in choose_victims::<u64, SeqId>(u64::MAX, candidates, &[]) {
             if got.total() >= wanted {
                 break;
             }

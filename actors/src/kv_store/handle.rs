@@ -166,6 +166,20 @@ impl KvStoreHandle {
         Arc::clone(&self.digest.borrow())
     }
 
+    /// Evicts cached prompt blocks nobody maps that were used at most `worth` times (the least
+    /// used first, the least recent among equals) until `bytes` are freed; the bytes freed
+    /// (some after their copy to the tier below). Blocks used more often stay, whatever is
+    /// wanted: it is what a process gives another's burst (see
+    /// [`LinkConfig::shed`](crate::node::LinkConfig)).
+    pub async fn shed_cold(&self, bytes: u64, worth: u32) -> Result<u64, KvStoreError> {
+        self.ask(|reply| KvStoreMsg::ShedCold {
+            bytes,
+            worth,
+            reply,
+        })
+        .await
+    }
+
     /// What the store holds now and what it did so far (see [`KvStoreStats`]).
     pub async fn stats(&self) -> Result<KvStoreStats, KvStoreError> {
         self.ask(|reply| KvStoreMsg::Stats { reply }).await

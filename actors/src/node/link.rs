@@ -11,13 +11,21 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::wire::{
-    self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, NOBODY_CAN_GIVE,
+    self, LinkMsg, LinkNotice, NodeMsg, NodeNotice, NodeReply, NodeRequest, Share, NOBODY_CAN_GIVE,
 };
 use super::{link_group, NODE_GROUP, TICK};
 use crate::governor::GovernorHandle;
 
 /// What a process calls for the prompt blocks it holds (see [`LinkConfig::prefixes`]).
 pub type PrefixSource = Arc<dyn Fn() -> Option<Arc<PrefixDigest>> + Send + Sync>;
+
+/// Evicts cached blocks used at most `hits` times until `bytes` are freed, answering the bytes
+/// freed: a KV store's [`shed_cold`](crate::kv::KvStoreHandle::shed_cold).
+pub type ShedCold = Arc<
+    dyn Fn(u64, u32) -> std::pin::Pin<Box<dyn std::future::Future<Output = u64> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// How a process joins its node Governor.
 #[derive(Clone)]
@@ -30,6 +38,8 @@ pub struct LinkConfig {
     pub name: String,
     /// How much it matters: less important processes give back first.
     pub priority: u32,
+    /// Its guaranteed share of the authority (by default an equal share by weight).
+    pub share: Share,
     /// The authority on the node its Governor's capacity comes from.
     pub authority: String,
     /// Credit is asked for at least this many bytes at a time.
@@ -45,6 +55,10 @@ pub struct LinkConfig {
     /// [`prefix_digest`](crate::kv::KvStoreHandle::prefix_digest); `None` while it has no
     /// store): reported to the node, which merges them per model for routers.
     pub prefixes: Option<PrefixSource>,
+    /// How it gives cached blocks of little worth when asked at or under its guarantee (a KV
+    /// store's [`shed_cold`](crate::kv::KvStoreHandle::shed_cold)); without it, only credit it
+    /// does not use.
+    pub shed: Option<ShedCold>,
     /// The node's Unix socket, tried first for a node on loopback: over it the node learns
     /// this process's pid from the kernel (over TCP it can only watch the session).
     pub unix: Option<std::path::PathBuf>,
@@ -56,6 +70,7 @@ impl std::fmt::Debug for LinkConfig {
             .field("node", &self.node)
             .field("name", &self.name)
             .field("priority", &self.priority)
+            .field("share", &self.share)
             .field("authority", &self.authority)
             .field("chunk", &self.chunk)
             .finish()
@@ -70,12 +85,14 @@ impl LinkConfig {
             cookie: cookie.into(),
             name: name.into(),
             priority: 0,
+            share: Share::default(),
             authority: "host".into(),
             chunk: 64 << 20,
             wait: Duration::from_secs(2),
             os_bytes: None,
             model: "model".into(),
             prefixes: None,
+            shed: None,
             unix: node
                 .ip()
                 .is_loopback()
@@ -218,6 +235,7 @@ impl NodeLink {
             priority: config.priority,
             authority: config.authority.clone(),
             held: 0,
+            share: config.share,
         };
         let (credit, key) = match call(&node, join, Duration::from_secs(5)).await {
             Ok(NodeReply::Joined { credit, key }) => (credit, Arc::new(AtomicU64::new(key))),
@@ -332,8 +350,15 @@ impl Actor for Link {
                 authority,
                 bytes,
                 deadline_ms,
-            })) if authority == state.config.authority => {
-                state.ticket(id, bytes, deadline_ms).await;
+                worth,
+            })) if authority == state.config.authority => match worth {
+                None => state.ticket(id, bytes, deadline_ms).await,
+                Some(hits) => state.cold_ticket(id, bytes, hits).await,
+            },
+            LinkMsg::Notice(Ok(LinkNotice::Revoked { authority, bytes }))
+                if authority == state.config.authority =>
+            {
+                state.revoked(bytes).await;
             }
             LinkMsg::Notice(other) => {
                 tracing::warn!(?other, "node notice dropped");
@@ -421,6 +446,50 @@ impl LinkState {
         }
     }
 
+    /// The node took `bytes` back while this process did not answer (it was stopped, or
+    /// starved): the credit is lower from now on, and the Governor's holders make the room
+    /// (its capacity falls below what it approved, which is pressure, never a taking).
+    async fn revoked(&mut self, bytes: u64) {
+        tracing::warn!(
+            bytes,
+            credit = self.credit,
+            "the node took credit back while this process did not answer"
+        );
+        self.credit = self.credit.saturating_sub(bytes);
+        // The node took the bytes instead of waiting for this process's answer to its ticket:
+        // the ticket is answered.
+        self.ticket = None;
+        self.set_capacity().await;
+    }
+
+    /// Credit its holders neither use nor wait for.
+    async fn unused(&self) -> Option<u64> {
+        let s = self.governor.snapshot().await.ok()?;
+        let spoken_for = s.books.approved().saturating_add(s.waiting_bytes);
+        Some(self.credit.saturating_sub(spoken_for))
+    }
+
+    /// A ticket at or under its guarantee: cached blocks used at most `hits` times are evicted
+    /// (its hot prefixes, its sequences and its weights stay), and what it then does not use,
+    /// up to `bytes`, goes back at once. Nothing is lowered: no holder is pressed.
+    async fn cold_ticket(&mut self, id: u64, bytes: u64, hits: u32) {
+        if self.ticket.is_some() {
+            return self.give(0, id);
+        }
+        let unused = self.unused().await.unwrap_or(0);
+        if unused < bytes {
+            if let Some(shed) = &self.config.shed {
+                let freed = shed(bytes - unused, hits).await;
+                tracing::debug!(id, freed, hits, "cold blocks given for a node ticket");
+            }
+        }
+        let now = self.unused().await.unwrap_or(0).min(bytes);
+        // Lower first, then give: local approvals never exceed what the node approved.
+        self.credit -= now;
+        self.set_capacity().await;
+        self.give(now, id);
+    }
+
     fn settle(&mut self, bytes: u64) {
         let Some(t) = self.ticket.as_mut() else {
             return;
@@ -505,6 +574,7 @@ impl LinkState {
             priority: self.config.priority,
             authority: self.config.authority.clone(),
             held: self.credit,
+            share: self.config.share,
         };
         if let Ok(NodeReply::Joined { credit, key }) =
             call(&node, join, Duration::from_secs(2)).await

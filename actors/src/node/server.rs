@@ -20,13 +20,14 @@ use tokio::time::Instant;
 use super::peer::{self, PeerPids};
 use super::wire::{
     encode_reply, HeldPrefixes, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
-    WireError,
+    Share, WireError,
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
 
 mod liveness;
 mod queue;
 mod report;
+mod share;
 
 /// A process's join, as its frame said it (`NodeRequest::Join`), checked by `join`.
 struct Joining {
@@ -37,6 +38,7 @@ struct Joining {
     priority: Priority,
     authority: String,
     held: u64,
+    share: Share,
 }
 
 /// The node's wait queues: bounded, and a capacity that never grows (it is the node's own).
@@ -191,6 +193,9 @@ struct Member {
     model: String,
     /// The prompt blocks it last reported holding (checked when it came).
     prefixes: Option<PrefixDigest>,
+    /// Credit taken back from it without its answer (see `revoke_stalled`): a give it sent
+    /// before it learnt of that may be for more than its credit now.
+    revoked: u64,
 }
 
 struct Process {
@@ -199,6 +204,10 @@ struct Process {
     pid: u32,
     name: String,
     priority: Priority,
+    /// Its guaranteed share, as its join said.
+    share: Share,
+    /// When a frame of it last came (its link reports every 100 ms while it runs).
+    heard: Instant,
     members: BTreeMap<AuthorityId, Member>,
     link: Option<ActorRef<LinkMsg>>,
     watch: Watch,
@@ -373,6 +382,7 @@ impl NodeState {
                 priority,
                 authority,
                 held,
+                share,
             } => {
                 let joining = Joining {
                     token,
@@ -382,6 +392,7 @@ impl NodeState {
                     priority,
                     authority,
                     held,
+                    share,
                 };
                 self.join(joining, reply)
             }
@@ -395,6 +406,9 @@ impl NodeState {
             } => {
                 if self.foreign(token, key) {
                     return refuse(reply, "not this session's process");
+                }
+                if let Some(p) = self.processes.get_mut(&token) {
+                    p.heard = Instant::now();
                 }
                 self.ask((token, key), &authority, (bytes, at_least), wait_ms, reply)
             }
@@ -425,6 +439,7 @@ impl NodeState {
             priority,
             authority,
             held,
+            share,
         } = joining;
         let authority = authority.as_str();
         let Some(&aid) = self.authorities.get(authority) else {
@@ -433,11 +448,12 @@ impl NodeState {
         if self.foreign(token, key) {
             return refuse(reply, "token of another process");
         }
-        if let Some(p) = self.processes.get(&token) {
+        if let Some(p) = self.processes.get_mut(&token) {
             if p.pid != pid {
                 self.rejected(&WireError::Invalid("token of another process"));
                 return refuse(reply, "token of another process");
             }
+            p.heard = Instant::now();
         } else {
             // The pid it claims is only shown: who it is comes from the kernel, once its
             // link is found (see `find_link`).
@@ -448,6 +464,8 @@ impl NodeState {
                     pid,
                     name: name.clone(),
                     priority,
+                    share,
+                    heard: Instant::now(),
                     members: BTreeMap::new(),
                     link: None,
                     watch: Watch::Session { lost: None },
@@ -520,6 +538,7 @@ impl NodeState {
                     os_bytes: 0,
                     model: String::new(),
                     prefixes: None,
+                    revoked: 0,
                 },
             );
         }
@@ -624,6 +643,9 @@ impl NodeState {
         if self.foreign(token, key) {
             return;
         }
+        if let Some(p) = self.processes.get_mut(&token) {
+            p.heard = Instant::now();
+        }
         match notice {
             NodeNotice::Give {
                 token,
@@ -634,10 +656,18 @@ impl NodeState {
             } => {
                 let found = self.authorities.get(&authority).and_then(|aid| {
                     let m = self.processes.get(&token)?.members.get(aid)?;
-                    Some((*aid, m.holder, m.line))
+                    Some((*aid, m.holder, m.line, m.revoked))
                 });
-                let Some((aid, holder, line)) = found else {
+                let Some((aid, holder, line, revoked)) = found else {
                     return self.stranger(token, key, "give from a stranger");
+                };
+                let credit = self.ledger.lease(line).map_or(0, |c| c.bytes);
+                // A give sent before the process learnt some of its credit was taken back
+                // may be for more than it holds now: all it holds goes.
+                let bytes = if bytes > credit && revoked > 0 {
+                    credit
+                } else {
+                    bytes
                 };
                 if bytes > 0 && self.ledger.release(holder, line, bytes).is_err() {
                     return self.rejected(&WireError::Invalid("give of more than its credit"));

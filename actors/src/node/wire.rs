@@ -26,6 +26,11 @@ pub const MAX_NAME: usize = 128;
 /// own holders make the room (its link tells its Governor so).
 pub const NOBODY_CAN_GIVE: &str = "no room: no other process can give";
 
+/// The most hits a cached prompt block may have and still be given to another process's
+/// burst by a process at or under its guarantee: blocks used once at most since they were
+/// cached. A system prompt every conversation uses has more, and stays.
+pub const COLD_HITS: u32 = 1;
+
 /// A process's request to its node Governor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeRequest {
@@ -47,6 +52,8 @@ pub enum NodeRequest {
         authority: String,
         /// Credit it holds already.
         held: u64,
+        /// The share of the authority it is guaranteed.
+        share: Share,
     },
     /// Asks for `bytes` more credit (a chunk), or at least `at_least` (what its waiters need),
     /// waiting for room up to `wait_ms`.
@@ -66,6 +73,34 @@ pub enum NodeRequest {
     },
     /// The books of the node (for operators and tests).
     Status,
+}
+
+/// The most a process's weight may be: a share of one in a million is as small as a share
+/// gets, and sums of weights stay far from overflow.
+pub const MAX_WEIGHT: u32 = 1_000_000;
+
+/// The share of an authority a process is guaranteed: what it gets back, within one ticket
+/// round, from processes over theirs (their unused credit and cache first, then their running
+/// sequences), however long their conversations last. Above the guarantees the node lends
+/// what is idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Share {
+    /// Its weight among the processes without a set guarantee: they divide what the set
+    /// guarantees leave of the capacity in proportion to their weights (1 to [`MAX_WEIGHT`]).
+    pub weight: u32,
+    /// A guarantee in bytes instead of a share by weight. Set guarantees that together exceed
+    /// the capacity are honoured in priority order (the most important first).
+    pub guarantee: Option<u64>,
+}
+
+impl Default for Share {
+    /// Weight 1, no set guarantee: an equal share with every other such process.
+    fn default() -> Self {
+        Share {
+            weight: 1,
+            guarantee: None,
+        }
+    }
 }
 
 /// A process's one-way notice to its node Governor.
@@ -180,6 +215,8 @@ pub struct ProcessStatus {
     pub os_bytes: u64,
     /// Whether its session is up.
     pub connected: bool,
+    /// The share of the authority the node guarantees it now (see [`Share`]).
+    pub guarantee: u64,
 }
 
 /// The prompt blocks a process (or a node's processes of one model) holds, as a frame carries
@@ -344,6 +381,21 @@ pub enum LinkNotice {
         bytes: u64,
         /// How long the process has, in milliseconds.
         deadline_ms: u64,
+        /// `None`: anything above the process's guarantee, its holders choosing (cached
+        /// blocks, then running sequences, then weights). `Some(hits)`: the process is at or
+        /// under its guarantee, and gives only credit it does not use and cached prompt
+        /// blocks used at most `hits` times ([`COLD_HITS`]): its hot prefixes, its running
+        /// sequences and its weights stay.
+        worth: Option<u32>,
+    },
+    /// `bytes` of credit above the process's guarantee were taken back without its answer (it
+    /// stopped answering while another process waited under its own guarantee): its credit
+    /// is that much lower, and its holders make the room at once.
+    Revoked {
+        /// The authority.
+        authority: String,
+        /// Bytes taken back.
+        bytes: u64,
     },
 }
 
@@ -399,6 +451,7 @@ impl NodeRequest {
                 pid,
                 name,
                 authority,
+                share,
                 ..
             } => {
                 if *token == 0 {
@@ -409,6 +462,9 @@ impl NodeRequest {
                 }
                 if !name_ok(name) || !name_ok(authority) {
                     return Err(WireError::Invalid("bad name"));
+                }
+                if share.weight == 0 || share.weight > MAX_WEIGHT {
+                    return Err(WireError::Invalid("weight out of range"));
                 }
                 Ok(())
             }
@@ -708,6 +764,7 @@ mod tests {
                     approved: 1,
                     os_bytes: 1,
                     connected: true,
+                    guarantee: u64::MAX,
                 })
                 .collect(),
         };
@@ -723,7 +780,7 @@ mod tests {
 
     #[test]
     fn requests_no_well_behaved_process_sends_are_invalid() {
-        let join = |token, pid, name: &str| NodeRequest::Join {
+        let join_weighted = |token, pid, name: &str, weight| NodeRequest::Join {
             token,
             key: 0,
             pid,
@@ -731,8 +788,16 @@ mod tests {
             priority: 0,
             authority: "host".into(),
             held: 0,
+            share: Share {
+                weight,
+                guarantee: Some(u64::MAX),
+            },
         };
+        let join = |token, pid, name: &str| join_weighted(token, pid, name, 1);
         assert!(join(1, 1, "a").validate().is_ok());
+        assert!(join_weighted(1, 1, "a", MAX_WEIGHT).validate().is_ok());
+        assert!(join_weighted(1, 1, "a", 0).validate().is_err());
+        assert!(join_weighted(1, 1, "a", MAX_WEIGHT + 1).validate().is_err());
         assert!(join(0, 1, "a").validate().is_err());
         assert!(join(1, 0, "a").validate().is_err());
         assert!(join(1, u32::MAX, "a").validate().is_err());

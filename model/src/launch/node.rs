@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
 use procmem_actors::kv::KvStoreHandle;
-use procmem_actors::node::{LinkConfig, NodeLink};
+use procmem_actors::node::{LinkConfig, NodeLink, Share};
 use procmem_actors::procmem::{MemoryTier, Place};
 use procmem_actors::MemoryManager;
 
@@ -24,6 +24,8 @@ pub struct NodeJoin {
     pub cookie: String,
     /// Less important servers give back first.
     pub priority: u32,
+    /// Its guaranteed share of the node's capacity.
+    pub share: Share,
     /// The name the node shows for this process.
     pub name: String,
 }
@@ -48,6 +50,7 @@ pub async fn join_node(
         .clone();
     let mut config = LinkConfig::new(join.addr, join.cookie.clone(), join.name.clone());
     config.priority = join.priority;
+    config.share = join.share;
     config.authority = authority.into();
     // The model and the prompt blocks its store holds, for routers.
     config.model = if model.is_empty() {
@@ -55,7 +58,18 @@ pub async fn join_node(
     } else {
         model
     };
+    let store = Arc::clone(&kv);
     config.prefixes = Some(Arc::new(move || kv.get().map(KvStoreHandle::prefix_digest)));
+    // Asked at or under its guarantee, it gives its cold cached blocks, nothing more.
+    config.shed = Some(Arc::new(move |bytes, hits| {
+        let kv = store.get().cloned();
+        Box::pin(async move {
+            match kv {
+                Some(kv) => kv.shed_cold(bytes, hits).await.unwrap_or(0),
+                None => 0,
+            }
+        })
+    }));
     NodeLink::join(config, governor)
         .await
         .map_err(|e| LaunchError::Usage(format!("cannot join the node at {}: {e}", join.addr)))

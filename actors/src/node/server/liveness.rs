@@ -87,7 +87,11 @@ impl NodeState {
             }
             let _ = self.ledger.close_credit(m.holder, m.line);
             let _ = self.ledger.retire_holder(m.holder);
-            for gauge in [&m::NODE_PROCESS_CREDIT_BYTES, &m::NODE_PROCESS_OS_BYTES] {
+            for gauge in [
+                &m::NODE_PROCESS_CREDIT_BYTES,
+                &m::NODE_PROCESS_OS_BYTES,
+                &m::NODE_PROCESS_GUARANTEE_BYTES,
+            ] {
                 gauge.gauge(&[&authority, &p.label()]).set(0.0);
             }
         }

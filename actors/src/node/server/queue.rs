@@ -10,7 +10,7 @@ use procmem::metrics as m;
 use tokio::time::Instant;
 
 use super::{refuse, NodeState, LIMITS};
-use crate::node::wire::{LinkMsg, LinkNotice, NOBODY_CAN_GIVE};
+use crate::node::wire::{LinkMsg, LinkNotice, COLD_HITS, NOBODY_CAN_GIVE};
 
 impl NodeState {
     /// Grants waiters in order (priority, then arrival) while the first fits; one that can
@@ -47,7 +47,9 @@ impl NodeState {
     }
 
     /// For each authority short of room, one ticket at a time to the next process, least
-    /// important first.
+    /// important first, for no more than it may be asked (see [`super::share`]). Where the
+    /// first waiter is under its guarantee, credit above theirs is first taken back from
+    /// processes that stopped answering.
     pub(super) fn drive_tickets(&mut self) {
         let aids: Vec<AuthorityId> = self.authorities.values().copied().collect();
         for aid in aids {
@@ -60,10 +62,24 @@ impl NodeState {
                 round.asked.clear();
                 continue;
             }
+            let entitled = self.front_entitled(aid, &self.standings(aid));
+            let serving = Instant::now() >= self.serving_from;
+            if serving && entitled > 0 && self.revoke_stalled(aid, shortfall.min(entitled)) > 0 {
+                self.pump();
+                continue;
+            }
+            let round = self.rounds.entry(aid).or_default();
             if round.outstanding.is_some() {
                 continue;
             }
-            let Some((token, held)) = self.next_to_ask(aid) else {
+            let Some(Candidate {
+                token,
+                held,
+                allowance,
+                over,
+                ..
+            }) = self.next_to_ask(aid)
+            else {
                 self.nobody_to_ask(aid);
                 continue;
             };
@@ -86,7 +102,8 @@ impl NodeState {
                 l.cast(LinkMsg::Notice(Ok(LinkNotice::Ticket {
                     id,
                     authority: name.clone(),
-                    bytes: shortfall,
+                    bytes: shortfall.min(allowance),
+                    worth: (!over).then_some(COLD_HITS),
                     deadline_ms: timeout.as_millis() as u64,
                 })))
                 .is_ok()
@@ -102,23 +119,23 @@ impl NodeState {
     }
 
     /// Every process that could give was asked and gave what it could. Where no other process
-    /// holds anything it could give (credit it does not use, or cached prompt blocks), only
-    /// the askers' own holders can make the room: the waiters are refused now rather than at
-    /// their deadline, with [`NOBODY_CAN_GIVE`], and each asker makes room among its own
-    /// holders (its cache) at once. Where another could give, the waiters wait for it. Not
+    /// holds anything it may still be asked for (credit above its guarantee, or credit it does
+    /// not use: one at or under its guarantee gave its cold blocks when asked), only the
+    /// askers' own holders can make the room: the waiters are refused now rather than at their
+    /// deadline, with [`NOBODY_CAN_GIVE`], and each asker makes room among its own holders
+    /// (its cache) at once. Where another could give, the waiters wait for it. Not
     /// during the rejoin grace, when asks wait for the processes to be counted.
     fn nobody_to_ask(&mut self, aid: AuthorityId) {
         if Instant::now() < self.serving_from {
             return;
         }
         let waiting = self.waiting_tokens(aid);
-        let others_could_give = self.processes.iter().any(|(token, p)| {
-            let Some(m) = p.members.get(&aid).filter(|_| !waiting.contains(token)) else {
-                return false;
-            };
-            let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
-            credit > m.approved || m.prefixes.as_ref().is_some_and(|d| d.blocks() > 0)
-        });
+        // A process at or under its guarantee gave its cold blocks when asked, at once: what
+        // cache it still holds is worth keeping.
+        let others_could_give = self
+            .standings(aid)
+            .iter()
+            .any(|(token, s)| !waiting.contains(token) && s.allowance() > 0);
         if others_could_give {
             return;
         }
@@ -130,20 +147,22 @@ impl NodeState {
     }
 
     /// The processes with an ask waiting for room in `aid`.
-    fn waiting_tokens(&self, aid: AuthorityId) -> BTreeSet<u64> {
+    pub(super) fn waiting_tokens(&self, aid: AuthorityId) -> BTreeSet<u64> {
         self.waiters
             .get(&aid)
             .map(|q| q.items().map(|w| w.token).collect())
             .unwrap_or_default()
     }
 
-    /// The process to ask next for room in `aid`, and what it holds (its credit and the
-    /// bytes it reported approved). Each process is asked once, least important first and
-    /// among equals the one holding most first; only once every process has been asked is
-    /// one asked again, and only if what it holds changed since (a busy process whose usage
-    /// moves all the time would otherwise be asked again and again, and an idle one holding
-    /// a large cache never).
-    fn next_to_ask(&self, aid: AuthorityId) -> Option<(u64, (u64, u64))> {
+    /// The process to ask next for room in `aid`, what it holds (its credit and the bytes it
+    /// reported approved) and the most it may be asked for. Each process is asked once,
+    /// least important first, among equals one over its guarantee first and then the one that
+    /// may give most; only once every process has been asked is one asked again, and only if
+    /// what it holds changed since (a busy process whose usage moves all the time would
+    /// otherwise be asked again and again, and an idle one holding a large cache never). A
+    /// process that may be asked for nothing (at or under its guarantee, using all its
+    /// credit) is not asked.
+    fn next_to_ask(&self, aid: AuthorityId) -> Option<Candidate> {
         let none = BTreeMap::new();
         let asked = self.rounds.get(&aid).map_or(&none, |r| &r.asked);
         // A process waiting here at least as important as the first waiter is the one the
@@ -151,33 +170,59 @@ impl NodeState {
         // counts the free bytes its ask waits for as unused).
         let front = self.waiters.get(&aid).and_then(WaitQueue::front_priority);
         let waiting = self.waiting_tokens(aid);
-        let candidates: Vec<(u64, Priority, u64, (u64, u64))> = self
+        let standings = self.standings(aid);
+        let candidates: Vec<Candidate> = self
             .processes
             .iter()
             .filter_map(|(token, p)| {
-                let m = p.members.get(&aid)?;
-                let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
+                let s = standings.get(token)?;
                 let asker = waiting.contains(token) && front.is_some_and(|f| p.priority >= f);
-                (credit > 0 && p.link.is_some() && !asker).then_some((
-                    *token,
-                    p.priority,
-                    credit,
-                    (credit, m.approved),
-                ))
+                // At or under its guarantee: its unused credit, and cached blocks of little
+                // worth where it reported some (it says what, when asked).
+                let cached = p
+                    .members
+                    .get(&aid)?
+                    .prefixes
+                    .as_ref()
+                    .is_some_and(|d| d.blocks() > 0);
+                let allowance = match s.over() {
+                    0 if cached => u64::MAX,
+                    _ => s.allowance(),
+                };
+                (allowance > 0 && p.link.is_some() && !asker).then_some(Candidate {
+                    token: *token,
+                    priority: p.priority,
+                    over: s.over() > 0,
+                    allowance,
+                    held: (s.credit, s.approved),
+                })
             })
             .collect();
-        let order = |c: &&(u64, Priority, u64, (u64, u64))| (c.1, std::cmp::Reverse(c.2), c.0);
+        let order = |c: &&Candidate| (c.priority, !c.over, std::cmp::Reverse(c.allowance), c.token);
         let fresh = candidates
             .iter()
-            .filter(|c| !asked.contains_key(&c.0))
+            .filter(|c| !asked.contains_key(&c.token))
             .min_by_key(order);
         fresh
             .or_else(|| {
                 candidates
                     .iter()
-                    .filter(|c| asked.get(&c.0) != Some(&c.3))
+                    .filter(|c| asked.get(&c.token) != Some(&c.held))
                     .min_by_key(order)
             })
-            .map(|c| (c.0, c.3))
+            .copied()
     }
+}
+
+/// A process the node may ask for room.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    token: u64,
+    priority: Priority,
+    /// Over its guarantee.
+    over: bool,
+    /// The most it may be asked for.
+    allowance: u64,
+    /// Its credit and the bytes it reported approved.
+    held: (u64, u64),
 }

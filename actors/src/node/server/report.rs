@@ -24,11 +24,23 @@ impl NodeState {
                 (name.clone(), capacity, self.ledger.credit_bytes(*aid))
             })
             .collect();
+        let standings: BTreeMap<_, _> = self
+            .authorities
+            .values()
+            .map(|aid| (*aid, self.standings(*aid)))
+            .collect();
+        let guarantee = |aid, token| {
+            standings
+                .get(aid)
+                .and_then(|s: &BTreeMap<u64, super::share::Standing>| s.get(token))
+                .map_or(0, |s| s.guarantee)
+        };
         status.processes = self
             .processes
             .iter()
             .flat_map(|(token, p)| {
                 p.members.iter().map(move |(aid, m)| ProcessStatus {
+                    guarantee: guarantee(aid, token),
                     token: *token,
                     pid: p.pid,
                     name: p.name.clone(),
@@ -60,10 +72,22 @@ impl NodeState {
                 .gauge(&[name])
                 .set(self.ledger.credit_bytes(*aid) as f64);
         }
-        for p in self.processes.values() {
+        let standings: BTreeMap<_, _> = self
+            .authorities
+            .values()
+            .map(|aid| (*aid, self.standings(*aid)))
+            .collect();
+        for (token, p) in &self.processes {
             let label = p.label();
-            for m in p.members.values() {
+            for (aid, m) in &p.members {
                 let authority = self.authority_name(m.line);
+                let guarantee = standings
+                    .get(aid)
+                    .and_then(|s| s.get(token))
+                    .map_or(0, |s| s.guarantee);
+                m::NODE_PROCESS_GUARANTEE_BYTES
+                    .gauge(&[authority, &label])
+                    .set(guarantee as f64);
                 let credit = self.ledger.lease(m.line).map_or(0, |c| c.bytes);
                 m::NODE_PROCESS_CREDIT_BYTES
                     .gauge(&[authority, &label])

@@ -7,7 +7,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use ractor::concurrency::oneshot;
 
 use super::*;
-use crate::node::wire::decode;
+use crate::node::wire::{decode, Share};
 
 const MIB: u64 = 1 << 20;
 
@@ -37,6 +37,7 @@ fn join(state: &mut NodeState, token: u64, pid: u32, held: u64) -> u64 {
             priority: 0,
             authority: "host".into(),
             held,
+            share: Share::default(),
         },
     );
     match reply {
@@ -163,4 +164,235 @@ fn the_reaped_remembered_are_bounded() {
     }
     assert_eq!(state.reaped.len(), liveness::REAPED_KEPT);
     assert_eq!(state.status.reaped, 3 * liveness::REAPED_KEPT as u64);
+}
+
+/// Records what the node sends a process's link.
+struct Recorder;
+
+type Notices = Arc<std::sync::Mutex<Vec<LinkNotice>>>;
+
+impl Actor for Recorder {
+    type Msg = LinkMsg;
+    type State = Notices;
+    type Arguments = Notices;
+
+    async fn pre_start(
+        &self,
+        _: ActorRef<LinkMsg>,
+        notices: Notices,
+    ) -> Result<Notices, ActorProcessingErr> {
+        Ok(notices)
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<LinkMsg>,
+        msg: LinkMsg,
+        notices: &mut Notices,
+    ) -> Result<(), ActorProcessingErr> {
+        if let LinkMsg::Notice(Ok(n)) = msg {
+            notices.lock().unwrap().push(n);
+        }
+        Ok(())
+    }
+}
+
+use crate::node::wire::LinkNotice;
+
+/// A node of `capacity` serving at once, and process `token` joined holding `held` bytes of
+/// which its holders use `approved`, with a link that records what it is sent.
+struct Books {
+    state: NodeState,
+    keys: BTreeMap<u64, u64>,
+    links: BTreeMap<u64, Notices>,
+}
+
+impl Books {
+    fn new(capacity: u64) -> Self {
+        let mut state = NodeState::new(
+            NodeConfig::new("cookie", 0, "host", capacity),
+            PeerPids::default(),
+        );
+        state.serving_from = Instant::now();
+        Books {
+            state,
+            keys: BTreeMap::new(),
+            links: BTreeMap::new(),
+        }
+    }
+
+    async fn join(&mut self, token: u64, priority: u32, held: u64, approved: u64) {
+        let reply = call(
+            &mut self.state,
+            NodeRequest::Join {
+                token,
+                key: 0,
+                pid: token as u32,
+                name: format!("server{token}"),
+                priority,
+                authority: "host".into(),
+                held: 0,
+                share: Share::default(),
+            },
+        );
+        let NodeReply::Joined { key, .. } = reply else {
+            panic!("join refused: {reply:?}")
+        };
+        // Adopted as a rejoin would: the credit straight into its line.
+        let aid = self.state.authorities["host"];
+        let m = &self.state.processes[&token].members[&aid];
+        let (holder, line) = (m.holder, m.line);
+        assert!(self.state.approve(holder, aid, line, held));
+        let notices = Notices::default();
+        let (link, _) = Actor::spawn(None, Recorder, notices.clone()).await.unwrap();
+        self.state.processes.get_mut(&token).unwrap().link = Some(link);
+        self.keys.insert(token, key);
+        self.links.insert(token, notices);
+        self.report(token, approved);
+    }
+
+    fn report(&mut self, token: u64, approved: u64) {
+        self.state.notice(NodeNotice::Report {
+            token,
+            key: self.keys[&token],
+            authority: "host".into(),
+            approved,
+            os_bytes: approved,
+            model: "m".into(),
+            prefixes: None,
+        });
+    }
+
+    /// `token` asks for `bytes`, waiting up to 5 s; the reply, once it comes.
+    fn ask(&mut self, token: u64, bytes: u64) -> ractor::concurrency::OneshotReceiver<Vec<u8>> {
+        let (tx, rx) = oneshot();
+        let request = NodeRequest::Ask {
+            token,
+            key: self.keys[&token],
+            authority: "host".into(),
+            bytes,
+            at_least: bytes,
+            wait_ms: 5000,
+        };
+        self.state.request(request, RpcReplyPort::from(tx));
+        self.state.pump();
+        self.state.drive_tickets();
+        rx
+    }
+
+    /// What each process's link was sent so far.
+    async fn sent(&self, token: u64) -> Vec<LinkNotice> {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        self.links[&token].lock().unwrap().clone()
+    }
+
+    fn credit(&self, token: u64) -> u64 {
+        self.state
+            .member(token, self.state.authorities["host"])
+            .unwrap()
+    }
+}
+
+fn ticket_bytes(notices: &[LinkNotice]) -> Vec<u64> {
+    notices
+        .iter()
+        .filter_map(|n| match n {
+            LinkNotice::Ticket { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A process under its guarantee that asks is given the room by the process over its own,
+/// which is asked for no more than is wanted; the process under its guarantee holding only
+/// live memory is not asked at all.
+#[tokio::test]
+async fn a_process_under_its_guarantee_is_given_room_by_the_one_over_its_own() {
+    let mut b = Books::new(300 * MIB);
+    b.join(1, 0, 200 * MIB, 200 * MIB).await; // a burst: 100 MiB over its guarantee
+    b.join(2, 0, 50 * MIB, 50 * MIB).await; // the asker, 50 under
+    b.join(3, 0, 50 * MIB, 50 * MIB).await; // idle, its cache all it holds
+    let _reply = b.ask(2, 40 * MIB);
+    assert_eq!(ticket_bytes(&b.sent(1).await), vec![40 * MIB]);
+    assert!(b.sent(3).await.is_empty(), "a process under its guarantee");
+    // It gives: the waiter is granted.
+    b.state.notice(NodeNotice::Give {
+        token: 1,
+        key: b.keys[&1],
+        authority: "host".into(),
+        bytes: 40 * MIB,
+        ticket: 1,
+    });
+    b.state.pump();
+    assert_eq!((b.credit(1), b.credit(2)), (160 * MIB, 90 * MIB));
+    let status = b.state.snapshot();
+    assert!(status.processes.iter().all(|p| p.guarantee == 100 * MIB));
+}
+
+/// A more important process idle under its guarantee keeps its cache (and its weights) when a
+/// burst over its own guarantee asks: nobody may be asked, so the burst's own holders make
+/// the room.
+#[tokio::test]
+async fn an_idle_process_under_its_guarantee_keeps_what_it_holds_whatever_its_priority() {
+    let mut b = Books::new(300 * MIB);
+    b.join(1, 0, 190 * MIB, 190 * MIB).await; // over its guarantee, asking more
+    b.join(2, 5, 90 * MIB, 90 * MIB).await; // important, idle, all cache and weights
+    b.join(3, 0, 20 * MIB, 20 * MIB).await;
+    let reply = b.ask(1, 30 * MIB);
+    b.state.drive_tickets();
+    assert!(b.sent(2).await.is_empty(), "{:?}", b.sent(2).await);
+    assert!(b.sent(3).await.is_empty());
+    let answer = decode::<NodeReply>(&reply.await.unwrap()).unwrap();
+    assert_eq!(
+        answer,
+        NodeReply::Refused {
+            reason: crate::node::wire::NOBODY_CAN_GIVE.into()
+        }
+    );
+    assert_eq!(b.credit(2), 90 * MIB);
+}
+
+/// A process over its guarantee that stops answering (SIGSTOP) has what it holds above its
+/// guarantee taken back once it has been silent past `STALLED`, when another waits under its
+/// own; a give it sent before it learnt of that is applied to what it holds, not refused.
+#[tokio::test]
+async fn a_stopped_process_over_its_guarantee_loses_the_excess_without_its_answer() {
+    let mut b = Books::new(300 * MIB);
+    b.join(1, 0, 220 * MIB, 220 * MIB).await;
+    b.join(2, 0, 40 * MIB, 40 * MIB).await;
+    b.join(3, 0, 40 * MIB, 40 * MIB).await;
+    // Not silent long enough: a ticket, no revocation.
+    let _first = b.ask(2, 50 * MIB);
+    assert_eq!(ticket_bytes(&b.sent(1).await), vec![50 * MIB]);
+    assert_eq!(b.credit(1), 220 * MIB);
+    // Silent past the bound: the excess it is asked for is taken.
+    b.state.processes.get_mut(&1).unwrap().heard = Instant::now() - share::STALLED;
+    b.state.drive_tickets();
+    assert_eq!((b.credit(1), b.credit(2)), (170 * MIB, 90 * MIB));
+    let revoked: Vec<u64> = b
+        .sent(1)
+        .await
+        .iter()
+        .filter_map(|n| match n {
+            LinkNotice::Revoked { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(revoked, vec![50 * MIB]);
+    // Never below its guarantee, however long it stays silent.
+    let _second = b.ask(3, 200 * MIB);
+    b.state.drive_tickets();
+    assert!(b.credit(1) >= 100 * MIB, "{}", b.credit(1));
+    // It runs again: the give it had sent for the first ticket is for more than it holds
+    // above... applied, not counted as hostile.
+    let before = b.state.status.rejected_frames;
+    b.state.notice(NodeNotice::Give {
+        token: 1,
+        key: b.keys[&1],
+        authority: "host".into(),
+        bytes: 500 * MIB,
+        ticket: 1,
+    });
+    assert_eq!(b.state.status.rejected_frames, before);
+    assert_eq!(b.credit(1), 0);
 }
