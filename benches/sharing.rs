@@ -1,8 +1,12 @@
 //! sharing: three model servers, one memory. Three of procmem's servers (`--model smollm2
 //! --listen`, f16 KV, 8 requests at once, 1,024 tokens of context each), each with its own
-//! multi-turn workload, under one total memory M: the three servers' weights plus a third of
+//! multi-turn workload, under one total memory M: the three servers' weights plus a part of
 //! the KV the three would need at peak (each at its burst: `BURST` conversations at their
-//! longest, every answer at its longest). Writes `target/reports/sharing.json`.
+//! longest, every answer at its longest). M is swept: 1/6, 1/3 and 1/2 of that KV
+//! (`PROCMEM_SHARING_KV_PARTS=6,3,2`), with `static` and `node` at each, `unbounded` once, and
+//! the other rows at 1/3. Writes `target/reports/sharing.json` (the goals per M under
+//! `goals.kv_1of<part>`), each row's JSON and an SVG of each server's memory over the row
+//! with the phases marked (`sharing-<row>-kv1of<part>.{json,svg}`).
 //!
 //! The load comes in bursts that move: in each of three phases one server gets `BURST` (6)
 //! conversations and the other two one each, all started at once; a phase ends when its
@@ -48,7 +52,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use procmem_actors::machine::HostPressure;
-use procmem_actors::node::{NodeConfig, NodeHandle};
+use procmem_actors::node::{NodeConfig, NodeHandle, Share};
 use procmem_actors::procmem::host::machine::PressurePolicy;
 use procmem_model::gguf::Gguf;
 use procmem_model::launch::{Budget, ModelConfig, ModelSource, NodeJoin};
@@ -61,6 +65,8 @@ use serde_json::{json, Value};
 mod child;
 #[path = "serving/client.rs"]
 mod client;
+#[path = "sharing/plot.rs"]
+mod plot;
 #[path = "serving/servers.rs"]
 mod servers;
 #[path = "sharing/shrink.rs"]
@@ -84,6 +90,11 @@ const TURNS: usize = 3;
 const SYSTEM_TOKENS: usize = 500;
 /// The more important server's priority in the `node_priority` row.
 const IMPORTANT: u32 = 5;
+/// The tightnesses swept: M is the weights plus `1/part` of the KV the three servers need at
+/// their peaks (`PROCMEM_SHARING_KV_PARTS`, comma-separated, overrides). The rows other than
+/// `static`, `node` and `unbounded` run at [`DEFAULT_PART`] only.
+const PARTS: [u32; 3] = [6, 3, 2];
+const DEFAULT_PART: u32 = 3;
 
 /// Each server's system prompt, and for each phase each server's conversations.
 struct Plan {
@@ -96,11 +107,11 @@ struct Plan {
 
 impl Plan {
     /// A server's share of M's KV, as the fraction of its 8 sequences of the context the
-    /// child's budget takes: a third of the KV the three need at peak, each at its burst
+    /// child's budget takes: `1/part` of the KV the three need at peak, each at its burst
     /// (`BURST` conversations at their longest).
-    fn fraction(&self) -> f64 {
+    fn fraction(&self, part: u32) -> f64 {
         let peak = (BURST * self.longest) as f64;
-        peak / 3.0 / (CONCURRENCY * CONTEXT) as f64
+        peak / f64::from(part) / (CONCURRENCY * CONTEXT) as f64
     }
 }
 
@@ -211,6 +222,7 @@ fn child(spec: &str) -> ExitCode {
                 addr: ([127, 0, 0, 1], port).into(),
                 cookie: COOKIE.into(),
                 priority,
+                share: Share::default(),
                 name: name.into(),
             })),
             _ => None,
@@ -240,12 +252,15 @@ struct Done {
 /// Requests finished and failed, time to first token p50/p99, output tokens/s over `wall`.
 fn figures<'a>(done: impl Iterator<Item = &'a Done>, wall: Duration) -> Value {
     let (mut ok, mut failed, mut out, mut ttft) = (0, 0, 0u64, Vec::new());
+    let (mut prompt, mut computed) = (0u64, 0u64);
     let mut first_error = None;
     for d in done {
         match &d.answer {
             Ok(a) => {
                 ok += 1;
                 out += a.completion_tokens;
+                prompt += a.prompt_tokens;
+                computed += a.prompt_tokens.saturating_sub(a.cached_tokens);
                 ttft.extend(a.first.map(|f| f.as_secs_f64() * 1e3));
             }
             Err(e) => {
@@ -259,6 +274,8 @@ fn figures<'a>(done: impl Iterator<Item = &'a Done>, wall: Duration) -> Value {
         "requests_failed": failed,
         "first_error": first_error,
         "output_tokens": out,
+        "prompt_tokens": prompt,
+        "prompt_tokens_computed": computed,
         "output_tokens_per_s": out as f64 / wall.as_secs_f64(),
         "ttft_p50_ms": pct(&mut ttft, 0.5),
         "ttft_p99_ms": pct(&mut ttft, 0.99),
@@ -321,7 +338,9 @@ async fn start_servers(mode: Mode, port: u16, fraction: f64) -> Result<Vec<Serve
                 Server::llama(&llama_bin(), &gguf, slots, tokens, LlamaKv::PerSlot).await?
             }
             _ => {
-                let spec = format!("{fraction},node,{port},{},server{s}", mode.priority(s));
+                // Its memory is the node's credit from its join on; the fraction only sizes
+                // the budget it would have alone, which must hold one whole sequence.
+                let spec = format!("1.0,node,{port},{},server{s}", mode.priority(s));
                 Server::this_bench(&[("PROCMEM_SHARING_CHILD", spec)]).await?
             }
         };
@@ -459,8 +478,8 @@ fn row_figures(
     all
 }
 
-async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), String> {
-    let fraction = plan.fraction();
+async fn row(mode: Mode, plan: &Plan, capacity: u64, part: u32) -> Result<(Value, u64), String> {
+    let fraction = plan.fraction(part);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
@@ -525,12 +544,35 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64) -> Result<(Value, u64), Str
     };
     let mut all = row_figures(mode, &done, &starts, sums, shrunk, per_server);
     merge(&mut all, seen.json(&starts));
-    // Each row on its own as well, so a later row that fails loses nothing.
+    all["kv_part"] = json!(format!("1/{part}"));
+    // Each row on its own as well, so a later row that fails loses nothing; and its picture.
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
+    let stem = format!("sharing-{}-kv1of{part}", mode.name());
     let _ = std::fs::write(
-        dir.join(format!("sharing-{}.json", mode.name())),
+        dir.join(format!("{stem}.json")),
         serde_json::to_string_pretty(&all).unwrap_or_default(),
     );
+    let (points, unit) = seen.lines();
+    let m = all["capacity_m_bytes"].as_f64().unwrap_or(0.0);
+    let title = format!(
+        "{}: M = {:.0} MB (weights + 1/{part} of peak KV)",
+        mode.name(),
+        m / 1e6
+    );
+    let phases: Vec<f64> = starts.iter().map(Duration::as_secs_f64).collect();
+    let drawn = plot::draw(
+        &dir.join(format!("{stem}.svg")),
+        &plot::Lines {
+            title: &title,
+            unit,
+            points: &points,
+            phases: &phases,
+            mark: Some((m / 3.0 / f64::from(1 << 20), "M / 3: each server's share")),
+        },
+    );
+    if let Err(e) = drawn {
+        println!("{}: no picture: {e}", mode.name());
+    }
     Ok((all, budget))
 }
 
@@ -603,16 +645,70 @@ fn main() -> ExitCode {
     }
 }
 
-/// The goals of issue 46 for a node row against the static row.
-fn goals(node: &Value, fixed: &Value) -> Value {
+/// The goals for a node row at one M against the static row there and the unbounded floor
+/// (issue 57: node p99 at most static's, p50 at most half of it, p99 within 1.3x of
+/// unbounded's; nothing failed; books zero at every shutdown).
+fn goals(node: &Value, fixed: &Value, floor: Option<&Value>) -> Value {
     let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let p99_over_floor = floor.map(|u| f(node, "ttft_p99_ms") / f(u, "ttft_p99_ms"));
     json!({
         "ttft_p99_static_over_node": f(fixed, "ttft_p99_ms") / f(node, "ttft_p99_ms"),
+        "ttft_p50_static_over_node": f(fixed, "ttft_p50_ms") / f(node, "ttft_p50_ms"),
+        "ttft_p99_node_over_unbounded": p99_over_floor,
         "ttft_p99_in_burst_static_over_node": f(fixed, "ttft_p99_ms_in_burst") / f(node, "ttft_p99_ms_in_burst"),
+        "prompt_tokens_computed_node_over_static": f(node, "prompt_tokens_computed") / f(fixed, "prompt_tokens_computed"),
         "failed": node["requests_failed"],
+        "books_zero_after_shutdown": node["books_zero_after_shutdown"],
         "never_above_m": f(node, "most_lent_at_once_bytes") <= f(node, "capacity_m_bytes"),
         "tickets_per_request": node["node_tickets_per_request"],
+        "met": f(node, "ttft_p99_ms") <= f(fixed, "ttft_p99_ms")
+            && 2.0 * f(node, "ttft_p50_ms") <= f(fixed, "ttft_p50_ms")
+            && p99_over_floor.is_none_or(|r| r <= 1.3)
+            && node["requests_failed"] == 0
+            && node["books_zero_after_shutdown"] == true,
     })
+}
+
+/// The static row at `1/part` of peak KV, which sizes M (three times a server's budget);
+/// left out (`PROCMEM_SHARING_ROWS` without `static`), M is `PROCMEM_SHARING_M`.
+async fn static_row(plan: &Plan, part: u32, run: bool) -> Result<(Value, u64), String> {
+    let given: Option<u64> = std::env::var("PROCMEM_SHARING_M")
+        .ok()
+        .and_then(|m| m.parse().ok());
+    match given {
+        Some(m) if !run => Ok((json!(null), m)),
+        _ => match row(Mode::Static, plan, 0, part).await {
+            Ok((fixed, budget)) => {
+                print_row(&fixed);
+                Ok((fixed, SERVERS as u64 * budget))
+            }
+            // A partition too small for one sequence of the whole context: the servers refuse
+            // to start. M is what the three budgets would have been.
+            Err(e) => match refused_budget(&e) {
+                Some(budget) => {
+                    println!(
+                        "static at 1/{part}: each server refused to start: {}",
+                        e.trim()
+                    );
+                    let refused = json!({
+                        "row": "static",
+                        "kv_part": format!("1/{part}"),
+                        "refused": e.trim(),
+                        "capacity_m_bytes": SERVERS as u64 * budget,
+                    });
+                    Ok((refused, SERVERS as u64 * budget))
+                }
+                None => Err(e),
+            },
+        },
+    }
+}
+
+/// From a server's refusal ("the model needs W bytes of weights plus S for one sequence: more
+/// than the budget of B bytes"), the budget it was given: B.
+fn refused_budget(error: &str) -> Option<u64> {
+    let at = error.find("more than the budget of ")? + "more than the budget of ".len();
+    error[at..].split(' ').next()?.parse().ok()
 }
 
 async fn run() -> Result<(), String> {
@@ -632,43 +728,55 @@ async fn run() -> Result<(), String> {
         plan.phases.len(),
         codec.encode(&plan.systems[0]).map_or(0, |t| t.len()),
     );
-    // M from the static row; `PROCMEM_SHARING_M` (bytes) lets a run leave that row out.
-    let given: Option<u64> = std::env::var("PROCMEM_SHARING_M")
-        .ok()
-        .and_then(|m| m.parse().ok());
-    let (fixed, capacity) = match given {
-        Some(m) if !wanted.split(',').any(|w| w.trim() == "static") => (json!(null), m),
-        _ => {
-            let (fixed, budget) = row(Mode::Static, &plan, 0).await?;
-            print_row(&fixed);
-            (fixed, SERVERS as u64 * budget)
-        }
+    let parts: Vec<u32> = match std::env::var("PROCMEM_SHARING_KV_PARTS") {
+        Ok(v) => v
+            .split(',')
+            .filter_map(|p| p.trim().parse().ok())
+            .filter(|p| *p > 0)
+            .collect(),
+        Err(_) => PARTS.to_vec(),
     };
-    let mut rows = vec![fixed.clone()];
-
+    let wants = |mode: Mode| wanted.split(',').any(|w| w.trim() == mode.name());
+    let mut rows = Vec::new();
     let mut checks = json!({});
-    for mode in [Mode::Node, Mode::NodePriority] {
-        if !wanted.split(',').any(|w| w.trim() == mode.name()) {
-            println!("{}: not in PROCMEM_SHARING_ROWS: skipped", mode.name());
-            continue;
+    // The floor under every M: nothing ever waits for memory.
+    let floor = match wants(Mode::Unbounded) {
+        true => Some(optional_row(Mode::Unbounded, &plan, 0, DEFAULT_PART).await?),
+        false => None,
+    };
+    let mut capacity = 0;
+    for part in parts {
+        let (fixed, m) = static_row(&plan, part, wants(Mode::Static)).await?;
+        rows.push(fixed.clone());
+        let mut at = json!({"capacity_m_bytes": m});
+        for mode in [Mode::Node, Mode::NodePriority] {
+            if !wants(mode) || (mode != Mode::Node && part != DEFAULT_PART) {
+                continue;
+            }
+            let (r, _) = row(mode, &plan, m, part).await?;
+            print_row(&r);
+            at[mode.name()] = goals(&r, &fixed, floor.as_ref());
+            rows.push(r);
         }
-        let (r, _) = row(mode, &plan, capacity).await?;
-        print_row(&r);
-        checks[mode.name()] = goals(&r, &fixed);
-        rows.push(r);
-    }
-    for mode in [Mode::NodeShrink, Mode::LlamaShrink, Mode::Unbounded] {
-        if !wanted.split(',').any(|w| w.trim() == mode.name()) {
-            println!("{}: not in PROCMEM_SHARING_ROWS: skipped", mode.name());
-            continue;
+        if part == DEFAULT_PART {
+            capacity = m;
+            // The keys the report had before the sweep: the goals at the default M.
+            for mode in [Mode::Node, Mode::NodePriority] {
+                checks[mode.name()] = at[mode.name()].clone();
+            }
+            if let Some(u) = &floor {
+                let p99 = |r: &Value| r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN);
+                checks["ttft_p99_static_over_unbounded"] = json!(p99(&fixed) / p99(u));
+            }
+            for mode in [Mode::NodeShrink, Mode::LlamaShrink] {
+                if wants(mode) {
+                    rows.push(optional_row(mode, &plan, m, part).await?);
+                }
+            }
         }
-        rows.push(optional_row(mode, &plan, capacity).await?);
+        checks[format!("kv_1of{part}")] = at;
     }
-    // The floor: with memory never short, how much lower the tail could be on this machine.
-    if let Some(floor) = rows.iter().find(|r| r["row"] == "unbounded") {
-        let p99 = |r: &Value| r["ttft_p99_ms"].as_f64().unwrap_or(f64::NAN);
-        checks["ttft_p99_static_over_unbounded"] = json!(p99(&fixed) / p99(floor));
-    }
+    rows.extend(floor);
     println!("goals: {checks}");
     let system_tokens = codec.encode(&plan.systems[0]).map_or(0, |t| t.len());
     let report = report(&gguf, &plan, system_tokens, capacity, (rows, checks));
@@ -683,7 +791,7 @@ async fn run() -> Result<(), String> {
 
 /// A row that may not run here (no llama-server, no cgroup to shrink): its figures, or why
 /// it was skipped.
-async fn optional_row(mode: Mode, plan: &Plan, capacity: u64) -> Result<Value, String> {
+async fn optional_row(mode: Mode, plan: &Plan, capacity: u64, part: u32) -> Result<Value, String> {
     if mode == Mode::LlamaShrink && !llama_bin().is_file() {
         println!(
             "{}: no llama-server (scripts/llama-server.sh builds it): skipped",
@@ -691,7 +799,7 @@ async fn optional_row(mode: Mode, plan: &Plan, capacity: u64) -> Result<Value, S
         );
         return Ok(json!({"row": mode.name(), "skipped": "no llama-server"}));
     }
-    match row(mode, plan, capacity).await {
+    match row(mode, plan, capacity, part).await {
         Ok((r, _)) => {
             print_row(&r);
             if mode.shrinks() {
@@ -727,7 +835,7 @@ fn report(
             "answer_tokens": ANSWER_TOKENS,
             "system_prompt_tokens": system_tokens,
             "longest_conversation_tokens": plan.longest,
-            "kv_fraction_of_8_sequences_per_server": plan.fraction(),
+            "kv_fraction_of_8_sequences_per_server": plan.fraction(DEFAULT_PART),
             "kv_dtype": "f16",
         },
         "capacity_m_bytes": capacity,

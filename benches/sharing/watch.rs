@@ -184,6 +184,28 @@ impl Seen {
         })
     }
 
+    /// Per sample, seconds and each server's memory in MiB: its node credit where a node
+    /// lends, else what its ledger approved; and which of the two it is.
+    pub fn lines(&self) -> (Vec<(f64, Vec<f64>)>, &'static str) {
+        let node = self.samples.iter().any(|s| !s.credit.is_empty());
+        let mib = |b: &u64| *b as f64 / MIB as f64;
+        let points = self
+            .samples
+            .iter()
+            .filter(|s| !node || !s.credit.is_empty())
+            .map(|s| {
+                let v = if node { &s.credit } else { &s.approved };
+                (s.at.as_secs_f64(), v.iter().map(mib).collect())
+            })
+            .collect();
+        let unit = if node {
+            "node credit per server (MiB)"
+        } else {
+            "approved by each server's ledger (MiB)"
+        };
+        (points, unit)
+    }
+
     /// Every sample: seconds, then per server MiB approved, MiB of node credit (where a node
     /// lends) and requests waiting in its Governor.
     fn series(&self) -> Value {
