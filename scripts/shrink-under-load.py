@@ -99,7 +99,7 @@ def sampler():
 th = threading.Thread(target=sampler); th.start()
 
 system = ("You are a careful assistant of a lending library. Answer briefly and plainly. "
-          "Reference notes: " + " ".join(f"shelf {i} holds books on topic {i * 13 % 97}." for i in range(50)))
+          "Reference notes: " + " ".join(f"shelf {i} holds books on topic {i * 13 % 97}." for i in range(30)))
 answered, failed, first_error, computed = 0, 0, None, 0
 lock = threading.Lock()
 def conv(i):
