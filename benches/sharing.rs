@@ -545,13 +545,20 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64, part: u32) -> Result<(Value
     let mut all = row_figures(mode, &done, &starts, sums, shrunk, per_server);
     merge(&mut all, seen.json(&starts));
     all["kv_part"] = json!(format!("1/{part}"));
-    // Each row on its own as well, so a later row that fails loses nothing; and its picture.
+    keep(mode, part, &all, &seen, &starts);
+    Ok((all, budget))
+}
+
+/// Writes a row on its own (so a later row that fails loses nothing), and beside it its
+/// servers' memory over time, its phases and M/3 marked.
+fn keep(mode: Mode, part: u32, all: &Value, seen: &watch::Seen, starts: &[Duration]) {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/reports");
     let stem = format!("sharing-{}-kv1of{part}", mode.name());
     let _ = std::fs::write(
         dir.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&all).unwrap_or_default(),
+        serde_json::to_string_pretty(all).unwrap_or_default(),
     );
+    let path = dir.join(format!("{stem}.svg"));
     let (points, unit) = seen.lines();
     let m = all["capacity_m_bytes"].as_f64().unwrap_or(0.0);
     let title = format!(
@@ -561,7 +568,7 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64, part: u32) -> Result<(Value
     );
     let phases: Vec<f64> = starts.iter().map(Duration::as_secs_f64).collect();
     let drawn = plot::draw(
-        &dir.join(format!("{stem}.svg")),
+        &path,
         &plot::Lines {
             title: &title,
             unit,
@@ -573,7 +580,6 @@ async fn row(mode: Mode, plan: &Plan, capacity: u64, part: u32) -> Result<(Value
     if let Err(e) = drawn {
         println!("{}: no picture: {e}", mode.name());
     }
-    Ok((all, budget))
 }
 
 fn merge(row: &mut Value, extra: Value) {

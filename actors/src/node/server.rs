@@ -19,12 +19,12 @@ use tokio::time::Instant;
 
 use super::peer::{self, PeerPids};
 use super::wire::{
-    encode_reply, HeldPrefixes, LinkMsg, NodeMsg, NodeNotice, NodeReply, NodeRequest, NodeStatus,
-    Share, WireError,
+    encode_reply, LinkMsg, NodeMsg, NodeReply, NodeRequest, NodeStatus, Share, WireError,
 };
 use super::{link_group, Watched, NODE_GROUP, TICK};
 
 mod liveness;
+mod notice;
 mod queue;
 mod report;
 mod share;
@@ -635,83 +635,6 @@ impl NodeState {
             // The process never learns of it: it goes back at once.
             let _ = self.ledger.release(holder, line, bytes);
             tracing::debug!(token, bytes, "grant undeliverable; rolled back");
-        }
-    }
-
-    fn notice(&mut self, notice: NodeNotice) {
-        let (token, key) = notice.sender();
-        if self.foreign(token, key) {
-            return;
-        }
-        if let Some(p) = self.processes.get_mut(&token) {
-            p.heard = Instant::now();
-        }
-        match notice {
-            NodeNotice::Give {
-                token,
-                authority,
-                bytes,
-                ticket,
-                ..
-            } => {
-                let found = self.authorities.get(&authority).and_then(|aid| {
-                    let m = self.processes.get(&token)?.members.get(aid)?;
-                    Some((*aid, m.holder, m.line, m.revoked))
-                });
-                let Some((aid, holder, line, revoked)) = found else {
-                    return self.stranger(token, key, "give from a stranger");
-                };
-                let credit = self.ledger.lease(line).map_or(0, |c| c.bytes);
-                // A give sent before the process learnt some of its credit was taken back
-                // may be for more than it holds now: all it holds goes.
-                let bytes = if bytes > credit && revoked > 0 {
-                    credit
-                } else {
-                    bytes
-                };
-                if bytes > 0 && self.ledger.release(holder, line, bytes).is_err() {
-                    return self.rejected(&WireError::Invalid("give of more than its credit"));
-                }
-                let round = self.rounds.entry(aid).or_default();
-                if round
-                    .outstanding
-                    .is_some_and(|(id, t, _)| id == ticket && t == token)
-                {
-                    round.outstanding = None;
-                }
-            }
-            NodeNotice::Report {
-                token,
-                authority,
-                approved,
-                os_bytes,
-                model,
-                prefixes,
-                ..
-            } => {
-                let member = self.authorities.get(&authority).and_then(|aid| {
-                    self.processes
-                        .get_mut(&token)
-                        .and_then(|p| p.members.get_mut(aid))
-                });
-                match member {
-                    Some(m) => {
-                        m.approved = approved;
-                        m.os_bytes = os_bytes;
-                        m.model = model;
-                        // Validated with the frame: a digest that does not check is refused.
-                        m.prefixes = prefixes.and_then(HeldPrefixes::into_digest);
-                    }
-                    None => self.stranger(token, key, "report from a stranger"),
-                }
-            }
-            NodeNotice::Leave { token, .. } => {
-                if self.processes.contains_key(&token) {
-                    self.reap(token, "left");
-                } else {
-                    self.stranger(token, key, "leave from a stranger");
-                }
-            }
         }
     }
 }

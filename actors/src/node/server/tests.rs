@@ -7,7 +7,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use ractor::concurrency::oneshot;
 
 use super::*;
-use crate::node::wire::{decode, Share};
+use crate::node::wire::{decode, NodeNotice, Share};
 
 const MIB: u64 = 1 << 20;
 
