@@ -232,10 +232,12 @@ struct Pending {
 struct Round {
     outstanding: Option<(u64, u64, Instant)>,
     /// The processes asked while this authority is short (by token), each with what it held
-    /// when asked (its credit and the bytes it reported approved): one is asked again only
-    /// once every other has been asked and what it holds changed, so a process that gave
-    /// nothing is not asked the same thing again.
-    asked: BTreeMap<u64, (u64, u64)>,
+    /// when asked (its credit and the bytes it reported approved) and the ticket it was last
+    /// sent: one is asked again only once every other has been asked and what it holds
+    /// changed, so a process that gave nothing is not asked the same thing again, and among
+    /// those the one asked longest ago first (a busy process whose usage moves all the time
+    /// does not keep an idle one that gave part of what it holds from being asked again).
+    asked: BTreeMap<u64, ((u64, u64), u64)>,
 }
 
 /// The node Governor's state.

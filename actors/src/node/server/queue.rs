@@ -83,12 +83,12 @@ impl NodeState {
                 self.nobody_to_ask(aid);
                 continue;
             };
+            let id = self.next_ticket;
             self.rounds
                 .entry(aid)
                 .or_default()
                 .asked
-                .insert(token, held);
-            let id = self.next_ticket;
+                .insert(token, (held, id));
             self.next_ticket += 1;
             let timeout = self.config.ticket_timeout;
             let name = self
@@ -158,8 +158,9 @@ impl NodeState {
     /// reported approved) and the most it may be asked for. Each process is asked once,
     /// least important first, among equals one over its guarantee first and then the one that
     /// may give most; only once every process has been asked is one asked again, and only if
-    /// what it holds changed since (a busy process whose usage moves all the time would
-    /// otherwise be asked again and again, and an idle one holding a large cache never). A
+    /// what it holds changed since, the one asked longest ago first (a busy process whose
+    /// usage moves all the time would otherwise be asked again and again, and an idle one
+    /// holding a large cache never). A
     /// process that may be asked for nothing (at or under its guarantee, using all its
     /// credit) is not asked.
     fn next_to_ask(&self, aid: AuthorityId) -> Option<Candidate> {
@@ -207,8 +208,12 @@ impl NodeState {
             .or_else(|| {
                 candidates
                     .iter()
-                    .filter(|c| asked.get(&c.token) != Some(&c.held))
-                    .min_by_key(order)
+                    .filter_map(|c| {
+                        let (held, ticket) = asked.get(&c.token)?;
+                        (*held != c.held).then_some((*ticket, c))
+                    })
+                    .min_by_key(|(ticket, c)| (*ticket, order(c)))
+                    .map(|(_, c)| c)
             })
             .copied()
     }
