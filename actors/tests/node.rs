@@ -174,20 +174,7 @@ async fn run_server() {
     link.model = "smol".into();
     // The store starts after the join (its memory comes through it): until then, nothing.
     let store = std::sync::Arc::new(std::sync::OnceLock::<KvStoreHandle>::new());
-    let reported = std::sync::Arc::clone(&store);
-    link.prefixes = Some(std::sync::Arc::new(move || {
-        reported.get().map(KvStoreHandle::prefix_digest)
-    }));
-    let shed = std::sync::Arc::clone(&store);
-    link.shed = Some(std::sync::Arc::new(move |bytes, hits| {
-        let kv = shed.get().cloned();
-        Box::pin(async move {
-            match kv {
-                Some(kv) => kv.shed_cold(bytes, hits).await.unwrap_or(0),
-                None => 0,
-            }
-        })
-    }));
+    link.with_store(std::sync::Arc::clone(&store));
     let node = NodeLink::join(link, g.clone()).await.unwrap();
     let (kv, _) = KvStoreHandle::spawn(
         common::kv_config(SHAPE, 1, PreemptMode::Recompute, Duration::from_secs(3)),

@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use procmem::kv::PrefixDigest;
@@ -15,6 +15,7 @@ use super::wire::{
 };
 use super::{link_group, NODE_GROUP, TICK};
 use crate::governor::GovernorHandle;
+use crate::kv::KvStoreHandle;
 
 /// What a process calls for the prompt blocks it holds (see [`LinkConfig::prefixes`]).
 pub type PrefixSource = Arc<dyn Fn() -> Option<Arc<PrefixDigest>> + Send + Sync>;
@@ -98,6 +99,26 @@ impl LinkConfig {
                 .is_loopback()
                 .then(|| super::peer::socket_path(node.port())),
         }
+    }
+
+    /// Reports the prompt blocks of the KV store in `store` ([`LinkConfig::prefixes`]) and
+    /// gives its cold ones when asked at or under its guarantee ([`LinkConfig::shed`]), once
+    /// the store is set (it is usually made after the join, its memory coming through it):
+    /// until then, nothing.
+    pub fn with_store(&mut self, store: Arc<OnceLock<KvStoreHandle>>) {
+        let reported = Arc::clone(&store);
+        self.prefixes = Some(Arc::new(move || {
+            reported.get().map(KvStoreHandle::prefix_digest)
+        }));
+        self.shed = Some(Arc::new(move |bytes, hits| {
+            let kv = store.get().cloned();
+            Box::pin(async move {
+                match kv {
+                    Some(kv) => kv.shed_cold(bytes, hits).await.unwrap_or(0),
+                    None => 0,
+                }
+            })
+        }));
     }
 }
 
@@ -422,13 +443,9 @@ impl LinkState {
     /// Gives back unused capacity at once; for the rest, lowers the capacity so the Governor
     /// asks the holders, and gives back as they free (on each tick) until the deadline.
     async fn ticket(&mut self, id: u64, bytes: u64, deadline_ms: u64) {
-        // Bytes this process's own waiters are queued for are not unused: given back, the
-        // node would only hand them round again.
-        let spoken_for = match self.governor.snapshot().await {
-            Ok(s) => s.books.approved().saturating_add(s.waiting_bytes),
-            Err(_) => return,
+        let Some(unused) = self.unused().await else {
+            return;
         };
-        let unused = self.credit.saturating_sub(spoken_for);
         let now = unused.min(bytes);
         self.ticket = Some(Ticket {
             id,
@@ -462,7 +479,8 @@ impl LinkState {
         self.set_capacity().await;
     }
 
-    /// Credit its holders neither use nor wait for.
+    /// Credit its holders neither use nor wait for (bytes its own waiters are queued for are
+    /// not unused: given back, the node would only hand them round again).
     async fn unused(&self) -> Option<u64> {
         let s = self.governor.snapshot().await.ok()?;
         let spoken_for = s.books.approved().saturating_add(s.waiting_bytes);

@@ -58,18 +58,8 @@ pub async fn join_node(
     } else {
         model
     };
-    let store = Arc::clone(&kv);
-    config.prefixes = Some(Arc::new(move || kv.get().map(KvStoreHandle::prefix_digest)));
     // Asked at or under its guarantee, it gives its cold cached blocks, nothing more.
-    config.shed = Some(Arc::new(move |bytes, hits| {
-        let kv = store.get().cloned();
-        Box::pin(async move {
-            match kv {
-                Some(kv) => kv.shed_cold(bytes, hits).await.unwrap_or(0),
-                None => 0,
-            }
-        })
-    }));
+    config.with_store(kv);
     NodeLink::join(config, governor)
         .await
         .map_err(|e| LaunchError::Usage(format!("cannot join the node at {}: {e}", join.addr)))

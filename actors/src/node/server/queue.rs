@@ -91,12 +91,7 @@ impl NodeState {
                 .insert(token, (held, id));
             self.next_ticket += 1;
             let timeout = self.config.ticket_timeout;
-            let name = self
-                .authorities
-                .iter()
-                .find(|(_, a)| **a == aid)
-                .map(|(n, _)| n.clone())
-                .unwrap_or_default();
+            let name = self.authority_name_of(aid);
             let link = self.processes.get(&token).and_then(|p| p.link.clone());
             let sent = link.is_some_and(|l| {
                 l.cast(LinkMsg::Notice(Ok(LinkNotice::Ticket {
@@ -160,9 +155,8 @@ impl NodeState {
     /// may give most; only once every process has been asked is one asked again, and only if
     /// what it holds changed since, the one asked longest ago first (a busy process whose
     /// usage moves all the time would otherwise be asked again and again, and an idle one
-    /// holding a large cache never). A
-    /// process that may be asked for nothing (at or under its guarantee, using all its
-    /// credit) is not asked.
+    /// holding a large cache never). A process that may be asked for nothing (at or under its
+    /// guarantee, using all its credit and reporting no cached block) is not asked.
     fn next_to_ask(&self, aid: AuthorityId) -> Option<Candidate> {
         let none = BTreeMap::new();
         let asked = self.rounds.get(&aid).map_or(&none, |r| &r.asked);

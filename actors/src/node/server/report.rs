@@ -24,32 +24,18 @@ impl NodeState {
                 (name.clone(), capacity, self.ledger.credit_bytes(*aid))
             })
             .collect();
-        let standings: BTreeMap<_, _> = self
-            .authorities
-            .values()
-            .map(|aid| (*aid, self.standings(*aid)))
-            .collect();
-        let guarantee = |aid, token| {
-            standings
-                .get(aid)
-                .and_then(|s: &BTreeMap<u64, super::share::Standing>| s.get(token))
-                .map_or(0, |s| s.guarantee)
-        };
+        let guarantees = self.guarantees();
         status.processes = self
             .processes
             .iter()
             .flat_map(|(token, p)| {
+                let guarantees = &guarantees;
                 p.members.iter().map(move |(aid, m)| ProcessStatus {
-                    guarantee: guarantee(aid, token),
+                    guarantee: guarantees.get(&(*aid, *token)).copied().unwrap_or(0),
                     token: *token,
                     pid: p.pid,
                     name: p.name.clone(),
-                    authority: self
-                        .authorities
-                        .iter()
-                        .find(|(_, a)| *a == aid)
-                        .map(|(n, _)| n.clone())
-                        .unwrap_or_default(),
+                    authority: self.authority_name_of(*aid),
                     credit: self.ledger.lease(m.line).map_or(0, |c| c.bytes),
                     approved: m.approved,
                     os_bytes: m.os_bytes,
@@ -72,19 +58,12 @@ impl NodeState {
                 .gauge(&[name])
                 .set(self.ledger.credit_bytes(*aid) as f64);
         }
-        let standings: BTreeMap<_, _> = self
-            .authorities
-            .values()
-            .map(|aid| (*aid, self.standings(*aid)))
-            .collect();
+        let guarantees = self.guarantees();
         for (token, p) in &self.processes {
             let label = p.label();
             for (aid, m) in &p.members {
                 let authority = self.authority_name(m.line);
-                let guarantee = standings
-                    .get(aid)
-                    .and_then(|s| s.get(token))
-                    .map_or(0, |s| s.guarantee);
+                let guarantee = guarantees.get(&(*aid, *token)).copied().unwrap_or(0);
                 m::NODE_PROCESS_GUARANTEE_BYTES
                     .gauge(&[authority, &label])
                     .set(guarantee as f64);

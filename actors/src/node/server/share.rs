@@ -180,6 +180,19 @@ impl NodeState {
         taken
     }
 
+    /// Every member's guarantee now, by authority and token.
+    pub(super) fn guarantees(&self) -> BTreeMap<(AuthorityId, u64), u64> {
+        self.authorities
+            .values()
+            .flat_map(|aid| {
+                let standings = self.standings(*aid);
+                standings
+                    .into_iter()
+                    .map(move |(token, s)| ((*aid, token), s.guarantee))
+            })
+            .collect()
+    }
+
     /// The name of authority `aid`.
     pub(super) fn authority_name_of(&self, aid: AuthorityId) -> String {
         self.authorities

@@ -280,6 +280,17 @@ impl Books {
         rx
     }
 
+    /// `token` gives `bytes` back, answering ticket `ticket`.
+    fn give(&mut self, token: u64, bytes: u64, ticket: u64) {
+        self.state.notice(NodeNotice::Give {
+            token,
+            key: self.keys[&token],
+            authority: "host".into(),
+            bytes,
+            ticket,
+        });
+    }
+
     /// What each process's link was sent so far.
     async fn sent(&self, token: u64) -> Vec<LinkNotice> {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -293,11 +304,13 @@ impl Books {
     }
 }
 
-fn ticket_bytes(notices: &[LinkNotice]) -> Vec<u64> {
+/// The bytes of each ticket (`revoked` false) or each revocation (true) among `notices`.
+fn bytes_sent(notices: &[LinkNotice], revoked: bool) -> Vec<u64> {
     notices
         .iter()
-        .filter_map(|n| match n {
-            LinkNotice::Ticket { bytes, .. } => Some(*bytes),
+        .filter_map(|n| match (n, revoked) {
+            (LinkNotice::Ticket { bytes, .. }, false) => Some(*bytes),
+            (LinkNotice::Revoked { bytes, .. }, true) => Some(*bytes),
             _ => None,
         })
         .collect()
@@ -313,16 +326,10 @@ async fn a_process_under_its_guarantee_is_given_room_by_the_one_over_its_own() {
     b.join(2, 0, 50 * MIB, 50 * MIB).await; // the asker, 50 under
     b.join(3, 0, 50 * MIB, 50 * MIB).await; // idle, its cache all it holds
     let _reply = b.ask(2, 40 * MIB);
-    assert_eq!(ticket_bytes(&b.sent(1).await), vec![40 * MIB]);
+    assert_eq!(bytes_sent(&b.sent(1).await, false), vec![40 * MIB]);
     assert!(b.sent(3).await.is_empty(), "a process under its guarantee");
     // It gives: the waiter is granted.
-    b.state.notice(NodeNotice::Give {
-        token: 1,
-        key: b.keys[&1],
-        authority: "host".into(),
-        bytes: 40 * MIB,
-        ticket: 1,
-    });
+    b.give(1, 40 * MIB, 1);
     b.state.pump();
     assert_eq!((b.credit(1), b.credit(2)), (160 * MIB, 90 * MIB));
     let status = b.state.snapshot();
@@ -363,36 +370,21 @@ async fn a_stopped_process_over_its_guarantee_loses_the_excess_without_its_answe
     b.join(3, 0, 40 * MIB, 40 * MIB).await;
     // Not silent long enough: a ticket, no revocation.
     let _first = b.ask(2, 50 * MIB);
-    assert_eq!(ticket_bytes(&b.sent(1).await), vec![50 * MIB]);
+    assert_eq!(bytes_sent(&b.sent(1).await, false), vec![50 * MIB]);
     assert_eq!(b.credit(1), 220 * MIB);
     // Silent past the bound: the excess it is asked for is taken.
     b.state.processes.get_mut(&1).unwrap().heard = Instant::now() - share::STALLED;
     b.state.drive_tickets();
     assert_eq!((b.credit(1), b.credit(2)), (170 * MIB, 90 * MIB));
-    let revoked: Vec<u64> = b
-        .sent(1)
-        .await
-        .iter()
-        .filter_map(|n| match n {
-            LinkNotice::Revoked { bytes, .. } => Some(*bytes),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(revoked, vec![50 * MIB]);
+    assert_eq!(bytes_sent(&b.sent(1).await, true), vec![50 * MIB]);
     // Never below its guarantee, however long it stays silent.
     let _second = b.ask(3, 200 * MIB);
     b.state.drive_tickets();
     assert!(b.credit(1) >= 100 * MIB, "{}", b.credit(1));
-    // It runs again: the give it had sent for the first ticket is for more than it holds
-    // above... applied, not counted as hostile.
+    // It runs again: a give it sent before it learnt of the revocation, for more than it
+    // holds now, is applied (all it holds goes), not counted as hostile.
     let before = b.state.status.rejected_frames;
-    b.state.notice(NodeNotice::Give {
-        token: 1,
-        key: b.keys[&1],
-        authority: "host".into(),
-        bytes: 500 * MIB,
-        ticket: 1,
-    });
+    b.give(1, 500 * MIB, 1);
     assert_eq!(b.state.status.rejected_frames, before);
     assert_eq!(b.credit(1), 0);
 }
