@@ -375,17 +375,20 @@ fn spawn_writer(
             // Dropped as the thread ends: whoever waits on `written` hears it hang up.
             let _done = done;
             for w in rx {
-                let put = disk.lock().unwrap_or_else(|p| p.into_inner()).put(
-                    w.key,
-                    w.prompt.0,
-                    &w.prompt.1,
-                    &w.payload,
-                );
-                if put.is_ok() {
-                    outcomes.writes.fetch_add(1, Ordering::Relaxed);
-                    latency.record(w.start.elapsed().as_secs_f64());
+                // The outcome is counted under the tier's lock, so that whoever reads the
+                // blocks on disk (`fill`, under the same lock) reads the count that goes with
+                // them.
+                let mut tier = disk.lock().unwrap_or_else(|p| p.into_inner());
+                let put = tier.put(w.key, w.prompt.0, &w.prompt.1, &w.payload);
+                let counter = if put.is_ok() {
+                    &outcomes.writes
                 } else {
-                    outcomes.failures.fetch_add(1, Ordering::Relaxed);
+                    &outcomes.failures
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                drop(tier);
+                if put.is_ok() {
+                    latency.record(w.start.elapsed().as_secs_f64());
                 }
             }
         })
