@@ -31,8 +31,7 @@ use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::MemoryManager;
 use procmem_model::launch::builtin_prompts;
 use procmem_model::{
-    argmax, decode_step, forward_every_row, forward_step, smollm2_path, Engine, Smol, StepInput,
-    TextCodec,
+    argmax, forward_every_row, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
 };
 use serde_json::json;
 
@@ -185,9 +184,9 @@ async fn greedy(e: &Engine, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
         let batch: Vec<_> = prompts
             .iter()
             .enumerate()
-            .map(|(i, p)| (100 + i as u64, out[i][step - 1], p.len() + step - 1))
+            .map(|(i, p)| StepInput::decode(100 + i as u64, out[i][step - 1], p.len() + step - 1))
             .collect();
-        let logits = decode_step(&e.model, &e.weights, &e.kv, e.shape, &batch).await;
+        let logits = forward_step(&e.model, &e.weights, &e.kv, e.shape, &batch).await;
         for (o, l) in out.iter_mut().zip(logits.unwrap()) {
             o.push(argmax(&l));
         }

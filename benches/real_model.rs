@@ -45,9 +45,7 @@ use candle_transformers::models::quantized_mistral::Model as Mistral;
 use candle_transformers::quantized_var_builder::VarBuilder;
 use procmem_actors::procmem::kv::KvDtype;
 use procmem_actors::MemoryManager;
-use procmem_model::{
-    argmax, decode_step, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec,
-};
+use procmem_model::{argmax, forward_step, smollm2_path, Engine, Smol, StepInput, TextCodec};
 use serde_json::json;
 
 const TEXT: &str = "The history of computing memory is a history of trade-offs between speed, \
@@ -408,8 +406,8 @@ fn measure(
             let pos = prompt.len() + i;
             for (e, m) in &mut ours {
                 let start = Instant::now();
-                let batch = [(1, m.tokens[i], pos)];
-                let step = decode_step(&e.model, &e.weights, &e.kv, e.shape, &batch);
+                let batch = [StepInput::decode(1, m.tokens[i], pos)];
+                let step = forward_step(&e.model, &e.weights, &e.kv, e.shape, &batch);
                 let l = step.await.unwrap().remove(0);
                 m.busy += start.elapsed();
                 m.tokens.push(argmax(&l));

@@ -212,10 +212,10 @@ fn summary(r: &JobReport) {
     for (i, b) in r.books.iter().enumerate() {
         authority(b, (i == r.kv_books).then_some((c.peak_ledger, c.peak_os)));
     }
-    if let Some((free, total)) = r.driver {
+    if let Some(memory) = r.driver {
         row(
             "driver used bytes (cuMemGetInfo)",
-            (total - free).to_string(),
+            memory.used().to_string(),
         );
     }
     row("wall seconds", format!("{:.1}", r.elapsed.as_secs_f64()));

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 pub use allocator::CudaAllocator;
 pub use backing::CudaVmmBacking;
-pub use driver::{driver_present, AddressRange, CudaAccess, CudaDevice, PhysicalHandle};
+pub use driver::{
+    driver_present, AddressRange, CudaAccess, CudaDevice, DeviceMemory, PhysicalHandle,
+};
 pub use kernels::{DecodeKernels, DecodeLaunch, CUDA_MAX_HEAD_DIM, CUDA_SPLIT_TOKENS, DECODE_PTX};
 pub use pinned::{BlockView, InFlightCopy, PinnedHost};
 pub use stream::{CudaEvent, CudaStream, HostGate};

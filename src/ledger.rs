@@ -31,7 +31,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use error::{Denial, HolderUsage, LedgerError};
-pub use waiting::{PressureRound, WaitQueue};
+pub use waiting::{InLine, PressureRound, WaitQueue};
 
 use crate::api::{MemoryRole, MemoryTier, Place};
 
@@ -132,6 +132,39 @@ impl AuthoritySnapshot {
     pub fn free(&self) -> u64 {
         self.capacity.saturating_sub(self.approved())
     }
+}
+
+/// An authority's totals ([`Ledger::totals`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Bytes it may approve.
+    pub capacity: u64,
+    /// Approved but not yet committed.
+    pub provisional: u64,
+    /// Committed (leased).
+    pub leased: u64,
+}
+
+/// A holder's registration ([`Ledger::holder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration<'a> {
+    /// The authority it holds memory of.
+    pub authority: AuthorityId,
+    /// Its name.
+    pub name: &'a str,
+    /// Its priority.
+    pub priority: Priority,
+}
+
+/// A live holder as pressure sees it ([`Ledger::holders_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HolderStanding {
+    /// Which holder.
+    pub holder: HolderId,
+    /// Its priority.
+    pub priority: Priority,
+    /// Its provisional and leased bytes.
+    pub approved: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -401,18 +434,24 @@ impl Ledger {
     }
 
     /// The holder's registration: authority, name and priority.
-    pub fn holder(&self, holder: HolderId) -> Option<(AuthorityId, &str, Priority)> {
-        self.holders
-            .get(&holder)
-            .map(|b| (b.authority, b.name.as_str(), b.priority))
+    pub fn holder(&self, holder: HolderId) -> Option<Registration<'_>> {
+        self.holders.get(&holder).map(|b| Registration {
+            authority: b.authority,
+            name: b.name.as_str(),
+            priority: b.priority,
+        })
     }
 
     /// Live (not retired) holders of `authority`, with their priority and approved bytes.
-    pub fn holders_of(&self, authority: AuthorityId) -> Vec<(HolderId, Priority, u64)> {
+    pub fn holders_of(&self, authority: AuthorityId) -> Vec<HolderStanding> {
         self.holders
             .iter()
             .filter(|(_, b)| b.authority == authority && !b.retired)
-            .map(|(id, b)| (*id, b.priority, b.provisional + b.leased))
+            .map(|(id, b)| HolderStanding {
+                holder: *id,
+                priority: b.priority,
+                approved: b.provisional + b.leased,
+            })
             .collect()
     }
 
@@ -466,11 +505,14 @@ impl Ledger {
         Ok(())
     }
 
-    /// `(capacity, provisional, leased)` of `authority`, without building a snapshot.
-    pub fn totals(&self, authority: AuthorityId) -> Option<(u64, u64, u64)> {
-        self.authorities
-            .get(&authority)
-            .map(|a| (a.capacity, a.provisional, a.leased))
+    /// The capacity, provisional and leased bytes of `authority`, without building a
+    /// snapshot.
+    pub fn totals(&self, authority: AuthorityId) -> Option<Totals> {
+        self.authorities.get(&authority).map(|a| Totals {
+            capacity: a.capacity,
+            provisional: a.provisional,
+            leased: a.leased,
+        })
     }
 
     /// Whether `bytes` more could be approved in `authority` right now.

@@ -75,7 +75,7 @@ fn cuda_buffer_grows_without_moving_and_keeps_its_bytes() {
     let backing = m.backing();
     let g = VirtualBacking::granularity(backing.as_ref());
     let device = Arc::clone(m.device());
-    let (free_before, _) = device.mem_info().unwrap();
+    let free_before = device.mem_info().unwrap().free;
     let mut buf = VirtualBuffer::new(backing.clone(), 64 * g, MemoryRole::KvCache).unwrap();
     let base = buf.addr();
     for i in 0..32u64 {
@@ -95,7 +95,7 @@ fn cuda_buffer_grows_without_moving_and_keeps_its_bytes() {
         );
     }
     assert_eq!(buf.resident_bytes().unwrap(), 32 * g);
-    let (free_during, _) = device.mem_info().unwrap();
+    let free_during = device.mem_info().unwrap().free;
     assert!(
         free_before - free_during >= 24 * g,
         "the driver sees the physical memory"
@@ -282,7 +282,7 @@ fn cuda_read_only_sharer_cannot_write() {
 #[test]
 fn cuda_decode_kernel_equals_the_host_operator() {
     use procmem::cuda::{CudaStream, DecodeKernels, DecodeLaunch};
-    use procmem::kv::{elem::narrow_into, gqa_decode_rows, Heads, KvDtype, KvRows, RowLayout};
+    use procmem::kv::{gqa_decode_rows, narrow_into, Heads, KvDtype, KvRows, RowLayout};
     let Some(m) = gpu("cuda_decode_kernel_equals_the_host_operator") else {
         return;
     };

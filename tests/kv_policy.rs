@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use procmem::kv::{
-    BlockState, Incarnation, Lent, Phase, PreemptMode, PrefixCache, SeqId, SequenceTable,
-    TableError,
+    BlockState, Filling, Incarnation, Lent, Phase, PreemptMode, PrefixCache, RestoreStart, SeqId,
+    SequenceTable, TableError, Writer,
 };
 use proptest::prelude::*;
 
@@ -63,7 +63,7 @@ struct Store {
     table: SequenceTable,
     /// Opens on their way: seq -> (writer, prompt, hits, claimed keys).
     opening: HashMap<SeqId, (Incarnation, Vec<u32>, usize, Vec<u64>)>,
-    prepares: VecDeque<Vec<(SeqId, Incarnation)>>,
+    prepares: VecDeque<Vec<Writer>>,
     restores: HashMap<SeqId, Incarnation>,
     tokens: HashMap<SeqId, usize>,
     next_block: u64,
@@ -120,7 +120,10 @@ impl Store {
                 for (i, key) in claimed.iter().enumerate() {
                     self.next_block += 1;
                     if self.cache.fill(*key, writer, self.next_block).is_ok() {
-                        filling.push((*key, (hits + i + 1) * BT));
+                        filling.push(Filling {
+                            key: *key,
+                            end: (hits + i + 1) * BT,
+                        });
                     }
                 }
                 if self.table.end_open(*seq, writer, 0, filling, ()).is_ok() {
@@ -144,8 +147,8 @@ impl Store {
                     // Granted: the step's memory is lent (each sequence still waiting);
                     // refused: they are idle again.
                     if *ok {
-                        for (seq, writer) in &b {
-                            self.table.lend(*seq, *writer, |_| Lent::default());
+                        for w in &b {
+                            self.table.lend(w.seq, w.writer, |_| Lent::default());
                         }
                     } else {
                         self.table.end_growth(&b);
@@ -181,7 +184,7 @@ impl Store {
             Op::Restore(seq) => match self.table.begin_restore(*seq) {
                 Err(e) => Answer::Refused(e),
                 Ok(None) => Answer::Restoring(false),
-                Ok(Some((writer, _, _))) => {
+                Ok(Some(RestoreStart { writer, .. })) => {
                     self.restores.insert(*seq, writer);
                     Answer::Restoring(true)
                 }
@@ -514,7 +517,7 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
                 let seq = live.get(&writer);
                 prop_assert!(seq.is_some(), "block {:x} filled by a dead writer", key);
                 let rec = store.table.get(*seq.unwrap()).unwrap();
-                prop_assert!(rec.filling.iter().any(|(k, _)| *k == key));
+                prop_assert!(rec.filling.iter().any(|f| f.key == key));
                 let taken = matches!(
                     rec.phase(),
                     Phase::Preempted { .. } | Phase::Restoring { .. }
@@ -531,9 +534,9 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
         }
     }
     for (_, rec) in store.table.iter() {
-        for (key, _) in &rec.filling {
+        for f in &rec.filling {
             prop_assert_eq!(
-                store.cache.state(*key),
+                store.cache.state(f.key),
                 Some(BlockState::Filling { writer: rec.writer })
             );
         }

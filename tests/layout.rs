@@ -1,7 +1,8 @@
 //! The layout stays readable: no source file over 700 lines outside tests, no library
 //! function over 80 lines, no import cycle among the modules of any crate at any depth (a
 //! module's uses of a sibling, through `crate::`, `super::` or `self::`, doc comments aside,
-//! are its edges), and at most 20 names at the root of the crate a server embeds.
+//! are its edges), at most 20 names at the root of the crate a server embeds, and no public
+//! function taking or returning a tuple of three fields or of two bare numbers.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -466,5 +467,135 @@ fn the_embedded_crate_exports_at_most_20_names_at_its_root() {
         names.len() <= MAX_ROOT_NAMES,
         "{} names at the root, over {MAX_ROOT_NAMES}: {names:?}",
         names.len()
+    );
+}
+
+/// Types a pair of which says nothing of which is which.
+const BARE_NUMBERS: [&str; 14] = [
+    "u8", "u16", "u32", "u64", "u128", "usize", "i8", "i16", "i32", "i64", "i128", "isize", "f32",
+    "f64",
+];
+
+/// The signatures of the public functions of `code` (`pub fn`, `pub async fn`, ...; not
+/// `pub(crate)`), each on one line, with the line it starts on.
+fn public_signatures(code: &[String]) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (i, line) in code.iter().enumerate() {
+        let trimmed = line.trim_start();
+        if !trimmed.starts_with("pub ") || fn_name(trimmed).is_none() {
+            continue;
+        }
+        let mut signature = String::new();
+        for l in &code[i..] {
+            // A body or a declaration ends it; what follows `{` is not the signature.
+            let end = l.find('{').or_else(|| l.find(';'));
+            signature.push_str(l[..end.unwrap_or(l.len())].trim());
+            signature.push(' ');
+            if end.is_some() {
+                break;
+            }
+        }
+        out.push((i + 1, signature));
+    }
+    out
+}
+
+/// `inner` split at its top-level commas (none inside `()`, `<>` or `[]`).
+fn fields(inner: &str) -> Vec<&str> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in inner.char_indices() {
+        match c {
+            '(' | '<' | '[' => depth += 1,
+            ')' | '>' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(inner[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(inner[start..].trim());
+    out.retain(|f| !f.is_empty());
+    out
+}
+
+/// The tuple types in a signature with three fields or more, or of two bare numbers: a
+/// `(` where a type starts (after `->`, `<`, `,`, `:`, `[`, `&` or `mut`), not a parameter
+/// list or a closure's.
+fn wide_tuples(signature: &str) -> Vec<String> {
+    let bytes = signature.as_bytes();
+    let mut out = Vec::new();
+    for (at, _) in signature.match_indices('(') {
+        let before = signature[..at].trim_end();
+        let starts_type = before.ends_with("->")
+            || before.ends_with(" mut")
+            || before.ends_with(['<', ',', ':', '[', '&']) && !before.ends_with("::");
+        if !starts_type {
+            continue;
+        }
+        let mut depth = 0;
+        let Some(close) = (at..bytes.len()).find(|&j| {
+            match bytes[j] {
+                b'(' | b'<' | b'[' => depth += 1,
+                b')' | b'>' | b']' => depth -= 1,
+                _ => {}
+            }
+            depth == 0
+        }) else {
+            continue;
+        };
+        let inner = &signature[at + 1..close];
+        let f = fields(inner);
+        if f.len() >= 3 || f.len() == 2 && f.iter().all(|t| BARE_NUMBERS.contains(t)) {
+            out.push(format!("({inner})"));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_public_function_takes_or_returns_a_wide_tuple() {
+    let mut wide = Vec::new();
+    for file in library_files() {
+        for (line, signature) in public_signatures(&code(&file)) {
+            for tuple in wide_tuples(&signature) {
+                wide.push(format!("{}:{line} {tuple}", file.display()));
+            }
+        }
+    }
+    assert!(
+        wide.is_empty(),
+        "public functions with a tuple of three fields or of two bare numbers (name them): {wide:?}"
+    );
+}
+
+#[test]
+fn the_tuple_finder_sees_tuples_where_types_go_and_nowhere_else() {
+    let code: Vec<String> = [
+        "pub fn totals(&self, a: u64) -> Option<(u64, u64, u64)> {",
+        "pub fn sizes(&self) -> (u64, u64) {",
+        "pub fn pairs(&self, by: &[(String, u64)]) -> Vec<(u64, String)> {",
+        "pub async fn fill(",
+        "    keys: Vec<(Vec<u8>, usize, bool)>,",
+        "    f: impl Fn(u64, u64, u64) -> u64,",
+        ") -> Result<(), E> {",
+        "pub(crate) fn inner(&self) -> (u64, u64) {",
+        "pub fn one_line(a: u8, b: u8, c: u8) -> u8 { a }",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let found: Vec<(usize, Vec<String>)> = public_signatures(&code)
+        .into_iter()
+        .map(|(line, s)| (line, wide_tuples(&s)))
+        .filter(|(_, t)| !t.is_empty())
+        .collect();
+    assert_eq!(
+        found,
+        vec![
+            (1, vec!["(u64, u64, u64)".to_string()]),
+            (2, vec!["(u64, u64)".to_string()]),
+            (4, vec!["(Vec<u8>, usize, bool)".to_string()]),
+        ]
     );
 }

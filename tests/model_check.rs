@@ -506,7 +506,11 @@ impl Books {
         let real = &self.real;
         let ledger = &real.ledger;
         ledger.check_invariants().expect("ledger invariants");
-        let (capacity, provisional, leased) = ledger.totals(real.authority).expect("authority");
+        let procmem::ledger::Totals {
+            capacity,
+            provisional,
+            leased,
+        } = ledger.totals(real.authority).expect("authority");
         let mut mirror = (0, 0);
         for slot in SlotId::all() {
             match self.entry(slot) {
@@ -532,7 +536,7 @@ impl Books {
         let live: Vec<HolderId> = ledger
             .holders_of(real.authority)
             .into_iter()
-            .map(|(id, _, _)| id)
+            .map(|h| h.holder)
             .collect();
         for h in 0..HOLDERS {
             assert_eq!(

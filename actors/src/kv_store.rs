@@ -39,7 +39,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, PrefixDigest, TableError};
+use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, PrefixDigest};
 use procmem::ledger::{HolderId, Priority};
 use procmem::MemoryError;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -80,13 +80,13 @@ pub use metrics::KvStoreStats;
 use prefix::SharedPrefix;
 use sequences::Sequences;
 use step::StepMemory;
-pub use step::{KvStep, StepEnd, StepKv};
+pub use step::{KvStep, NewTokens, StepEnd, StepKv};
 pub(crate) use swap::default_disk_dir;
 use swap::Space;
 pub use swap::{SwapKind, SwapSpace};
 use transactions::Transactions;
 
-pub use procmem::kv::{PreemptMode, SeqId};
+pub use procmem::kv::{PreemptMode, SeqId, TableError};
 
 /// How to start a KV store: [`KvStoreConfig::new`], then the setters of what differs from
 /// the defaults (a new field never breaks a caller).
@@ -212,24 +212,10 @@ pub enum KvStoreError {
     /// The mechanism failed.
     #[error(transparent)]
     Memory(#[from] MemoryError),
-    /// No open sequence with that id.
-    #[error("sequence {0} is not open")]
-    Unknown(SeqId),
-    /// The id is already open.
-    #[error("sequence {0} is already open")]
-    AlreadyOpen(SeqId),
-    /// The sequence was preempted; restore it first.
-    #[error("sequence {0} was preempted ({1:?}); restore it first")]
-    Preempted(SeqId, PreemptMode),
-    /// The sequence has a step being prepared.
-    #[error("sequence {0} is busy with another step")]
-    Busy(SeqId),
-    /// One batch named the sequence twice; nothing was done.
-    #[error("sequence {0} is named twice in one batch")]
-    Duplicate(SeqId),
-    /// The sequence is not between a prepare and its last layer.
-    #[error("sequence {0} is not in a step: prepare it first")]
-    NotInStep(SeqId),
+    /// The sequence table refused: not open, already open, named twice, busy with another
+    /// step, preempted, or not in a step.
+    #[error(transparent)]
+    Table(#[from] TableError),
     /// The store is not running.
     #[error("the KV store is not running")]
     Unavailable,
@@ -287,19 +273,6 @@ impl KvStoreError {
     }
 }
 
-impl From<TableError> for KvStoreError {
-    fn from(e: TableError) -> Self {
-        match e {
-            TableError::Unknown(s) => KvStoreError::Unknown(s),
-            TableError::AlreadyOpen(s) => KvStoreError::AlreadyOpen(s),
-            TableError::Duplicate(s) => KvStoreError::Duplicate(s),
-            TableError::Busy(s) => KvStoreError::Busy(s),
-            TableError::Preempted(s, m) => KvStoreError::Preempted(s, m),
-            TableError::NotInStep(s) => KvStoreError::NotInStep(s),
-        }
-    }
-}
-
 /// One sequence's input to a layer's attention: the query, and the new token's key and value.
 #[derive(Debug, Clone)]
 pub struct AttendItem {
@@ -342,7 +315,7 @@ pub(crate) enum KvStoreMsg {
     /// Makes room for a number of tokens in each sequence: one grant for all of them.
     Prepare {
         /// The sequences and how many new tokens each.
-        seqs: Vec<(SeqId, usize)>,
+        seqs: Vec<NewTokens>,
         /// Answered with the step once every sequence has room for its next token, or with
         /// why not.
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,

@@ -118,8 +118,8 @@ pub use procmem;
 pub mod kv {
     pub use crate::kv_store::{
         AttendItem, KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, KvStream,
-        Opened, PreemptMode, PrefixDisk, PrefixHost, Restored, SeqId, StepEnd, StepKv, SwapKind,
-        SwapSpace,
+        NewTokens, Opened, PreemptMode, PrefixDisk, PrefixHost, Restored, SeqId, StepEnd, StepKv,
+        SwapKind, SwapSpace, TableError,
     };
 }
 

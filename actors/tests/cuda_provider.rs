@@ -248,10 +248,10 @@ async fn cuda_manager_binding_charges_the_device_authority() {
         .await
         .unwrap();
     let device = CudaDevice::open(0).unwrap();
-    let (free_before, _) = device.mem_info().unwrap();
+    let free_before = device.mem_info().unwrap().free;
     let request = AllocationRequest::new(BYTES, MemoryRole::Workspace);
     let buffer = binding.allocate(holder, &request, 0, None).await.unwrap();
-    let (free_during, _) = device.mem_info().unwrap();
+    let free_during = device.mem_info().unwrap().free;
     assert!(
         free_before - free_during >= BYTES,
         "the driver sees the allocation"

@@ -5,7 +5,7 @@
 
 mod common;
 
-use procmem_actors::kv::StepEnd;
+use procmem_actors::kv::{NewTokens, StepEnd, TableError};
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
@@ -80,9 +80,15 @@ async fn chunk_step(step: KvStep, seeds: &[u64]) -> Vec<Vec<Vec<f32>>> {
 /// (a dropped step's memory returns after its fence: meanwhile the sequence is `Busy`).
 async fn prepare(kv: &KvStoreHandle, batch: Vec<(u64, usize)>) -> Result<KvStep, KvStoreError> {
     let start = std::time::Instant::now();
+    let batch: Vec<NewTokens> = batch
+        .into_iter()
+        .map(|(seq, count)| NewTokens { seq, count })
+        .collect();
     loop {
         match kv.prepare_tokens(batch.clone()).await {
-            Err(KvStoreError::Busy(_)) if start.elapsed() < Duration::from_secs(5) => {
+            Err(KvStoreError::Table(TableError::Busy(_)))
+                if start.elapsed() < Duration::from_secs(5) =>
+            {
                 tokio::time::sleep(Duration::from_millis(2)).await
             }
             other => return other,
@@ -277,7 +283,7 @@ async fn a_sequence_preempted_mid_prefill_comes_back_where_it_was() {
         .unwrap();
     let refused = prepare(&kv, vec![(1, 100)]).await.unwrap_err();
     assert!(
-        matches!(refused, KvStoreError::Preempted(1, _)),
+        matches!(refused, KvStoreError::Table(TableError::Preempted(1, _))),
         "{refused:?}"
     );
     drop(grant);

@@ -16,7 +16,7 @@ use procmem_actors::{
     governor::{GovernorConfig, GovernorHandle},
     kv::{
         KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixHost,
-        Restored, SwapKind, SwapSpace,
+        Restored, SwapKind, SwapSpace, TableError,
     },
     provider::{CudaProvider, CudaProviderConfig},
 };
@@ -243,7 +243,9 @@ async fn cuda_kv_store_grows_shares_swaps_and_restores_with_the_bytes_intact() {
     let mut victim = None;
     for seq in [1, 2] {
         match kv.prepare(vec![seq]).await {
-            Err(KvStoreError::Preempted(s, PreemptMode::Swap)) => victim = Some(s),
+            Err(KvStoreError::Table(TableError::Preempted(s, PreemptMode::Swap))) => {
+                victim = Some(s)
+            }
             Ok(step) => drop(step),
             Err(e) => panic!("sequence {seq}: {e}"),
         }

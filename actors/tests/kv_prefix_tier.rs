@@ -11,8 +11,8 @@ use procmem_actors::procmem::kv::{prompt_keys, KvShape};
 use procmem_actors::{
     governor::GovernorHandle,
     kv::{
-        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, PreemptMode, PrefixDisk,
-        PrefixHost, Restored, StepEnd,
+        KvStep, KvStoreConfig, KvStoreError, KvStoreHandle, KvStoreStats, NewTokens, PreemptMode,
+        PrefixDisk, PrefixHost, Restored, StepEnd, TableError,
     },
     provider::CpuProvider,
 };
@@ -52,7 +52,9 @@ async fn run(kv: &KvStoreHandle, seq: u64, prompt: &[u32]) -> (usize, Vec<Vec<f3
     while pos <= prompt.len() {
         let step = match kv.prepare(vec![seq]).await {
             Ok(step) => step,
-            Err(KvStoreError::Preempted(s, PreemptMode::Recompute)) if s == seq && pos == from => {
+            Err(KvStoreError::Table(TableError::Preempted(s, PreemptMode::Recompute)))
+                if s == seq && pos == from =>
+            {
                 let restored = kv.restore(seq).await.unwrap();
                 assert_eq!(
                     restored,
@@ -345,7 +347,10 @@ async fn pressure_on_a_sequence_whose_copy_in_falls_short_recomputes_it() {
     assert!(
         matches!(
             err,
-            Some(KvStoreError::Preempted(3, PreemptMode::Recompute))
+            Some(KvStoreError::Table(TableError::Preempted(
+                3,
+                PreemptMode::Recompute
+            )))
         ),
         "{err:?}"
     );
@@ -386,7 +391,11 @@ async fn the_open_does_not_wait_for_the_copy_in_and_the_first_step_does() {
     // A step the store refuses anyway is refused at once, not put behind the copy.
     let refused = |r: Result<KvStep, KvStoreError>| r.err().map(|e| e.to_string());
     let quick = Duration::from_secs(2);
-    let zero = tokio::time::timeout(quick, kv.prepare_tokens(vec![(3, 0)])).await;
+    let zero = tokio::time::timeout(
+        quick,
+        kv.prepare_tokens(vec![NewTokens { seq: 3, count: 0 }]),
+    )
+    .await;
     assert!(
         matches!(zero, Ok(Err(KvStoreError::NoTokens(3)))),
         "{:?}",

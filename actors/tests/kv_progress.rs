@@ -8,7 +8,7 @@
 //! preempted while its step waited (`Err(Preempted)`) leaves the batch and is restored later,
 //! oldest first; `Restored::Recompute` replays from the cached blocks it maps again.
 
-use procmem_actors::kv::StepEnd;
+use procmem_actors::kv::{StepEnd, TableError};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -158,7 +158,7 @@ async fn run(fraction: u64, mode: PreemptMode) -> Vec<Figures> {
                 stepped = true;
                 step
             }
-            Err(KvStoreError::Preempted(seq, _)) => {
+            Err(KvStoreError::Table(TableError::Preempted(seq, _))) => {
                 let r = &mut reqs[seq as usize];
                 r.parked = true;
                 r.figures.preemptions += 1;

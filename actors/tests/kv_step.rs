@@ -4,7 +4,7 @@
 
 mod common;
 
-use procmem_actors::kv::StepEnd;
+use procmem_actors::kv::{StepEnd, TableError};
 use std::time::Duration;
 
 use common::{another_holder_asks, kv_config, kv_floats, kv_system, settled};
@@ -140,7 +140,10 @@ async fn a_dropped_step_counts_nothing_and_holds_its_memory_until_its_kernels_ra
     .unwrap();
     drop(step);
     assert!(
-        matches!(kv.prepare(vec![1]).await, Err(KvStoreError::Busy(1))),
+        matches!(
+            kv.prepare(vec![1]).await,
+            Err(KvStoreError::Table(TableError::Busy(1)))
+        ),
         "the step's memory is not back before its kernel ran"
     );
     kv.close(1);
@@ -164,7 +167,7 @@ async fn a_dropped_step_counts_nothing_and_holds_its_memory_until_its_kernels_ra
     let step = loop {
         match kv.prepare(vec![2]).await {
             Ok(step) => break step,
-            Err(KvStoreError::Busy(2)) if tries < 100 => tries += 1,
+            Err(KvStoreError::Table(TableError::Busy(2))) if tries < 100 => tries += 1,
             Err(e) => panic!("{e}"),
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -263,7 +266,7 @@ async fn a_kernel_that_panics_fails_its_call_and_the_step_still_ends_cleanly() {
     };
     assert!(matches!(
         step.attend(0, vec![stranger]).await,
-        Err(KvStoreError::NotInStep(99))
+        Err(KvStoreError::Table(TableError::NotInStep(99)))
     ));
     step.submit(|_| panic!("a server's kernel fails")).unwrap();
     step.complete(StepEnd::Submitted).await.unwrap();
@@ -357,7 +360,7 @@ async fn a_sequence_holding_only_its_prompt_blocks_still_gives_way() {
     g.set_capacity(s.leased_bytes + chunk).await.unwrap();
     let both = kv.prepare(vec![1, 2]).await;
     assert!(
-        matches!(both, Err(KvStoreError::Preempted(2, _))),
+        matches!(both, Err(KvStoreError::Table(TableError::Preempted(2, _)))),
         "the newer sequence gives way: {both:?}"
     );
     let step = kv.prepare(vec![1]).await.unwrap();
@@ -477,7 +480,10 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
             let _ = e.await;
         }
         assert!(
-            matches!(kv.prepare(vec![1]).await, Err(KvStoreError::Busy(1))),
+            matches!(
+                kv.prepare(vec![1]).await,
+                Err(KvStoreError::Table(TableError::Busy(1)))
+            ),
             "the memory is not back before the other stream's fence"
         );
         assert!(p.mechanism().backing().resident_bytes().unwrap() > 0);
@@ -489,7 +495,9 @@ async fn a_step_completed_after_another_streams_fence_waits_for_it() {
         let step = loop {
             match kv.prepare(vec![1]).await {
                 Ok(step) => break step,
-                Err(KvStoreError::Busy(1)) if start.elapsed() < Duration::from_secs(5) => {
+                Err(KvStoreError::Table(TableError::Busy(1)))
+                    if start.elapsed() < Duration::from_secs(5) =>
+                {
                     tokio::time::sleep(Duration::from_millis(2)).await
                 }
                 Err(e) => panic!("{e}"),

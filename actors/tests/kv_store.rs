@@ -3,7 +3,7 @@
 //! answered with whole units, preemption and resumption, and a crash that frees nothing early.
 #![allow(clippy::needless_range_loop)]
 
-use procmem_actors::kv::StepEnd;
+use procmem_actors::kv::{StepEnd, TableError};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -696,7 +696,9 @@ async fn give_up_while_waiting<F: std::future::Future>(fut: F) {
 async fn step_after_busy(kv: &KvStoreHandle, seqs: &[(u64, usize)]) {
     for _ in 0..200 {
         match step(kv, seqs).await {
-            Err(KvStoreError::Busy(_)) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(KvStoreError::Table(TableError::Busy(_))) => {
+                tokio::time::sleep(Duration::from_millis(5)).await
+            }
             other => return assert!(other.is_ok(), "{other:?}"),
         }
     }

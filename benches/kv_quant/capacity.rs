@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use procmem_actors::kv::{KvStoreConfig, StepEnd};
+use procmem_actors::kv::{KvStoreConfig, NewTokens, StepEnd};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::MemoryManager;
 use procmem_model::launch::CHUNK_GRANULES;
@@ -60,7 +60,10 @@ async fn held_in(shape: KvShape, bytes: u64, tokens: usize) -> Held {
         if kv.open(seq, prompt, 0).await.is_err() {
             break;
         }
-        let Ok(step) = kv.prepare_tokens(vec![(seq, tokens)]).await else {
+        let Ok(step) = kv
+            .prepare_tokens(vec![NewTokens { seq, count: tokens }])
+            .await
+        else {
             break;
         };
         step.submit(move |kv| {

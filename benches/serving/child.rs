@@ -71,7 +71,7 @@ async fn run(
     };
     let served = match launch.start(&memory).await {
         Ok(started) => {
-            let _ = slot.set(started.0.kv.clone());
+            let _ = slot.set(started.engine.kv.clone());
             serve_bound(server, started, &memory, None, |addr| {
                 println!("listening on http://{addr}")
             })

@@ -55,7 +55,7 @@ where
             let started = launch.start(&memory).await.map_err(|e| e.to_string());
             match started {
                 Ok(started) => {
-                    let _ = slot.set(started.0.kv.clone());
+                    let _ = slot.set(started.engine.kv.clone());
                     listen_until_stopped(server, started, &memory, run.idle_after).await
                 }
                 Err(e) => Err(e),
@@ -78,7 +78,7 @@ where
 /// Serves the API until the stop signals.
 async fn listen_until_stopped(
     server: procmem_model::http::Server,
-    started: (procmem_model::Engine, TextCodec),
+    started: procmem_model::launch::Started,
     memory: &MemoryManager,
     idle_after: Option<Duration>,
 ) -> Result<(), String> {
@@ -105,7 +105,8 @@ async fn builtin(
     run: &RealRun,
 ) -> Result<(), String> {
     let prompts = std::mem::take(&mut launch.prompts);
-    let (engine, codec) = launch.start(memory).await.map_err(|e| e.to_string())?;
+    let procmem_model::launch::Started { engine, codec } =
+        launch.start(memory).await.map_err(|e| e.to_string())?;
     let _ = slot.set(engine.kv.clone());
     let requests: Vec<Request> = prompts
         .into_iter()

@@ -14,14 +14,13 @@ use std::path::Path;
 
 use candle_core::quantized::GgmlDType;
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 mod format;
 
+pub use crate::error::{GgufError, MAX_ALIGNMENT, MAX_NESTING};
 use format::{parse, Bounded, Metadata, Tensors};
-pub use format::{
-    Array, GgufError, Limits, TensorInfo, Value, MAX_ALIGNMENT, MAX_DIMS, MAX_NESTING, MAX_STRING,
-};
+pub use format::{Array, Limits, TensorInfo, Value, MAX_DIMS, MAX_STRING};
 
 /// The model's shape, from the GGUF's metadata.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,6 +65,17 @@ pub struct TensorSlot {
     pub offset: usize,
     /// Bytes.
     pub len: usize,
+    /// Quantization.
+    pub dtype: GgmlDType,
+    /// Dimensions (row-major, candle's order).
+    pub dims: Vec<usize>,
+}
+
+/// A tensor as the file holds it ([`Gguf::raw`]).
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    /// Its bytes.
+    pub bytes: Vec<u8>,
     /// Quantization.
     pub dtype: GgmlDType,
     /// Dimensions (row-major, candle's order).
@@ -362,7 +372,7 @@ impl Gguf {
 
     /// A tensor's raw bytes, dtype and dimensions (its size was checked against the file at
     /// [`Gguf::open`]).
-    pub fn raw(&mut self, name: &str) -> Result<(Vec<u8>, GgmlDType, Vec<usize>), ModelError> {
+    pub fn raw(&mut self, name: &str) -> Result<RawTensor, ModelError> {
         let info = self
             .tensors
             .get(name)
@@ -375,7 +385,11 @@ impl Gguf {
                 path: format!("tensor {name}"),
                 source,
             })?;
-        Ok((bytes, info.dtype, info.dims.clone()))
+        Ok(RawTensor {
+            bytes,
+            dtype: info.dtype,
+            dims: info.dims.clone(),
+        })
     }
 
     /// Whether the file holds a tensor of that name.
@@ -412,15 +426,15 @@ impl Gguf {
         let mut bytes = Vec::new();
         let mut slots = Vec::with_capacity(LAYER_TENSORS.len());
         for t in LAYER_TENSORS {
-            let (raw, dtype, dims) = self.raw(&format!("blk.{layer}.{t}.weight"))?;
+            let raw = self.raw(&format!("blk.{layer}.{t}.weight"))?;
             // K and V follow Q, and up follows gate, with no padding where they have the same
             // type and row length: the rows of each group are then one matrix (see
             // [`fused`]). A whole number of rows keeps the next one aligned for its type.
             let continues = matches!(t, "attn_k" | "attn_v" | "ffn_up")
                 && slots.last().is_some_and(|p: &TensorSlot| {
-                    p.dtype == dtype && p.dims.len() == 2 && p.dims.get(1) == dims.get(1)
+                    p.dtype == raw.dtype && p.dims.len() == 2 && p.dims.get(1) == raw.dims.get(1)
                 });
-            slots.push(pack(&mut bytes, (raw, dtype, dims), !continues));
+            slots.push(pack(&mut bytes, raw, !continues));
         }
         Ok((bytes, slots))
     }
@@ -428,21 +442,17 @@ impl Gguf {
 
 /// Appends tensor `raw` (its bytes, type and dimensions) to a unit's `bytes`, first on a
 /// 64-byte boundary where `align`; where it lies.
-fn pack(
-    bytes: &mut Vec<u8>,
-    (raw, dtype, dims): (Vec<u8>, GgmlDType, Vec<usize>),
-    align: bool,
-) -> TensorSlot {
+fn pack(bytes: &mut Vec<u8>, raw: RawTensor, align: bool) -> TensorSlot {
     if align {
         bytes.resize(bytes.len().next_multiple_of(64), 0);
     }
     let slot = TensorSlot {
         offset: bytes.len(),
-        len: raw.len(),
-        dtype,
-        dims,
+        len: raw.bytes.len(),
+        dtype: raw.dtype,
+        dims: raw.dims,
     };
-    bytes.extend_from_slice(&raw);
+    bytes.extend_from_slice(&raw.bytes);
     slot
 }
 

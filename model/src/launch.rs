@@ -13,7 +13,11 @@ use procmem_actors::kv::{KvStoreConfig, PreemptMode, PrefixDisk};
 use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::MemoryManager;
 
-use crate::{fetch_smollm2, Engine, Loaded, ModelError, Smol, TextCodec};
+use crate::error::ModelError;
+use crate::fetch::fetch_smollm2;
+use crate::serve::Engine;
+use crate::smollm::{Loaded, Smol};
+use crate::tokenizer::TextCodec;
 
 #[cfg(feature = "cluster")]
 mod node;
@@ -344,7 +348,7 @@ impl Launch {
             .chain([&loaded.head])
             .map(|l| (l.len() as u64).next_multiple_of(page))
             .sum::<u64>()
-            .saturating_add(crate::Engine::scratch_bytes(&loaded.model));
+            .saturating_add(Engine::scratch_bytes(&loaded.model));
         let shape = loaded
             .model
             .kv_shape(config.k_dtype, config.v_dtype, context);
@@ -380,12 +384,23 @@ impl Launch {
 
     /// Puts the weights under residency and opens the KV store on `memory` (built with
     /// [`Sizing::budget`]): the engine, and the model's tokenizer.
-    pub async fn start(self, memory: &MemoryManager) -> Result<(Engine, TextCodec), LaunchError> {
+    pub async fn start(self, memory: &MemoryManager) -> Result<Started, LaunchError> {
         let config = self.kv_config()?;
         let eos = self.codec.eos;
         let engine = Engine::start(memory, self.loaded, config, eos).await?;
-        Ok((engine, self.codec))
+        Ok(Started {
+            engine,
+            codec: self.codec,
+        })
     }
+}
+
+/// A model started on a memory manager ([`Launch::start`]): what a server serves.
+pub struct Started {
+    /// The engine: weights under residency, the KV store, the scheduler's model.
+    pub engine: Engine,
+    /// The model's tokenizer.
+    pub codec: TextCodec,
 }
 
 /// The model's identity for the disk tier: its file's length and CRC-32 (a restart over

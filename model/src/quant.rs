@@ -21,8 +21,8 @@ use candle_core::{Device, Module, Tensor};
 mod q4_1;
 mod q8_0;
 
+use crate::error::{ModelError, StepFault};
 use crate::gguf::TensorSlot;
-use crate::{ModelError, StepFault};
 
 /// Whether candle is told to dequantize every weight (then `QMatMul` does, and so do we).
 fn dequantize_all() -> bool {

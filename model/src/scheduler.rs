@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use procmem_actors::kv::{KvStep, KvStoreHandle, SeqId};
+use procmem_actors::kv::{KvStep, KvStoreHandle, NewTokens, SeqId};
 use tokio::sync::mpsc;
 
 mod policy;
@@ -31,11 +31,12 @@ mod types;
 pub use sample::{adjust, logprobs};
 pub use sample::{argmax, sample};
 pub use types::{
-    Event, Figures, FinishReason, GenError, GenRequest, Penalties, Sampling, SchedulerStats,
-    StepInput, TokenLogprobs, MAX_TOP_LOGPROBS,
+    Event, Figures, FinishReason, GenRequest, Penalties, Sampling, SchedulerStats, StepInput,
+    TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 
-use crate::ModelError;
+pub use crate::error::GenError;
+use crate::error::ModelError;
 
 /// The logits of each input's last token, on their way.
 pub type StepFuture<'a> =
@@ -56,7 +57,15 @@ pub trait StepModel: Send + Sync + 'static {
 /// place and stored at another. The first thing a [`StepModel::step`] does.
 pub async fn prepare(kv: &KvStoreHandle, batch: &[StepInput]) -> Result<KvStep, ModelError> {
     let step = kv
-        .prepare_tokens(batch.iter().map(|b| (b.seq, b.tokens.len())).collect())
+        .prepare_tokens(
+            batch
+                .iter()
+                .map(|b| NewTokens {
+                    seq: b.seq,
+                    count: b.tokens.len(),
+                })
+                .collect(),
+        )
         .await
         .map_err(ModelError::Prepare)?;
     for (b, &held) in batch.iter().zip(step.positions()) {

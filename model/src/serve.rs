@@ -11,11 +11,11 @@ use procmem_actors::{
     MemoryManager, Reserve,
 };
 
+use crate::error::ModelError;
 use crate::scheduler::{
     Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, StepFuture, StepModel,
 };
 use crate::smollm::{forward_step, Loaded, Smol, StepInput};
-use crate::ModelError;
 
 /// One prompt to complete.
 #[derive(Debug, Clone)]

@@ -12,15 +12,15 @@ use candle_core::{DType, Device, Module, Tensor};
 use procmem_actors::procmem::fence::TimelineFence;
 use procmem_actors::procmem::kv::{gqa_causal_rows, KvDtype, KvShape};
 use procmem_actors::{
-    kv::{KvStep, KvStoreHandle, SeqId, StepEnd, StepKv},
+    kv::{KvStep, KvStoreHandle, StepEnd, StepKv},
     provider::fence_completed,
     residency::ResidencyHandle,
 };
 
+use crate::error::{ModelError, StepFault};
 use crate::gguf::{Config, Gguf, HeadSlots, TensorSlot, TokenizerData};
 use crate::quant::{dense, project, rows};
 pub use crate::scheduler::StepInput;
-use crate::{ModelError, StepFault};
 
 /// The model's shape and where its tensors lie; the tensors themselves are residency's (every
 /// layer a unit, and one more unit, the head, for the embeddings, the final norm and the output
@@ -277,11 +277,37 @@ impl Smol {
     }
 }
 
-/// The two largest logits, largest first.
-pub fn top2(logits: &[f32]) -> (f32, f32) {
-    let mut v = logits.to_vec();
-    v.sort_by(|a, b| b.total_cmp(a));
-    (v[0], v.get(1).copied().unwrap_or(f32::NEG_INFINITY))
+/// The two largest logits of a row ([`top2`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TopTwo {
+    /// The largest.
+    pub first: f32,
+    /// The next (negative infinity in a row of one).
+    pub second: f32,
+}
+
+impl TopTwo {
+    /// How far the largest is ahead of the next.
+    pub fn margin(&self) -> f32 {
+        self.first - self.second
+    }
+}
+
+/// The two largest logits, largest first (negative infinity for both in an empty row).
+pub fn top2(logits: &[f32]) -> TopTwo {
+    let mut top = TopTwo {
+        first: f32::NEG_INFINITY,
+        second: f32::NEG_INFINITY,
+    };
+    for &l in logits {
+        if l.total_cmp(&top.first).is_gt() {
+            top.second = top.first;
+            top.first = l;
+        } else if l.total_cmp(&top.second).is_gt() {
+            top.second = l;
+        }
+    }
+    top
 }
 
 /// The rows a layer's attention takes, flat and row-major: each row's query
@@ -294,6 +320,28 @@ pub struct Qkv {
     pub k: Vec<f32>,
     /// Values.
     pub v: Vec<f32>,
+}
+
+impl Qkv {
+    /// `rows` back to back, in order.
+    pub fn concat(rows: impl IntoIterator<Item = Qkv>) -> Qkv {
+        let mut flat = Qkv::default();
+        for r in rows {
+            flat.q.extend(r.q);
+            flat.k.extend(r.k);
+            flat.v.extend(r.v);
+        }
+        flat
+    }
+}
+
+/// Where a new row of a step goes: the step's `seq`-th sequence, at `position`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepRow {
+    /// The sequence's index in the step.
+    pub seq: usize,
+    /// The row's position in it.
+    pub position: usize,
 }
 
 /// Writes each sequence's new K/V rows into the step's memory and runs the causal operator
@@ -342,21 +390,15 @@ fn attend_rows(
 
 /// Writes each new token's K/V into the step's flat buffers and runs the causal operator over
 /// every row so far, on the step's stream (the server's own kernel over the managed KV).
-/// `qkv` holds one (query, key, value) per new token: the step's sequences in order, each
-/// sequence's tokens in position order. Returns each token's output, in the same order.
+/// `qkv` holds the new tokens' rows: the step's sequences in order, each sequence's tokens
+/// in position order. Returns each token's output, in the same order.
 pub async fn attend(
     step: &KvStep,
     shape: KvShape,
     layer: usize,
-    qkv: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+    flat: Qkv,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
     let width = shape.q_heads * shape.head_dim;
-    let mut flat = Qkv::default();
-    for (q, k, v) in qkv {
-        flat.q.extend(q);
-        flat.k.extend(k);
-        flat.v.extend(v);
-    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     step.submit(move |kv| {
         let _ = tx.send(attend_rows(kv, shape, layer, &flat));
@@ -387,26 +429,6 @@ fn stage(flow: &Mutex<Flow>, f: impl FnOnce(&mut Flow) -> Result<(), ModelError>
         Ok(()) => flow.stages += 1,
         Err(e) => flow.error = Some(e),
     }
-}
-
-/// One decode step of `batch` (`(sequence, token, position)`): [`forward_step`] with one
-/// token per sequence. Returns each row's logits.
-pub async fn decode_step(
-    model: &Arc<Smol>,
-    weights: &ResidencyHandle,
-    kv: &KvStoreHandle,
-    shape: KvShape,
-    batch: &[(SeqId, u32, usize)],
-) -> Result<Vec<Vec<f32>>, ModelError> {
-    let inputs: Vec<StepInput> = batch
-        .iter()
-        .map(|&(seq, token, position)| StepInput {
-            seq,
-            tokens: vec![token],
-            position,
-        })
-        .collect();
-    forward_step(model, weights, kv, shape, &inputs).await
 }
 
 /// One step of `batch`: each sequence's new tokens (a prompt's chunk, or one decode token)
@@ -622,7 +644,7 @@ mod tests {
     /// the arithmetic.
     #[test]
     fn fused_projections_equal_the_separate_ones_bit_for_bit() {
-        let Some(path) = crate::smollm2_path() else {
+        let Some(path) = crate::fetch::smollm2_path() else {
             eprintln!("SKIPPED: no model (run scripts/fetch-model.sh)");
             return;
         };
@@ -656,7 +678,7 @@ mod tests {
     /// gives it, bit for bit; a token past the vocabulary is refused, not read.
     #[test]
     fn embedding_rows_equal_the_whole_tables_and_an_id_past_it_is_refused() {
-        let Some(path) = crate::smollm2_path() else {
+        let Some(path) = crate::fetch::smollm2_path() else {
             eprintln!("SKIPPED: no model (run scripts/fetch-model.sh)");
             return;
         };

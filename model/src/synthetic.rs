@@ -6,8 +6,10 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::error::{ModelError, StepFault};
+use crate::scheduler::StepInput;
 use crate::scheduler::{self, StepFuture, StepModel};
-use crate::{ModelError, StepFault, StepInput};
+use crate::smollm::{Qkv, StepRow};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::{KvPart, KvShape};
 use procmem_actors::{
@@ -162,11 +164,7 @@ impl Synthetic {
             .iter()
             .flat_map(|b| b.tokens.iter().map(|&t| m.embed(t)))
             .collect();
-        let rows: Vec<(usize, usize)> = batch
-            .iter()
-            .enumerate()
-            .flat_map(|(i, b)| (0..b.tokens.len()).map(move |j| (i, b.position + j)))
-            .collect();
+        let rows = step_rows(batch);
         for layer in 0..m.shape.layers {
             let inputs = xs.clone();
             let qkv = self
@@ -179,7 +177,11 @@ impl Synthetic {
                     let (wv, _) = rest.split_at(kvd * h);
                     inputs
                         .iter()
-                        .map(|x| (matvec(wq, qd, x), matvec(wk, kvd, x), matvec(wv, kvd, x)))
+                        .map(|x| Qkv {
+                            q: matvec(wq, qd, x),
+                            k: matvec(wk, kvd, x),
+                            v: matvec(wv, kvd, x),
+                        })
                         .collect::<Vec<_>>()
                 })
                 .await?;
@@ -188,7 +190,7 @@ impl Synthetic {
                 Some(gpu) => {
                     tokio::task::block_in_place(|| gpu.attend(&step, m.shape, layer, &rows, &qkv))?
                 }
-                None => crate::smollm::attend(&step, m.shape, layer, qkv).await?,
+                None => crate::smollm::attend(&step, m.shape, layer, Qkv::concat(qkv)).await?,
             };
             let inputs = std::mem::take(&mut xs);
             xs = self
@@ -254,6 +256,20 @@ impl Synthetic {
     }
 }
 
+/// Where each new token of `batch` goes, in the batch's order.
+fn step_rows(batch: &[StepInput]) -> Vec<StepRow> {
+    batch
+        .iter()
+        .enumerate()
+        .flat_map(|(i, b)| {
+            (0..b.tokens.len()).map(move |j| StepRow {
+                seq: i,
+                position: b.position + j,
+            })
+        })
+        .collect()
+}
+
 /// The GPU side: the decode kernels (kernels/decode.cu, loaded from their PTX) and device
 /// staging for the rows of a step: each row's query, new K/V and output, and one scratch for
 /// partial results (the stream runs one decode at a time).
@@ -306,8 +322,7 @@ impl Gpu {
     }
 
     /// One layer of attention for every new row of the step, on the step's CUDA stream:
-    /// `rows[r]` is row `r`'s (sequence of the step, position), `qkv[r]` its query, key and
-    /// value. Each row's K/V is written into the flat buffers by the copy kernel, then the
+    /// `rows[r]` is where row `r` goes, `qkv[r]` its query, key and value. Each row's K/V is written into the flat buffers by the copy kernel, then the
     /// split-KV decode runs over every row up to it, read in place through the step's views:
     /// the stream runs them in order, so a chunk's row sees its own earlier rows (causal).
     pub fn attend(
@@ -315,8 +330,8 @@ impl Gpu {
         step: &KvStep,
         shape: KvShape,
         layer: usize,
-        rows: &[(usize, usize)],
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+        rows: &[StepRow],
+        qkv: &[Qkv],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         if rows.len() != qkv.len() {
             return Err(StepFault::Mismatch {
@@ -340,8 +355,8 @@ impl Gpu {
         step: &KvStep,
         shape: KvShape,
         layer: usize,
-        rows: &[(usize, usize)],
-        qkv: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+        rows: &[StepRow],
+        qkv: &[Qkv],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let stream = step.stream().cuda().ok_or(StepFault::NotOnDevice)?.cuda();
         let bytes = |x: &[f32]| x.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>();
@@ -351,7 +366,8 @@ impl Gpu {
         );
         // The previous slice's work read the staging buffers: done before they are rewritten.
         stream.synchronize()?;
-        for (i, (&(seq, pos), (q, k, v))) in rows.iter().zip(qkv).enumerate() {
+        for (i, (row, Qkv { q, k, v })) in rows.iter().zip(qkv).enumerate() {
+            let (seq, pos) = (row.seq, row.position);
             let views = step
                 .views(seq, layer)
                 .ok_or(StepFault::NoSuchSequence(seq))?;

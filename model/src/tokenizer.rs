@@ -5,31 +5,9 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
+use crate::error::ModelError;
+pub use crate::error::TokenizerError;
 use crate::gguf::TokenizerData;
-use crate::ModelError;
-
-/// Why the tokenizer could not be built, or could not take a text.
-#[derive(Debug, thiserror::Error)]
-pub enum TokenizerError {
-    /// A merge in the GGUF is not two tokens separated by a space.
-    #[error("merge {0:?} is not two tokens")]
-    Merge(String),
-    /// The vocabulary and merges do not make a BPE.
-    #[error("BPE: {0}")]
-    Build(#[source] tokenizers::Error),
-    /// A text could not be encoded.
-    #[error("encode: {0}")]
-    Encode(#[source] tokenizers::Error),
-    /// Token ids could not be decoded.
-    #[error("decode: {0}")]
-    Decode(#[source] tokenizers::Error),
-    /// A chat message of a role the template does not know.
-    #[error("a message of role {0:?}")]
-    Role(String),
-    /// The vocabulary lacks a control token the chat template needs.
-    #[error("the vocabulary has no {0} token: no chat template")]
-    NoTemplate(&'static str),
-}
 
 /// Text in, token ids out, and back.
 ///

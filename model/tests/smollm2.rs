@@ -8,9 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use procmem_actors::kv::{KvStoreError, PreemptMode};
+use procmem_actors::kv::{KvStoreError, PreemptMode, TableError};
 use procmem_actors::procmem::kv::KvDtype;
-use procmem_model::{decode_step, Engine, ModelError, Smol, TextCodec};
+use procmem_model::{forward_step, Engine, ModelError, Smol, StepInput, TextCodec};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantized_decoding_follows_candle_as_closely_as_candle_follows_itself() {
@@ -23,10 +23,7 @@ async fn quantized_decoding_follows_candle_as_closely_as_candle_follows_itself()
     // masked forward; its first half in one, then a token at a time) against the same model
     // fed one token at a time. Same weights, same kernels, only the order of the attention's additions differs,
     // and its 8-bit activation rounding amplifies that.
-    let tie = |l: &[f32]| {
-        let (first, second) = procmem_model::top2(l);
-        first - second
-    };
+    let tie = |l: &[f32]| procmem_model::top2(l).margin();
     let mut floor_first = Vec::new();
     let mut floor_parts = Vec::new();
     let mut floor_ties = Vec::new();
@@ -48,7 +45,7 @@ async fn quantized_decoding_follows_candle_as_closely_as_candle_follows_itself()
     let ours_ties: Vec<f32> = a
         .parted
         .iter()
-        .map(|(_, _, o, c)| (o.0 - o.1).max(c.0 - c.1))
+        .map(|(_, _, o, c)| o.margin().max(c.margin()))
         .collect();
     let worst = |v: &[f32]| v.iter().copied().fold(0f32, f32::max);
     let equal = |v: &[Option<usize>]| v.iter().filter(|p| p.is_none()).count();
@@ -232,7 +229,10 @@ async fn a_step_given_up_midway_changes_nothing() {
             engine.kv.open(1, prompt.clone(), 0).await.unwrap();
             let step = |t: u32, pos: usize| {
                 let e = &engine;
-                async move { decode_step(&e.model, &e.weights, &e.kv, e.shape, &[(1, t, pos)]).await }
+                async move {
+                    let batch = [StepInput::decode(1, t, pos)];
+                    forward_step(&e.model, &e.weights, &e.kv, e.shape, &batch).await
+                }
             };
             // A step at a position the sequence is not at is refused, and nothing counts.
             let wrong = step(prompt[0], 1).await;
@@ -259,7 +259,7 @@ async fn a_step_given_up_midway_changes_nothing() {
                             continue;
                         }
                         // The step before is still coming back: taken below.
-                        Ok(Err(ModelError::Prepare(KvStoreError::Busy(_)))) => {}
+                        Ok(Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(_))))) => {}
                         Ok(Err(e)) => panic!("step at {pos}: {e}"),
                         Err(_) => abandoned += 1,
                     }
@@ -268,7 +268,7 @@ async fn a_step_given_up_midway_changes_nothing() {
                 logits = loop {
                     match step(t, pos).await {
                         Ok(mut l) => break l.remove(0),
-                        Err(ModelError::Prepare(KvStoreError::Busy(_)))
+                        Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(_))))
                             if started.elapsed() < Duration::from_secs(10) =>
                         {
                             tokio::time::sleep(Duration::from_millis(1)).await

@@ -48,6 +48,22 @@ pub enum CudaAccess {
     ReadOnly,
 }
 
+/// A device's memory as its driver reports it ([`CudaDevice::mem_info`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes free, for every process.
+    pub free: u64,
+    /// Bytes on the device.
+    pub total: u64,
+}
+
+impl DeviceMemory {
+    /// Bytes in use by every process.
+    pub fn used(&self) -> u64 {
+        self.total.saturating_sub(self.free)
+    }
+}
+
 /// One CUDA device with its primary context retained for as long as this lives.
 #[derive(Debug)]
 pub struct CudaDevice {
@@ -157,15 +173,18 @@ impl CudaDevice {
         Ok(granularity as u64)
     }
 
-    /// `(free, total)` device memory, as the driver reports it.
-    pub fn mem_info(&self) -> Result<(u64, u64), MemoryError> {
+    /// The device's free and total memory, as the driver reports it.
+    pub fn mem_info(&self) -> Result<DeviceMemory, MemoryError> {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both out-pointers are valid; the context is current.
         check("cuMemGetInfo", 0, unsafe {
             sys::cuMemGetInfo_v2(&mut free, &mut total)
         })?;
-        Ok((free as u64, total as u64))
+        Ok(DeviceMemory {
+            free: free as u64,
+            total: total as u64,
+        })
     }
 
     /// Reserves `size` bytes of device address space aligned to `alignment`.

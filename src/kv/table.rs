@@ -148,6 +148,35 @@ impl<D: SeqData> SeqState<D> {
     }
 }
 
+/// A prefix block a sequence is writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Filling {
+    /// The block's key in the prefix cache.
+    pub key: u64,
+    /// The sequence's token count once the block is whole.
+    pub end: usize,
+}
+
+/// A sequence in a step, as the table knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Writer {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its incarnation now open.
+    pub writer: Incarnation,
+}
+
+/// A restore begun: what the sequence was when pressure took it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestoreStart {
+    /// Its incarnation.
+    pub writer: Incarnation,
+    /// How it was preempted.
+    pub mode: PreemptMode,
+    /// The tokens it held.
+    pub tokens: usize,
+}
+
 /// One open sequence: who writes it, how much it matters, and its state.
 pub struct Sequence<D: SeqData = ()> {
     /// The incarnation now open (the writer of its prefix blocks).
@@ -156,8 +185,8 @@ pub struct Sequence<D: SeqData = ()> {
     pub priority: u32,
     /// Its place in admission order (later admissions have larger numbers).
     pub admitted: u64,
-    /// Prefix blocks it is writing: (key, token count that completes the block).
-    pub filling: Vec<(u64, usize)>,
+    /// Prefix blocks it is writing, each with the token count that completes it.
+    pub filling: Vec<Filling>,
     state: SeqState<D>,
 }
 
@@ -331,7 +360,7 @@ impl<D: SeqData> SequenceTable<D> {
         seq: SeqId,
         writer: Incarnation,
         priority: u32,
-        filling: Vec<(u64, usize)>,
+        filling: Vec<Filling>,
         resident: D::Resident,
     ) -> Result<(), D::Resident> {
         if self.opening.get(&seq) != Some(&writer) {
@@ -375,7 +404,7 @@ impl<D: SeqData> SequenceTable<D> {
     /// and named once. Refused as a whole, changing nothing.
     /// Returns each sequence's incarnation; mark them with [`SequenceTable::growing`] if a
     /// grant must be waited for.
-    pub fn begin_step(&self, batch: &[SeqId]) -> Result<Vec<(SeqId, Incarnation)>, TableError> {
+    pub fn begin_step(&self, batch: &[SeqId]) -> Result<Vec<Writer>, TableError> {
         if let Some(twice) = first_duplicate(batch) {
             return Err(TableError::Duplicate(twice));
         }
@@ -383,16 +412,19 @@ impl<D: SeqData> SequenceTable<D> {
             .iter()
             .map(|s| match self.usable(*s) {
                 Ok(r) if r.phase() == Phase::Stepping => Err(TableError::Busy(*s)),
-                Ok(r) => Ok((*s, r.writer)),
+                Ok(r) => Ok(Writer {
+                    seq: *s,
+                    writer: r.writer,
+                }),
                 Err(e) => Err(e),
             })
             .collect()
     }
 
     /// The step's idle sequences wait for their grant.
-    pub fn growing(&mut self, batch: &[(SeqId, Incarnation)]) {
-        for (seq, writer) in batch {
-            let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) else {
+    pub fn growing(&mut self, batch: &[Writer]) {
+        for w in batch {
+            let Some(r) = self.seqs.get_mut(&w.seq).filter(|r| r.writer == w.writer) else {
                 continue;
             };
             if let SeqState::Idle(_) = r.state {
@@ -406,9 +438,9 @@ impl<D: SeqData> SequenceTable<D> {
 
     /// The step's grant or growth failed, or its caller left: its sequences still waiting are
     /// idle again. Sequences closed or preempted meanwhile are skipped.
-    pub fn end_growth(&mut self, batch: &[(SeqId, Incarnation)]) {
-        for (seq, writer) in batch {
-            let Some(r) = self.seqs.get_mut(seq).filter(|r| r.writer == *writer) else {
+    pub fn end_growth(&mut self, batch: &[Writer]) {
+        for w in batch {
+            let Some(r) = self.seqs.get_mut(&w.seq).filter(|r| r.writer == w.writer) else {
                 continue;
             };
             if let SeqState::Growing(_) = r.state {
@@ -443,11 +475,11 @@ impl<D: SeqData> SequenceTable<D> {
 
     /// The first sequence of `batch` that pressure took while the step waited for its grant
     /// (the step then fails as a whole), with how it was preempted.
-    pub fn preempted_in(&self, batch: &[(SeqId, Incarnation)]) -> Option<(SeqId, PreemptMode)> {
-        batch.iter().find_map(|(seq, writer)| {
-            let r = self.seqs.get(seq).filter(|r| r.writer == *writer)?;
+    pub fn preempted_in(&self, batch: &[Writer]) -> Option<(SeqId, PreemptMode)> {
+        batch.iter().find_map(|w| {
+            let r = self.seqs.get(&w.seq).filter(|r| r.writer == w.writer)?;
             match r.phase() {
-                Phase::Preempted { mode, .. } => Some((*seq, mode)),
+                Phase::Preempted { mode, .. } => Some((w.seq, mode)),
                 _ => None,
             }
         })
@@ -478,10 +510,10 @@ impl<D: SeqData> SequenceTable<D> {
         let done = r
             .filling
             .iter()
-            .filter(|(_, end)| *end <= tokens)
-            .map(|(k, _)| *k)
+            .filter(|f| f.end <= tokens)
+            .map(|f| f.key)
             .collect();
-        r.filling.retain(|(_, end)| *end > tokens);
+        r.filling.retain(|f| f.end > tokens);
         Ok(done)
     }
 
@@ -545,10 +577,7 @@ impl<D: SeqData> SequenceTable<D> {
     /// Starts restoring `seq`: its incarnation, how it was preempted and the tokens it held.
     /// A sequence that is not preempted needs no restore (`Ok(None)`). Its memory goes in
     /// with [`SequenceTable::restoring_into`].
-    pub fn begin_restore(
-        &mut self,
-        seq: SeqId,
-    ) -> Result<Option<(Incarnation, PreemptMode, usize)>, TableError> {
+    pub fn begin_restore(&mut self, seq: SeqId) -> Result<Option<RestoreStart>, TableError> {
         let r = self.seqs.get_mut(&seq).ok_or(TableError::Unknown(seq))?;
         match r.phase() {
             Phase::Preempted { mode, tokens } => {
@@ -561,7 +590,11 @@ impl<D: SeqData> SequenceTable<D> {
                     to_restore,
                     resident: None,
                 };
-                Ok(Some((r.writer, mode, tokens)))
+                Ok(Some(RestoreStart {
+                    writer: r.writer,
+                    mode,
+                    tokens,
+                }))
             }
             Phase::Growing | Phase::Restoring { .. } => Err(TableError::Busy(seq)),
             Phase::Idle | Phase::Stepping => Ok(None),
@@ -657,7 +690,7 @@ mod tests {
     fn open<D: SeqData>(
         t: &mut SequenceTable<D>,
         seq: SeqId,
-        filling: Vec<(u64, usize)>,
+        filling: Vec<Filling>,
         r: D::Resident,
     ) -> Incarnation {
         let w = t.begin_open(seq).unwrap();
@@ -668,8 +701,8 @@ mod tests {
     /// Grows, lends and ends one step of `seq`; its memory comes back holding `tokens`.
     fn step(t: &mut SequenceTable, seq: SeqId, tokens: usize) -> Result<Vec<u64>, TableError> {
         let b = t.begin_step(&[seq])?;
-        t.lend(seq, b[0].1, |_| Lent::default()).expect("idle");
-        t.end_step(seq, b[0].1, tokens, ()).map_err(|(e, _)| e)
+        t.lend(seq, b[0].writer, |_| Lent::default()).expect("idle");
+        t.end_step(seq, b[0].writer, tokens, ()).map_err(|(e, _)| e)
     }
 
     #[test]
@@ -739,7 +772,14 @@ mod tests {
         assert_eq!(t.preempt(1, PreemptMode::Swap, 6), Some((w, 6)));
         assert_eq!(t.get(1).unwrap().resident(), None);
         t.get_mut(1).unwrap().to_restore_mut().unwrap().push(6);
-        assert_eq!(t.begin_restore(1), Ok(Some((w, PreemptMode::Swap, 6))));
+        assert_eq!(
+            t.begin_restore(1),
+            Ok(Some(RestoreStart {
+                writer: w,
+                mode: PreemptMode::Swap,
+                tokens: 6
+            }))
+        );
         // A restore whose memory never went in stays preempted, keeping what it kept.
         assert_eq!(t.end_restore(1, w, true), Ok(None));
         assert_eq!(t.get(1).unwrap().to_restore(), Some(&vec![6]));
@@ -786,7 +826,14 @@ mod tests {
         let mut t = SequenceTable::<()>::new();
         let old = open(&mut t, 7, vec![], ());
         assert_eq!(t.preempt(7, PreemptMode::Swap, 40), Some((old, ())));
-        assert_eq!(t.begin_restore(7), Ok(Some((old, PreemptMode::Swap, 40))));
+        assert_eq!(
+            t.begin_restore(7),
+            Ok(Some(RestoreStart {
+                writer: old,
+                mode: PreemptMode::Swap,
+                tokens: 40
+            }))
+        );
         t.close(7);
         let new = t.begin_open(7).unwrap();
         assert_ne!(new, old, "incarnations are never reused");
@@ -809,10 +856,15 @@ mod tests {
     #[test]
     fn a_step_completes_only_the_blocks_its_tokens_reach() {
         let mut t = SequenceTable::<()>::new();
-        let w = open(&mut t, 1, vec![(10, 4), (11, 8)], ());
+        let w = open(
+            &mut t,
+            1,
+            vec![Filling { key: 10, end: 4 }, Filling { key: 11, end: 8 }],
+            (),
+        );
         assert_eq!(step(&mut t, 1, 3), Ok(vec![]));
         assert_eq!(step(&mut t, 1, 4), Ok(vec![10]));
-        assert_eq!(t.get(1).unwrap().filling, vec![(11, 8)]);
+        assert_eq!(t.get(1).unwrap().filling, vec![Filling { key: 11, end: 8 }]);
         assert_eq!(t.preempt(1, PreemptMode::Recompute, 4), Some((w, ())));
         assert!(
             t.get(1).unwrap().filling.is_empty(),

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::{AuthorityId, Ledger, Priority, WaitQueue};
+use super::{AuthorityId, InLine, Ledger, Priority, Totals, WaitQueue};
 
 /// What the Governor does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,7 +69,12 @@ pub fn admit<T>(
     now: Instant,
     limits: AdmissionLimits,
 ) -> Admission {
-    let Some((capacity, provisional, leased)) = ledger.totals(authority) else {
+    let Some(Totals {
+        capacity,
+        provisional,
+        leased,
+    }) = ledger.totals(authority)
+    else {
         return Admission::Deny(Refusal::NoRoom);
     };
     if ask.bytes > capacity && !limits.elastic {
@@ -113,10 +118,10 @@ pub fn front<T>(
     queue: &WaitQueue<T>,
     limits: AdmissionLimits,
 ) -> Front {
-    let Some((seq, bytes, _)) = queue.front() else {
+    let Some(InLine { seq, bytes, .. }) = queue.front() else {
         return Front::Empty;
     };
-    let Some((capacity, _, _)) = ledger.totals(authority) else {
+    let Some(Totals { capacity, .. }) = ledger.totals(authority) else {
         return Front::Deny(seq);
     };
     if bytes > capacity && !limits.elastic {
@@ -130,7 +135,12 @@ pub fn front<T>(
 
 /// Bytes holders must free for everything approved and waiting to fit (zero if it does).
 pub fn shortfall<T>(ledger: &Ledger, authority: AuthorityId, queue: &WaitQueue<T>) -> u64 {
-    let Some((capacity, provisional, leased)) = ledger.totals(authority) else {
+    let Some(Totals {
+        capacity,
+        provisional,
+        leased,
+    }) = ledger.totals(authority)
+    else {
         return 0;
     };
     // In 128 bits: sums of byte counts near `u64::MAX` must neither wrap nor saturate early.

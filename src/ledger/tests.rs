@@ -439,7 +439,14 @@ fn books_rebuilt_from_holder_reports_equal_the_old_books() {
         },
     ];
     let mut new = old.successor(old.issued());
-    assert_eq!(new.totals(a), Some((1000, 0, 0)));
+    assert_eq!(
+        new.totals(a),
+        Some(Totals {
+            capacity: 1000,
+            provisional: 0,
+            leased: 0
+        })
+    );
     for r in &reports {
         new.recover_holder(a, r).unwrap();
     }
@@ -501,7 +508,14 @@ fn books_split_off_a_topology_keep_the_authority_and_issue_their_own_ids() {
         None,
         "only its own tiers"
     );
-    assert_eq!(host_books.totals(host), Some((100, 0, 0)));
+    assert_eq!(
+        host_books.totals(host),
+        Some(Totals {
+            capacity: 100,
+            provisional: 0,
+            leased: 0
+        })
+    );
     assert_eq!(host_books.totals(gpu), None, "only its own authority");
     // Identifiers of one authority's books are unknown to the other's.
     let h = host_books.register_holder(host, "kv", 0).unwrap();
@@ -544,7 +558,14 @@ fn a_credit_line_is_a_lease_that_stays_open_at_zero_until_closed() {
     assert_eq!(l.release(h, line.id, 100).unwrap(), 0);
     assert!(l.lease(line.id).is_none());
     l.check_invariants().unwrap();
-    assert_eq!(l.totals(a), Some((1000, 0, 0)));
+    assert_eq!(
+        l.totals(a),
+        Some(Totals {
+            capacity: 1000,
+            provisional: 0,
+            leased: 0
+        })
+    );
 }
 
 #[test]

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::{HolderId, Priority};
+use super::{HolderId, HolderStanding, Priority};
 
 /// Requests waiting for room, served by priority (highest first), then by arrival.
 #[derive(Debug)]
@@ -15,6 +15,17 @@ pub struct WaitQueue<T> {
     index: BTreeMap<u64, Priority>,
     // Saturates: the exact sum is `entries`' bytes, recomputed when it could be wrong.
     bytes: u64,
+}
+
+/// The first in a [`WaitQueue`] ([`WaitQueue::front`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InLine<'a, T> {
+    /// Its sequence number.
+    pub seq: u64,
+    /// The bytes it waits for.
+    pub bytes: u64,
+    /// What waits.
+    pub item: &'a T,
 }
 
 impl<T> Default for WaitQueue<T> {
@@ -40,12 +51,16 @@ impl<T> WaitQueue<T> {
         seq
     }
 
-    /// The first in line: its sequence number, bytes and item.
-    pub fn front(&self) -> Option<(u64, u64, &T)> {
+    /// The first in line.
+    pub fn front(&self) -> Option<InLine<'_, T>> {
         self.entries
             .iter()
             .next()
-            .map(|((_, seq), (bytes, item))| (*seq, *bytes, item))
+            .map(|((_, seq), (bytes, item))| InLine {
+                seq: *seq,
+                bytes: *bytes,
+                item,
+            })
     }
 
     /// The priority of the first in line.
@@ -220,20 +235,23 @@ impl PressureRound {
     /// first, then the one holding the most, skipping those holding nothing (they have nothing
     /// accounted to give back). Holders not asked in this round come first; once every one
     /// was, those asked before the books last changed are asked again.
-    pub fn next_holder(&self, holders: &[(HolderId, Priority, u64)]) -> Option<HolderId> {
-        let order = |a: &&(HolderId, Priority, u64), b: &&(HolderId, Priority, u64)| {
-            a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0))
+    pub fn next_holder(&self, holders: &[HolderStanding]) -> Option<HolderId> {
+        let order = |a: &&HolderStanding, b: &&HolderStanding| {
+            a.priority
+                .cmp(&b.priority)
+                .then(b.approved.cmp(&a.approved))
+                .then(a.holder.cmp(&b.holder))
         };
-        let with_bytes = || holders.iter().filter(|(_, _, bytes)| *bytes > 0);
+        let with_bytes = || holders.iter().filter(|h| h.approved > 0);
         with_bytes()
-            .filter(|(id, _, _)| !self.asked.contains_key(id))
+            .filter(|h| !self.asked.contains_key(&h.holder))
             .min_by(order)
             .or_else(|| {
                 with_bytes()
-                    .filter(|(id, _, _)| self.asked.get(id).is_some_and(|e| *e != self.epoch))
+                    .filter(|h| self.asked.get(&h.holder).is_some_and(|e| *e != self.epoch))
                     .min_by(order)
             })
-            .map(|(id, _, _)| *id)
+            .map(|h| h.holder)
     }
 }
 
@@ -271,11 +289,16 @@ mod tests {
     #[test]
     fn pressure_asks_least_important_biggest_first_and_never_twice() {
         let ids: Vec<HolderId> = (1..=4).map(HolderId).collect();
+        let standing = |holder, priority, approved| HolderStanding {
+            holder,
+            priority,
+            approved,
+        };
         let holders = vec![
-            (ids[0], 5, 900),
-            (ids[1], 1, 100),
-            (ids[2], 1, 300),
-            (ids[3], 0, 0),
+            standing(ids[0], 5, 900),
+            standing(ids[1], 1, 100),
+            standing(ids[2], 1, 300),
+            standing(ids[3], 0, 0),
         ];
         let mut round = PressureRound::default();
         let mut order = Vec::new();

@@ -8,18 +8,15 @@
 //! leaves the sequence without K/V it was promised: it is preempted to be recomputed from its
 //! tokens, and the step fails with `Preempted`, as it would under pressure.
 
-use procmem::kv::{first_duplicate, Phase, PreemptMode};
+use procmem::kv::{first_duplicate, Phase, PreemptMode, TableError};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::prefix::KeyedBlock;
-use super::{KvStep, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
+use super::{KvStep, KvStoreError, KvStoreMsg, KvStoreState, NewTokens, SeqId};
 use procmem::kv::Incarnation;
 
 /// A prepare, as the store's mailbox carries it.
-type Prepare = (
-    Vec<(SeqId, usize)>,
-    RpcReplyPort<Result<KvStep, KvStoreError>>,
-);
+type Prepare = (Vec<NewTokens>, RpcReplyPort<Result<KvStep, KvStoreError>>);
 
 impl KvStoreState {
     /// Queues the copy in of `blocks` for `seq` (its incarnation `writer`, promised
@@ -72,8 +69,8 @@ impl KvStoreState {
     ) -> Option<Prepare> {
         // A step the store refuses anyway (no tokens, a sequence twice, one not idle) is
         // refused as it is, changing nothing: only idle sequences' copies are looked at.
-        let ids: Vec<SeqId> = seqs.iter().map(|(s, _)| *s).collect();
-        if seqs.iter().any(|(_, n)| *n == 0) || first_duplicate(&ids).is_some() {
+        let ids: Vec<SeqId> = seqs.iter().map(|r| r.seq).collect();
+        if seqs.iter().any(|r| r.count == 0) || first_duplicate(&ids).is_some() {
             return Some((seqs, reply));
         }
         let idle = |s: &SeqId| {
@@ -86,16 +83,19 @@ impl KvStoreState {
         let timeline = self.stream.timeline();
         let running = seqs
             .iter()
-            .filter_map(|(s, _)| self.sequences.resident(*s)?.copy_in.as_ref()?.fence)
+            .filter_map(|r| self.sequences.resident(r.seq)?.copy_in.as_ref()?.fence)
             .find(|f| timeline.completed() < f.value);
         if let Some(fence) = running {
             self.send_after(myself, fence, KvStoreMsg::Prepare { seqs, reply });
             return None;
         }
-        for &(seq, _) in &seqs {
+        for &NewTokens { seq, .. } in &seqs {
             if !self.settle_copy_in(seq) {
                 self.recompute(seq);
-                let _ = reply.send(Err(KvStoreError::Preempted(seq, PreemptMode::Recompute)));
+                let _ = reply.send(Err(KvStoreError::Table(TableError::Preempted(
+                    seq,
+                    PreemptMode::Recompute,
+                ))));
                 return None;
             }
         }

@@ -8,7 +8,7 @@ use ractor::RpcReplyPort;
 
 use super::{
     answer, KvStep, KvStore, KvStoreArgs, KvStoreConfig, KvStoreError, KvStoreMsg, KvStoreStats,
-    Opened, Provider, Restored, SeqId,
+    NewTokens, Opened, Provider, Restored, SeqId,
 };
 use crate::governor::GovernorHandle;
 use crate::mailbox::HolderRef;
@@ -111,20 +111,24 @@ impl KvStoreHandle {
     /// the caller as a step (see [`KvStep`]): the decode case of
     /// [`KvStoreHandle::prepare_tokens`]. Refused as a whole, changing nothing.
     pub async fn prepare(&self, seqs: Vec<SeqId>) -> Result<KvStep, KvStoreError> {
-        self.prepare_tokens(seqs.into_iter().map(|s| (s, 1)).collect())
-            .await
+        self.prepare_tokens(
+            seqs.into_iter()
+                .map(|seq| NewTokens { seq, count: 1 })
+                .collect(),
+        )
+        .await
     }
 
-    /// Makes room for `n` more tokens in each `(sequence, n)` (a prompt's chunk, or one
-    /// token of decode), all under one grant, and lends them to the caller as a step: the
+    /// Makes room for [`NewTokens::count`] more tokens in each sequence (a prompt's chunk,
+    /// or one token of decode), all under one grant, and lends them to the caller as a step: the
     /// sequence's new rows start at its [`KvStep::positions`] entry and number its
     /// [`KvStep::counts`] entry. Refused as a whole, changing nothing: a count of 0
     /// ([`KvStoreError::NoTokens`]), one past the shape's `max_tokens` (`Full`), a sequence
     /// named twice (`Duplicate`).
-    pub async fn prepare_tokens(&self, seqs: Vec<(SeqId, usize)>) -> Result<KvStep, KvStoreError> {
+    pub async fn prepare_tokens(&self, seqs: Vec<NewTokens>) -> Result<KvStep, KvStoreError> {
         let waiting = seqs
             .first()
-            .map(|&(s, _)| self.waiting(answer::Left::Step(s)));
+            .map(|r| self.waiting(answer::Left::Step(r.seq)));
         let step = self.ask(|reply| KvStoreMsg::Prepare { seqs, reply }).await;
         waiting.into_iter().for_each(answer::Waiting::answered);
         step

@@ -19,7 +19,7 @@ use ::metrics::Histogram;
 use procmem::cuda::{BlockView, CudaVmmBacking, PinnedHost};
 use procmem::fence::{Fence, Timeline};
 use procmem::kv::frequency::{Admission, AdmissionFilter};
-use procmem::kv::host_tier::HostTierIndex;
+use procmem::kv::HostTierIndex;
 use procmem::kv::{Incarnation, PrefixDigest};
 use procmem::metrics::KV_PREFIX_HOST_SECONDS;
 use procmem::MemoryRole;

@@ -7,13 +7,13 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase};
+use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase, TableError, Writer};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
 
 use super::sequences::Resident;
-use super::step::{KvStep, StepMemory, StepSeq};
+use super::step::{KvStep, NewTokens, StepMemory, StepSeq};
 use super::transactions::{batch_of, Growth, Pending};
 use super::{metrics, KvStoreError, KvStoreMsg, KvStoreState, SeqId};
 use crate::charge::Charge;
@@ -54,7 +54,7 @@ impl KvStoreState {
         {
             // Closed while its grant was on its way: the step is refused as a whole.
             self.sequences.table.end_growth(batch);
-            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
             return;
         }
         // Where each sequence's K and V lie, before anything moves: the growth made room for
@@ -322,14 +322,14 @@ impl KvStoreState {
     pub(super) fn prepare(
         &mut self,
         myself: &ActorRef<KvStoreMsg>,
-        seqs: Vec<(SeqId, usize)>,
+        seqs: Vec<NewTokens>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
-        if let Some(&(seq, _)) = seqs.iter().find(|(_, n)| *n == 0) {
-            let _ = reply.send(Err(KvStoreError::NoTokens(seq)));
+        if let Some(empty) = seqs.iter().find(|r| r.count == 0) {
+            let _ = reply.send(Err(KvStoreError::NoTokens(empty.seq)));
             return;
         }
-        let ids: Vec<SeqId> = seqs.iter().map(|(s, _)| *s).collect();
+        let ids: Vec<SeqId> = seqs.iter().map(|r| r.seq).collect();
         let batch = match self.sequences.table.begin_step(&ids) {
             Ok(b) => b,
             Err(e) => {
@@ -339,8 +339,8 @@ impl KvStoreState {
         };
         // Growth mapped ahead while the last step ran is published first: what it covers
         // needs no grant and no mapping now.
-        for (seq, _) in &batch {
-            if let Some(r) = self.sequences.resident_mut(*seq) {
+        for w in &batch {
+            if let Some(r) = self.sequences.resident_mut(w.seq) {
                 if let Some(growth) = r.ahead.take() {
                     r.memory.publish(growth);
                 }
@@ -349,9 +349,10 @@ impl KvStoreState {
         let mut plan = Vec::with_capacity(batch.len());
         let mut bytes = 0u64;
         let mut priority = 0;
-        for ((seq, writer), &(_, count)) in batch.iter().zip(&seqs) {
-            let Some(memory) = self.sequences.memory(*seq) else {
-                let _ = reply.send(Err(KvStoreError::Unknown(*seq)));
+        for (&Writer { seq, writer }, rows) in batch.iter().zip(&seqs) {
+            let count = rows.count;
+            let Some(memory) = self.sequences.memory(seq) else {
+                let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
                 return;
             };
             let max = memory.shape().max_tokens;
@@ -365,10 +366,10 @@ impl KvStoreState {
             }
             let per = memory.growth_for(count);
             bytes = bytes.saturating_add(per.bytes());
-            priority = priority.max(self.sequences.table.get(*seq).map_or(0, |r| r.priority));
+            priority = priority.max(self.sequences.table.get(seq).map_or(0, |r| r.priority));
             plan.push(Growth {
-                seq: *seq,
-                writer: *writer,
+                seq,
+                writer,
                 size: per,
                 tokens: count,
             });
@@ -404,7 +405,7 @@ impl KvStoreState {
         if let Some((taken, mode)) = self.sequences.table.preempted_in(&batch) {
             drop(grant);
             self.sequences.table.end_growth(&batch);
-            let _ = reply.send(Err(KvStoreError::Preempted(taken, mode)));
+            let _ = reply.send(Err(KvStoreError::Table(TableError::Preempted(taken, mode))));
             return;
         }
         let (mapped, mut failure) = self.map_batch(&seqs);

@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use procmem::kv::{BlockState, Incarnation, KvPart, KvSequence, KvShape, PrefixDigest};
+use procmem::kv::{BlockState, Filling, Incarnation, KvPart, KvSequence, KvShape, PrefixDigest};
 use procmem::{MapAccess, MemoryError, PhysicalBlock, SharedMapping};
 
 use super::{KvStoreError, KvStoreState};
@@ -135,7 +135,7 @@ impl KvStoreState {
         keys: &[u64],
         fresh: Vec<Arc<SharedPrefix>>,
         (hits, from_disk): (usize, usize),
-    ) -> (Vec<(u64, usize)>, Vec<KeyedBlock>) {
+    ) -> (Vec<Filling>, Vec<KeyedBlock>) {
         let bt = self.config.shape.block_tokens(self.device.granularity());
         let mut filling = Vec::with_capacity(fresh.len());
         let mut incoming = Vec::with_capacity(from_disk);
@@ -156,7 +156,10 @@ impl KvStoreState {
                     tokens: tokens.to_vec(),
                     block: prefix,
                 }),
-                None => filling.push((*key, (hits + i + 1) * bt)),
+                None => filling.push(Filling {
+                    key: *key,
+                    end: (hits + i + 1) * bt,
+                }),
             }
         }
         (filling, incoming)

@@ -2,7 +2,7 @@
 //! or handed back to be recomputed; either way the cached prompt blocks it mapped that are
 //! still cached are mapped again rather than copied back or recomputed.
 
-use procmem::kv::{Incarnation, KvSequence, Phase, PreemptMode};
+use procmem::kv::{Incarnation, KvSequence, Phase, PreemptMode, RestoreStart, TableError};
 use procmem::{MapAccess, PhysicalBlock, SharedMapping};
 use ractor::{ActorRef, RpcReplyPort};
 
@@ -135,7 +135,11 @@ impl KvStoreState {
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
                 None
             }
-            Ok(Some((writer, mode, tokens))) => Some(Begun {
+            Ok(Some(RestoreStart {
+                writer,
+                mode,
+                tokens,
+            })) => Some(Begun {
                 writer,
                 mode,
                 tokens,
@@ -213,7 +217,7 @@ impl KvStoreState {
         else {
             // Closed meanwhile (even if its id was opened again): the grant goes back with
             // its saved copy.
-            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
             return;
         };
         let (growth_map, swap_in) = (&self.metrics.growth_map, &self.metrics.swap_in);

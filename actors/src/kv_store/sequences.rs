@@ -11,7 +11,7 @@
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
     Incarnation, KvError, KvSequence, Lent, PendingGrowth, Phase, SeqData, SeqState, Sequence,
-    SequenceTable,
+    SequenceTable, TableError,
 };
 use procmem::ledger::Priority;
 use procmem::MemoryError;
@@ -425,7 +425,7 @@ impl KvStoreState {
             // Closed while it was being opened.
             self.prefixes.abandon(writer);
             self.retire(entry);
-            let _ = reply.send(Err(KvStoreError::Unknown(seq)));
+            let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
             return;
         }
         self.start_copy_in(myself, seq, (writer, from_disk), incoming);

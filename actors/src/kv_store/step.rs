@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
     gqa_decode_rows, GrowthSize, Incarnation, KvElement, KvError, KvRows, KvSequence, KvShape,
-    LayerViews, PendingGrowth,
+    LayerViews, PendingGrowth, TableError,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 
@@ -23,6 +23,16 @@ use super::{AttendItem, KvStoreError, KvStoreMsg, SeqId};
 use crate::charge::Charge;
 use crate::governor::Lease;
 use crate::stream::StreamError;
+
+/// Room asked for a step: `count` new tokens of `seq` (a prompt's chunk, or one token of
+/// decode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NewTokens {
+    /// The sequence.
+    pub seq: SeqId,
+    /// How many tokens it gains.
+    pub count: usize,
+}
 
 /// One sequence's memory while a step has it.
 pub(super) struct StepSeq {
@@ -405,9 +415,9 @@ impl KvStep {
                 .seqs
                 .iter()
                 .position(|s| *s == item.seq)
-                .ok_or(KvStoreError::NotInStep(item.seq))?;
+                .ok_or(KvStoreError::Table(TableError::NotInStep(item.seq)))?;
             if index.contains(&i) {
-                return Err(KvStoreError::Duplicate(item.seq));
+                return Err(KvStoreError::Table(TableError::Duplicate(item.seq)));
             }
             index.push(i);
             let q = shape.q_heads * shape.head_dim;

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use procmem::kv::{GrowthSize, Incarnation, KvSequence, PreemptMode};
+use procmem::kv::{GrowthSize, Incarnation, KvSequence, PreemptMode, TableError, Writer};
 use procmem::ledger::Priority;
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
@@ -64,8 +64,13 @@ pub(super) enum Pending {
 }
 
 /// The step's batch: each sequence with its incarnation.
-pub(super) fn batch_of(seqs: &[Growth]) -> Vec<(SeqId, Incarnation)> {
-    seqs.iter().map(|g| (g.seq, g.writer)).collect()
+pub(super) fn batch_of(seqs: &[Growth]) -> Vec<Writer> {
+    seqs.iter()
+        .map(|g| Writer {
+            seq: g.seq,
+            writer: g.writer,
+        })
+        .collect()
 }
 
 /// Every transaction in flight, and the task waiting for each one's grant.
@@ -182,7 +187,10 @@ impl KvStoreState {
     ) -> bool {
         match self.transactions.call_off_step_of(seq, writer) {
             Some(pending) => {
-                self.fail(pending, KvStoreError::Preempted(seq, mode));
+                self.fail(
+                    pending,
+                    KvStoreError::Table(TableError::Preempted(seq, mode)),
+                );
                 true
             }
             None => false,

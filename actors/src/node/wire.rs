@@ -487,13 +487,22 @@ impl NodeRequest {
     }
 }
 
+/// Who sent a notice ([`NodeNotice::sender`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sender {
+    /// The process's token.
+    pub token: u64,
+    /// The key of its session.
+    pub key: u64,
+}
+
 impl NodeNotice {
     /// The process the notice is from, and the key it presents.
-    pub fn sender(&self) -> (u64, u64) {
+    pub fn sender(&self) -> Sender {
         match *self {
             NodeNotice::Give { token, key, .. }
             | NodeNotice::Report { token, key, .. }
-            | NodeNotice::Leave { token, key } => (token, key),
+            | NodeNotice::Leave { token, key } => Sender { token, key },
         }
     }
 

@@ -24,7 +24,7 @@ use crate::scheduler::{
     Event, FinishReason, GenError, GenRequest, Generation, Penalties, Sampling, SchedulerHandle,
     TokenLogprobs, MAX_TOP_LOGPROBS,
 };
-use crate::TextCodec;
+use crate::tokenizer::TextCodec;
 
 /// The Prometheus text of the process's metrics, where it keeps them.
 pub type MetricsText = Arc<dyn Fn() -> Option<String> + Send + Sync>;

@@ -9,8 +9,10 @@ use tokio::sync::watch;
 
 use super::api::{Api, MetricsText};
 use super::listen::{Limits, Listening, StopSignals};
+use crate::launch::Started;
 use crate::scheduler::{SchedulerConfig, SchedulerHandle, SchedulerStats};
-use crate::{Engine, TextCodec};
+use crate::serve::Engine;
+use crate::tokenizer::TextCodec;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -182,7 +184,7 @@ impl Server {
 /// once every request ended and the engine is gone; the caller shuts `memory` down (and
 /// leaves its node) after.
 pub async fn serve_model(
-    started: (Engine, TextCodec),
+    started: Started,
     memory: &procmem_actors::MemoryManager,
     config: ServeConfig,
     idle_after: Option<Duration>,
@@ -196,7 +198,7 @@ pub async fn serve_model(
 /// first, so one that cannot listen (a port taken) never takes the node's credit.
 pub async fn serve_bound(
     server: Server,
-    (engine, codec): (Engine, TextCodec),
+    Started { engine, codec }: Started,
     memory: &procmem_actors::MemoryManager,
     idle_after: Option<Duration>,
     listening: impl FnOnce(SocketAddr),

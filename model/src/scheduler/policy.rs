@@ -13,7 +13,7 @@ use procmem_actors::procmem::ledger::LedgerError;
 use procmem_actors::provider::ProviderError;
 use procmem_actors::residency::ResidencyError;
 
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// How long, in all, a lone sequence is tried again while it finds no room (holders may
 /// still be freeing: a swap's copy, a fence behind a busy stream), before the request fails:

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use procmem_actors::governor::GovernorError;
-use procmem_actors::kv::{KvStoreError, Restored, SeqId};
+use procmem_actors::kv::{KvStoreError, Restored, SeqId, TableError};
 use procmem_actors::procmem::kv::prompt_keys;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -16,7 +16,7 @@ use super::{
     adjust, logprobs, next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest,
     SchedulerStats, Shared, StepInput, StepModel,
 };
-use crate::ModelError;
+use crate::error::ModelError;
 
 /// Waiting requests admission looks at, at most, for one that need not wait for another's
 /// prompt blocks.
@@ -401,12 +401,17 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
     async fn step(&mut self) {
         let inputs = self.plan();
         let outcome = self.model.step(&inputs).await;
-        if !matches!(outcome, Err(ModelError::Prepare(KvStoreError::Busy(_)))) {
+        if !matches!(
+            outcome,
+            Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(
+                _
+            ))))
+        ) {
             self.policy.not_busy();
         }
         match outcome {
             Ok(logits) => self.stepped(&inputs, logits),
-            Err(ModelError::Prepare(KvStoreError::Preempted(seq, _))) => {
+            Err(ModelError::Prepare(KvStoreError::Table(TableError::Preempted(seq, _)))) => {
                 self.policy.preempted();
                 self.shared.books().stats.preemptions += 1;
                 if let Some(i) = self.running.iter().position(|r| r.id == seq) {
@@ -433,7 +438,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 books.waiting += 1;
                 self.waiting.push_front(r);
             }
-            Err(ModelError::Prepare(KvStoreError::Busy(_))) if self.policy.busy(Instant::now()) => {
+            Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(_))))
+                if self.policy.busy(Instant::now()) =>
+            {
                 // A step given up midway (a layer's weights not back in time) hands its
                 // sequences back after its kernels' fence; until then they are busy. The
                 // same step is tried again shortly.

@@ -1,11 +1,10 @@
 //! What a caller hands the scheduler and what it gets back.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use procmem_actors::kv::{KvStoreError, SeqId};
+use procmem_actors::kv::SeqId;
 
-use crate::ModelError;
+use crate::error::GenError;
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -138,47 +137,6 @@ pub enum Event {
     Failed(GenError),
 }
 
-/// Why a request was refused or failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum GenError {
-    /// A request with no prompt token.
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    /// `max_tokens` of 0.
-    #[error("max_tokens must be at least 1")]
-    NoTokens,
-    /// The prompt leaves no room for a token in the context.
-    #[error("the prompt has {prompt} tokens: the context holds {context}")]
-    TooLong {
-        /// Prompt tokens.
-        prompt: usize,
-        /// The context per sequence.
-        context: usize,
-    },
-    /// A sampling setting out of range.
-    #[error("{0}")]
-    BadSampling(&'static str),
-    /// More requests wait than the scheduler takes.
-    #[error("{waiting} requests are waiting already")]
-    QueueFull {
-        /// Requests waiting.
-        waiting: usize,
-    },
-    /// The scheduler is shutting down or gone.
-    #[error("the scheduler is not taking requests")]
-    Stopped,
-    /// It was still running when the shutdown's grace period ended.
-    #[error("cancelled at shutdown")]
-    Cancelled,
-    /// The memory could not hold it, even alone.
-    #[error("no room: {0}")]
-    NoRoom(#[source] KvStoreError),
-    /// The model or the KV store failed: every request of the step gets the same error.
-    #[error(transparent)]
-    Model(Arc<ModelError>),
-}
-
 /// What the scheduler did, over its whole run.
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerStats {
@@ -224,4 +182,15 @@ pub struct StepInput {
     pub tokens: Vec<u32>,
     /// Where the first goes: the tokens the store holds for it.
     pub position: usize,
+}
+
+impl StepInput {
+    /// A decode step's part: one `token` of `seq` at `position`.
+    pub fn decode(seq: SeqId, token: u32, position: usize) -> Self {
+        StepInput {
+            seq,
+            tokens: vec![token],
+            position,
+        }
+    }
 }

@@ -138,7 +138,7 @@ pub struct JobReport {
     /// The KV's authority among `books`.
     pub kv_books: usize,
     /// The driver's free and total bytes at the end, where the KV is on a GPU.
-    pub driver: Option<(u64, u64)>,
+    pub driver: Option<procmem_actors::procmem::cuda::DeviceMemory>,
 }
 
 impl Job {
@@ -404,7 +404,7 @@ async fn sample_each_second(
             .gpu
             .as_ref()
             .and_then(|g| g.device.mem_info().ok())
-            .map(|(free, total)| total - free);
+            .map(|m| m.used());
         let (waiting, stats) = scheduler.books();
         progress(&JobProgress {
             elapsed: start.elapsed(),

@@ -13,7 +13,7 @@ use procmem_actors::{
     MemoryManager,
 };
 use procmem_model::{
-    smollm2_path, top2, Completion, Engine, Loaded, Request, RunStats, Smol, TextCodec,
+    smollm2_path, top2, Completion, Engine, Loaded, Request, RunStats, Smol, TextCodec, TopTwo,
 };
 
 pub const NEW_TOKENS: usize = 64;
@@ -191,7 +191,7 @@ pub struct Agreement {
 }
 
 /// A prompt, the token where the two part, and the top two logits there (ours, candle's).
-pub type Parted = (usize, usize, (f32, f32), (f32, f32));
+pub type Parted = (usize, usize, TopTwo, TopTwo);
 
 pub fn compare(
     path: &std::path::Path,

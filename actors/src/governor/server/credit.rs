@@ -132,7 +132,7 @@ impl GovernorState {
     pub(super) fn reclaim_credit(&mut self, wanted: u64) -> u64 {
         let mut lines = self.account.credit_lines();
         lines.sort_by_key(|(line, holder, _)| {
-            let priority = self.ledger.holder(*holder).map_or(0, |(_, _, p)| p);
+            let priority = self.ledger.holder(*holder).map_or(0, |r| r.priority);
             (priority, *line)
         });
         let mut got = 0u64;

@@ -64,7 +64,7 @@ impl GovernorMetrics {
     pub(super) fn sync_holders(&mut self, ledger: &Ledger, authority: AuthorityId) {
         let live = ledger.holders_of(authority);
         self.holders.retain(|id, series| {
-            let keep = live.iter().any(|(h, _, _)| h == id);
+            let keep = live.iter().any(|h| h.holder == *id);
             if !keep {
                 series.approved.set(0.0);
             }
@@ -72,7 +72,7 @@ impl GovernorMetrics {
         });
         let names: Vec<(HolderId, &str)> = live
             .iter()
-            .filter_map(|(h, _, _)| ledger.holder(*h).map(|(_, name, _)| (*h, name)))
+            .filter_map(|h| ledger.holder(h.holder).map(|r| (h.holder, r.name)))
             .collect();
         for &(holder, name) in &names {
             if self.holders.contains_key(&holder) {

@@ -198,7 +198,7 @@ impl GovernorState {
                     let gone = self
                         .waiters
                         .front()
-                        .is_some_and(|(_, _, w)| w.reply.is_closed());
+                        .is_some_and(|f| f.item.reply.is_closed());
                     if !gone {
                         return;
                     }

@@ -3,7 +3,7 @@
 //! a time, for the rest; and what they answer.
 
 use procmem::ledger::admission;
-use procmem::ledger::Priority;
+use procmem::ledger::{Priority, Totals};
 use ractor::ActorRef;
 use tokio::time::Instant;
 
@@ -45,13 +45,10 @@ impl GovernorState {
             .ledger
             .holders_of(self.authority)
             .into_iter()
-            .filter(|(h, _, _)| self.inboxes.contains_key(h))
+            .filter(|h| self.inboxes.contains_key(&h.holder))
             .collect();
         let now = Instant::now();
-        let waiter_deadline = self
-            .waiters
-            .front()
-            .and_then(|(_, _, w)| w.request.deadline);
+        let waiter_deadline = self.waiters.front().and_then(|f| f.item.request.deadline);
         let priority = self.waiters.front_priority().unwrap_or(Priority::MAX);
         let deadline = waiter_deadline.map_or(now + self.ticket_timeout, |d| {
             d.min(now + self.ticket_timeout)
@@ -96,8 +93,11 @@ impl GovernorState {
         if now < self.upstream_dry_until {
             return shortfall;
         }
-        let (capacity, provisional, leased) =
-            self.ledger.totals(self.authority).unwrap_or_default();
+        let Totals {
+            capacity,
+            provisional,
+            leased,
+        } = self.ledger.totals(self.authority).unwrap_or_default();
         let over = provisional.saturating_add(leased).saturating_sub(capacity);
         let need = shortfall.saturating_sub(over);
         if need > 0 && (need != self.upstream_asked.0 || now >= self.upstream_asked.1) {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use procmem::ledger::admission::AdmissionLimits;
 use procmem::ledger::{
     AuthorityId, GrantId, HolderId, LeaseId, Ledger, LedgerError, PressureRound, Priority, Retired,
-    WaitQueue,
+    Totals, WaitQueue,
 };
 use ractor::{ActorRef, MessagingErr, RpcReplyPort};
 use tokio::time::Instant;
@@ -206,7 +206,11 @@ impl GovernorState {
             let _ = self.retire(myself, holder);
         }
         self.metrics.sync_holders(&self.ledger, self.authority);
-        let (_, provisional, leased) = self.ledger.totals(self.authority).unwrap_or_default();
+        let Totals {
+            provisional,
+            leased,
+            ..
+        } = self.ledger.totals(self.authority).unwrap_or_default();
         match self.ledger.check_invariants() {
             Ok(()) => tracing::info!(
                 provisional,
@@ -310,8 +314,11 @@ impl GovernorState {
     }
 
     pub(super) fn publish(&self) {
-        let (capacity, provisional, leased) =
-            self.ledger.totals(self.authority).expect("own authority");
+        let Totals {
+            capacity,
+            provisional,
+            leased,
+        } = self.ledger.totals(self.authority).expect("own authority");
         let credit = self.ledger.credit_bytes(self.authority);
         self.metrics
             .publish(capacity, provisional, leased, credit, self.waiters.len());

@@ -8,11 +8,11 @@ use tokio::time::Instant;
 impl NodeState {
     /// Applies `notice` from its process (refused where its key is another session's).
     pub(super) fn notice(&mut self, notice: NodeNotice) {
-        let (token, key) = notice.sender();
-        if self.foreign(token, key) {
+        let sender = notice.sender();
+        if self.foreign(sender.token, sender.key) {
             return;
         }
-        if let Some(p) = self.processes.get_mut(&token) {
+        if let Some(p) = self.processes.get_mut(&sender.token) {
             p.heard = Instant::now();
         }
         match notice {
@@ -28,7 +28,7 @@ impl NodeState {
                     Some((*aid, m.holder, m.line, m.revoked))
                 });
                 let Some((aid, holder, line, revoked)) = found else {
-                    return self.stranger(token, key, "give from a stranger");
+                    return self.stranger(token, sender.key, "give from a stranger");
                 };
                 let credit = self.ledger.lease(line).map_or(0, |c| c.bytes);
                 // A give sent before the process learnt some of its credit was taken back
@@ -71,14 +71,14 @@ impl NodeState {
                         // Validated with the frame: a digest that does not check is refused.
                         m.prefixes = prefixes.and_then(HeldPrefixes::into_digest);
                     }
-                    None => self.stranger(token, key, "report from a stranger"),
+                    None => self.stranger(token, sender.key, "report from a stranger"),
                 }
             }
             NodeNotice::Leave { token, .. } => {
                 if self.processes.contains_key(&token) {
                     self.reap(token, "left");
                 } else {
-                    self.stranger(token, key, "leave from a stranger");
+                    self.stranger(token, sender.key, "leave from a stranger");
                 }
             }
         }

@@ -27,7 +27,7 @@ impl NodeState {
                     Front::Deny(seq) => (seq, false),
                     Front::Wait | Front::Empty => break,
                 };
-                let bytes = queue.front().map_or(0, |(_, b, _)| b);
+                let bytes = queue.front().map_or(0, |f| f.bytes);
                 let Some(w) = queue.remove(seq) else { break };
                 if !granted {
                     refuse(w.reply, "larger than the node's capacity");

@@ -20,7 +20,7 @@ impl NodeState {
             .authorities
             .iter()
             .map(|(name, aid)| {
-                let capacity = self.ledger.totals(*aid).map_or(0, |t| t.0);
+                let capacity = self.ledger.totals(*aid).map_or(0, |t| t.capacity);
                 (name.clone(), capacity, self.ledger.credit_bytes(*aid))
             })
             .collect();
@@ -52,7 +52,7 @@ impl NodeState {
 
     pub(super) fn publish(&self) {
         for (name, aid) in &self.authorities {
-            let (capacity, _, _) = self.ledger.totals(*aid).unwrap_or_default();
+            let capacity = self.ledger.totals(*aid).unwrap_or_default().capacity;
             m::NODE_CAPACITY_BYTES.gauge(&[name]).set(capacity as f64);
             m::NODE_CREDIT_BYTES
                 .gauge(&[name])

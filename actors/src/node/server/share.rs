@@ -80,7 +80,7 @@ impl NodeState {
     /// Every member of `aid`, by token: its credit, what it reported approved and its
     /// guarantee out of the authority's capacity now.
     pub(super) fn standings(&self, aid: AuthorityId) -> BTreeMap<u64, Standing> {
-        let capacity = self.ledger.totals(aid).map_or(0, |t| t.0);
+        let capacity = self.ledger.totals(aid).map_or(0, |t| t.capacity);
         let shares: Vec<(u64, Priority, Share)> = self
             .processes
             .iter()
@@ -114,7 +114,7 @@ impl NodeState {
         self.waiters
             .get(&aid)
             .and_then(|q| q.front())
-            .and_then(|(_, _, w)| standings.get(&w.token))
+            .and_then(|f| standings.get(&f.item.token))
             .map_or(0, Standing::entitled)
     }
 
