@@ -98,6 +98,10 @@ pub struct SchedulerConfig {
     pub context: usize,
     /// Text of tokens, for stop strings (without it, stop strings are refused).
     pub detokenize: Option<Detokenize>,
+    /// How long, in all, a request running alone is tried again while it finds no room,
+    /// before it fails: the budget cannot hold it (holders may still be freeing meanwhile: a
+    /// swap's copy, a fence behind a busy stream).
+    pub lonely_for: Duration,
 }
 
 impl std::fmt::Debug for SchedulerConfig {
@@ -107,6 +111,7 @@ impl std::fmt::Debug for SchedulerConfig {
             .field("max_running", &self.max_running)
             .field("max_waiting", &self.max_waiting)
             .field("context", &self.context)
+            .field("lonely_for", &self.lonely_for)
             .finish()
     }
 }
@@ -116,7 +121,7 @@ pub const STEP_TOKENS: usize = 256;
 
 impl SchedulerConfig {
     /// Defaults for a context of `context` tokens: [`STEP_TOKENS`] tokens a step, 64
-    /// running, 256 waiting, no detokenizer.
+    /// running, 256 waiting, no detokenizer, a lone request tried again for 5 s.
     pub fn new(context: usize) -> Self {
         SchedulerConfig {
             step_tokens: STEP_TOKENS,
@@ -124,6 +129,7 @@ impl SchedulerConfig {
             max_waiting: 256,
             context,
             detokenize: None,
+            lonely_for: policy::LONELY_FOR,
         }
     }
 
@@ -148,6 +154,12 @@ impl SchedulerConfig {
     /// The detokenizer for stop strings.
     pub fn detokenize(mut self, f: Detokenize) -> Self {
         self.detokenize = Some(f);
+        self
+    }
+
+    /// How long a request running alone is tried again while it finds no room.
+    pub fn lonely_for(mut self, patience: Duration) -> Self {
+        self.lonely_for = patience;
         self
     }
 }

@@ -398,10 +398,13 @@ async fn a_lone_request_short_of_room_for_many_tries_still_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_that_never_gets_room_fails_after_trying_a_while() {
     // Every step finds no room for a layer's weights: the lone request is tried again for a
-    // while (`LONELY_FOR`), then fails with that error, and the books end at zero.
+    // while (its patience, `lonely_for`), then fails with that error, and the books end at
+    // zero.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
     let model = weights_late_in(&toy, 0..usize::MAX, false);
-    let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
+    let config = SchedulerConfig::new(SHAPE.max_tokens)
+        .max_running(1)
+        .lonely_for(PATIENCE);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let (tokens, end) = drain(handle.submit(request(9, 1, 4)).unwrap()).await;
     assert!(tokens.is_empty());
@@ -416,11 +419,15 @@ async fn a_lone_request_that_never_gets_room_fails_after_trying_a_while() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up() {
     // The first request finds no room and is tried again until its caller drops it. More
-    // than `LONELY_FOR` later a second request finds no room either: it gets its own tries
+    // than its patience later a second request finds no room either: it gets its own tries
     // (the first one's start is not held against it) and finishes.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    let model = weights_late_in(&toy, 0..30, false);
-    let config = SchedulerConfig::new(SHAPE.max_tokens).max_running(1);
+    // Twelve steps short of room: the second request's own tries (pauses doubling from 2 ms
+    // to 50 ms) pass them in well under its patience.
+    let model = weights_late_in(&toy, 0..12, false);
+    let config = SchedulerConfig::new(SHAPE.max_tokens)
+        .max_running(1)
+        .lonely_for(PATIENCE);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
     let first = handle.submit(request(9, 1, 4)).unwrap();
     // Dropped once it has been tried again.
@@ -433,7 +440,8 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     drop(first);
-    tokio::time::sleep(Duration::from_millis(5_200)).await;
+    // Past the patience the first request's start would have used up, were it kept.
+    tokio::time::sleep(PATIENCE + PATIENCE / 4).await;
     let (tokens, end) = drain(handle.submit(request(9, 2, 4)).unwrap()).await;
     assert_eq!(end.unwrap(), FinishReason::Length);
     assert_eq!(tokens.len(), 4);
@@ -442,6 +450,24 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
     assert_eq!(stats.cancelled, 1, "{stats:?}");
     drop((model, toy));
     assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
+/// A lone request's patience in the tests that use it up: long enough for several of its
+/// tries to wait for room, short of the 5 s a server gives.
+const PATIENCE: Duration = Duration::from_secs(1);
+
+/// Until the scheduler has tried a lone request again `times` times (each after a wait for
+/// room the store refused by its deadline).
+async fn retried(handle: &SchedulerHandle, times: u64) {
+    let start = std::time::Instant::now();
+    while handle.stats().retries < times {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "tried again {} times of {times}",
+            handle.stats().retries
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// The tokens `r` gets alone, with no budget; it must end at its length.
@@ -495,7 +521,7 @@ async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back()
     let config = SchedulerConfig::new(SHAPE.max_tokens);
     let (handle, task) = SchedulerHandle::spawn(Arc::clone(&toy), config);
     let answer = tokio::spawn(drain(handle.submit(request(200, 1, 4)).unwrap()));
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    retried(&handle, 2).await;
     assert!(
         !answer.is_finished(),
         "the request ended while it had no room"
@@ -537,7 +563,7 @@ async fn a_lone_request_preempted_waits_to_be_restored_until_the_memory_comes_ba
     // The store gives the room up.
     let held = another_takes(&memory, 9, budget - 1024).await;
     let rest = tokio::spawn(drain(generation));
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    retried(&handle, 2).await;
     assert!(
         !rest.is_finished(),
         "the request ended while it had no room"

@@ -15,10 +15,10 @@ use procmem_actors::residency::ResidencyError;
 
 use crate::error::ModelError;
 
-/// How long, in all, a lone sequence is tried again while it finds no room (holders may
-/// still be freeing: a swap's copy, a fence behind a busy stream), before the request fails:
-/// the budget cannot hold it. Time, not a count: on a loaded machine one wait for room can
-/// pass while the memory is still on its way back.
+/// How long, in all, a lone sequence is tried again by default while it finds no room
+/// (holders may still be freeing: a swap's copy, a fence behind a busy stream), before the
+/// request fails: the budget cannot hold it. Time, not a count: on a loaded machine one wait
+/// for room can pass while the memory is still on its way back.
 pub(super) const LONELY_FOR: Duration = Duration::from_secs(5);
 /// The longest pause between two tries of a lone sequence.
 pub(super) const LONELY_PAUSE: Duration = Duration::from_millis(50);
@@ -85,8 +85,10 @@ struct Lonely {
 }
 
 /// What the scheduler remembers of pressure, and the rules it decides by.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Policy {
+    /// How long a lone sequence is tried again ([`LONELY_FOR`] by default).
+    lonely_for: Duration,
     /// Pressure was met: nothing new is admitted while others run, until one finishes or
     /// [`CALM_STEPS`] steps go through.
     hold: bool,
@@ -98,7 +100,25 @@ pub(super) struct Policy {
     restore_blocked: bool,
 }
 
+impl Default for Policy {
+    fn default() -> Self {
+        Policy::new(LONELY_FOR)
+    }
+}
+
 impl Policy {
+    /// The rules, a lone sequence tried again for `lonely_for`.
+    pub(super) fn new(lonely_for: Duration) -> Self {
+        Policy {
+            lonely_for,
+            hold: false,
+            calm: 0,
+            lonely: None,
+            busy_since: None,
+            restore_blocked: false,
+        }
+    }
+
     /// Whether a preempted request may come back now, with `running` requests running of
     /// `most`: once one of those running has finished since the last preemption or refused
     /// restore (or none runs), so a restore does not take the room a preemption just made
@@ -171,7 +191,7 @@ impl Policy {
 
     /// `seq`, alone (nothing else running), was refused memory with `g` at `now`: the pause
     /// before it is tried again, or `None` where it fails. Tried again while the refusal
-    /// [`may_fit_later`] and `seq` has been refused for less than [`LONELY_FOR`] (counted for
+    /// [`may_fit_later`] and `seq` has been refused for less than its patience (counted for
     /// that sequence: one that left meanwhile leaves nothing behind for the next), the pause
     /// doubling from 2 ms up to [`LONELY_PAUSE`]. Its opening, its restore and its steps all
     /// count: a lone request short of room waits the same way at each.
@@ -186,7 +206,7 @@ impl Policy {
         }
         let tries = match &mut self.lonely {
             Some(l) if l.seq == seq => {
-                if now.saturating_duration_since(l.since) >= LONELY_FOR {
+                if now.saturating_duration_since(l.since) >= self.lonely_for {
                     return None;
                 }
                 l.tries += 1;

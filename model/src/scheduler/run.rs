@@ -88,6 +88,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
         shared: Arc<Shared>,
         rx: mpsc::UnboundedReceiver<Command>,
     ) -> Self {
+        let policy = Policy::new(shared.config.lonely_for);
         Loop {
             model,
             shared,
@@ -98,7 +99,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             next: 0,
             deadline: None,
             closed: false,
-            policy: Policy::default(),
+            policy,
             block: model.kv().prefix_digest().block_tokens(),
         }
     }
