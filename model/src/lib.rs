@@ -19,6 +19,7 @@ mod quant;
 pub mod scheduler;
 pub mod serve;
 pub mod smollm;
+pub mod step;
 // Unsafe too: the synthetic model's GPU staging (copies to and from device memory, the
 // decode kernels' launches), each block with its SAFETY note.
 #[allow(unsafe_code)]
@@ -27,7 +28,8 @@ pub mod tokenizer;
 
 pub use error::{ModelError, StepFault};
 pub use fetch::{fetch_smollm2, smollm2_path};
-pub use scheduler::{argmax, StepInput};
+pub use scheduler::argmax;
 pub use serve::{Completion, Engine, Request, RunStats};
 pub use smollm::{forward_every_row, forward_step, top2, Loaded, Smol, TopTwo};
+pub use step::StepInput;
 pub use tokenizer::{TextCodec, TokenizerError};

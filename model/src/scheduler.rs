@@ -16,11 +16,10 @@
 //! cancels the rest.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use procmem_actors::kv::{KvStep, KvStoreHandle, NewTokens, SeqId};
+use procmem_actors::kv::SeqId;
 use tokio::sync::mpsc;
 
 mod policy;
@@ -31,54 +30,12 @@ mod types;
 pub use sample::{adjust, logprobs};
 pub use sample::{argmax, sample};
 pub use types::{
-    Event, Figures, FinishReason, GenRequest, Penalties, Sampling, SchedulerStats, StepInput,
-    TokenLogprobs, MAX_TOP_LOGPROBS,
+    Event, Figures, FinishReason, GenRequest, Penalties, Sampling, SchedulerStats, TokenLogprobs,
+    MAX_TOP_LOGPROBS,
 };
 
 pub use crate::error::GenError;
-use crate::error::ModelError;
-
-/// The logits of each input's last token, on their way.
-pub type StepFuture<'a> =
-    Pin<Box<dyn Future<Output = Result<Vec<Vec<f32>>, ModelError>> + Send + 'a>>;
-
-/// A model the scheduler steps: each input's new tokens through the model over the KV store,
-/// returning the logits of each input's last token (in the inputs' order).
-pub trait StepModel: Send + Sync + 'static {
-    /// The KV store the model's sequences live in.
-    fn kv(&self) -> &KvStoreHandle;
-
-    /// One step of `batch`.
-    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a>;
-}
-
-/// Room for `batch`'s new tokens in one grant, checked against where the store holds each
-/// sequence: a token written at another row than its position says would be rotated for one
-/// place and stored at another. The first thing a [`StepModel::step`] does.
-pub async fn prepare(kv: &KvStoreHandle, batch: &[StepInput]) -> Result<KvStep, ModelError> {
-    let step = kv
-        .prepare_tokens(
-            batch
-                .iter()
-                .map(|b| NewTokens {
-                    seq: b.seq,
-                    count: b.tokens.len(),
-                })
-                .collect(),
-        )
-        .await
-        .map_err(ModelError::Prepare)?;
-    for (b, &held) in batch.iter().zip(step.positions()) {
-        if held != b.position {
-            return Err(ModelError::Position {
-                seq: b.seq,
-                held,
-                asked: b.position,
-            });
-        }
-    }
-    Ok(step)
-}
+use crate::step::StepModel;
 
 /// Text of tokens, for stop strings.
 pub type Detokenize = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;

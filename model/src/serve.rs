@@ -6,16 +6,15 @@ use std::sync::Arc;
 
 use procmem_actors::procmem::kv::KvShape;
 use procmem_actors::{
-    kv::{KvStoreConfig, KvStoreHandle, SeqId},
+    kv::{KvStep, KvStoreConfig, KvStoreHandle, SeqId},
     residency::{ResidencyConfig, ResidencyHandle},
     MemoryManager, Reserve,
 };
 
 use crate::error::ModelError;
-use crate::scheduler::{
-    Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle, StepFuture, StepModel,
-};
-use crate::smollm::{forward_step, Loaded, Smol, StepInput};
+use crate::scheduler::{Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle};
+use crate::smollm::{Loaded, Smol};
+use crate::step::{StepFuture, StepInput, StepModel};
 
 /// One prompt to complete.
 #[derive(Debug, Clone)]
@@ -229,13 +228,14 @@ impl StepModel for Engine {
         &self.kv
     }
 
-    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
-        Box::pin(forward_step(
+    fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a> {
+        Box::pin(crate::smollm::forward(
             &self.model,
             &self.weights,
-            &self.kv,
+            step,
             self.shape,
             batch,
+            false,
         ))
     }
 }

@@ -20,7 +20,7 @@ use procmem_actors::{
 use crate::error::{ModelError, StepFault};
 use crate::gguf::{Config, Gguf, HeadSlots, TensorSlot, TokenizerData};
 use crate::quant::{dense, project, rows};
-pub use crate::scheduler::StepInput;
+use crate::step::{self, StepInput, StepOutput};
 
 /// The model's shape and where its tensors lie; the tensors themselves are residency's (every
 /// layer a unit, and one more unit, the head, for the embeddings, the final norm and the output
@@ -458,7 +458,7 @@ pub async fn forward_step(
     shape: KvShape,
     batch: &[StepInput],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
-    forward(model, weights, kv, shape, batch, false).await
+    whole(model, weights, kv, shape, batch, false).await
 }
 
 /// [`forward_step`] returning the logits of every new token, in order (the batch's sequences
@@ -471,10 +471,11 @@ pub async fn forward_every_row(
     shape: KvShape,
     batch: &[StepInput],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
-    forward(model, weights, kv, shape, batch, true).await
+    whole(model, weights, kv, shape, batch, true).await
 }
 
-async fn forward(
+/// A step prepared, computed and completed, for a caller without a scheduler.
+async fn whole(
     model: &Arc<Smol>,
     weights: &ResidencyHandle,
     kv: &KvStoreHandle,
@@ -483,7 +484,23 @@ async fn forward(
     every_row: bool,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
     // Dropping a step that fails counts nothing.
-    let step = crate::scheduler::prepare(kv, batch).await?;
+    let step = step::prepare(kv, batch).await?;
+    let out = forward(model, weights, &step, shape, batch, every_row).await?;
+    step.complete(out.end).await.map_err(ModelError::Store)?;
+    Ok(out.logits)
+}
+
+/// The model's part of a step the caller prepared for `batch`: every kernel queued, the
+/// logits read once the last is done, and the end that covers the step's KV writes (the
+/// kernels submitted through it).
+pub(crate) async fn forward(
+    model: &Arc<Smol>,
+    weights: &ResidencyHandle,
+    step: &KvStep,
+    shape: KvShape,
+    batch: &[StepInput],
+    every_row: bool,
+) -> Result<StepOutput, ModelError> {
     let tokens: Vec<u32> = batch
         .iter()
         .flat_map(|b| b.tokens.iter().copied())
@@ -501,7 +518,7 @@ async fn forward(
         error: None,
     }));
     queue_embed(model, weights, &flow, tokens.clone()).await?;
-    queue_layers(model, weights, &step, shape, &flow, &positions).await?;
+    queue_layers(model, weights, step, shape, &flow, &positions).await?;
     // Only each sequence's last row is read (unless every row is asked for).
     let rows: Option<Vec<u32>> = (!every_row && tokens.len() != batch.len()).then(|| {
         batch
@@ -543,10 +560,10 @@ async fn forward(
         }
         std::mem::take(&mut flow.logits)
     };
-    step.complete(StepEnd::Submitted)
-        .await
-        .map_err(ModelError::Store)?;
-    Ok(logits)
+    Ok(StepOutput {
+        logits,
+        end: StepEnd::Submitted,
+    })
 }
 
 /// Queues the lookup of `tokens`' embeddings: their rows read in the head unit, on the

@@ -7,9 +7,8 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{ModelError, StepFault};
-use crate::scheduler::StepInput;
-use crate::scheduler::{self, StepFuture, StepModel};
 use crate::smollm::{Qkv, StepRow};
+use crate::step::{StepFuture, StepInput, StepModel, StepOutput};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::{KvPart, KvShape};
 use procmem_actors::{
@@ -142,11 +141,11 @@ impl StepModel for Synthetic {
         &self.kv
     }
 
-    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
+    fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a> {
         Box::pin(async move {
-            let logits = self.forward(batch).await;
+            let out = self.forward(step, batch).await;
             self.sample().await;
-            logits
+            out
         })
     }
 }
@@ -154,9 +153,8 @@ impl StepModel for Synthetic {
 impl Synthetic {
     /// Every layer over each sequence's new tokens: projections under residency, attention
     /// over the step's KV (causal within a chunk), output projection and norm. Returns the
-    /// logits of each sequence's last new token.
-    async fn forward(&self, batch: &[StepInput]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let step = scheduler::prepare(&self.kv, batch).await?;
+    /// logits of each sequence's last new token, and the fence that covers the step's writes.
+    async fn forward(&self, step: &KvStep, batch: &[StepInput]) -> Result<StepOutput, ModelError> {
         let m = &self.model;
         let (h, qd, kvd) = (m.hidden, m.q_dim(), m.kv_dim());
         // Every new token's residual stream and (sequence, position), the batch's order.
@@ -188,9 +186,9 @@ impl Synthetic {
             let attended = match &self.gpu {
                 // The driver calls wait for the device: off the runtime's async threads.
                 Some(gpu) => {
-                    tokio::task::block_in_place(|| gpu.attend(&step, m.shape, layer, &rows, &qkv))?
+                    tokio::task::block_in_place(|| gpu.attend(step, m.shape, layer, &rows, &qkv))?
                 }
-                None => crate::smollm::attend(&step, m.shape, layer, Qkv::concat(qkv)).await?,
+                None => crate::smollm::attend(step, m.shape, layer, Qkv::concat(qkv)).await?,
             };
             let inputs = std::mem::take(&mut xs);
             xs = self
@@ -218,15 +216,18 @@ impl Synthetic {
             Some(stream) => stream.submit(&[], |_| Ok(()))?,
             None => step.last_fence().ok_or(StepFault::NoKernel)?,
         };
-        step.complete(fence).await.map_err(ModelError::Store)?;
         let mut end = 0;
-        Ok(batch
+        let logits = batch
             .iter()
             .map(|b| {
                 end += b.tokens.len();
                 m.logits(&xs[end - 1])
             })
-            .collect())
+            .collect();
+        Ok(StepOutput {
+            logits,
+            end: fence.into(),
+        })
     }
 
     /// The books of the KV's authority after a step: ledger against OS, and the swap's peak.

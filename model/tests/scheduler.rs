@@ -3,7 +3,7 @@
 //! pressure equal those without, a dropped stream closes its sequence, a full queue and a
 //! shutdown refuse and cancel, stop tokens, seeds and careless requests.
 
-use procmem_actors::kv::StepEnd;
+use procmem_actors::kv::{KvStep, StepEnd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,9 +14,10 @@ use procmem_actors::{
 };
 use procmem_model::scheduler::{
     self, Event, FinishReason, GenError, GenRequest, Generation, Sampling, SchedulerConfig,
-    SchedulerHandle, StepFuture, StepModel,
+    SchedulerHandle,
 };
-use procmem_model::{ModelError, StepFault, StepInput};
+use procmem_model::step::{StepFuture, StepInput, StepModel, StepOutput};
+use procmem_model::{ModelError, StepFault};
 
 const VOCAB: usize = 97;
 const SHAPE: KvShape = KvShape {
@@ -40,9 +41,8 @@ impl StepModel for Toy {
         &self.kv
     }
 
-    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
+    fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a> {
         Box::pin(async move {
-            let step = scheduler::prepare(&self.kv, batch).await?;
             let rows: Vec<Vec<u32>> = batch.iter().map(|b| b.tokens.clone()).collect();
             let (tx, rx) = tokio::sync::oneshot::channel();
             step.submit(move |kv| {
@@ -63,10 +63,10 @@ impl StepModel for Toy {
                 let _ = tx.send(out);
             })?;
             let logits = rx.await.map_err(|_| StepFault::KernelPanicked)?;
-            step.complete(StepEnd::Submitted)
-                .await
-                .map_err(ModelError::Store)?;
-            Ok(logits)
+            Ok(StepOutput {
+                logits,
+                end: StepEnd::Submitted,
+            })
         })
     }
 }
@@ -309,9 +309,9 @@ impl StepModel for Faulty {
         &self.toy.kv
     }
 
-    fn step<'a>(&'a self, batch: &'a [StepInput]) -> StepFuture<'a> {
+    fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a> {
         if batch.len() < self.batch {
-            return self.toy.step(batch);
+            return self.toy.step(step, batch);
         }
         let n = self
             .steps
@@ -321,14 +321,12 @@ impl StepModel for Faulty {
             let midway = self.midway;
             return Box::pin(async move {
                 if midway {
-                    let step = scheduler::prepare(&self.toy.kv, batch).await?;
                     step.submit(|_| std::thread::sleep(Duration::from_millis(30)))?;
-                    drop(step);
                 }
                 Err(e)
             });
         }
-        self.toy.step(batch)
+        self.toy.step(step, batch)
     }
 }
 

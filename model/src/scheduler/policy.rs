@@ -1,14 +1,15 @@
 //! The scheduler's decisions, pure: whether preempted requests may come back and new ones
 //! may start, given its queues and what it remembers of pressure; whether a lone request
 //! refused memory is tried again and after what pause; how long a step waits for sequences
-//! a step given up still holds. The async loop (`run.rs`) asks before it acts and tells what
-//! happened; nothing here awaits, sleeps or reads a clock (the time is passed in), so every
-//! rule is tested without a runtime.
+//! a step given up still holds; and what the loop does after a step fails (the decision
+//! table of [`Policy::failed_step`]: a [`Failure`] class in, an [`Action`] out). The async
+//! loop (`run.rs`) asks before it acts and tells what happened; nothing here awaits, sleeps
+//! or reads a clock (the time is passed in), so every rule is tested without a runtime.
 
 use std::time::{Duration, Instant};
 
 use procmem_actors::governor::GovernorError;
-use procmem_actors::kv::{KvStoreError, SeqId};
+use procmem_actors::kv::{KvStoreError, SeqId, TableError};
 use procmem_actors::procmem::ledger::LedgerError;
 use procmem_actors::provider::ProviderError;
 use procmem_actors::residency::ResidencyError;
@@ -27,6 +28,58 @@ pub(super) const LONELY_PAUSE: Duration = Duration::from_millis(50);
 pub(super) const BUSY_FOR: Duration = Duration::from_secs(5);
 /// Steps without pressure after which admission opens again.
 pub(super) const CALM_STEPS: u32 = 16;
+/// The pause before a step whose sequences a step given up still holds is tried again.
+pub(super) const BUSY_PAUSE: Duration = Duration::from_millis(1);
+
+/// A failed step's error, by what the scheduler can do about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Failure {
+    /// Pressure took this sequence while the step waited for its grant.
+    Preempted(SeqId),
+    /// A sequence is still held by a step given up (the store has it back after that step's
+    /// kernels).
+    Busy,
+    /// The step's memory (its KV, or a layer's weights brought back) was not there by its
+    /// deadline, or the OS had no room for its mappings; `later`: the Governor's refusal says
+    /// the same may fit later (not more than the whole capacity).
+    Short {
+        /// Whether it may fit later.
+        later: bool,
+    },
+    /// Anything else: no retry mends it.
+    Fault,
+}
+
+impl Failure {
+    /// The class of `e`.
+    pub(super) fn of(e: &ModelError) -> Failure {
+        match e {
+            ModelError::Prepare(KvStoreError::Table(TableError::Preempted(seq, _))) => {
+                Failure::Preempted(*seq)
+            }
+            ModelError::Prepare(KvStoreError::Table(TableError::Busy(_))) => Failure::Busy,
+            e if short_of_room(e) => Failure::Short {
+                later: may_fit_later(refusal(e)),
+            },
+            _ => Failure::Fault,
+        }
+    }
+}
+
+/// What the loop does after a step failed ([`Policy::failed_step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Action {
+    /// The request of this preempted sequence is parked, to be restored later.
+    Park(SeqId),
+    /// The newest running request starts over later from the tokens it knows.
+    ShedNewest,
+    /// The same step is tried again after this pause.
+    Again(Duration),
+    /// The lone request is tried again after this pause.
+    RetryAlone(Duration),
+    /// Every running request fails with the step's error.
+    FailAll,
+}
 
 /// The Governor's refusal inside `e`, where the store was refused memory.
 pub(super) fn store_refusal(e: &KvStoreError) -> Option<&GovernorError> {
@@ -155,10 +208,11 @@ impl Policy {
         self.restore_blocked = true;
     }
 
-    /// A step went through: the lone sequence's patience ends, and after [`CALM_STEPS`]
-    /// such steps admission opens again.
+    /// A step went through: the lone sequence's patience ends, a wait for busy sequences
+    /// too, and after [`CALM_STEPS`] such steps admission opens again.
     pub(super) fn stepped(&mut self) {
         self.lonely = None;
+        self.busy_since = None;
         self.calm += 1;
         if self.calm >= CALM_STEPS {
             self.hold = false;
@@ -204,6 +258,11 @@ impl Policy {
         if !may_fit_later(g) {
             return None;
         }
+        self.retry_lone(seq, now)
+    }
+
+    /// [`Policy::retry_alone`] for a refusal that may fit later.
+    fn retry_lone(&mut self, seq: SeqId, now: Instant) -> Option<Duration> {
         let tries = match &mut self.lonely {
             Some(l) if l.seq == seq => {
                 if now.saturating_duration_since(l.since) >= self.lonely_for {
@@ -226,14 +285,51 @@ impl Policy {
 
     /// A step found a sequence still held by a step given up, at `now`: whether to try the
     /// same step again shortly (for [`BUSY_FOR`] in all) rather than fail it.
-    pub(super) fn busy(&mut self, now: Instant) -> bool {
+    fn busy(&mut self, now: Instant) -> bool {
         let since = *self.busy_since.get_or_insert(now);
         now.saturating_duration_since(since) < BUSY_FOR
     }
 
-    /// A step's outcome was not "busy": the next busy one starts its wait afresh.
-    pub(super) fn not_busy(&mut self) {
-        self.busy_since = None;
+    /// The decision table of a step of `running` requests that failed with `failure` at
+    /// `now` (`lone`: the one request, where only one runs), first row that applies:
+    ///
+    /// | failure | running | action |
+    /// |---|---|---|
+    /// | `Preempted(seq)` | any | park that request; pressure, restores wait for a finish |
+    /// | `Short` | more than one | shed the newest; pressure |
+    /// | `Busy`, for less than [`BUSY_FOR`] | any | the same step again after [`BUSY_PAUSE`] |
+    /// | `Short { later: true }`, within the patience | one | it again, after a pause ([`Policy::retry_alone`]) |
+    /// | anything else | any | every request fails |
+    pub(super) fn failed_step(
+        &mut self,
+        failure: Failure,
+        running: usize,
+        lone: Option<SeqId>,
+        now: Instant,
+    ) -> Action {
+        if failure != Failure::Busy {
+            self.busy_since = None;
+        }
+        let action = match failure {
+            Failure::Preempted(seq) => {
+                self.preempted();
+                return Action::Park(seq);
+            }
+            Failure::Short { .. } if running > 1 => {
+                self.pressure();
+                return Action::ShedNewest;
+            }
+            Failure::Busy if self.busy(now) => return Action::Again(BUSY_PAUSE),
+            Failure::Short { later: true } => lone
+                .filter(|_| running == 1)
+                .and_then(|seq| self.retry_lone(seq, now))
+                .map(Action::RetryAlone),
+            _ => None,
+        };
+        action.unwrap_or_else(|| {
+            self.step_failed();
+            Action::FailAll
+        })
     }
 }
 
@@ -378,10 +474,110 @@ mod tests {
     fn a_busy_step_waits_a_while_from_its_first_busy_answer() {
         let mut p = Policy::default();
         let t0 = Instant::now();
-        assert!(p.busy(t0));
-        assert!(p.busy(t0 + BUSY_FOR / 2));
-        assert!(!p.busy(t0 + BUSY_FOR));
-        p.not_busy();
-        assert!(p.busy(t0 + BUSY_FOR), "a new wait starts afresh");
+        let again = Action::Again(BUSY_PAUSE);
+        assert_eq!(p.failed_step(Failure::Busy, 2, None, t0), again);
+        assert_eq!(
+            p.failed_step(Failure::Busy, 2, None, t0 + BUSY_FOR / 2),
+            again
+        );
+        assert_eq!(
+            p.failed_step(Failure::Busy, 2, None, t0 + BUSY_FOR),
+            Action::FailAll,
+            "its wait is over"
+        );
+        p.stepped();
+        assert_eq!(
+            p.failed_step(Failure::Busy, 2, None, t0 + BUSY_FOR),
+            again,
+            "a new wait starts afresh after a step went through"
+        );
+        assert_eq!(
+            p.failed_step(Failure::Fault, 2, None, t0 + 2 * BUSY_FOR),
+            Action::FailAll
+        );
+        assert_eq!(
+            p.failed_step(Failure::Busy, 2, None, t0 + 2 * BUSY_FOR),
+            again,
+            "and after any other outcome"
+        );
+    }
+
+    #[test]
+    fn the_decision_table_row_by_row() {
+        let now = Instant::now();
+        let short = Failure::Short { later: true };
+        let never = Failure::Short { later: false };
+        // A preempted sequence parks its request, whatever runs; admission and restores wait.
+        let mut p = Policy::default();
+        assert_eq!(
+            p.failed_step(Failure::Preempted(4), 3, None, now),
+            Action::Park(4)
+        );
+        assert!(!p.may_admit(2, 0, 8) && !p.may_restore(2, 8));
+        assert_eq!(
+            p.failed_step(Failure::Preempted(4), 1, Some(4), now),
+            Action::Park(4)
+        );
+        // Short of room with others running: the newest goes, and admission waits.
+        let mut p = Policy::default();
+        assert_eq!(p.failed_step(short, 2, None, now), Action::ShedNewest);
+        assert_eq!(p.failed_step(never, 5, None, now), Action::ShedNewest);
+        assert!(!p.may_admit(1, 0, 8));
+        // Alone and short of room: tried again after a pause, until its patience is out.
+        let mut p = Policy::new(Duration::from_secs(1));
+        assert_eq!(
+            p.failed_step(short, 1, Some(9), now),
+            Action::RetryAlone(Duration::from_millis(2))
+        );
+        assert_eq!(
+            p.failed_step(short, 1, Some(9), now + Duration::from_millis(10)),
+            Action::RetryAlone(Duration::from_millis(4))
+        );
+        assert_eq!(
+            p.failed_step(short, 1, Some(9), now + Duration::from_secs(1)),
+            Action::FailAll
+        );
+        // Alone, refused more than the whole capacity (or the OS out of mappings): no retry.
+        let mut p = Policy::default();
+        assert_eq!(p.failed_step(never, 1, Some(9), now), Action::FailAll);
+        // Any other fault fails every request, lone or not, and forgets the lone patience.
+        let mut p = Policy::default();
+        assert!(matches!(
+            p.failed_step(short, 1, Some(9), now),
+            Action::RetryAlone(_)
+        ));
+        assert_eq!(
+            p.failed_step(Failure::Fault, 1, Some(9), now),
+            Action::FailAll
+        );
+        assert_eq!(
+            p.failed_step(short, 1, Some(9), now + Duration::from_secs(30)),
+            Action::RetryAlone(Duration::from_millis(2)),
+            "a new patience after the failure"
+        );
+        assert_eq!(p.failed_step(Failure::Fault, 3, None, now), Action::FailAll);
+    }
+
+    #[test]
+    fn errors_are_classed_by_what_the_scheduler_can_do() {
+        use procmem_actors::kv::PreemptMode;
+        let table = |e| ModelError::Prepare(KvStoreError::Table(e));
+        assert_eq!(
+            Failure::of(&table(TableError::Preempted(3, PreemptMode::Swap))),
+            Failure::Preempted(3)
+        );
+        assert_eq!(Failure::of(&table(TableError::Busy(3))), Failure::Busy);
+        assert_eq!(Failure::of(&table(TableError::Unknown(3))), Failure::Fault);
+        let kv_late = ModelError::Prepare(KvStoreError::Governor(deadline()));
+        assert_eq!(Failure::of(&kv_late), Failure::Short { later: true });
+        let weights_late = ModelError::Weights(ResidencyError::Provider(ProviderError::Governor(
+            GovernorError::Busy { waiting: 1 },
+        )));
+        assert_eq!(Failure::of(&weights_late), Failure::Short { later: true });
+        let too_big = ModelError::Prepare(KvStoreError::Governor(GovernorError::Ledger(
+            LedgerError::Denied(denial(10, 5)),
+        )));
+        assert_eq!(Failure::of(&too_big), Failure::Short { later: false });
+        assert_eq!(Failure::of(&ModelError::EmptyPrompt(1)), Failure::Fault);
     }
 }

@@ -5,18 +5,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use procmem_actors::governor::GovernorError;
-use procmem_actors::kv::{KvStoreError, Restored, SeqId, TableError};
+use procmem_actors::kv::{Restored, SeqId};
 use procmem_actors::procmem::kv::prompt_keys;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
 
-use super::policy::{refusal, short_of_room, store_refusal, Policy};
+use super::policy::{store_refusal, Action, Failure, Policy};
 use super::{
     adjust, logprobs, next_id, sample, Command, Event, Figures, FinishReason, GenError, GenRequest,
-    SchedulerStats, Shared, StepInput, StepModel,
+    SchedulerStats, Shared,
 };
 use crate::error::ModelError;
+use crate::step::{self, StepInput, StepModel};
 
 /// Waiting requests admission looks at, at most, for one that need not wait for another's
 /// prompt blocks.
@@ -401,19 +402,17 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
 
     async fn step(&mut self) {
         let inputs = self.plan();
-        let outcome = self.model.step(&inputs).await;
-        if !matches!(
-            outcome,
-            Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(
-                _
-            ))))
-        ) {
-            self.policy.not_busy();
-        }
-        match outcome {
-            Ok(logits) => self.stepped(&inputs, logits),
-            Err(ModelError::Prepare(KvStoreError::Table(TableError::Preempted(seq, _)))) => {
-                self.policy.preempted();
+        let e = match step::run(self.model, &inputs).await {
+            Ok(logits) => return self.stepped(&inputs, logits),
+            Err(e) => e,
+        };
+        let lone = match &self.running[..] {
+            [alone] => Some(alone.id),
+            _ => None,
+        };
+        let failure = Failure::of(&e);
+        match (self.policy).failed_step(failure, self.running.len(), lone, Instant::now()) {
+            Action::Park(seq) => {
                 self.shared.books().stats.preemptions += 1;
                 if let Some(i) = self.running.iter().position(|r| r.id == seq) {
                     let mut r = self.running.remove(i);
@@ -421,56 +420,51 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                     self.parked.push_back(r);
                 }
             }
-            Err(e) if short_of_room(&e) && self.running.len() > 1 => {
-                // The batch does not fit (its KV, or a layer's weights brought back for it):
-                // the newest request starts over later from the tokens it knows (what it
-                // streamed already is not sent again).
-                self.policy.pressure();
-                let mut r = self.running.pop().expect("more than one");
-                // Its whole blocks stay cached: it opens again from the tokens it knows.
-                self.model.kv().close_keeping(r.id, r.known.clone());
-                r.pos = 0;
-                r.writes_to = 0;
-                r.passed = 0;
-                r.keys = prompt_keys(&r.known, self.block);
-                r.figures.preemptions += 1;
-                let mut books = self.shared.books();
-                books.stats.shed += 1;
-                books.waiting += 1;
-                self.waiting.push_front(r);
+            Action::ShedNewest => self.shed_newest(),
+            // A step given up midway (a layer's weights not back in time) hands its sequences
+            // back after its kernels' fence; until then they are busy.
+            Action::Again(pause) => tokio::time::sleep(pause).await,
+            Action::RetryAlone(pause) => {
+                self.shared.books().stats.retries += 1;
+                tokio::time::sleep(pause).await;
             }
-            Err(ModelError::Prepare(KvStoreError::Table(TableError::Busy(_))))
-                if self.policy.busy(Instant::now()) =>
-            {
-                // A step given up midway (a layer's weights not back in time) hands its
-                // sequences back after its kernels' fence; until then they are busy. The
-                // same step is tried again shortly.
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            Action::FailAll => self.fail_running(e),
+        }
+    }
+
+    /// The batch does not fit (its KV, or a layer's weights brought back for it): the newest
+    /// request starts over later from the tokens it knows (what it streamed already is not
+    /// sent again). Its whole blocks stay cached: it opens again from those.
+    fn shed_newest(&mut self) {
+        let Some(mut r) = self.running.pop() else {
+            return;
+        };
+        self.model.kv().close_keeping(r.id, r.known.clone());
+        r.pos = 0;
+        r.writes_to = 0;
+        r.passed = 0;
+        r.keys = prompt_keys(&r.known, self.block);
+        r.figures.preemptions += 1;
+        let mut books = self.shared.books();
+        books.stats.shed += 1;
+        books.waiting += 1;
+        self.waiting.push_front(r);
+    }
+
+    /// The step's requests cannot go on: each fails with what happened (a lone request the
+    /// memory cannot hold, with the store's refusal).
+    fn fail_running(&mut self, e: ModelError) {
+        let mut running = std::mem::take(&mut self.running);
+        tracing::warn!(requests = running.len(), error = %e, "a step failed");
+        let e = match e {
+            ModelError::Prepare(kv) if running.len() == 1 => {
+                let r = running.pop().expect("one");
+                return self.fail(r, GenError::NoRoom(kv));
             }
-            Err(e) => {
-                // One sequence alone did not get room by its deadline: holders may still be
-                // freeing (a swap's copy, a fence), so it is tried again for a while.
-                if let [alone] = &self.running[..] {
-                    if self.wait_alone(alone.id, refusal(&e)).await {
-                        return;
-                    }
-                }
-                // The step's requests cannot go on: each fails with what happened (a lone
-                // request the memory cannot hold, with the store's refusal).
-                self.policy.step_failed();
-                let mut running = std::mem::take(&mut self.running);
-                tracing::warn!(requests = running.len(), error = %e, "a step failed");
-                let e = match e {
-                    ModelError::Prepare(kv) if running.len() == 1 => {
-                        let r = running.pop().expect("one");
-                        return self.fail(r, GenError::NoRoom(kv));
-                    }
-                    other => Arc::new(other),
-                };
-                for r in running {
-                    self.fail(r, GenError::Model(Arc::clone(&e)));
-                }
-            }
+            other => Arc::new(other),
+        };
+        for r in running {
+            self.fail(r, GenError::Model(Arc::clone(&e)));
         }
     }
 

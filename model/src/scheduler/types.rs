@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use procmem_actors::kv::SeqId;
-
 use crate::error::GenError;
 
 /// How the next token is chosen from the logits.
@@ -170,27 +168,4 @@ pub struct SchedulerStats {
     /// Times admission passed over a waiting request for prompt blocks a running request was
     /// still writing (it then maps them instead of computing its own copy).
     pub passed_over: u64,
-}
-
-/// One sequence's part of a step: `tokens` (at least one) written from `position` on. A
-/// prompt's chunk has many; a decode step one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepInput {
-    /// The sequence.
-    pub seq: SeqId,
-    /// Its new tokens.
-    pub tokens: Vec<u32>,
-    /// Where the first goes: the tokens the store holds for it.
-    pub position: usize,
-}
-
-impl StepInput {
-    /// A decode step's part: one `token` of `seq` at `position`.
-    pub fn decode(seq: SeqId, token: u32, position: usize) -> Self {
-        StepInput {
-            seq,
-            tokens: vec![token],
-            position,
-        }
-    }
 }
