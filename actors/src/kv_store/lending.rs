@@ -35,8 +35,8 @@ pub(crate) struct Returned {
 }
 
 impl KvStoreState {
-    /// Lends the memory of `plan` (grown, each still this incarnation unless closed
-    /// meanwhile; `(sequence, incarnation, growth, new tokens)`) to the caller as a step. A
+    /// Lends the memory of `plan` (each [`Growth`] grown, its sequence still that
+    /// incarnation unless closed meanwhile) to the caller as a step. A
     /// caller that gave up drops the step, which ends it: its sequences come back idle after
     /// the store's fence.
     pub(super) fn lend(
