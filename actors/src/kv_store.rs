@@ -28,6 +28,7 @@
 //! | `device.rs` | host or CUDA memory and stream, messages after fences |
 //! | `handle.rs`, `answer.rs` | the server's handle and the answers that undo themselves |
 //! | `metrics.rs` | the figures and their series |
+//! | `error.rs` | why the store refused |
 //!
 //! One step, through four files: `handle.rs` sends the prepare; `lending.rs` (`prepare`)
 //! checks the batch and asks one grant, `transactions.rs` (`begin`, `granted`) waits for it
@@ -38,16 +39,14 @@
 
 use std::sync::Arc;
 
-use procmem::fence::{Fence, StreamId};
+use procmem::fence::Fence;
 use procmem::kv::{Incarnation, KvError, KvShape, PrefixCache, PrefixDigest};
 use procmem::ledger::{HolderId, Priority};
-use procmem::MemoryError;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::time::Duration;
 
 use crate::charge::Tally;
 use crate::governor::{GovernorError, GovernorHandle, Grant};
-use crate::stream::StreamError;
 use crate::ticket::PressureTicket;
 
 mod answer;
@@ -61,6 +60,7 @@ mod keep;
 pub use handle::KvStoreHandle;
 pub use host_tier::PrefixHost;
 mod disk_tier;
+mod error;
 mod eviction;
 mod lending;
 mod metrics;
@@ -76,6 +76,7 @@ use below::Below;
 use device::KvDevice;
 pub use device::KvStream;
 pub use disk_tier::PrefixDisk;
+pub use error::KvStoreError;
 pub use metrics::KvStoreStats;
 use prefix::SharedPrefix;
 use sequences::Sequences;
@@ -196,80 +197,6 @@ impl KvStoreConfig {
     pub fn prefix_host(mut self, host: PrefixHost) -> Self {
         self.prefix_host = Some(host);
         self
-    }
-}
-
-/// Why the store refused; the sequence is as it was.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KvStoreError {
-    /// The KV memory refused.
-    #[error(transparent)]
-    Kv(#[from] KvError),
-    /// The Governor did not grant the bytes.
-    #[error(transparent)]
-    Governor(#[from] GovernorError),
-    /// The mechanism failed.
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    /// The sequence table refused: not open, already open, named twice, busy with another
-    /// step, preempted, or not in a step.
-    #[error(transparent)]
-    Table(#[from] TableError),
-    /// The store is not running.
-    #[error("the KV store is not running")]
-    Unavailable,
-    /// The step's stream refused the kernel.
-    #[error(transparent)]
-    Stream(#[from] StreamError),
-    /// A kernel of the step panicked before it answered.
-    #[error("a kernel of the step panicked")]
-    KernelFailed,
-    /// A step was completed with a fence of another stream than its own: the store cannot
-    /// know when that work ends. The step ended as if dropped (its token does not count).
-    #[error("the fence is of {0}, not of the step's stream")]
-    ForeignFence(StreamId),
-    /// A step asked room for no new token of the sequence.
-    #[error("a step of sequence {0} asked for no token")]
-    NoTokens(SeqId),
-    /// Its provider has no stream to run attention on.
-    #[error("the KV store's provider refused: {0}")]
-    Provider(#[from] crate::execution::ProviderError),
-    /// The swap space given is the authority the KV is charged to: swapping there frees
-    /// nothing.
-    #[error("the swap space is the KV's own authority; swapping there frees nothing")]
-    SwapAliased,
-    /// The prefix cache's disk tier could not be opened (its directory is another store's,
-    /// or cannot be written).
-    #[error(transparent)]
-    DiskTier(#[from] procmem::kv::disk_tier::DiskTierError),
-    /// The prefix cache's disk tier is for KV in host memory (and a store has one tier
-    /// below at most).
-    #[error("a prefix disk tier is for a store in host memory")]
-    DiskTierOnDevice,
-    /// The prefix cache's host tier is for KV on a GPU: a copy of host memory in host
-    /// memory frees nothing.
-    #[error("a prefix host tier is for a store on a GPU; on the host, use a disk tier")]
-    PrefixHostOnHost,
-    /// The prefix cache's host tier is charged to the swap space's Governor, and the store
-    /// swaps elsewhere.
-    #[error("a prefix host tier needs a host-tier Governor (SwapSpace::Host)")]
-    PrefixHostWithoutHostTier,
-    /// The store's actor could not be started (it panicked while starting).
-    #[error("the KV store could not start: {0}")]
-    Start(#[source] ractor::SpawnErr),
-}
-
-impl KvStoreError {
-    /// Whether the OS had no room for a mapping or its memory (`ENOMEM`, as at
-    /// `vm.max_map_count`): fewer sequences mapped may pass, as under pressure.
-    pub fn is_os_out_of_memory(&self) -> bool {
-        match self {
-            KvStoreError::Memory(e) | KvStoreError::Kv(KvError::Memory(e)) => {
-                e.is_os_out_of_memory()
-            }
-            _ => false,
-        }
     }
 }
 
