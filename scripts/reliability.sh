@@ -45,6 +45,31 @@ for t in "${security[@]}"; do
         sec_pass=$((sec_pass + 1))
     fi
 done
+# Every row the table must have: one missing (a test that did not run, or printed where the
+# harness kept it) or short (fewer passed than tried) fails the run, named.
+expected=(
+    actor_death_governor actor_death_kv_store actor_death_residency actor_death_cpu_provider
+    actor_death_deferred_free_0 actor_death_deferred_free_1 cross_provider_fence
+    fault_points_grow fault_points_evict_and_free governor_restart seeded_interleavings
+    stress_64_holders kv_progress_requests_finished node_budget node_guarantee node_sigstop
+    node_hot_prefix node_kill9 node_restart hostile_frames node_spoof cluster_view
+    node_pid_namespace node_session_watch node_moving_bursts node_busy_neighbour
+    node_follows_machine node_alone http_idle_flood http_slowloris http_stalled_bodies
+    chat_injection idle_sleep hostile_disk_tier hostile_gguf hostile_gguf_loader
+    bad_input_cli bad_input_manager bad_input_memory_api model_check_credit model_check_scopes
+)
+rows_bad=()
+for row in "${expected[@]}"; do
+    line=$(echo "$figures" | grep -E "^FIGURE $row [0-9]+/[0-9]+$" | tail -1)
+    if [ -z "$line" ]; then
+        rows_bad+=("$row (missing)")
+    else
+        read -r _ _ ratio <<<"$line"
+        if [ "${ratio%/*}" != "${ratio#*/}" ]; then
+            rows_bad+=("$row ($ratio)")
+        fi
+    fi
+done
 echo
 printf '%-34s %s\n' "figure" "passed/total"
 echo "$figures" | grep -v "^FIGURE bad_input\|^FIGURE model_check" | awk '{printf "%-34s %s\n", $2, $3}'
@@ -59,7 +84,10 @@ else
     printf '%-34s %s\n' "loom models (fence timeline)" "FAILED to build or run"
 fi
 grep -E "^sanitize: [0-9]+ passed" "$log" | awk '{printf "%-34s %s/%s\n", "sanitizer (valgrind) binaries", $2, $2+$4}'
+for bad in "${rows_bad[@]}"; do
+    echo "row FAILED: $bad"
+done
 if [ "$tests_rc" -ne 0 ] || grep -q "test result: FAILED" "$log" || [ "$sec_pass" -ne "${#security[@]}" ] ||
-    [ "$loom_rc" -ne 0 ] || [ "$sanitize_rc" -ne 0 ]; then
+    [ "$loom_rc" -ne 0 ] || [ "$sanitize_rc" -ne 0 ] || [ ${#rows_bad[@]} -ne 0 ]; then
     echo "some tests FAILED"; exit 1
 fi
