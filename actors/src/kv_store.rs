@@ -16,7 +16,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `sequences.rs` | the open sequences (one value each: phase and what it holds), open, close |
+//! | `sequences.rs` | the open sequences (one value each: phase and what it holds), open, close; with `sequences/transitions.rs`, the only code that reaches the table (a step's plan, restores, pressure) |
 //! | `lending.rs` | a step's memory from prepare to return: growth under one grant, lent, taken back |
 //! | `step.rs` | [`KvStep`], what the server holds: views, submit, complete |
 //! | `transactions.rs` | what waits for a grant (open, growth, restore), and the grant's arrival |

@@ -8,7 +8,7 @@
 //! leaves the sequence without K/V it was promised: it is preempted to be recomputed from its
 //! tokens, and the step fails with `Preempted`, as it would under pressure.
 
-use procmem::kv::{first_duplicate, Phase, PreemptMode, TableError};
+use procmem::kv::{first_duplicate, PreemptMode, TableError};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::prefix::KeyedBlock;
@@ -73,11 +73,7 @@ impl KvStoreState {
         if seqs.iter().any(|r| r.count == 0) || first_duplicate(&ids).is_some() {
             return Some((seqs, reply));
         }
-        let idle = |s: &SeqId| {
-            let table = &self.sequences.table;
-            table.get(*s).is_some_and(|r| r.phase() == Phase::Idle)
-        };
-        if !ids.iter().all(idle) {
+        if !ids.iter().all(|s| self.sequences.is_idle(*s)) {
             return Some((seqs, reply));
         }
         let timeline = self.stream.timeline();
@@ -135,7 +131,7 @@ impl KvStoreState {
     /// claimed and did not get leave the cache.
     fn recompute(&mut self, seq: SeqId) {
         let tokens = self.sequences.memory(seq).map_or(0, |m| m.tokens());
-        let Some((writer, resident)) = self.sequences.table.lose(seq, tokens) else {
+        let Some((writer, resident)) = self.sequences.lose(seq, tokens) else {
             return;
         };
         let mut mode = PreemptMode::Recompute;

@@ -60,7 +60,7 @@ impl KvStoreState {
     /// Whether only a kernel still on the stream keeps `seq` from being a victim: it will be
     /// free to go as soon as that kernel's fence completes.
     fn waits_only_for_its_fence(&self, seq: SeqId) -> bool {
-        self.sequences.table.evictable(seq)
+        self.sequences.evictable(seq)
             && self
                 .sequences
                 .resident(seq)
@@ -91,13 +91,10 @@ impl KvStoreState {
     /// bytes are freed, releasing what paid for it after the unmap. Returns the bytes freed.
     fn drop_ahead(&mut self, wanted: u64) -> u64 {
         let mut freed = 0;
-        for (_, s) in self.sequences.table.iter_mut() {
+        for r in self.sequences.residents_mut() {
             if freed >= wanted {
                 break;
             }
-            let Some(r) = s.resident_mut() else {
-                continue;
-            };
             let Some(growth) = r.ahead.take() else {
                 continue;
             };
@@ -129,7 +126,6 @@ impl KvStoreState {
     /// Every sequence with its memory, what taking it frees and whether it is in flight.
     fn sequence_candidates(&self) -> Vec<SequenceCandidate<SeqId>> {
         self.sequences
-            .table
             .iter()
             .filter_map(|(id, r)| {
                 let e = r.resident()?;
@@ -147,8 +143,7 @@ impl KvStoreState {
                     id,
                     bytes: memory.exclusive_bytes() + sole_blocks,
                     priority: r.priority,
-                    in_flight: !self.sequences.table.evictable(id)
-                        || self.fence_pending(e.last_fence),
+                    in_flight: !self.sequences.evictable(id) || self.fence_pending(e.last_fence),
                     admitted: r.admitted,
                 })
             })
@@ -158,7 +153,6 @@ impl KvStoreState {
     /// The earliest fence after which a sequence waiting only for its kernel can go.
     fn soon_free(&self) -> Option<Fence> {
         self.sequences
-            .table
             .iter()
             .filter(|(id, _)| self.waits_only_for_its_fence(*id))
             .filter_map(|(_, s)| s.resident()?.last_fence)
@@ -215,7 +209,7 @@ impl KvStoreState {
                 self.recheck_after(myself, fence, ticket, rechecks);
                 return;
             }
-            let mut lent = self.sequences.table.iter().map(|(_, r)| r);
+            let mut lent = self.sequences.iter().map(|(_, r)| r);
             if lent.any(|r| r.phase() == Phase::Stepping && r.priority < ticket.priority) {
                 // Everything it could give is lent to a step, and the request waiting
                 // outranks some of what is lent: the store looks again once a step comes
@@ -408,7 +402,7 @@ impl KvStoreState {
         let Some(memory) = self.sequences.memory(id) else {
             return Taken::default();
         };
-        if !self.sequences.table.evictable(id) {
+        if !self.sequences.evictable(id) {
             return Taken::default();
         }
         let tokens = memory.tokens();
@@ -438,13 +432,9 @@ impl KvStoreState {
             (PreemptMode::Swap, Some(_)) => PreemptMode::Swap,
             _ => PreemptMode::Recompute,
         };
-        let was_growing = self
-            .sequences
-            .table
-            .get(id)
-            .is_some_and(|r| r.phase() == Phase::Growing);
+        let was_growing = self.sequences.is_growing(id);
         let (sole, remap) = self.sole_and_remap(id);
-        let Some((writer, resident)) = self.sequences.table.preempt(id, mode, tokens) else {
+        let Some((writer, resident)) = self.sequences.preempt(id, mode, tokens) else {
             return Taken::default();
         };
         let called_off_step = was_growing && self.call_off_step_of(id, writer, mode);

@@ -22,7 +22,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use procmem::kv::{Incarnation, KvPart, KvSequence, Phase};
+use procmem::kv::{Incarnation, KvPart, KvSequence};
 use procmem::SharedMapping;
 use ractor::ActorRef;
 
@@ -52,11 +52,7 @@ impl KvStoreState {
         seq: SeqId,
         tokens: Vec<u32>,
     ) {
-        let idle = self
-            .sequences
-            .table
-            .get(seq)
-            .is_some_and(|r| r.phase() == Phase::Idle);
+        let idle = self.sequences.is_idle(seq);
         let Some(entry) = self.take_closed(seq) else {
             return;
         };
@@ -79,7 +75,7 @@ impl KvStoreState {
         if whole <= entry.prefixes.len() {
             return self.retire(entry);
         }
-        let keeper = self.sequences.table.new_writer();
+        let keeper = self.sequences.new_writer();
         let lookup = self
             .prefixes
             .lookup(&tokens[..whole * bt], bt, keeper, self.clock);

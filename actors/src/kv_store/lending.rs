@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase, TableError, Writer};
+use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase, TableError};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
@@ -53,7 +53,7 @@ impl KvStoreState {
             .map(|g| g.seq)
         {
             // Closed while its grant was on its way: the step is refused as a whole.
-            self.sequences.table.end_growth(batch);
+            self.sequences.end_growth(batch);
             let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
             return;
         }
@@ -62,7 +62,7 @@ impl KvStoreState {
         let views = match self.step_views(plan) {
             Ok(v) => v,
             Err(e) => {
-                self.sequences.table.end_growth(batch);
+                self.sequences.end_growth(batch);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
@@ -120,8 +120,7 @@ impl KvStoreState {
                 ..
             } = self
                 .sequences
-                .table
-                .lend(seq, writer, Resident::lent)
+                .lend(seq, writer)
                 .expect("a grown sequence has its memory");
             // The token after this step's needs a new chunk: map it while the step runs.
             let per = memory.growth_for(count + 1);
@@ -307,7 +306,7 @@ impl KvStoreState {
             ahead,
             copy_in: None,
         };
-        match self.sequences.table.end_step(seq, writer, tokens, back) {
+        match self.sequences.end_step(seq, writer, tokens, back) {
             Ok(done) => {
                 for key in done {
                     // Only the block this sequence filled; nobody else's under the key.
@@ -325,65 +324,26 @@ impl KvStoreState {
         seqs: Vec<NewTokens>,
         reply: RpcReplyPort<Result<KvStep, KvStoreError>>,
     ) {
-        if let Some(empty) = seqs.iter().find(|r| r.count == 0) {
-            let _ = reply.send(Err(KvStoreError::NoTokens(empty.seq)));
-            return;
-        }
-        let ids: Vec<SeqId> = seqs.iter().map(|r| r.seq).collect();
-        let batch = match self.sequences.table.begin_step(&ids) {
-            Ok(b) => b,
+        let plan = match self.sequences.plan_step(&seqs) {
+            Ok(plan) => plan,
             Err(e) => {
-                let _ = reply.send(Err(e.into()));
+                let _ = reply.send(Err(e));
                 return;
             }
         };
-        // Growth mapped ahead while the last step ran is published first: what it covers
-        // needs no grant and no mapping now.
-        for w in &batch {
-            if let Some(r) = self.sequences.resident_mut(w.seq) {
-                if let Some(growth) = r.ahead.take() {
-                    r.memory.publish(growth);
-                }
-            }
-        }
-        let mut plan = Vec::with_capacity(batch.len());
-        let mut bytes = 0u64;
-        let mut priority = 0;
-        for (&Writer { seq, writer }, rows) in batch.iter().zip(&seqs) {
-            let count = rows.count;
-            let Some(memory) = self.sequences.memory(seq) else {
-                let _ = reply.send(Err(KvStoreError::Table(TableError::Unknown(seq))));
-                return;
-            };
-            let max = memory.shape().max_tokens;
-            if memory
-                .tokens()
-                .checked_add(count)
-                .is_none_or(|end| end > max)
-            {
-                let _ = reply.send(Err(KvError::Full(max).into()));
-                return;
-            }
-            let per = memory.growth_for(count);
-            bytes = bytes.saturating_add(per.bytes());
-            priority = priority.max(self.sequences.table.get(seq).map_or(0, |r| r.priority));
-            plan.push(Growth {
-                seq,
-                writer,
-                size: per,
-                tokens: count,
-            });
-        }
-        if bytes == 0 {
-            self.lend(myself, &plan, reply);
+        if plan.bytes == 0 {
+            self.lend(myself, &plan.growth, reply);
             return;
         }
-        self.sequences.table.growing(&batch);
+        self.sequences.growing(&batch_of(&plan.growth));
         self.begin(
             myself,
-            bytes,
-            priority,
-            Pending::Prepare { seqs: plan, reply },
+            plan.bytes,
+            plan.priority,
+            Pending::Prepare {
+                seqs: plan.growth,
+                reply,
+            },
         );
     }
 
@@ -402,9 +362,9 @@ impl KvStoreState {
         // Pressure may take a newer sequence while the step waits for its grant (when every
         // holder waits for a grant, someone must give way): the step fails as a whole, its
         // grant goes back, and the caller steps the others and restores that one later.
-        if let Some((taken, mode)) = self.sequences.table.preempted_in(&batch) {
+        if let Some((taken, mode)) = self.sequences.preempted_in(&batch) {
             drop(grant);
-            self.sequences.table.end_growth(&batch);
+            self.sequences.end_growth(&batch);
             let _ = reply.send(Err(KvStoreError::Table(TableError::Preempted(taken, mode))));
             return;
         }
@@ -434,7 +394,7 @@ impl KvStoreState {
         drop(committed);
         match failure {
             Some(e) => {
-                self.sequences.table.end_growth(&batch);
+                self.sequences.end_growth(&batch);
                 let _ = reply.send(Err(e));
             }
             None => self.lend(myself, &seqs, reply),

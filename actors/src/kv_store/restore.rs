@@ -2,7 +2,7 @@
 //! or handed back to be recomputed; either way the cached prompt blocks it mapped that are
 //! still cached are mapped again rather than copied back or recomputed.
 
-use procmem::kv::{Incarnation, KvSequence, Phase, PreemptMode, RestoreStart, TableError};
+use procmem::kv::{Incarnation, KvSequence, PreemptMode, RestoreStart, TableError};
 use procmem::{MapAccess, PhysicalBlock, SharedMapping};
 use ractor::{ActorRef, RpcReplyPort};
 
@@ -49,7 +49,7 @@ impl KvStoreState {
         let mut memory = match self.reserve_memory() {
             Ok(m) => m,
             Err(e) => {
-                let _ = self.sequences.table.end_restore(seq, writer, false);
+                let _ = self.sequences.end_restore(seq, writer, false);
                 let _ = reply.send(Err(e.into()));
                 return;
             }
@@ -73,7 +73,7 @@ impl KvStoreState {
                 // Nothing was kept (or nothing to keep): the sequence starts again from the
                 // cached blocks, the rest to replay.
                 self.restore_into(seq, writer, resident);
-                let _ = self.sequences.table.end_restore(seq, writer, true);
+                let _ = self.sequences.end_restore(seq, writer, true);
                 self.stats.restores_recomputed += 1;
                 self.stats.restore_shared_tokens += from as u64;
                 self.stats.replayed_tokens += (tokens - from) as u64;
@@ -90,7 +90,7 @@ impl KvStoreState {
         if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
             to_restore.remap = remap;
         }
-        let priority = self.sequences.table.get(seq).map_or(0, |r| r.priority);
+        let priority = self.sequences.priority_of(seq);
         let bytes = size.bytes();
         let pending = Pending::Restore {
             seq,
@@ -115,16 +115,14 @@ impl KvStoreState {
     ) -> Option<Begun> {
         let copying = self
             .sequences
-            .table
-            .get(seq)
-            .and_then(|s| s.to_restore()?.saved.as_ref()?.fence)
+            .copy_out_fence(seq)
             .filter(|f| self.stream.timeline().completed() < f.value);
         if let Some(fence) = copying {
             // Its copy out is still on the stream: the restore starts once it is done.
             self.send_after(myself, fence, KvStoreMsg::Restore { seq, reply });
             return None;
         }
-        match self.sequences.table.begin_restore(seq) {
+        match self.sequences.begin_restore(seq) {
             Err(e) => {
                 let _ = reply.send(Err(e.into()));
                 None
@@ -208,10 +206,7 @@ impl KvStoreState {
         };
         // The sequence the restore was for; closed meanwhile (even if its id was opened again)
         // it is gone, and the grant goes back with its saved copy.
-        let ours =
-            self.sequences.table.get(seq).is_some_and(|r| {
-                r.writer == writer && matches!(r.phase(), Phase::Restoring { .. })
-            });
+        let ours = self.sequences.is_restoring(seq, writer);
         let Some(Resident { memory, charge, .. }) =
             self.sequences.resident_mut(seq).filter(|_| ours)
         else {
@@ -244,13 +239,13 @@ impl KvStoreState {
                 // The copy and what pays for it in the swap space go before the answer (what
                 // it kept goes with the restore's end).
                 drop(saved);
-                let _ = self.sequences.table.end_restore(seq, writer, true);
+                let _ = self.sequences.end_restore(seq, writer, true);
                 let _ = reply.send(Ok(Restored::Swapped { tokens }));
             }
             Err(e) => {
                 // Back to preempted with the saved copy; the partial memory is freed, then
                 // the blocks it mapped, then what paid for it (`Resident`'s order).
-                let partial = self.sequences.table.end_restore(seq, writer, false);
+                let partial = self.sequences.end_restore(seq, writer, false);
                 drop(partial);
                 if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
                     to_restore.saved = Some(saved);
@@ -263,7 +258,7 @@ impl KvStoreState {
     /// Puts the memory `seq` (restoring as `writer`) comes back into in place; a restore
     /// that is gone frees it after its fences.
     fn restore_into(&mut self, seq: SeqId, writer: Incarnation, resident: Resident) {
-        if let Err(resident) = self.sequences.table.restoring_into(seq, writer, resident) {
+        if let Err(resident) = self.sequences.restoring_into(seq, writer, resident) {
             self.retire(resident);
         }
     }

@@ -27,6 +27,8 @@ use crate::charge::Charge;
 use crate::deferred_free::{DeferredRelease, PendingFree};
 use crate::governor::Grant;
 
+mod transitions;
+
 /// A sequence's memory on its way out: freed by its mechanism after its fences; its charge
 /// (the refund of its [`PendingFree`]) goes back after that.
 pub(super) struct SeqMemory {
@@ -119,7 +121,8 @@ pub(super) struct Held {
 /// Every open sequence: one value each, its phase with what it holds there.
 #[derive(Default)]
 pub(super) struct Sequences {
-    pub(super) table: SequenceTable<StoreSeq>,
+    /// Reached only here and in `transitions.rs`.
+    table: SequenceTable<StoreSeq>,
 }
 
 impl Sequences {

@@ -227,7 +227,7 @@ impl KvStoreState {
                 let _ = reply.send(Err(error));
             }
             Pending::Prepare { seqs, reply } => {
-                self.sequences.table.end_growth(&batch_of(&seqs));
+                self.sequences.end_growth(&batch_of(&seqs));
                 let _ = reply.send(Err(error));
             }
             Pending::Restore {
@@ -239,7 +239,7 @@ impl KvStoreState {
             } => {
                 // Preempted again, with its saved copy; the empty memory reserved for the
                 // restore goes.
-                if let Ok(reserved) = self.sequences.table.end_restore(seq, writer, false) {
+                if let Ok(reserved) = self.sequences.end_restore(seq, writer, false) {
                     drop(reserved);
                     if let Some(to_restore) = self.sequences.to_restore_mut(seq) {
                         to_restore.saved = Some(saved);
