@@ -40,7 +40,7 @@ pub use shape::{
     MIN_GROUPED_BLOCK_TOKENS, ROW_GROUP_BYTES,
 };
 pub use table::{
-    first_duplicate, Filling, Lent, Phase, PreemptMode, RestoreStart, SeqData, SeqId, SeqState,
-    Sequence, SequenceTable, TableError, Writer,
+    first_duplicate, Filling, Lent, PreemptMode, RestoreStart, SeqData, SeqId, SeqState, Sequence,
+    SequenceTable, TableError, Writer,
 };
 pub use victims::{choose_victims, PrefixCandidate, SequenceCandidate, Victim};

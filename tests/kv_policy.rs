@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use procmem::kv::{
-    BlockState, Filling, Incarnation, Lent, Phase, PreemptMode, PrefixCache, RestoreStart, SeqId,
-    SequenceTable, TableError, Writer,
+    BlockState, Filling, Incarnation, Lent, PreemptMode, PrefixCache, RestoreStart, SeqId,
+    SeqState, SequenceTable, TableError, Writer,
 };
 use proptest::prelude::*;
 
@@ -461,13 +461,13 @@ impl Reference {
     }
 }
 
-fn phase_of(p: Phase) -> RefPhase {
+fn phase_of(p: &SeqState<()>) -> RefPhase {
     match p {
-        Phase::Idle => RefPhase::Idle,
-        Phase::Growing => RefPhase::Growing,
-        Phase::Stepping => RefPhase::Stepping,
-        Phase::Preempted { .. } => RefPhase::Preempted,
-        Phase::Restoring { .. } => RefPhase::Restoring,
+        SeqState::Idle(_) => RefPhase::Idle,
+        SeqState::Growing(_) => RefPhase::Growing,
+        SeqState::Stepping(_) => RefPhase::Stepping,
+        SeqState::Preempted { .. } => RefPhase::Preempted,
+        SeqState::Restoring { .. } => RefPhase::Restoring,
     }
 }
 
@@ -482,7 +482,7 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
     prop_assert_eq!(&ids, &reference.seqs.keys().copied().collect::<Vec<_>>());
     for (seq, r) in &reference.seqs {
         let rec = store.table.get(*seq).expect("same ids");
-        prop_assert_eq!(phase_of(rec.phase()), r.phase, "seq {}", seq);
+        prop_assert_eq!(phase_of(rec.state()), r.phase, "seq {}", seq);
         if r.phase != RefPhase::Preempted && r.phase != RefPhase::Restoring {
             prop_assert_eq!(store.tokens.get(seq).copied().unwrap_or(0), r.tokens);
         }
@@ -518,10 +518,7 @@ fn check(store: &Store, reference: &Reference) -> Result<(), TestCaseError> {
                 prop_assert!(seq.is_some(), "block {:x} filled by a dead writer", key);
                 let rec = store.table.get(*seq.unwrap()).unwrap();
                 prop_assert!(rec.filling.iter().any(|f| f.key == key));
-                let taken = matches!(
-                    rec.phase(),
-                    Phase::Preempted { .. } | Phase::Restoring { .. }
-                );
+                let taken = rec.state().preempted().is_some() || rec.state().is_restoring();
                 prop_assert!(!taken, "a preempted sequence writes no block");
             }
             BlockState::Claimed { writer } => {

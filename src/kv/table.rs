@@ -23,32 +23,6 @@ pub enum PreemptMode {
     Recompute,
 }
 
-/// Where one sequence is. Exactly one at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Its memory is in place and no step uses it.
-    Idle,
-    /// A prepare's grant is on its way.
-    Growing,
-    /// Between a prepare that succeeded and the end of its step (completed or dropped, and
-    /// the kernels it submitted done): the server's kernels use it.
-    Stepping,
-    /// Pressure took its memory; `tokens` were saved (swap) or dropped (recompute).
-    Preempted {
-        /// How.
-        mode: PreemptMode,
-        /// Tokens it held.
-        tokens: usize,
-    },
-    /// A restore's grant is on its way.
-    Restoring {
-        /// How it was preempted.
-        mode: PreemptMode,
-        /// Tokens it held.
-        tokens: usize,
-    },
-}
-
 /// Why the table refused; nothing changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum TableError {
@@ -98,7 +72,7 @@ pub struct Lent {
 }
 
 /// Where one sequence is, with what it holds there. Exactly one at a time; the table's
-/// transitions move the payloads (see [`Phase`] for the same without them).
+/// transitions move the payloads.
 pub enum SeqState<D: SeqData> {
     /// Its memory is in place and no step uses it.
     Idle(D::Resident),
@@ -130,21 +104,37 @@ pub enum SeqState<D: SeqData> {
 }
 
 impl<D: SeqData> SeqState<D> {
-    /// The phase, without the payload.
-    pub fn phase(&self) -> Phase {
+    /// Idle: in place, no step.
+    pub fn is_idle(&self) -> bool {
+        matches!(self, SeqState::Idle(_))
+    }
+
+    /// Waiting for its step's grant.
+    pub fn is_growing(&self) -> bool {
+        matches!(self, SeqState::Growing(_))
+    }
+
+    /// A step has its memory.
+    pub fn is_stepping(&self) -> bool {
+        matches!(self, SeqState::Stepping(_))
+    }
+
+    /// Preempted: how, where it is.
+    pub fn preempted(&self) -> Option<PreemptMode> {
         match self {
-            SeqState::Idle(_) => Phase::Idle,
-            SeqState::Growing(_) => Phase::Growing,
-            SeqState::Stepping(_) => Phase::Stepping,
-            SeqState::Preempted { mode, tokens, .. } => Phase::Preempted {
-                mode: *mode,
-                tokens: *tokens,
-            },
-            SeqState::Restoring { mode, tokens, .. } => Phase::Restoring {
-                mode: *mode,
-                tokens: *tokens,
-            },
+            SeqState::Preempted { mode, .. } => Some(*mode),
+            _ => None,
         }
+    }
+
+    /// A restore is on its way.
+    pub fn is_restoring(&self) -> bool {
+        matches!(self, SeqState::Restoring { .. })
+    }
+
+    /// Waiting for a grant: its step's, or its restore's.
+    pub fn is_waiting(&self) -> bool {
+        self.is_growing() || self.is_restoring()
     }
 }
 
@@ -191,11 +181,6 @@ pub struct Sequence<D: SeqData = ()> {
 }
 
 impl<D: SeqData> Sequence<D> {
-    /// Where it is.
-    pub fn phase(&self) -> Phase {
-        self.state.phase()
-    }
-
     /// Where it is, with what it holds there.
     pub fn state(&self) -> &SeqState<D> {
         &self.state
@@ -393,10 +378,10 @@ impl<D: SeqData> SequenceTable<D> {
 
     fn usable(&self, seq: SeqId) -> Result<&Sequence<D>, TableError> {
         let r = self.seqs.get(&seq).ok_or(TableError::Unknown(seq))?;
-        match r.phase() {
-            Phase::Preempted { mode, .. } => Err(TableError::Preempted(seq, mode)),
-            Phase::Growing | Phase::Restoring { .. } => Err(TableError::Busy(seq)),
-            Phase::Idle | Phase::Stepping => Ok(r),
+        match r.state() {
+            SeqState::Preempted { mode, .. } => Err(TableError::Preempted(seq, *mode)),
+            SeqState::Growing(_) | SeqState::Restoring { .. } => Err(TableError::Busy(seq)),
+            SeqState::Idle(_) | SeqState::Stepping(_) => Ok(r),
         }
     }
 
@@ -411,7 +396,7 @@ impl<D: SeqData> SequenceTable<D> {
         batch
             .iter()
             .map(|s| match self.usable(*s) {
-                Ok(r) if r.phase() == Phase::Stepping => Err(TableError::Busy(*s)),
+                Ok(r) if r.state().is_stepping() => Err(TableError::Busy(*s)),
                 Ok(r) => Ok(Writer {
                     seq: *s,
                     writer: r.writer,
@@ -478,10 +463,7 @@ impl<D: SeqData> SequenceTable<D> {
     pub fn preempted_in(&self, batch: &[Writer]) -> Option<(SeqId, PreemptMode)> {
         batch.iter().find_map(|w| {
             let r = self.seqs.get(&w.seq).filter(|r| r.writer == w.writer)?;
-            match r.phase() {
-                Phase::Preempted { mode, .. } => Some((w.seq, mode)),
-                _ => None,
-            }
+            r.state().preempted().map(|mode| (w.seq, mode))
         })
     }
 
@@ -498,7 +480,7 @@ impl<D: SeqData> SequenceTable<D> {
     ) -> Result<Vec<u64>, (TableError, D::Resident)> {
         let checked = match self.usable(seq) {
             Ok(r) if r.writer != writer => Err(TableError::Unknown(seq)),
-            Ok(r) if r.phase() != Phase::Stepping => Err(TableError::NotInStep(seq)),
+            Ok(r) if !r.state().is_stepping() => Err(TableError::NotInStep(seq)),
             Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
@@ -532,12 +514,12 @@ impl<D: SeqData> SequenceTable<D> {
         let oldest_waiter = self
             .seqs
             .values()
-            .filter(|o| matches!(o.phase(), Phase::Growing | Phase::Restoring { .. }))
+            .filter(|o| o.state().is_waiting())
             .map(|o| o.admitted)
             .min();
-        match (r.phase(), oldest_waiter) {
-            (Phase::Idle, None) => true,
-            (Phase::Idle | Phase::Growing, Some(w)) => r.admitted > w,
+        match (r.state(), oldest_waiter) {
+            (SeqState::Idle(_), None) => true,
+            (SeqState::Idle(_) | SeqState::Growing(_), Some(w)) => r.admitted > w,
             _ => false,
         }
     }
@@ -567,7 +549,7 @@ impl<D: SeqData> SequenceTable<D> {
     /// incarnation and its memory, or `None` if it is not idle.
     pub fn lose(&mut self, seq: SeqId, tokens: usize) -> Option<(Incarnation, D::Resident)> {
         let r = self.seqs.get_mut(&seq)?;
-        if r.phase() != Phase::Idle {
+        if !r.state().is_idle() {
             return None;
         }
         let resident = r.become_preempted(PreemptMode::Recompute, tokens);
@@ -579,9 +561,14 @@ impl<D: SeqData> SequenceTable<D> {
     /// with [`SequenceTable::restoring_into`].
     pub fn begin_restore(&mut self, seq: SeqId) -> Result<Option<RestoreStart>, TableError> {
         let r = self.seqs.get_mut(&seq).ok_or(TableError::Unknown(seq))?;
-        match r.phase() {
-            Phase::Preempted { mode, tokens } => {
-                let SeqState::Preempted { to_restore, .. } = r.take_state() else {
+        match r.state() {
+            SeqState::Preempted { .. } => {
+                let SeqState::Preempted {
+                    mode,
+                    tokens,
+                    to_restore,
+                } = r.take_state()
+                else {
                     unreachable!()
                 };
                 r.state = SeqState::Restoring {
@@ -596,8 +583,8 @@ impl<D: SeqData> SequenceTable<D> {
                     tokens,
                 }))
             }
-            Phase::Growing | Phase::Restoring { .. } => Err(TableError::Busy(seq)),
-            Phase::Idle | Phase::Stepping => Ok(None),
+            SeqState::Growing(_) | SeqState::Restoring { .. } => Err(TableError::Busy(seq)),
+            SeqState::Idle(_) | SeqState::Stepping(_) => Ok(None),
         }
     }
 
@@ -817,8 +804,8 @@ mod tests {
         assert_eq!(t.preempt(1, PreemptMode::Swap, 3), None);
         assert_eq!(t.preempted_in(&batch), Some((2, PreemptMode::Swap)));
         t.end_growth(&batch);
-        assert!(matches!(t.get(2).unwrap().phase(), Phase::Preempted { .. }));
-        assert_eq!(t.get(1).unwrap().phase(), Phase::Idle);
+        assert!(t.get(2).unwrap().state().preempted().is_some());
+        assert!(t.get(1).unwrap().state().is_idle());
     }
 
     #[test]
@@ -844,7 +831,7 @@ mod tests {
             "the old restore finds nothing"
         );
         assert_eq!(t.restoring_into(7, old, ()), Err(()));
-        assert_eq!(t.get(7).unwrap().phase(), Phase::Idle);
+        assert!(t.get(7).unwrap().state().is_idle());
         // An open that was closed before it ended is forgotten.
         let w = t.begin_open(8).unwrap();
         t.close(8);

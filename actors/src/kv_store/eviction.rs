@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use procmem::fence::Fence;
 use procmem::kv::{
-    choose_victims, BlockState, Phase, PreemptMode, PrefixCandidate, SequenceCandidate, Victim,
+    choose_victims, BlockState, PreemptMode, PrefixCandidate, SequenceCandidate, Victim,
 };
 use ractor::ActorRef;
 use tracing::Instrument;
@@ -210,7 +210,7 @@ impl KvStoreState {
                 return;
             }
             let mut lent = self.sequences.iter().map(|(_, r)| r);
-            if lent.any(|r| r.phase() == Phase::Stepping && r.priority < ticket.priority) {
+            if lent.any(|r| r.state().is_stepping() && r.priority < ticket.priority) {
                 // Everything it could give is lent to a step, and the request waiting
                 // outranks some of what is lent: the store looks again once a step comes
                 // back, before a next prepare can lend those sequences again. (A sequence

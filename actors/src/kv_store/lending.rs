@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use procmem::fence::{Fence, StreamId};
-use procmem::kv::{KvError, LayerViews, PendingGrowth, Phase, TableError};
+use procmem::kv::{KvError, LayerViews, PendingGrowth, TableError};
 use procmem::MemoryRole;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Duration;
@@ -294,7 +294,7 @@ impl KvStoreState {
             ahead,
             count,
         } = lent;
-        if advance && self.sequences.is_in(seq, writer, Phase::Stepping) {
+        if advance && self.sequences.is_stepping(seq, writer) {
             let _ = memory.advance_by(count);
         }
         let tokens = memory.tokens();

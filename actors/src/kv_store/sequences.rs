@@ -10,7 +10,7 @@
 
 use procmem::fence::{Fence, TimelineFence};
 use procmem::kv::{
-    Incarnation, KvError, KvSequence, Lent, PendingGrowth, Phase, SeqData, SeqState, Sequence,
+    Incarnation, KvError, KvSequence, Lent, PendingGrowth, SeqData, SeqState, Sequence,
     SequenceTable, TableError,
 };
 use procmem::ledger::Priority;
@@ -151,11 +151,11 @@ impl Sequences {
         self.table.get(seq).is_some_and(|r| r.writer == writer)
     }
 
-    /// Whether `seq` is open as incarnation `writer` in `phase`.
-    pub(super) fn is_in(&self, seq: SeqId, writer: Incarnation, phase: Phase) -> bool {
+    /// Whether `seq` is open as incarnation `writer`, in a step.
+    pub(super) fn is_stepping(&self, seq: SeqId, writer: Incarnation) -> bool {
         self.table
             .get(seq)
-            .is_some_and(|r| r.writer == writer && r.phase() == phase)
+            .is_some_and(|r| r.writer == writer && r.state().is_stepping())
     }
 
     /// The tokens `seq` holds (0 if it is not open or preempted; one whose step is out
@@ -189,7 +189,7 @@ impl Sequences {
             ..Held::default()
         };
         for (_, s) in self.table.iter() {
-            if matches!(s.phase(), Phase::Preempted { .. }) {
+            if s.state().preempted().is_some() {
                 held.preempted += 1;
             } else {
                 let (tokens, bytes) = self::held(s);
@@ -501,7 +501,7 @@ mod tests {
         let mut s = Sequences::default();
         let w = opened(&mut s, 7);
         assert!(s.is(7, w));
-        assert!(s.is_in(7, w, Phase::Idle));
+        assert!(s.is(7, w) && s.is_idle(7));
         assert_eq!(s.held().sequences, 1);
         let (writer, memory) = s.close(7);
         assert_eq!(writer, Some(w));

@@ -3,7 +3,7 @@
 //! others need of a sequence is here, by name.
 
 use procmem::fence::Fence;
-use procmem::kv::{Incarnation, KvError, Phase, PreemptMode, SeqId, Sequence, TableError, Writer};
+use procmem::kv::{Incarnation, KvError, PreemptMode, SeqId, Sequence, TableError, Writer};
 use procmem::ledger::Priority;
 
 use super::{Resident, Sequences, StoreSeq};
@@ -112,16 +112,12 @@ impl Sequences {
 
     /// Whether `seq` is open and idle (no step, no grant on its way).
     pub(in crate::kv_store) fn is_idle(&self, seq: SeqId) -> bool {
-        self.table
-            .get(seq)
-            .is_some_and(|r| r.phase() == Phase::Idle)
+        self.table.get(seq).is_some_and(|r| r.state().is_idle())
     }
 
     /// Whether `seq` is open and waiting for its step's grant.
     pub(in crate::kv_store) fn is_growing(&self, seq: SeqId) -> bool {
-        self.table
-            .get(seq)
-            .is_some_and(|r| r.phase() == Phase::Growing)
+        self.table.get(seq).is_some_and(|r| r.state().is_growing())
     }
 
     /// A step takes the memory of `seq` as `writer` (growing, or idle where no grant was
@@ -138,7 +134,7 @@ impl Sequences {
     pub(in crate::kv_store) fn is_restoring(&self, seq: SeqId, writer: Incarnation) -> bool {
         self.table
             .get(seq)
-            .is_some_and(|r| r.writer == writer && matches!(r.phase(), Phase::Restoring { .. }))
+            .is_some_and(|r| r.writer == writer && r.state().is_restoring())
     }
 
     /// The fence of the copy out of preempted `seq`, where it has one.
