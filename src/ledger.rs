@@ -145,6 +145,14 @@ pub struct Totals {
     pub leased: u64,
 }
 
+impl Totals {
+    /// What can still be approved now (zero while over a lowered capacity).
+    pub fn free(&self) -> u64 {
+        self.capacity
+            .saturating_sub(self.provisional.saturating_add(self.leased))
+    }
+}
+
 /// A holder's registration ([`Ledger::holder`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Registration<'a> {

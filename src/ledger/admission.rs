@@ -69,18 +69,13 @@ pub fn admit<T>(
     now: Instant,
     limits: AdmissionLimits,
 ) -> Admission {
-    let Some(Totals {
-        capacity,
-        provisional,
-        leased,
-    }) = ledger.totals(authority)
-    else {
+    let Some(totals) = ledger.totals(authority) else {
         return Admission::Deny(Refusal::NoRoom);
     };
-    if ask.bytes > capacity && !limits.elastic {
+    if ask.bytes > totals.capacity && !limits.elastic {
         return Admission::Deny(Refusal::NeverFits);
     }
-    let free = capacity.saturating_sub(provisional.saturating_add(leased));
+    let free = totals.free();
     let outranks = queue
         .front_priority()
         .is_none_or(|front| ask.priority > front);
@@ -135,17 +130,12 @@ pub fn front<T>(
 
 /// Bytes holders must free for everything approved and waiting to fit (zero if it does).
 pub fn shortfall<T>(ledger: &Ledger, authority: AuthorityId, queue: &WaitQueue<T>) -> u64 {
-    let Some(Totals {
-        capacity,
-        provisional,
-        leased,
-    }) = ledger.totals(authority)
-    else {
+    let Some(t) = ledger.totals(authority) else {
         return 0;
     };
     // In 128 bits: sums of byte counts near `u64::MAX` must neither wrap nor saturate early.
-    let wanted = u128::from(provisional) + u128::from(leased) + u128::from(queue.bytes());
-    u64::try_from(wanted.saturating_sub(u128::from(capacity))).unwrap_or(u64::MAX)
+    let wanted = u128::from(t.provisional) + u128::from(t.leased) + u128::from(queue.bytes());
+    u64::try_from(wanted.saturating_sub(u128::from(t.capacity))).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
