@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own server (`llama-server`) into target/llama.cpp/, the peer the `serving`
 # bench runs beside procmem. Its source is the `vendor/llama.cpp` tree of the pinned,
-# hash-checked llama-cpp-python sdist from PyPI; cmake and ninja come from PyPI too, into a virtual
+# hash-checked llama-cpp-python sdist from PyPI (`pip download --require-hashes`); cmake and ninja come from PyPI too, into a virtual
 # environment under target/. Built for the project's baseline: GGML_NATIVE=OFF, AVX2 + FMA +
 # F16C on, AVX-512 and AMX off (a native build on a VM that advertises AVX-512/AMX crashed in its
 # first decode). Prints the binary's path. Idempotent: a second run only prints the path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=0.3.36
-url=https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-$version.tar.gz
-sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+version=0.3.36 # as pinned, with its hash, in scripts/llama-requirements.txt
 root=target/llama.cpp
 bin="$root/build/bin/llama-server"
 if [ -x "$bin" ]; then
@@ -26,9 +24,12 @@ fi
 if [ ! -f "$root/src/CMakeLists.txt" ]; then
     rm -rf "$root/sdist" "$root/src"
     mkdir -p "$root/sdist"
+    # The registry's own client, the hash checked by it (the sdist only: its build backend's
+    # wheels are what pip reads its metadata with).
+    "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+        --no-binary llama-cpp-python --require-hashes -r scripts/llama-requirements.txt \
+        -d "$root/sdist"
     tarball="$root/sdist/llama_cpp_python-$version.tar.gz"
-    curl -sSfL --retry 3 -o "$tarball" "$url"
-    echo "$sha256  $tarball" | sha256sum -c --quiet -
     tar -xzf "$tarball" -C "$root/sdist"
     mv "$root/sdist/llama_cpp_python-$version/vendor/llama.cpp" "$root/src"
 fi
