@@ -25,7 +25,7 @@
 //! least recently used blocks to make room, tails of chains before their heads (a block goes
 //! only once no block on disk names it as its parent), and an open at a smaller capacity
 //! keeps the most recently used whole chains. The caller's admission filter decides first
-//! whether a block may push another out (see [`super::admission`]).
+//! whether a block may push another out (see [`super::frequency`]).
 //!
 //! **Reading a hostile directory.** Only regular files are read, each checked against the size
 //! its header or the index says before a byte is read (`files.rs`); with the store's block size

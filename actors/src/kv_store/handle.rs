@@ -163,9 +163,9 @@ impl KvStoreHandle {
     }
 
     /// The keys of the whole prompt blocks the store holds, in memory and on its disk tier, as
-    /// last published (at most [`EVERY`](super::metrics::EVERY) old while the store is busy):
-    /// what a process reports to its node for routers
-    /// ([`LinkConfig::prefixes`](crate::node::LinkConfig)). No message to the store.
+    /// last published (at most 100 ms old while the store is busy): what a process reports to
+    /// its node for routers (`node::LinkConfig::prefixes`, with the `cluster` feature). No
+    /// message to the store.
     pub fn prefix_digest(&self) -> Arc<PrefixDigest> {
         Arc::clone(&self.digest.borrow())
     }
@@ -173,8 +173,8 @@ impl KvStoreHandle {
     /// Evicts cached prompt blocks nobody maps that were used at most `worth` times (the least
     /// used first, the least recent among equals) until `bytes` are freed; the bytes freed
     /// (some after their copy to the tier below). Blocks used more often stay, whatever is
-    /// wanted: it is what a process gives another's burst (see
-    /// [`LinkConfig::shed`](crate::node::LinkConfig)).
+    /// wanted: it is what a process gives another's burst (see `node::LinkConfig::shed`, with
+    /// the `cluster` feature).
     pub async fn shed_cold(&self, bytes: u64, worth: u32) -> Result<u64, KvStoreError> {
         self.ask(|reply| KvStoreMsg::ShedCold {
             bytes,

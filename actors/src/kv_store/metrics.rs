@@ -61,7 +61,7 @@ pub struct KvStoreStats {
     /// Shared prompt blocks evicted from the prefix cache, so far.
     pub prefix_blocks_evicted: u64,
     /// Whole blocks of closed sequences (prompt and answer) left to the prefix cache by
-    /// [`KvStoreHandle::close_keeping`], so far.
+    /// [`KvStoreHandle::close_keeping`](crate::kv::KvStoreHandle::close_keeping), so far.
     pub prefix_blocks_kept: u64,
     /// Prompt blocks the disk tier holds now.
     pub prefix_disk_blocks: usize,
