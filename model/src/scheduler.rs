@@ -8,9 +8,9 @@
 //! request is parked and restored oldest first before anything new is admitted (swapped back,
 //! or dropped and replayed in chunks); a step that does not fit in time sheds its newest
 //! request, which starts over from its known tokens; a lone request that finds no room (to
-//! open, to restore or to step) is tried again for up to 5 seconds (holders may still be
-//! freeing) and then fails with `GenError::NoRoom`, at once where the bytes it asks exceed
-//! the whole budget. A request whose caller dropped its stream is closed at the next step,
+//! open, to restore or to step) is tried again for up to 5 seconds
+//! ([`SchedulerConfig::lonely_for`]; holders may still be freeing) and then fails with
+//! `GenError::NoRoom`, at once where the bytes it asks exceed the whole budget. A request whose caller dropped its stream is closed at the next step,
 //! and its memory comes back.
 //! Shutdown stops taking requests, lets those in flight finish within a grace period and
 //! cancels the rest.
