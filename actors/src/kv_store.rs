@@ -11,7 +11,7 @@
 //!
 //! # Map
 //!
-//! This file holds the configuration, the errors, the messages and the actor. The rest, by
+//! This file holds the configuration, the messages and the actor. The rest, by
 //! what each file owns:
 //!
 //! | file | owns |
@@ -30,12 +30,15 @@
 //! | `metrics.rs` | the figures and their series |
 //! | `error.rs` | why the store refused |
 //!
-//! One step, through four files: `handle.rs` sends the prepare; `lending.rs` (`prepare`)
-//! checks the batch and asks one grant, `transactions.rs` (`begin`, `granted`) waits for it
-//! off the mailbox, `lending.rs` (`finish_prepare`, `lend`) maps, commits, publishes and lends
-//! the memory; the server reads the views and submits its kernels through `step.rs`
+//! One step: `handle.rs` sends the prepare; `copy_in.rs` (`copy_ins_first`) holds a first
+//! step until its blocks from disk are in; `lending.rs` (`prepare`) has the sequences plan it
+//! (`sequences/transitions.rs`, `plan_step`: the batch checked in the table, each growth
+//! sized) and asks one grant, `transactions.rs` (`begin`, `granted`) waits for it off the
+//! mailbox, `lending.rs` (`finish_prepare`, `lend`) maps, commits, publishes and lends the
+//! memory; the server reads the views and submits its kernels through `step.rs`
 //! ([`KvStep::complete`]); the step's end comes back to `lending.rs` (`step_ended`,
-//! `take_back`), which takes the memory back after the store's fence.
+//! `take_back`), which takes the memory back after the store's fence. docs/architecture.md
+//! traces the same step from the server's side.
 
 use std::sync::Arc;
 

@@ -293,21 +293,23 @@ impl TopTwo {
     }
 }
 
-/// The two largest logits, largest first (negative infinity for both in an empty row).
+/// The two largest logits in IEEE total order, largest first (negative infinity where the
+/// row has fewer than two).
 pub fn top2(logits: &[f32]) -> TopTwo {
-    let mut top = TopTwo {
-        first: f32::NEG_INFINITY,
-        second: f32::NEG_INFINITY,
-    };
+    let above = |l: f32, than: Option<f32>| than.is_none_or(|t| l.total_cmp(&t).is_gt());
+    let (mut first, mut second) = (None, None);
     for &l in logits {
-        if l.total_cmp(&top.first).is_gt() {
-            top.second = top.first;
-            top.first = l;
-        } else if l.total_cmp(&top.second).is_gt() {
-            top.second = l;
+        if above(l, first) {
+            second = first;
+            first = Some(l);
+        } else if above(l, second) {
+            second = Some(l);
         }
     }
-    top
+    TopTwo {
+        first: first.unwrap_or(f32::NEG_INFINITY),
+        second: second.unwrap_or(f32::NEG_INFINITY),
+    }
 }
 
 /// The rows a layer's attention takes, flat and row-major: each row's query
@@ -655,6 +657,33 @@ async fn queue_layers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two largest in IEEE total order, as sorting the row would give them.
+    #[test]
+    fn top2_is_the_sorted_rows_first_two() {
+        let sorted = |l: &[f32]| {
+            let mut v = l.to_vec();
+            v.sort_by(|a, b| b.total_cmp(a));
+            (v.first().copied(), v.get(1).copied())
+        };
+        let rows: [&[f32]; 7] = [
+            &[1.0, 3.0, 2.0],
+            &[2.0, 2.0, 1.0],
+            &[-0.0, 0.0],
+            &[5.0],
+            &[-f32::NAN, f32::NEG_INFINITY],
+            &[f32::NAN, 1.0, f32::INFINITY],
+            &[f32::NEG_INFINITY, -f32::NAN, -1.0],
+        ];
+        for row in rows {
+            let top = top2(row);
+            let (a, b) = sorted(row);
+            let inf = f32::NEG_INFINITY;
+            assert_eq!(top.first.to_bits(), a.unwrap_or(inf).to_bits(), "{row:?}");
+            assert_eq!(top.second.to_bits(), b.unwrap_or(inf).to_bits(), "{row:?}");
+        }
+        assert_eq!(top2(&[]).first, f32::NEG_INFINITY, "an empty row does not panic");
+    }
 
     /// One product over Q/K/V (and over gate/up) packed as one matrix gives each output row
     /// exactly the bits of that row's own product: fusing changes the number of calls, not

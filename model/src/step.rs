@@ -48,6 +48,9 @@ pub struct StepOutput {
 /// A model's step, on its way.
 pub type StepFuture<'a> = Pin<Box<dyn Future<Output = Result<StepOutput, ModelError>> + Send + 'a>>;
 
+/// What a model does once a step of its ended, on its way.
+pub type AfterFuture<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
 /// A model the scheduler steps: each input's new tokens through the model over a step the
 /// scheduler prepared, returning the logits of each input's last token (in the inputs'
 /// order) and the end of its writes.
@@ -57,6 +60,13 @@ pub trait StepModel: Send + Sync + 'static {
 
     /// One step of `batch` over `step` (prepared for `batch`, in its order).
     fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a>;
+
+    /// Called once a step that went through is complete (its memory back in the store): what
+    /// the model reads after each step (the synthetic job samples the books). Nothing by
+    /// default.
+    fn after_step(&self) -> AfterFuture<'_> {
+        Box::pin(async {})
+    }
 }
 
 /// Room for `batch`'s new tokens in one grant, checked against where the store holds each
@@ -89,7 +99,7 @@ pub async fn prepare(kv: &KvStoreHandle, batch: &[StepInput]) -> Result<KvStep, 
 }
 
 /// A whole step of `batch` through `model`: [`prepare`], [`StepModel::step`], then
-/// [`KvStep::complete`] with the model's end. A step that fails is dropped (its tokens do not
+/// [`KvStep::complete`] with the model's end, and [`StepModel::after_step`]. A step that fails is dropped (its tokens do not
 /// count); so is one whose caller gives up before the store has it back.
 pub async fn run<M: StepModel + ?Sized>(
     model: &M,
@@ -98,5 +108,6 @@ pub async fn run<M: StepModel + ?Sized>(
     let step = prepare(model.kv(), batch).await?;
     let out = model.step(&step, batch).await?;
     step.complete(out.end).await.map_err(ModelError::Store)?;
+    model.after_step().await;
     Ok(out.logits)
 }

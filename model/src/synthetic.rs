@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{ModelError, StepFault};
 use crate::smollm::{Qkv, StepRow};
-use crate::step::{StepFuture, StepInput, StepModel, StepOutput};
+use crate::step::{AfterFuture, StepFuture, StepInput, StepModel, StepOutput};
 use procmem_actors::procmem::cuda::{CudaDevice, DecodeKernels, DecodeLaunch};
 use procmem_actors::procmem::kv::{KvPart, KvShape};
 use procmem_actors::{
@@ -104,7 +104,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// What the per-step samples of the books found.
 #[derive(Debug, Default, Clone)]
 pub struct Samples {
-    /// Samples taken (one after each step).
+    /// Samples taken (one after each step that went through, its memory back in the store).
     pub taken: u64,
     /// Samples where the OS held more than the ledger had granted: a defect.
     pub os_above_ledger: u64,
@@ -142,11 +142,11 @@ impl StepModel for Synthetic {
     }
 
     fn step<'a>(&'a self, step: &'a KvStep, batch: &'a [StepInput]) -> StepFuture<'a> {
-        Box::pin(async move {
-            let out = self.forward(step, batch).await;
-            self.sample().await;
-            out
-        })
+        Box::pin(self.forward(step, batch))
+    }
+
+    fn after_step(&self) -> AfterFuture<'_> {
+        Box::pin(self.sample())
     }
 }
 
@@ -323,9 +323,10 @@ impl Gpu {
     }
 
     /// One layer of attention for every new row of the step, on the step's CUDA stream:
-    /// `rows[r]` is where row `r` goes, `qkv[r]` its query, key and value. Each row's K/V is written into the flat buffers by the copy kernel, then the
-    /// split-KV decode runs over every row up to it, read in place through the step's views:
-    /// the stream runs them in order, so a chunk's row sees its own earlier rows (causal).
+    /// `rows[r]` is where row `r` goes, `qkv[r]` its query, key and value. Each row's K/V is
+    /// written into the flat buffers by the copy kernel, then the split-KV decode runs over
+    /// every row up to it, read in place through the step's views: the stream runs them in
+    /// order, so a chunk's row sees its own earlier rows (causal).
     pub fn attend(
         &self,
         step: &KvStep,

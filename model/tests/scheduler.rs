@@ -292,9 +292,10 @@ async fn stop_tokens_seeds_and_careless_requests() {
 }
 
 /// The toy model, with the steps named in `faults` failing with the error `fault` makes:
-/// of the steps of at least `batch` sequences, counted from 0. Before they start, or with
-/// `midway`, once their KV is prepared and a slow kernel submitted (the step is then given
-/// up, and the store has its sequences back only after that kernel).
+/// of the steps of at least `batch` sequences, counted from 0. With their KV prepared (the
+/// scheduler prepares every step before the model sees it) and no kernel submitted, or with
+/// `midway`, once a slow kernel is submitted (the step is then given up, and the store has
+/// its sequences back only after that kernel).
 struct Faulty {
     toy: Arc<Toy>,
     steps: std::sync::atomic::AtomicUsize,
@@ -341,7 +342,7 @@ fn weights_late() -> ModelError {
 }
 
 /// The toy model whose steps in `faults` (of any batch, counted from 0) find no room for a
-/// layer's weights, before they start or `midway`.
+/// layer's weights, before their first kernel or `midway`.
 fn weights_late_in(toy: &Arc<Toy>, faults: std::ops::Range<usize>, midway: bool) -> Arc<Faulty> {
     Arc::new(Faulty {
         toy: Arc::clone(toy),
@@ -354,7 +355,7 @@ fn weights_late_in(toy: &Arc<Toy>, faults: std::ops::Range<usize>, midway: bool)
 }
 
 /// Twelve requests over the toy model whose steps 3 to 8 find no room for a layer's weights
-/// (before they start, or `midway`: once their KV is prepared and a kernel submitted). Every
+/// (before their first kernel, or `midway`: once a kernel is submitted). Every
 /// answer must equal the run without faults, and the books end at zero. The scheduler's
 /// figures.
 async fn weights_late_at_steps_3_to_8(midway: bool) -> scheduler::SchedulerStats {
@@ -420,9 +421,10 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
     // than its patience later a second request finds no room either: it gets its own tries
     // (the first one's start is not held against it) and finishes.
     let (memory, toy) = toy(None, PreemptMode::Swap).await;
-    // Twelve steps short of room: the second request's own tries (pauses doubling from 2 ms
-    // to 50 ms) pass them in well under its patience.
-    let model = weights_late_in(&toy, 0..12, false);
+    // 24 steps short of room: the first request is dropped long before it could pass them
+    // (about 1 s of pauses, doubling from 2 ms to 50 ms), and the second request's own tries
+    // pass what is left in about half its patience.
+    let model = weights_late_in(&toy, 0..24, false);
     let config = SchedulerConfig::new(SHAPE.max_tokens)
         .max_running(1)
         .lonely_for(PATIENCE);
@@ -452,7 +454,7 @@ async fn a_lone_request_cancelled_while_tried_again_leaves_no_patience_used_up()
 
 /// A lone request's patience in the tests that use it up: long enough for several of its
 /// tries to wait for room, short of the 5 s a server gives.
-const PATIENCE: Duration = Duration::from_secs(1);
+const PATIENCE: Duration = Duration::from_secs(2);
 
 /// Until the scheduler has tried a lone request again `times` times (each after a wait for
 /// room the store refused by its deadline).
@@ -509,9 +511,9 @@ async fn another_takes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_request_that_cannot_open_yet_waits_for_the_memory_to_come_back() {
-    // Another holder, deaf to pressure, holds all but 1 KiB of the budget for 1.5 s: the
-    // lone request's opening finds no room by the store's deadline (500 ms), more than once.
-    // It is tried again, as a lone step is, and finishes with the answer it gives alone.
+    // Another holder, deaf to pressure, holds all but 1 KiB of the budget until the lone
+    // request's opening has found no room by the store's deadline (500 ms) twice. It is tried
+    // again, as a lone step is, and finishes with the answer it gives alone.
     let free = alone_unpressured(request(200, 1, 4)).await;
     let budget = 64 * 1024;
     let (memory, toy) = toy(Some(budget), PreemptMode::Swap).await;
@@ -542,8 +544,8 @@ async fn a_lone_request_preempted_waits_to_be_restored_until_the_memory_comes_ba
     // A more important holder asks for nearly the whole budget while the lone request
     // decodes, step after step: the store takes the sequence between two steps (swapped
     // out), and its restore is refused by the store's deadline (500 ms) while that holder
-    // keeps the memory for 1.5 s. The request is restored once the memory is back and ends
-    // with the answer it gives alone.
+    // keeps the memory, until it was tried again twice. The request is restored once the
+    // memory is back and ends with the answer it gives alone.
     let alone = request(9, 3, 200);
     let free = alone_unpressured(alone.clone()).await;
     let budget = 64 * 1024;

@@ -24,7 +24,8 @@ impl Sequences {
     /// Plans a step of `seqs`: every sequence open, idle and named once (the table's
     /// `begin_step`), each with room in its shape for its new tokens (at least one). Growth
     /// mapped ahead while the last step ran is published first: what it covers needs no grant
-    /// and no mapping now. Refused as a whole (nothing else changes).
+    /// and no mapping now, and stays published where the plan is then refused (it was mapped
+    /// and paid for already). Otherwise a refusal changes nothing.
     pub(in crate::kv_store) fn plan_step(
         &mut self,
         seqs: &[NewTokens],
