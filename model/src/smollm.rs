@@ -682,7 +682,11 @@ mod tests {
             assert_eq!(top.first.to_bits(), a.unwrap_or(inf).to_bits(), "{row:?}");
             assert_eq!(top.second.to_bits(), b.unwrap_or(inf).to_bits(), "{row:?}");
         }
-        assert_eq!(top2(&[]).first, f32::NEG_INFINITY, "an empty row does not panic");
+        assert_eq!(
+            top2(&[]).first,
+            f32::NEG_INFINITY,
+            "an empty row does not panic"
+        );
     }
 
     /// One product over Q/K/V (and over gate/up) packed as one matrix gives each output row
