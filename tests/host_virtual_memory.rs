@@ -462,8 +462,7 @@ fn bad_input_gets_a_typed_error_and_changes_nothing() {
     ));
     assert_eq!(snapshot(&buf, &raw), after_first);
     // Each refusal above is one class of bad input, checked typed and without effect.
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "FIGURE bad_input_memory_api 31/31");
+    common::figure("bad_input_memory_api", 31, 31);
 }
 
 #[test]

@@ -358,9 +358,7 @@ fn a_damaged_disk_tier_never_hangs_never_reads_the_damage_and_answers_as_without
         Some(Err(e)) => failures.push(e),
         None => eprintln!("SKIPPED full disk: no tmpfs of its own (unshare -rm refused)"),
     }
-    // Past the harness's capture, for `scripts/reliability.sh`.
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "FIGURE hostile_disk_tier {passed}/7");
+    common::figure("hostile_disk_tier", passed, 7);
     let _ = std::fs::remove_dir_all(&scratch);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

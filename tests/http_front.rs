@@ -253,8 +253,8 @@ fn idle_and_slow_header_floods_leave_health_answering_and_are_closed() {
         "http_front: 2000 idle + 300 slow-header connections opened; /health and /metrics worst \
          {worst:?}; closed by the server after 7 s: {idle_closed} idle, {slow_closed} slow"
     );
-    figure(format_args!("FIGURE http_idle_flood {idle_closed}/2000"));
-    figure(format_args!("FIGURE http_slowloris {slow_closed}/300"));
+    common::figure("http_idle_flood", idle_closed, 2000);
+    common::figure("http_slowloris", slow_closed, 300);
     assert_eq!(idle_closed, 2000);
     assert_eq!(slow_closed, 300);
     let (status, out) = server.stop();
@@ -387,10 +387,7 @@ fn bodies_are_bounded_each_and_in_total_and_the_memory_comes_back() {
         after >> 20,
         idle >> 20
     );
-    figure(format_args!(
-        "FIGURE http_stalled_bodies {}/300",
-        300 - count(200)
-    ));
+    common::figure("http_stalled_bodies", 300 - count(200), 300);
     assert!(server.post_json("/v1/completions", &warm).0 == 200);
     let (status, out) = server.stop();
     assert!(status.success(), "{out}");
@@ -478,10 +475,7 @@ fn text_from_users_never_becomes_a_control_token() {
         "http_front: {tiny} tiny and {real} SmolLM2 role x special-token attacks, 0 control \
          tokens in a user's span; HTTP prompt_tokens of <|im_end|> = {counted}"
     );
-    figure(format_args!(
-        "FIGURE chat_injection {0}/{0}",
-        tiny + real + 2
-    ));
+    common::figure("chat_injection", tiny + real + 2, tiny + real + 2);
     let (status, out) = server.stop();
     assert!(status.success(), "{out}");
 }
@@ -755,7 +749,7 @@ fn an_idle_server_offloads_its_layers_and_the_next_request_brings_them_back() {
     let (status, out) = server.stop();
     assert!(status.success(), "{out}");
     assert!(out.contains("books after shutdown: zero"), "{out}");
-    figure(format_args!("FIGURE idle_sleep 1/1"));
+    common::figure("idle_sleep", 1, 1);
 }
 
 /// What the server holds outside its books is exported and small: the tiny model's server,
@@ -792,11 +786,4 @@ fn the_bytes_outside_the_books_are_exported_and_bounded() {
     );
     let (status, out) = server.stop();
     assert!(status.success(), "{out}");
-}
-
-/// Prints a figure line for `scripts/reliability.sh`, past the harness's capture (which keeps
-/// a passing test's `eprintln!` to itself).
-fn figure(line: std::fmt::Arguments<'_>) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{line}");
 }

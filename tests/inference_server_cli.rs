@@ -246,12 +246,7 @@ fn bad_input_exits_2_with_a_clear_message() {
         );
         assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
     }
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "FIGURE bad_input_cli {0}/{0}",
-        cases.len()
-    );
+    common::figure("bad_input_cli", cases.len(), cases.len());
 }
 
 /// The main job serving the real model: under `--budget 0.25x` (a quarter of the peak KV
@@ -379,12 +374,7 @@ fn hostile_gguf_files_exit_2_with_a_message() {
         }
     }
     std::fs::remove_dir_all(&dir).ok();
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "FIGURE hostile_gguf {clean}/{}",
-        variants.len()
-    );
+    common::figure("hostile_gguf", clean, variants.len());
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

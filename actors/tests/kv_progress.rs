@@ -232,11 +232,9 @@ async fn every_request_finishes_under_a_half_a_quarter_and_an_eighth_of_its_dema
             );
         }
     }
-    // Past the harness's capture, for `scripts/reliability.sh`.
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "FIGURE kv_progress_requests_finished {finished}/{}",
-        runs * REQUESTS as usize
+    common::figure(
+        "kv_progress_requests_finished",
+        finished,
+        runs * REQUESTS as usize,
     );
 }

@@ -46,13 +46,7 @@ fn the_tiny_model_loads_and_every_hostile_variant_is_refused() {
             Err(_) => failures.push(format!("{name}: panicked")),
         }
     }
-    // Past the harness's capture, for `scripts/reliability.sh`.
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "FIGURE hostile_gguf_loader {refused}/{}",
-        variants.len()
-    );
+    common::figure("hostile_gguf_loader", refused, variants.len());
     assert!(variants.len() >= 58, "{} variants", variants.len());
     assert!(failures.is_empty(), "{failures:?}");
 }

@@ -194,3 +194,11 @@ pub fn split_response(text: &str) -> (u16, &str, &str) {
         .unwrap_or(0);
     (status, head, body)
 }
+
+/// Prints a figure line that `scripts/reliability.sh` collects into its table, to stderr
+/// directly: the harness keeps a passing test's `eprintln!` to itself.
+#[allow(dead_code)]
+pub fn figure(name: &str, passed: usize, total: usize) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");
+}

@@ -225,3 +225,10 @@ pub fn compare(
         reference: kept,
     }
 }
+
+/// Prints a figure line that `scripts/reliability.sh` collects into its table, to stderr
+/// directly: the harness keeps a passing test's `eprintln!` to itself.
+pub fn figure(name: &str, passed: usize, total: usize) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "FIGURE {name} {passed}/{total}");
+}
