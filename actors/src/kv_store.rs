@@ -343,6 +343,9 @@ pub(crate) struct KvStoreState {
     transactions: Transactions,
     /// Tickets put off until a step comes back: all the store could give was lent to it.
     after_step: Vec<(crate::ticket::PressureTicket, u32)>,
+    /// The fence of the last keep kernel whose blocks have not joined the cache yet: bytes
+    /// the cache will hold (and a ticket may take) once it completes.
+    keeping: Option<procmem::fence::Fence>,
     clock: u64,
     stats: KvStoreStats,
     swap_outcomes: Arc<swap::SwapOutcomes>,
@@ -436,6 +439,7 @@ impl Actor for KvStore {
             tier,
             transactions: Transactions::default(),
             after_step: Vec::new(),
+            keeping: None,
             clock: 0,
             stats: KvStoreStats::default(),
             swap_outcomes: Arc::default(),

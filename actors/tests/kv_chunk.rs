@@ -413,3 +413,41 @@ async fn careless_closes_keep_nothing_wrong_and_the_books_stay_right() {
     let s = settled(&g, &kv).await;
     assert_eq!(s.sequences, 0, "{s:?}");
 }
+
+/// A ticket that comes while a closed sequence's blocks are being kept (the keep kernel
+/// queued on the stream, its blocks not in the cache yet) waits for them, then takes them:
+/// answered short at once, the Governor went to the next holder instead (on the real model
+/// at `--budget 1x`, a layer of weights, which came back at once and preempted all four
+/// sequences), and with nothing else released nobody asked the store again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_waits_for_the_blocks_being_kept_and_takes_them() {
+    let bt = SHAPE.block_tokens(PAGE);
+    let two_blocks = 2 * SHAPE.block_bytes_all(PAGE);
+    let (g, p, kv) = store_on(two_blocks).await;
+    // A prompt short of a block, then an answer to the end of the second block: its memory
+    // is exactly the two blocks kept at close, so the keep kernel releases nothing itself.
+    let prompt: Vec<u32> = (0..(bt / 2) as u32).collect();
+    let answer: Vec<u32> = (1000..1000 + (2 * bt - prompt.len() + 1) as u32).collect();
+    prefill_and_decode(&kv, 1, &prompt, answer.len() - 1).await;
+    assert_eq!(settled(&g, &kv).await.leased_bytes, two_blocks);
+    let known: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    let gate = common::hold_stream(&p);
+    kv.close_keeping(1, known);
+    let asked = tokio::spawn(another_holder_asks(
+        g.clone(),
+        two_blocks,
+        Duration::from_secs(5),
+    ));
+    // The ticket is out while the keep waits behind the gate.
+    let start = std::time::Instant::now();
+    while g.snapshot().await.unwrap().tickets_sent == 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "no ticket");
+        tokio::task::yield_now().await;
+    }
+    drop(gate);
+    let grant = asked.await.unwrap().expect("the kept blocks gave way");
+    assert_eq!(grant.bytes(), two_blocks);
+    drop(grant);
+    let s = settled(&g, &kv).await;
+    assert_eq!((s.prefix_blocks_kept, s.prefix_entries), (2, 0), "{s:?}");
+}

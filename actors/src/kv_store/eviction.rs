@@ -194,15 +194,24 @@ impl KvStoreState {
             .map(|p| p.bytes)
             .chain(sequences.iter().filter(|s| !s.in_flight).map(|s| s.bytes))
             .sum();
-        // Nothing can go now, and the ticket may still be looked at again (a few times at
-        // most, before its deadline) rather than answered "nothing" and not asked again in
+        // Not enough can go now, and the ticket may still be looked at again (a few times
+        // at most, before its deadline) rather than answered short and not asked again in
         // this round. Nothing polls. (The Governor has one ticket out at a time and moves on
         // at the ticket's deadline.)
-        let may_look_again = available == 0
-            && slack == 0
+        let may_look_again = slack == 0
             && rechecks < TICKET_RECHECKS
             && tokio::time::Instant::now() < ticket.deadline;
-        if may_look_again {
+        if may_look_again && available < ticket.bytes_wanted {
+            if let Some(fence) = self.keeping {
+                // A closed sequence's blocks are on their way into the cache (its keep kernel
+                // is queued): once there they can go. Answering short now would send the
+                // Governor to the next holder (a layer of weights, offloaded for this and
+                // taken back at once, preempting the very sequences that make room).
+                self.recheck_after(myself, fence, ticket, rechecks);
+                return;
+            }
+        }
+        if may_look_again && available == 0 {
             if let Some(fence) = self.soon_free() {
                 // A sequence whose last kernel is finishing can go once its fence completes:
                 // its completion wakes the store to look again.

@@ -22,6 +22,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use procmem::fence::Fence;
 use procmem::kv::{Incarnation, KvPart, KvSequence};
 use procmem::SharedMapping;
 use ractor::ActorRef;
@@ -38,6 +39,8 @@ pub(crate) struct Keeping {
     keeper: Incarnation,
     keys: Vec<u64>,
     made: Made,
+    /// The keep kernel's fence.
+    fence: Fence,
 }
 
 /// Where a keep kernel leaves the blocks it made.
@@ -119,7 +122,14 @@ impl KvStoreState {
         );
         match self.device.stream.submit_host(kernel) {
             Ok(fence) => {
-                let msg = KvStoreMsg::Kept(Keeping { keeper, keys, made });
+                // A ticket that comes before the blocks join the cache waits for them.
+                self.keeping = Some(fence);
+                let msg = KvStoreMsg::Kept(Keeping {
+                    keeper,
+                    keys,
+                    made,
+                    fence,
+                });
                 self.send_after(myself, fence, msg);
             }
             // A closed stream ran nothing: the memory and the fresh blocks went with it.
@@ -131,7 +141,19 @@ impl KvStoreState {
 
     /// A keep kernel ran: the blocks it made join the cache, whole, under the keys claimed
     /// for them; the claims it made no block for leave.
-    pub(super) fn kept(&mut self, Keeping { keeper, keys, made }: Keeping) {
+    pub(super) fn kept(
+        &mut self,
+        Keeping {
+            keeper,
+            keys,
+            made,
+            fence,
+        }: Keeping,
+    ) {
+        // Kernels on the stream complete in order: the last one queued is the last to land.
+        if self.keeping == Some(fence) {
+            self.keeping = None;
+        }
         let made = std::mem::take(&mut *made.lock().unwrap_or_else(PoisonError::into_inner));
         for (key, block) in keys.iter().zip(made) {
             // Claimed by `keeper` at close, and only it fills and completes a claim.
