@@ -3,7 +3,7 @@
 server: prints one JSON object of figures, so two builds can be compared side by side.
 
     scripts/http-attacks.py --server target/debug/examples/inference_server \
-        --model target/models/SmolLM2-135M-Instruct.Q4_1.gguf
+        --model ~/.cache/procmem/models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Only the server's default flags are used (so an older build takes the same command line).
 Every connection goes to 127.0.0.1; every loop is bounded in count and time.

@@ -56,7 +56,7 @@ expected=(
     stress_64_holders kv_progress_requests_finished node_budget node_guarantee node_sigstop
     node_hot_prefix node_kill9 node_restart hostile_frames node_spoof cluster_view
     node_pid_namespace node_session_watch node_moving_bursts node_busy_neighbour
-    node_follows_machine node_alone http_idle_flood http_slowloris http_stalled_bodies
+    node_follows_machine node_alone http_idle_flood http_slowloris http_stalled_bodies slow_readers
     chat_injection idle_sleep hostile_disk_tier hostile_gguf hostile_gguf_loader
     bad_input_cli bad_input_manager bad_input_memory_api model_check_credit model_check_scopes
 )

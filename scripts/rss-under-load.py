@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # What a SmolLM2 server holds under load, inside and outside its books (docs/metrics.md, "What
 # the process holds outside its books"):
-#   scripts/rss-under-load.py target/debug/examples/inference_server target/models/SmolLM2-135M-Instruct.Q4_1.gguf
+#   scripts/rss-under-load.py target/debug/examples/inference_server "$(scripts/fetch-model.sh)"
 # Starts the server on a port of its own, drives 8 chat conversations at once (two turns each,
 # a ~450-token system prompt, 48-token greedy answers), samples /proc/<pid>/status and /metrics
 # every 100 ms, stops it with SIGINT and prints one JSON line: the figures at rest, the peak of

@@ -126,10 +126,15 @@ impl Server {
 
     /// The server's resident set, from `/proc` (the bash that started it `exec`ed it).
     fn rss(&self) -> u64 {
+        self.status_bytes("VmRSS:")
+    }
+
+    /// A byte figure of the server's `/proc/PID/status` (`VmRSS:`, `RssAnon:`).
+    fn status_bytes(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         let kb: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse().ok())
             .unwrap();
@@ -786,4 +791,137 @@ fn the_bytes_outside_the_books_are_exported_and_bounded() {
     );
     let (status, out) = server.stop();
     assert!(status.success(), "{out}");
+}
+
+/// A connection with a small receive window (set before it connects) that sends `request`
+/// and then reads nothing: a streaming client that stopped reading.
+fn stalled(addr: &str, request: &str) -> TcpStream {
+    use std::os::fd::FromRawFd;
+    let at: std::net::SocketAddrV4 = addr.parse().unwrap();
+    let window: libc::c_int = 4096;
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: at.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(*at.ip()).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a socket this function creates and then owns (as the `TcpStream`); setsockopt
+    // and connect only read the values given, which live on this stack across the calls.
+    let mut s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let set = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            std::ptr::from_ref(&window).cast(),
+            std::mem::size_of_val(&window) as libc::socklen_t,
+        );
+        assert_eq!(set, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+        let addr = std::ptr::from_ref(&sin).cast::<libc::sockaddr>();
+        let len = std::mem::size_of_val(&sin) as libc::socklen_t;
+        assert_eq!(
+            libc::connect(fd, addr, len),
+            0,
+            "connect: {}",
+            std::io::Error::last_os_error()
+        );
+        TcpStream::from_raw_fd(fd)
+    };
+    s.write_all(request.as_bytes()).unwrap();
+    s
+}
+
+/// Fifty streaming clients that stop reading (issue 59, 4): each request is cut once its
+/// events unread reach the stream buffer (its sequence closed, its KV freed while the
+/// connection is still open), each connection is closed at the write timeout, and a client
+/// that reads meanwhile is answered.
+#[test]
+fn clients_that_stop_reading_are_cut_and_closed_and_the_others_answered() {
+    const STALLED: usize = 50;
+    allow_descriptors(1024);
+    let server = Server::start(
+        &[
+            "--write-timeout",
+            "2",
+            // A kernel buffer of 32 KiB a connection (the default, 512 KiB, only takes
+            // longer to fill: about 13 s here for the fifty).
+            "--send-buffer",
+            "16KiB",
+            "--concurrency",
+            "64",
+            "--context",
+            "8192",
+        ],
+        None,
+    );
+    let metrics = || server.get("/metrics").1;
+    let idle = server.rss();
+    // The tiny vocabulary's last three ids are its control tokens (the end of text among
+    // them): kept out, every stalled request would run to its length.
+    let never = json!({"258": -100, "259": -100, "260": -100});
+    let body = json!({
+        "prompt": "the", "max_tokens": 8000, "stream": true, "logit_bias": never, "logprobs": 5
+    })
+    .to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let start = Instant::now();
+    let held: Vec<TcpStream> = (0..STALLED)
+        .map(|_| stalled(&server.addr, &request))
+        .collect();
+    // Cut: every stalled request's sequence closed while its connection is still open.
+    let (cut_at, peak) = loop {
+        let page = metrics();
+        let cut = scraped(&page, "procmem_http_slow_readers_total", "");
+        let open = scraped(&page, "procmem_kv_sequences", "");
+        if cut >= STALLED as f64 && open == 0.0 {
+            break (start.elapsed(), server.status_bytes("RssAnon:"));
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "{cut} of {STALLED} cut, {open} sequences open:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // A client that reads is answered meanwhile.
+    let ask = json!({"prompt": "the", "max_tokens": 16, "temperature": 0});
+    let (status, answer) = server.post_json("/v1/completions", &ask);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 16, "{answer}");
+    // Closed: each connection at the write timeout.
+    let closed_at = loop {
+        let page = metrics();
+        let closed = scraped(
+            &page,
+            "procmem_http_connections_closed_total",
+            "why=\"write_timeout\"",
+        );
+        if closed >= STALLED as f64 {
+            break start.elapsed();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "{closed} of {STALLED} closed at the write timeout:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let grown = peak.saturating_sub(idle);
+    eprintln!(
+        "FIGURE slow_readers: {STALLED} streams that read nothing: cut in {} ms, closed in {} \
+         ms (--write-timeout 2); RssAnon {idle} B idle, {peak} B once cut ({} KiB a stream)",
+        cut_at.as_millis(),
+        closed_at.as_millis(),
+        grown / STALLED as u64 / 1024
+    );
+    drop(held);
+    let (status, out) = server.stop();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("books after shutdown: zero"), "{out}");
+    common::figure("slow_readers", 1, 1);
 }

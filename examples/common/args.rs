@@ -161,6 +161,14 @@ pub struct Args {
     /// Seconds a connection with no request in flight may stay quiet when listening.
     #[arg(long, default_value_t = 5.0)]
     pub idle_timeout: f64,
+    /// Seconds a response may wait for a client that takes none of its bytes (it stopped
+    /// reading) before its connection is closed, when listening.
+    #[arg(long, default_value_t = 30.0)]
+    pub write_timeout: f64,
+    /// Bytes of unsent response the kernel holds for one connection when listening
+    /// (SO_SNDBUF): what a client that stops reading pins beside its 64 unread events.
+    #[arg(long, default_value = "256KiB")]
+    pub send_buffer: String,
     /// Connections open at once when listening; at the cap the quietest idle one makes way,
     /// or the newcomer gets 503. Default: what RLIMIT_NOFILE leaves after the descriptors
     /// open at start and 128 more for the model, the KV tiers and the node link.
@@ -397,6 +405,8 @@ pub fn serve_config(
         header_timeout: seconds("header-timeout", args.header_timeout)?,
         idle_timeout: seconds("idle-timeout", args.idle_timeout)?,
         body_timeout: seconds("body-timeout", args.body_timeout)?,
+        write_timeout: seconds("write-timeout", args.write_timeout)?,
+        send_buffer: parse_bytes(&args.send_buffer)?.clamp(4096, 1 << 30) as usize,
         max_connections: match args.max_connections {
             Some(0) => return Err("--max-connections must be at least 1".into()),
             Some(n) => n,

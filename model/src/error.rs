@@ -293,6 +293,12 @@ pub enum GenError {
     /// It was still running when the shutdown's grace period ended.
     #[error("cancelled at shutdown")]
     Cancelled,
+    /// Its caller stopped reading: `behind` events waited unread, and it was cut.
+    #[error("cut: the caller left {behind} events unread")]
+    SlowReader {
+        /// Events unread when it was cut.
+        behind: usize,
+    },
     /// The memory could not hold it, even alone.
     #[error("no room: {0}")]
     NoRoom(#[source] KvStoreError),

@@ -35,4 +35,4 @@ mod wire;
 
 pub use api::{Api, MetricsText};
 pub use listen::{connection_cap, os_signals, Limits, Listening, StopSignals, FD_HEADROOM};
-pub use server::{serve_bound, serve_model, ServeConfig, ServeError, Server};
+pub use server::{serve_bound, serve_model, ServeConfig, ServeError, Server, STREAM_EVENTS};

@@ -27,7 +27,10 @@ pub mod synthetic;
 pub mod tokenizer;
 
 pub use error::{ModelError, StepFault};
-pub use fetch::{fetch_smollm2, smollm2_path};
+pub use fetch::{
+    fetch_smollm2, fetch_smollm2_into, model_dir, smollm2_path, FetchError, SMOLLM2_BYTES,
+    SMOLLM2_FILE, SMOLLM2_REQUIREMENT, SMOLLM2_SHA256,
+};
 pub use scheduler::argmax;
 pub use serve::{Completion, Engine, Request, RunStats};
 pub use smollm::{forward_every_row, forward_step, top2, Loaded, Smol, TopTwo};

@@ -59,6 +59,10 @@ pub struct SchedulerConfig {
     /// before it fails: the budget cannot hold it (holders may still be freeing meanwhile: a
     /// swap's copy, a fence behind a busy stream).
     pub lonely_for: Duration,
+    /// Events a request's stream holds unread at most: a caller that falls this far behind
+    /// (it stopped reading) is cut with [`GenError::SlowReader`] and its sequence closed. The
+    /// step never waits for a reader.
+    pub stream_buffer: usize,
 }
 
 impl std::fmt::Debug for SchedulerConfig {
@@ -69,6 +73,7 @@ impl std::fmt::Debug for SchedulerConfig {
             .field("max_waiting", &self.max_waiting)
             .field("context", &self.context)
             .field("lonely_for", &self.lonely_for)
+            .field("stream_buffer", &self.stream_buffer)
             .finish()
     }
 }
@@ -76,9 +81,13 @@ impl std::fmt::Debug for SchedulerConfig {
 /// The default token budget of a step ([`SchedulerConfig::step_tokens`]).
 pub const STEP_TOKENS: usize = 256;
 
+/// The default events a request's stream holds unread ([`SchedulerConfig::stream_buffer`]).
+pub const STREAM_BUFFER: usize = 256;
+
 impl SchedulerConfig {
     /// Defaults for a context of `context` tokens: [`STEP_TOKENS`] tokens a step, 64
-    /// running, 256 waiting, no detokenizer, a lone request tried again for 5 s.
+    /// running, 256 waiting, no detokenizer, a lone request tried again for 5 s,
+    /// [`STREAM_BUFFER`] events unread.
     pub fn new(context: usize) -> Self {
         SchedulerConfig {
             step_tokens: STEP_TOKENS,
@@ -87,7 +96,15 @@ impl SchedulerConfig {
             context,
             detokenize: None,
             lonely_for: policy::LONELY_FOR,
+            stream_buffer: STREAM_BUFFER,
         }
+    }
+
+    /// Events a request's stream holds unread before its caller is cut (at least 2: a
+    /// token and the end).
+    pub fn stream_buffer(mut self, events: usize) -> Self {
+        self.stream_buffer = events.max(2);
+        self
     }
 
     /// The token budget of a step (at least 1).
@@ -124,7 +141,7 @@ impl SchedulerConfig {
 /// A request's stream: its tokens, then how it ended. Dropping it cancels the request.
 #[derive(Debug)]
 pub struct Generation {
-    events: mpsc::UnboundedReceiver<Event>,
+    events: mpsc::Receiver<Event>,
 }
 
 impl Generation {
@@ -229,7 +246,7 @@ impl SchedulerHandle {
                 waiting: books.waiting,
             });
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(config.stream_buffer.max(2));
         let queued = run::Queued {
             request,
             events: tx,

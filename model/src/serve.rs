@@ -12,7 +12,7 @@ use procmem_actors::{
 };
 
 use crate::error::ModelError;
-use crate::scheduler::{Event, GenError, GenRequest, SchedulerConfig, SchedulerHandle};
+use crate::scheduler::{Event, GenError, GenRequest, Generation, SchedulerConfig, SchedulerHandle};
 use crate::smollm::{Loaded, Smol};
 use crate::step::{StepFuture, StepInput, StepModel};
 
@@ -179,29 +179,20 @@ impl Engine {
         }
         // With every request in, the loop ends once they are done.
         drop(handle);
+        // Every stream is read as its events come (a stream left unread falls behind and is
+        // cut), each on a task of its own.
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|(id, stream)| tokio::spawn(read_completion(id, stream)))
+            .collect();
         let collect = async {
-            let mut done = Vec::with_capacity(streams.len());
-            for (id, mut stream) in streams {
-                let mut c = Completion {
-                    id,
-                    ..Completion::default()
-                };
-                while let Some(event) = stream.next().await {
-                    match event {
-                        Event::Token { token, logits, .. } => {
-                            c.tokens.push(token);
-                            c.logits.extend(logits);
-                        }
-                        Event::Finished { figures, .. } => {
-                            c.cached_tokens = figures.cached_tokens;
-                            c.preempted = figures.preemptions;
-                        }
-                        Event::Failed(e) => return Err(model_error(e)),
-                    }
-                }
-                done.push(c);
+            let mut done = Vec::with_capacity(readers.len());
+            for reader in readers {
+                // A reader that could not finish (its task panicked) reads as a stream cut.
+                let read = reader.await.unwrap_or(Err(GenError::Stopped));
+                done.push(read.map_err(model_error)?);
             }
-            Ok(done)
+            Ok::<_, ModelError>(done)
         };
         let (s, done) = tokio::join!(run, collect);
         let mut finished = done?;
@@ -248,4 +239,26 @@ fn model_error(e: GenError) -> ModelError {
         GenError::NoRoom(kv) => ModelError::Prepare(kv),
         other => ModelError::Scheduler(Box::new(other)),
     }
+}
+
+/// Request `id`'s tokens (and logits, where kept) from its stream, to its end.
+async fn read_completion(id: u64, mut stream: Generation) -> Result<Completion, GenError> {
+    let mut c = Completion {
+        id,
+        ..Completion::default()
+    };
+    while let Some(event) = stream.next().await {
+        match event {
+            Event::Token { token, logits, .. } => {
+                c.tokens.push(token);
+                c.logits.extend(logits);
+            }
+            Event::Finished { figures, .. } => {
+                c.cached_tokens = figures.cached_tokens;
+                c.preempted = figures.preemptions;
+            }
+            Event::Failed(e) => return Err(e),
+        }
+    }
+    Ok(c)
 }

@@ -193,6 +193,60 @@ async fn a_dropped_stream_closes_its_sequence_and_its_memory_comes_back() {
     assert!(memory.shutdown().await.unwrap().is_zero());
 }
 
+/// A caller that stops reading (issue 59, 4): once `stream_buffer` events wait unread, the
+/// request is cut (its sequence closed, its memory back) without the step waiting for it;
+/// what it reads afterwards is the tokens made, then `SlowReader`. A request read as it
+/// comes, beside it, finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_stops_reading_is_cut_and_the_others_finish() {
+    let (memory, model) = toy(None, PreemptMode::Swap).await;
+    let config = SchedulerConfig::new(256).stream_buffer(8);
+    let (handle, task) = SchedulerHandle::spawn(Arc::clone(&model), config);
+    let mut unread = handle.submit(request(10, 1, 200)).unwrap();
+    let read = tokio::spawn(drain(handle.submit(request(10, 2, 100)).unwrap()));
+    let start = std::time::Instant::now();
+    while handle.stats().slow_readers == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            handle.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (tokens, end) = read.await.unwrap();
+    assert_eq!((tokens.len(), end.unwrap()), (100, FinishReason::Length));
+    // Seven tokens (the eighth place is kept for the end), then the cut.
+    let mut made = 0;
+    let end = loop {
+        match unread.next().await {
+            Some(Event::Token { .. }) => made += 1,
+            Some(Event::Failed(e)) => break e,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(matches!(end, GenError::SlowReader { behind: 8 }), "{end:?}");
+    assert_eq!(made, 7);
+    assert!(unread.next().await.is_none(), "the stream ended");
+    let s = handle.stats();
+    assert_eq!(
+        (s.slow_readers, s.cancelled, s.finished),
+        (1, 1, 1),
+        "{s:?}"
+    );
+    let start = std::time::Instant::now();
+    while model.kv.stats().await.unwrap().sequences > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "a sequence left open"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    handle.shutdown(Duration::ZERO);
+    task.await.unwrap();
+    drop(model);
+    assert!(memory.shutdown().await.unwrap().is_zero());
+}
+
 #[tokio::test]
 async fn a_full_queue_refuses_and_a_shutdown_cancels_what_is_left() {
     let (memory, model) = toy(None, PreemptMode::Swap).await;

@@ -34,7 +34,15 @@ pub const HTTP_CONNECTIONS_CLOSED_TOTAL: Metric = metric(
     Kind::Counter,
     Unit::Count,
     &["why"],
-    "Connections the server closed: idle (quiet past the idle timeout) or displaced (the quietest, for a newcomer at the cap).",
+    "Connections the server closed: idle (quiet past the idle timeout), displaced (the quietest, for a newcomer at the cap) or write_timeout (its client took no byte of a response for the write timeout).",
+);
+/// Requests cut because their caller stopped reading.
+pub const HTTP_SLOW_READERS_TOTAL: Metric = metric(
+    "procmem_http_slow_readers_total",
+    Kind::Counter,
+    Unit::Count,
+    NONE,
+    "Requests cut because their caller stopped reading its stream (a client's socket full): the events unread reached the stream buffer, and the sequence was closed.",
 );
 /// Bodies refused for the shared body buffer.
 pub const HTTP_BODIES_REFUSED_TOTAL: Metric = metric(
@@ -59,6 +67,7 @@ pub(super) const HTTP: &[Metric] = &[
     HTTP_CONNECTIONS_TOTAL,
     HTTP_CONNECTIONS_REFUSED_TOTAL,
     HTTP_CONNECTIONS_CLOSED_TOTAL,
+    HTTP_SLOW_READERS_TOTAL,
     HTTP_BODIES_REFUSED_TOTAL,
     HTTP_BODIES_TIMED_OUT_TOTAL,
 ];

@@ -13,6 +13,10 @@
 //!   [`Limits::idle_timeout`] (or the header timeout, whichever comes first: hyper's timer
 //!   runs while a connection waits for a head).
 //! - **Request bodies** are bounded per request and as a whole (`body.rs`).
+//! - **A client that stops reading**: a response write that finds its socket full for
+//!   [`Limits::write_timeout`] fails and the connection closes; meanwhile the request's
+//!   stream holds at most [`STREAM_EVENTS`](super::STREAM_EVENTS) events unread, past which
+//!   the scheduler cuts the request and closes its sequence (the step never waits for it).
 //!
 //! Shutdown: the first stop signal stops taking connections and asks the scheduler to drain
 //! (requests in flight have the grace period); a second ends the grace at once.
@@ -62,6 +66,13 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// A request's body must arrive whole within this of its head.
     pub body_timeout: Duration,
+    /// A connection whose socket takes no byte of a response for this long (its client
+    /// stopped reading) is closed.
+    pub write_timeout: Duration,
+    /// Bytes of unsent response the kernel holds for one connection (`SO_SNDBUF`, which
+    /// Linux doubles; without it the kernel grows a connection's buffer to megabytes for a
+    /// client that reads nothing).
+    pub send_buffer: usize,
     /// Connections open at once at most.
     pub max_connections: usize,
     /// One request's body in bytes at most (more gets `413`, at once where its
@@ -73,14 +84,16 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 10 s for a head, 5 s quiet, 30 s for a body, 1 MiB a body and 32 MiB of bodies at
-    /// once, and the connection cap this process's descriptor limit allows
-    /// ([`connection_cap`]).
+    /// 10 s for a head, 5 s quiet, 30 s for a body, 30 s for a blocked write, 256 KiB of
+    /// unsent response a connection, 1 MiB a body and 32 MiB of bodies at once, and the
+    /// connection cap this process's descriptor limit allows ([`connection_cap`]).
     fn default() -> Self {
         Limits {
             header_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
+            send_buffer: 256 << 10,
             max_connections: connection_cap(),
             body_limit: 1 << 20,
             body_buffer: 32 << 20,
@@ -234,10 +247,45 @@ fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Table> {
     t.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A connection's socket, noting when it last read a byte.
+/// A connection's socket, noting when it last read a byte, and failing a write that has
+/// been blocked for the write timeout (the client stopped reading: the connection ends).
 struct Watched {
     io: TcpStream,
     activity: Arc<Activity>,
+    write_timeout: Duration,
+    /// Set when a write found the socket full; cleared when one goes through.
+    blocked: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Watched {
+    /// What a write that `polled` becomes: pending until the socket has been full for the
+    /// write timeout, then `TimedOut`.
+    fn timed<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.blocked = None;
+            return polled;
+        }
+        let timeout = self.write_timeout;
+        let blocked = self
+            .blocked
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match blocked.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                HTTP_CONNECTIONS_CLOSED_TOTAL
+                    .counter(&["write_timeout"])
+                    .increment(1);
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took no byte for the write timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl AsyncRead for Watched {
@@ -261,7 +309,8 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.timed(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -269,7 +318,8 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.timed(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -277,7 +327,8 @@ impl AsyncWrite for Watched {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.timed(cx, polled)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -430,9 +481,18 @@ impl Front {
         );
         drop(t);
         HTTP_CONNECTIONS_TOTAL.counter(&[]).increment(1);
+        // The kernel's buffer for unsent bytes stays as set (no autotuning to megabytes).
+        if let Err(e) = rustix::net::sockopt::set_socket_send_buffer_size(
+            &stream,
+            self.limits.send_buffer.max(4096),
+        ) {
+            tracing::debug!(error = %e, "SO_SNDBUF not set");
+        }
         let io = TokioIo::new(Watched {
             io: stream,
             activity: Arc::clone(&activity),
+            write_timeout: self.limits.write_timeout,
+            blocked: None,
         });
         let router = self.router.clone();
         let service =

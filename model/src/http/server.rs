@@ -51,6 +51,11 @@ pub enum ServeError {
     Scheduler(#[source] tokio::task::JoinError),
 }
 
+/// Events a request's stream holds for a connection that is not taking them (its socket
+/// full): about 4 KiB; past them the request is cut and its sequence closed, and the write
+/// timeout closes the connection.
+pub const STREAM_EVENTS: usize = 64;
+
 /// A bound server, not yet serving.
 pub struct Server {
     listening: Listening,
@@ -123,6 +128,7 @@ impl Server {
             .step_tokens(engine.step_tokens)
             .max_running(c.max_running)
             .max_waiting(c.max_waiting)
+            .stream_buffer(STREAM_EVENTS)
             .detokenize(detok);
         let (scheduler, task) = SchedulerHandle::spawn(Arc::clone(&engine), scheduler_config);
         let sleep =

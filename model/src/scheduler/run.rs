@@ -7,6 +7,7 @@ use std::time::Instant;
 use procmem_actors::governor::GovernorError;
 use procmem_actors::kv::{Restored, SeqId};
 use procmem_actors::procmem::kv::prompt_keys;
+use procmem_actors::procmem::metrics::HTTP_SLOW_READERS_TOTAL;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
@@ -28,7 +29,7 @@ const MAX_PASSES: u32 = 64;
 /// A request as submitted.
 pub(super) struct Queued {
     pub(super) request: GenRequest,
-    pub(super) events: mpsc::UnboundedSender<Event>,
+    pub(super) events: mpsc::Sender<Event>,
     pub(super) arrived: Instant,
 }
 
@@ -60,8 +61,16 @@ impl Live {
         self.q.events.is_closed()
     }
 
+    /// Sends `event`; the stream always has room for the last one (a token is sent only
+    /// where one more place stays free, see [`Live::behind`]).
     fn send(&self, event: Event) {
-        let _ = self.q.events.send(event);
+        let _ = self.q.events.try_send(event);
+    }
+
+    /// Whether its caller has fallen the configured `stream_buffer` events behind: only
+    /// the place kept for the end is left.
+    fn behind(&self) -> bool {
+        self.q.events.capacity() <= 1
     }
 }
 
@@ -164,7 +173,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 if self.deadline.is_some() {
                     books.waiting -= 1;
                     books.stats.cut += 1;
-                    let _ = q.events.send(Event::Failed(GenError::Stopped));
+                    let _ = q.events.try_send(Event::Failed(GenError::Stopped));
                     return;
                 }
                 drop(books);
@@ -494,6 +503,11 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 continue;
             }
             stats.prefilled += input.tokens.len() as u64 - 1;
+            if r.behind() {
+                // Its caller stopped reading: the token is not made, the request is cut.
+                ended.push((i, None));
+                continue;
+            }
             let request = &r.q.request;
             let t = if request.penalties.is_none() {
                 sample(&l, &request.sampling, &mut r.rng)
@@ -514,7 +528,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             r.figures.completion_tokens += 1;
             stats.generated += 1;
             let logits = request.keep_logits.then_some(l);
-            let _ = r.q.events.send(Event::Token {
+            r.send(Event::Token {
                 token: t,
                 logits,
                 logprobs: lp,
@@ -535,25 +549,47 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 None
             };
             if let Some(reason) = reason {
-                ended.push((i, reason));
+                ended.push((i, Some(reason)));
             }
         }
-        for (i, reason) in ended.into_iter().rev() {
-            let r = self.running.remove(i);
-            // A chat's next turn sends this answer back: its whole blocks stay cached.
-            self.model.kv().close_keeping(r.id, r.known.clone());
-            r.send(Event::Finished {
-                reason,
-                figures: r.figures.clone(),
-            });
-            stats.finished += 1;
-            self.policy.finished();
-        }
+        self.end(ended, &mut stats);
         let mut books = self.shared.books();
         let total = &mut books.stats;
         total.steps += 1;
         total.generated += stats.generated;
         total.prefilled += stats.prefilled;
         total.finished += stats.finished;
+        total.cancelled += stats.cancelled;
+        total.slow_readers += stats.slow_readers;
+    }
+
+    /// The requests `ended` in a step, by their place in `running` (ascending): finished
+    /// (`Some(reason)`) or cut because their caller stopped reading (`None`). Each leaves
+    /// `running` and its sequence closes; a finished one's whole blocks stay cached.
+    fn end(&mut self, ended: Vec<(usize, Option<FinishReason>)>, stats: &mut SchedulerStats) {
+        for (i, reason) in ended.into_iter().rev() {
+            let r = self.running.remove(i);
+            match reason {
+                Some(reason) => {
+                    // A chat's next turn sends this answer back: its whole blocks stay cached.
+                    self.model.kv().close_keeping(r.id, r.known.clone());
+                    r.send(Event::Finished {
+                        reason,
+                        figures: r.figures.clone(),
+                    });
+                    stats.finished += 1;
+                }
+                None => {
+                    self.model.kv().close(r.id);
+                    let behind = self.shared.config.stream_buffer;
+                    tracing::info!(seq = r.id, behind, "a caller stopped reading: cut");
+                    HTTP_SLOW_READERS_TOTAL.counter(&[]).increment(1);
+                    r.send(Event::Failed(GenError::SlowReader { behind }));
+                    stats.cancelled += 1;
+                    stats.slow_readers += 1;
+                }
+            }
+            self.policy.finished();
+        }
     }
 }

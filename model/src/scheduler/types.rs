@@ -156,8 +156,13 @@ pub struct SchedulerStats {
     /// Requests the scheduler took (each ends counted once: finished, cancelled, cut or
     /// failed).
     pub accepted: u64,
-    /// Requests whose caller went away before the end (a queued one before it started).
+    /// Requests whose caller went away before the end (a queued one before it started), or
+    /// stopped reading its stream (`slow_readers`).
     pub cancelled: u64,
+    /// Of `cancelled`, those cut because their caller fell
+    /// [`SchedulerConfig::stream_buffer`](super::SchedulerConfig::stream_buffer) events
+    /// behind.
+    pub slow_readers: u64,
     /// Requests finished.
     pub finished: u64,
     /// Requests cut by shutdown: still queued or running when the grace period ended, or
