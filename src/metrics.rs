@@ -94,6 +94,10 @@ pub const MICROSECONDS: &[f64] = &[
 pub const MILLISECONDS: &[f64] = &[
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
+/// Buckets for what takes seconds (a client's wait for a first token, a whole answer).
+pub const SECONDS: &[f64] = &[
+    1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
 
 const AUTHORITY: &[&str] = &["authority"];
 const STREAM: &[&str] = &["stream"];

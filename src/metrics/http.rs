@@ -2,7 +2,7 @@
 
 use metrics::Unit;
 
-use super::{metric, Kind, Metric, NONE};
+use super::{latency, metric, Kind, Metric, NONE, SECONDS};
 
 /// Connections the HTTP server holds open.
 pub const HTTP_CONNECTIONS_OPEN: Metric = metric(
@@ -44,6 +44,27 @@ pub const HTTP_SLOW_READERS_TOTAL: Metric = metric(
     NONE,
     "Requests cut because their caller stopped reading its stream (a client's socket full): the events unread reached the stream buffer, and the sequence was closed.",
 );
+/// From a request's arrival to its first token.
+pub const REQUEST_FIRST_TOKEN_SECONDS: Metric = latency(
+    "procmem_request_first_token_seconds",
+    NONE,
+    "From a request's arrival at the scheduler to its first token (time to first token).",
+    SECONDS,
+);
+/// Between two tokens of one request.
+pub const REQUEST_INTER_TOKEN_SECONDS: Metric = latency(
+    "procmem_request_inter_token_seconds",
+    NONE,
+    "Between two consecutive tokens of one request.",
+    SECONDS,
+);
+/// From a request's arrival to its end.
+pub const REQUEST_SECONDS: Metric = latency(
+    "procmem_request_seconds",
+    NONE,
+    "From a request's arrival at the scheduler to its last token, for requests that finished.",
+    SECONDS,
+);
 /// Bodies refused for the shared body buffer.
 pub const HTTP_BODIES_REFUSED_TOTAL: Metric = metric(
     "procmem_http_bodies_refused_total",
@@ -68,6 +89,9 @@ pub(super) const HTTP: &[Metric] = &[
     HTTP_CONNECTIONS_REFUSED_TOTAL,
     HTTP_CONNECTIONS_CLOSED_TOTAL,
     HTTP_SLOW_READERS_TOTAL,
+    REQUEST_FIRST_TOKEN_SECONDS,
+    REQUEST_INTER_TOKEN_SECONDS,
+    REQUEST_SECONDS,
     HTTP_BODIES_REFUSED_TOTAL,
     HTTP_BODIES_TIMED_OUT_TOTAL,
 ];

@@ -7,7 +7,10 @@ use std::time::Instant;
 use procmem_actors::governor::GovernorError;
 use procmem_actors::kv::{Restored, SeqId};
 use procmem_actors::procmem::kv::prompt_keys;
-use procmem_actors::procmem::metrics::HTTP_SLOW_READERS_TOTAL;
+use procmem_actors::procmem::metrics::{
+    HTTP_SLOW_READERS_TOTAL, REQUEST_FIRST_TOKEN_SECONDS, REQUEST_INTER_TOKEN_SECONDS,
+    REQUEST_SECONDS,
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc;
@@ -65,6 +68,27 @@ impl Live {
     /// where one more place stays free, see [`Live::behind`]).
     fn send(&self, event: Event) {
         let _ = self.q.events.try_send(event);
+    }
+
+    /// Times a token made `now`: its first token's wait, or the gap since the last one
+    /// (in its figures and in the latency histograms).
+    fn token_made(&mut self, now: Instant) {
+        match self.last {
+            None => {
+                let first = now - self.q.arrived;
+                self.figures.first_token = Some(first);
+                REQUEST_FIRST_TOKEN_SECONDS
+                    .histogram(&[])
+                    .record(first.as_secs_f64());
+            }
+            Some(last) => {
+                self.figures.inter_token.push(now - last);
+                REQUEST_INTER_TOKEN_SECONDS
+                    .histogram(&[])
+                    .record((now - last).as_secs_f64());
+            }
+        }
+        self.last = Some(now);
     }
 
     /// Whether its caller has fallen the configured `stream_buffer` events behind: only
@@ -508,6 +532,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 ended.push((i, None));
                 continue;
             }
+            r.token_made(Instant::now());
             let request = &r.q.request;
             let t = if request.penalties.is_none() {
                 sample(&l, &request.sampling, &mut r.rng)
@@ -517,12 +542,6 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 sample(&adjusted, &request.sampling, &mut r.rng)
             };
             let lp = request.logprobs.map(|top| logprobs(&l, t, top));
-            let now = Instant::now();
-            match r.last {
-                None => r.figures.first_token = Some(r.q.arrived.elapsed()),
-                Some(last) => r.figures.inter_token.push(now - last),
-            }
-            r.last = Some(now);
             r.known.push(t);
             r.generated.push(t);
             r.figures.completion_tokens += 1;
@@ -573,6 +592,9 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 Some(reason) => {
                     // A chat's next turn sends this answer back: its whole blocks stay cached.
                     self.model.kv().close_keeping(r.id, r.known.clone());
+                    REQUEST_SECONDS
+                        .histogram(&[])
+                        .record(r.q.arrived.elapsed().as_secs_f64());
                     r.send(Event::Finished {
                         reason,
                         figures: r.figures.clone(),
