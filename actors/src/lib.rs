@@ -1,8 +1,35 @@
-//! The actor runtime of `procmem`, on ractor + tokio.
+//! The actor runtime of `procmem`, on ractor + tokio: the memory manager an inference server
+//! embeds to decide whether there is room, what to evict, and when a buffer may really be
+//! freed, while its attention kernels see one flat KV buffer per layer.
 //!
 //! An embedding server depends on this crate alone: it re-exports the root crate (the
 //! contract, the mechanisms and the pure policy) as [`procmem`]. Start at
-//! [`MemoryManager::builder`].
+//! [`MemoryManager::builder`]. The smallest use: a budget, a KV store, one sequence grown by
+//! a step, and the books back at zero (the whole life of a request, with kernels and
+//! pressure, is the embedding guide's example, also run as a doctest):
+//!
+//! ```
+//! use procmem_actors::kv::{KvStoreConfig, StepEnd};
+//! use procmem_actors::procmem::kv::{KvDtype, KvShape};
+//! use procmem_actors::MemoryManager;
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let memory = MemoryManager::builder().host_budget(16 << 20).build().await?;
+//! let shape = KvShape {
+//!     layers: 2, q_heads: 4, kv_heads: 2, head_dim: 16, max_tokens: 256,
+//!     k_dtype: KvDtype::F16, v_dtype: KvDtype::F16,
+//! };
+//! let kv = memory.kv_store(KvStoreConfig::new("kv", shape)).await?;
+//! kv.open(1, vec![1, 2, 3], 0).await?;
+//! // Room for one more token of sequence 1, mapped into its flat buffers under one grant.
+//! let step = kv.prepare(vec![1]).await?;
+//! assert_eq!(step.views(0, 0).expect("layer 0").k.tokens, 1);
+//! step.complete(StepEnd::Submitted).await?; // (the server's kernels would run here)
+//! kv.close(1);
+//! assert!(memory.shutdown().await?.is_zero(), "every byte came back");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
 //!
 //! At the root is what every server touches: the [`MemoryManager`] (authorities, providers,
 //! supervised holders, bindings, Prometheus metrics, shutdown), its builder, reports and

@@ -176,7 +176,8 @@ impl Sizing {
 /// GGUF file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSource {
-    /// SmolLM2-135M-Instruct, as `scripts/fetch-model.sh` fetches it.
+    /// SmolLM2-135M-Instruct, fetched into the user's cache where missing
+    /// ([`fetch_smollm2`](crate::fetch_smollm2)).
     Smollm2,
     /// A GGUF file.
     Gguf(PathBuf),
