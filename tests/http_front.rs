@@ -846,7 +846,7 @@ fn clients_that_stop_reading_are_cut_and_closed_and_the_others_answered() {
         &[
             "--write-timeout",
             "2",
-            // A kernel buffer of 32 KiB a connection (the default, 512 KiB, only takes
+            // A kernel buffer of 32 KiB a connection (the default, 128 KiB, only takes
             // longer to fill: about 13 s here for the fifty).
             "--send-buffer",
             "16KiB",

@@ -167,7 +167,7 @@ pub struct Args {
     pub write_timeout: f64,
     /// Bytes of unsent response the kernel holds for one connection when listening
     /// (SO_SNDBUF): what a client that stops reading pins beside its 64 unread events.
-    #[arg(long, default_value = "256KiB")]
+    #[arg(long, default_value = "64KiB")]
     pub send_buffer: String,
     /// Connections open at once when listening; at the cap the quietest idle one makes way,
     /// or the newcomer gets 503. Default: what RLIMIT_NOFILE leaves after the descriptors

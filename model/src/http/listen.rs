@@ -84,7 +84,7 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 10 s for a head, 5 s quiet, 30 s for a body, 30 s for a blocked write, 256 KiB of
+    /// 10 s for a head, 5 s quiet, 30 s for a body, 30 s for a blocked write, 64 KiB of
     /// unsent response a connection, 1 MiB a body and 32 MiB of bodies at once, and the
     /// connection cap this process's descriptor limit allows ([`connection_cap`]).
     fn default() -> Self {
@@ -93,7 +93,7 @@ impl Default for Limits {
             idle_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
-            send_buffer: 256 << 10,
+            send_buffer: 64 << 10,
             max_connections: connection_cap(),
             body_limit: 1 << 20,
             body_buffer: 32 << 20,
