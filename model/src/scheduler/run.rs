@@ -29,6 +29,23 @@ const DEFER_SCAN: usize = 64;
 /// Times admission passes over one request, at most, for another's prompt blocks.
 const MAX_PASSES: u32 = 64;
 
+/// The requests' latency histograms, looked up once for the loop's whole run.
+struct Latency {
+    first_token: metrics::Histogram,
+    inter_token: metrics::Histogram,
+    request: metrics::Histogram,
+}
+
+impl Latency {
+    fn new() -> Self {
+        Latency {
+            first_token: REQUEST_FIRST_TOKEN_SECONDS.histogram(&[]),
+            inter_token: REQUEST_INTER_TOKEN_SECONDS.histogram(&[]),
+            request: REQUEST_SECONDS.histogram(&[]),
+        }
+    }
+}
+
 /// A request as submitted.
 pub(super) struct Queued {
     pub(super) request: GenRequest,
@@ -72,20 +89,16 @@ impl Live {
 
     /// Times a token made `now`: its first token's wait, or the gap since the last one
     /// (in its figures and in the latency histograms).
-    fn token_made(&mut self, now: Instant) {
+    fn token_made(&mut self, now: Instant, latency: &Latency) {
         match self.last {
             None => {
                 let first = now - self.q.arrived;
                 self.figures.first_token = Some(first);
-                REQUEST_FIRST_TOKEN_SECONDS
-                    .histogram(&[])
-                    .record(first.as_secs_f64());
+                latency.first_token.record(first.as_secs_f64());
             }
             Some(last) => {
                 self.figures.inter_token.push(now - last);
-                REQUEST_INTER_TOKEN_SECONDS
-                    .histogram(&[])
-                    .record((now - last).as_secs_f64());
+                latency.inter_token.record((now - last).as_secs_f64());
             }
         }
         self.last = Some(now);
@@ -114,6 +127,7 @@ pub(super) struct Loop<'m, M: ?Sized> {
     policy: Policy,
     /// Tokens in one of the KV store's prompt blocks.
     block: usize,
+    latency: Latency,
 }
 
 impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
@@ -135,6 +149,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
             closed: false,
             policy,
             block: model.kv().prefix_digest().block_tokens(),
+            latency: Latency::new(),
         }
     }
 
@@ -532,7 +547,7 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 ended.push((i, None));
                 continue;
             }
-            r.token_made(Instant::now());
+            r.token_made(Instant::now(), &self.latency);
             let request = &r.q.request;
             let t = if request.penalties.is_none() {
                 sample(&l, &request.sampling, &mut r.rng)
@@ -592,9 +607,8 @@ impl<'m, M: StepModel + ?Sized> Loop<'m, M> {
                 Some(reason) => {
                     // A chat's next turn sends this answer back: its whole blocks stay cached.
                     self.model.kv().close_keeping(r.id, r.known.clone());
-                    REQUEST_SECONDS
-                        .histogram(&[])
-                        .record(r.q.arrived.elapsed().as_secs_f64());
+                    let took = r.q.arrived.elapsed();
+                    self.latency.request.record(took.as_secs_f64());
                     r.send(Event::Finished {
                         reason,
                         figures: r.figures.clone(),
